@@ -1,0 +1,119 @@
+"""``inspect-model``: load a model through the registry and print what the workbench sees in it.
+
+    inspect-model --model tiny-olmoe
+
+Prints the architecture, the MoE layers the adapter found (N, k, mixing-weight rule), parameter
+counts (total and active per token), the quality record of an embedded model, and a live probe:
+the experts touched per layer by the first 63 tokens of a benchmark prompt, the token count of one
+EAGLE verification tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from capture import benchmarks, models
+from capture.moe_adapter import MoEAdapter, UnsupportedModelError
+
+PROBE_TOKENS = 63
+
+
+def parameter_counts(model, adapter: MoEAdapter) -> tuple[int, int]:
+    """(total parameters, parameters active for one token: all but the unrouted experts)."""
+    total = sum(p.numel() for p in model.parameters())
+    inactive = 0
+    for layer in adapter:
+        per_expert = (layer.experts.gate_up_proj[0].numel() + layer.experts.down_proj[0].numel())
+        inactive += per_expert * (layer.num_experts - layer.top_k)
+    return total, total - inactive
+
+
+@torch.no_grad()
+def probe(loaded: models.LoadedModel, adapter: MoEAdapter, bench: str, root) -> list[int]:
+    """Unique experts per MoE layer touched by the first PROBE_TOKENS tokens of one prompt."""
+    prompt = benchmarks.load(bench, root=root, limit=1)[0]
+    ids = loaded.tokenizer(prompt.text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    ids = ids[:, :PROBE_TOKENS].to(loaded.device)
+    out = loaded.model(input_ids=ids, output_router_logits=True)
+    return [int(torch.unique(logits.topk(layer.top_k, dim=-1).indices).numel())
+            for layer, logits in zip(adapter, out.router_logits)]
+
+
+def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
+    cfg = loaded.model.config
+    total, active = parameter_counts(loaded.model, adapter)
+    t = Table(title=f"{loaded.name}  ({loaded.source.location})", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    rows = [
+        ("architecture", type(loaded.model).__name__),
+        ("device / dtype", f"{loaded.device} / {str(loaded.dtype).removeprefix('torch.')}"),
+        ("parameters", f"{total / 1e6:.2f} M total, {active / 1e6:.2f} M active per token"),
+        ("decoder layers", f"{adapter.num_decoder_layers} (MoE: {len(adapter)})"),
+        ("hidden size", str(cfg.hidden_size)),
+        ("experts N / top-k", f"{adapter.num_experts} / {adapter.top_k}"),
+        ("mixing weights", "renormalised over top-k" if adapter.renormalize else "raw router probs"),
+        ("vocabulary", f"{len(loaded.tokenizer)} tokens"),
+    ]
+    for key, value in rows:
+        t.add_row(key, value)
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="inspect-model",
+        description="Load a MoE model (alias, hub id or local folder) and print its MoE structure, "
+                    "quality record and a live routing probe.")
+    p.add_argument("--model", default=models.DEFAULT_MODEL,
+                   help=f"alias ({', '.join(models.ALIASES)}), hub id or folder "
+                        f"(default {models.DEFAULT_MODEL})")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, "
+                                                   "bfloat16, float16")
+    p.add_argument("--bench", default="mbpp", choices=benchmarks.BENCHMARKS,
+                   help="benchmark whose first prompt the routing probe uses (default mbpp)")
+    p.add_argument("--benchmarks", default=None, help="benchmarks folder (default: "
+                   f"${benchmarks.ENV_VAR} or ../shared/data/benchmarks)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    args = p.parse_args(argv)
+    try:
+        loaded = models.load(args.model, device=args.device, dtype=args.dtype)
+        adapter = MoEAdapter(loaded.model)
+        touched = probe(loaded, adapter, args.bench, args.benchmarks)
+    except (models.ModelError, UnsupportedModelError, benchmarks.BenchmarkError) as exc:
+        print(f"inspect-model: error: {exc}", file=sys.stderr)
+        return 2
+    record_path = loaded.source.path / "quality.json" if loaded.source.path else None
+    record = json.loads(record_path.read_text()) if record_path and record_path.is_file() else None
+    if args.json:
+        total, active = parameter_counts(loaded.model, adapter)
+        print(json.dumps(dict(model=loaded.name, location=loaded.source.location,
+                              architecture=type(loaded.model).__name__,
+                              num_experts=adapter.num_experts, top_k=adapter.top_k,
+                              renormalize=adapter.renormalize,
+                              moe_layers=[layer.index for layer in adapter],
+                              parameters=total, active_parameters=active,
+                              probe_unique_experts=touched, quality=record)))
+        return 0
+    out = Console()
+    out.print(summary_table(loaded, adapter))
+    out.print(f"probe: first {PROBE_TOKENS} tokens of {args.bench}'s first prompt touch "
+              f"{', '.join(map(str, touched))} experts in MoE layers "
+              f"{adapter.layers[0].index}..{adapter.layers[-1].index} "
+              f"(mean {sum(touched) / len(touched):.1f} of {adapter.num_experts})")
+    if record:
+        from training.quality import format_record
+        out.print("quality record (quality.json):")
+        out.print(format_record(record), highlight=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

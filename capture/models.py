@@ -1,0 +1,223 @@
+"""Model registry and loading: ``--model`` takes an alias, a hub id or a local folder.
+
+Everything loads through ``AutoModelForCausalLM.from_pretrained`` and
+``AutoTokenizer.from_pretrained``; the embedded tiny models are ordinary Hugging Face folders
+under ``data/models/``, so they exercise exactly the code path a real checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED_DIR = REPO_ROOT / "data" / "models"
+DRAFTS_DIR = REPO_ROOT / "data" / "drafts"
+DEFAULT_MODEL = "tiny-olmoe"
+
+
+class ModelError(ValueError):
+    """A model that cannot be resolved or loaded; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Alias:
+    name: str
+    hub_id: str | None  # None for embedded models
+    embedded_alternative: str | None = None
+    draft: str | None = None  # default draft head (hub id); embedded: data/drafts/<name>
+    feature_layers: tuple[int, ...] | None = None  # EAGLE-3 layers the default head expects
+
+    @property
+    def path(self) -> Path | None:
+        return None if self.hub_id else EMBEDDED_DIR / self.name
+
+
+ALIASES = {a.name: a for a in (
+    # The public OLMoE EAGLE-3 head was trained on the inputs of layers {2, 8, 15}, not the
+    # official {2, L//2, L-3} (shared/docs/eagle-notes.md §5.2).
+    Alias("olmoe", "allenai/OLMoE-1B-7B-0924", "tiny-olmoe", "wantsleep/OLMoE_1B_7B_Eagle3",
+          (2, 8, 15)),
+    Alias("qwen3-moe", "Qwen/Qwen3-30B-A3B", "tiny-qwen3-moe", "Tengyunw/qwen3_30b_moe_eagle3"),
+    # Only an EAGLE-1 head exists for Mixtral.
+    Alias("mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", "tiny-mixtral",
+          "yuhuili/EAGLE-mixtral-instruct-8x7B"),
+    Alias("tiny-olmoe", None),
+    Alias("tiny-qwen3-moe", None),
+    Alias("tiny-mixtral", None),
+)}
+EMBEDDED = tuple(name for name, a in ALIASES.items() if a.hub_id is None)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a ``--model`` value points: a local folder or a hub id (never both)."""
+    name: str  # the alias, or the value as given
+    path: Path | None
+    hub_id: str | None
+    alias: Alias | None = None
+
+    @property
+    def location(self) -> str:
+        return str(self.path) if self.path else self.hub_id
+
+
+def resolve(model: str) -> ModelSource:
+    """Turn a ``--model`` value into a :class:`ModelSource`, or raise a one-line ModelError."""
+    if model in ALIASES:
+        alias = ALIASES[model]
+        if alias.path is not None:
+            if not (alias.path / "config.json").is_file():
+                raise ModelError(f"embedded model {model!r} is missing from {alias.path}; "
+                                 f"retrain it with `train-tiny --model {model}`")
+            return ModelSource(model, alias.path, None, alias)
+        return ModelSource(model, None, alias.hub_id, alias)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"folder {path} has no config.json; pass a Hugging Face model folder")
+        return ModelSource(model, path.resolve(), None)
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return ModelSource(model, None, model)
+    raise ModelError(f"unknown model {model!r}; known aliases: {', '.join(ALIASES)}; "
+                     "or pass a hub id (org/name) or a local model folder")
+
+
+def _hub_is_cached(hub_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+    return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _ensure_available(source: ModelSource) -> None:
+    """Fail at once, in one line, when a hub model is neither cached nor downloadable."""
+    if source.hub_id is None or _hub_is_cached(source.hub_id) or _hub_reachable():
+        return
+    alt = source.alias.embedded_alternative if source.alias else None
+    hint = f"use --model {alt} (embedded, offline)" if alt else \
+        f"use one of the embedded models ({', '.join(EMBEDDED)}) or a local folder"
+    raise ModelError(f"model {source.name!r} ({source.hub_id}) is not in the local Hugging Face "
+                     f"cache and the hub cannot be reached (offline); {hint}")
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device {device!r} asked for but CUDA is not available; use --device cpu")
+    return dev
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on CUDA, fp32 on CPU."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ModelError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    source: ModelSource
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return self.source.name
+
+
+def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
+         attn_implementation: str = "sdpa", experts_implementation: str = "eager") -> LoadedModel:
+    """Resolve and load model + tokenizer (eval mode) on the chosen device and dtype.
+
+    ``sdpa`` attention accepts the 4-D tree masks of verification; the ``eager`` experts loop is
+    transformers' reference implementation, the one capture hooks into.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(model)
+    _ensure_available(source)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    location = source.location
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location)
+        net = AutoModelForCausalLM.from_pretrained(
+            location, dtype=dt, attn_implementation=attn_implementation,
+            experts_implementation=experts_implementation)
+    except (OSError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"could not load model {source.name!r} from {location}: {first}") from exc
+    net.to(dev).eval()
+    return LoadedModel(source, net, tokenizer, dev, dt)
+
+
+
+def default_draft(source: ModelSource) -> str | None:
+    """The draft head a model uses when ``--draft`` is not given."""
+    if source.alias is None:
+        return None
+    if source.alias.hub_id is None:
+        return str(DRAFTS_DIR / source.alias.name)
+    return source.alias.draft
+
+
+def resolve_draft(draft: str) -> Path:
+    """A draft head folder from a local path or a hub id (downloaded, or from the cache)."""
+    path = Path(draft).expanduser()
+    if path.is_dir():
+        return path
+    if draft.count("/") != 1 or draft.startswith((".", "/", "~")):
+        raise ModelError(f"draft head {draft!r} is neither a folder nor a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+    try:
+        return Path(snapshot_download(draft, local_files_only=not _hub_reachable()))
+    except Exception as exc:  # noqa: BLE001 - the hub raises many types; one line for the user
+        raise ModelError(f"draft head {draft!r} is not in the local Hugging Face cache and the hub "
+                         f"cannot be reached ({type(exc).__name__}); pass --draft with a local "
+                         "folder") from exc
+
+
+def load_with_draft(model: str = DEFAULT_MODEL, draft: str | None = None, **kwargs):
+    """(LoadedModel, draft head) for EAGLE decoding; the head is checked against the target."""
+    from capture.eagle.draft_head import DraftHeadError, load_draft
+
+    loaded = load(model, **kwargs)
+    draft = draft or default_draft(loaded.source)
+    if draft is None:
+        raise ModelError(f"model {loaded.name!r} has no default draft head; pass --draft PATH")
+    try:
+        head = load_draft(resolve_draft(draft), loaded.model)
+    except DraftHeadError as exc:
+        raise ModelError(str(exc)) from exc
+    alias = loaded.source.alias
+    if alias and alias.feature_layers and draft == alias.draft:
+        head.config.feature_layers = list(alias.feature_layers)
+    return loaded, head

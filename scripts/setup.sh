@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One-time set-up, safe to rerun: a virtual environment in .venv with the project and its test
+# extras installed. On a machine without an NVIDIA GPU, torch is installed first as the CPU build
+# (torch==2.13.0 is served locally here; set TORCH_PIP_ARGS, e.g. to an --index-url of CPU wheels,
+# elsewhere), so that the project's own `torch` requirement pulls no multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# shellcheck disable=SC1091
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    python -m pip install -q "torch>=2.6,<2.15"
+  else
+    # shellcheck disable=SC2086
+    python -m pip install -q "torch==2.13.0" ${TORCH_PIP_ARGS:-}
+  fi
+fi
+python -m pip install -q -e ".[dev]"

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up (if needed) and run the whole test suite on the embedded tiny models, offline.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export HF_HUB_OFFLINE=1
+exec .venv/bin/python -m pytest "$@"

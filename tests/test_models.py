@@ -1,0 +1,98 @@
+"""Model registry: aliases, hub ids, local folders, offline failures, device and dtype."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from capture import models
+
+
+def test_embedded_aliases_resolve_to_hf_folders():
+    for name in models.EMBEDDED:
+        src = models.resolve(name)
+        assert src.path == models.EMBEDDED_DIR / name
+        assert (src.path / "config.json").is_file() and (src.path / "tokenizer.json").is_file()
+
+
+def test_real_aliases_resolve_to_hub_ids():
+    assert models.resolve("olmoe").hub_id == "allenai/OLMoE-1B-7B-0924"
+    assert models.resolve("qwen3-moe").hub_id == "Qwen/Qwen3-30B-A3B"
+    assert models.resolve("mixtral").hub_id == "mistralai/Mixtral-8x7B-Instruct-v0.1"
+    assert models.resolve("someorg/some-moe").hub_id == "someorg/some-moe"
+
+
+def test_local_folder_resolves(tmp_path):
+    src = models.resolve(str(models.EMBEDDED_DIR / "tiny-mixtral"))
+    assert src.path == (models.EMBEDDED_DIR / "tiny-mixtral").resolve() and src.hub_id is None
+    with pytest.raises(models.ModelError, match="no config.json"):
+        models.resolve(str(tmp_path))
+
+
+def test_unknown_alias_lists_known_ones():
+    with pytest.raises(models.ModelError) as exc:
+        models.resolve("olmo")
+    msg = str(exc.value)
+    assert "\n" not in msg
+    for name in models.ALIASES:
+        assert name in msg
+
+
+@pytest.mark.parametrize("alias,alternative", [("olmoe", "tiny-olmoe"),
+                                               ("qwen3-moe", "tiny-qwen3-moe"),
+                                               ("mixtral", "tiny-mixtral")])
+def test_network_alias_fails_at_once_offline_naming_embedded_alternative(alias, alternative):
+    start = time.perf_counter()
+    with pytest.raises(models.ModelError) as exc:
+        models.load(alias)
+    assert time.perf_counter() - start < 5
+    assert f"--model {alternative}" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_auto_device_and_dtype():
+    dev = models.pick_device("auto")
+    assert dev.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert models.pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert models.pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert models.pick_dtype("bf16", torch.device("cpu")) == torch.bfloat16
+    with pytest.raises(models.ModelError, match="unknown dtype"):
+        models.pick_dtype("int3", dev)
+
+
+def test_dtype_override_loads_in_that_dtype():
+    loaded = models.load("tiny-mixtral", device="cpu", dtype="bfloat16")
+    assert next(loaded.model.parameters()).dtype == torch.bfloat16
+
+
+def test_embedded_models_load_with_their_tokenizers(embedded):
+    tok = embedded.tokenizer
+    ids = tok("def add(a, b):\n    return a + b\n")["input_ids"]
+    assert tok.decode(ids) == "def add(a, b):\n    return a + b\n"
+    assert embedded.model.config.vocab_size == len(tok)
+    assert not embedded.model.training
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "capture.inspect_model", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_model_is_one_line_and_nonzero():
+    for bad in ("nope", "olmoe"):
+        r = _cli("--model", bad)
+        assert r.returncode == 2
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("inspect-model: error:"), r.stderr
+
+
+def test_cli_summarises_the_default_model():
+    r = _cli("--json")
+    assert r.returncode == 0, r.stderr
+    import json
+    info = json.loads(r.stdout)
+    assert info["model"] == "tiny-olmoe" and info["num_experts"] == 64 and info["top_k"] == 8
+    assert len(info["probe_unique_experts"]) == 8
+    assert all(8 <= u <= 64 for u in info["probe_unique_experts"])
+    assert info["quality"]["heldout"]["loss"] > 0
