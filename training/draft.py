@@ -1,0 +1,220 @@
+"""Train an EAGLE-3 draft head for a target (``train-draft``).
+
+Data: the target's own greedy continuations of the train-split prompts (MBPP 601–974, GSM8K
+train) — EAGLE-3 trains on target-generated responses — mixed with corpus windows.
+
+Objective, EAGLE-3's training-time test (TTT) unrolled over ``--ttt`` steps. With target features
+``f_t`` (inputs of the feature layers, fused by ``fc``), tokens ``x`` and the target's next-token
+distribution ``p_t`` restricted to the draft vocabulary:
+
+    step 0, position t:  h⁰_t = draft(f_t, x_{t+1})           predicts p_{t+1}
+    step j, position t:  hʲ_t = draft(hʲ⁻¹_t, x_{t+1+j})       predicts p_{t+1+j}
+    loss = Σ_j 0.8^j · mean_t CE(p_{t+1+j}, softmax(lm_head(norm(hʲ_t))))
+
+At step j position t attends to the step-0 keys at positions ≤ t (the committed prefix) and to
+its own keys of steps 1..j (its chain of ancestors in a tree), and sits at RoPE position t + j,
+exactly as a depth-(j+1) node does at inference. The draft vocabulary is the ``--draft-vocab``
+most frequent target tokens of the training data (``d2t``/``t2d`` as in EAGLE-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from capture import benchmarks, models
+from capture.eagle.draft_head import (DraftConfig, Eagle3Draft, default_feature_layers,
+                                      load_draft)
+from capture.eagle.verify import FeatureTap
+from training import corpus
+from training.tiny_moe import MIXTURE, token_streams
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DRAFTS_DIR = REPO_ROOT / "data" / "drafts"
+DECAY = 0.8
+
+
+@torch.no_grad()
+def generate_responses(target, tokenizer, prompts: list[str], new_tokens: int,
+                       batch: int = 32) -> list[list[int]]:
+    """Prompt + greedy continuation token ids for every prompt (left-padded batches)."""
+    tokenizer.padding_side = "left"
+    seqs = []
+    for i in tqdm(range(0, len(prompts), batch), desc="target responses", leave=False):
+        enc = tokenizer(prompts[i:i + batch], return_tensors="pt", padding=True)
+        out = target.generate(**enc, do_sample=False, max_new_tokens=new_tokens,
+                              pad_token_id=tokenizer.pad_token_id)
+        for row, mask in zip(out, enc["attention_mask"]):
+            pad = int((mask == 0).sum())
+            seqs.append([t for t in row[pad:].tolist() if t != tokenizer.pad_token_id])
+    return seqs
+
+
+def draft_vocabulary(streams: list[np.ndarray], vocab: int, size: int) -> torch.Tensor:
+    """The ``size`` most frequent token ids, ascending (EAGLE-3's ``used`` list)."""
+    counts = np.zeros(vocab, dtype=np.int64)
+    for s in streams:
+        counts += np.bincount(s, minlength=vocab)
+    top = np.argsort(-counts, kind="stable")[:size]
+    return torch.from_numpy(np.sort(top))
+
+
+def ttt_mask(seq: int, step: int, device) -> torch.Tensor:
+    """Mask ``[1, 1, S, (step+1)·S]``: causal over step-0 keys, diagonal over steps 1..step."""
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(seq, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)[None, None]
+
+
+def ttt_loss(head: Eagle3Draft, features, ids, target_logp, used, steps: int):
+    """EAGLE-3 TTT loss and per-step top-1 accuracy for one batch.
+
+    features ``[B, S, 3H]``, ids ``[B, S]``, target_logp ``[B, S, V]`` (target log-probs at each
+    position, i.e. of the token after it)."""
+    b, s, _ = features.shape
+    n = s - steps - 1  # positions that have a label at every step
+    hidden = head.fc(features[:, :n])
+    target_p = torch.softmax(target_logp[..., used], -1)  # restricted to the draft vocab
+    past = None
+    loss, accs = 0.0, []
+    for j in range(steps):
+        pos = torch.arange(j, n + j, device=ids.device)
+        emb = head.embed_tokens(ids[:, 1 + j:n + 1 + j])
+        hidden, past = head.midlayer(emb, hidden, pos, past, ttt_mask(n, j, ids.device))
+        logq = torch.log_softmax(head.logits(hidden).float(), -1)
+        p = target_p[:, 1 + j:n + 1 + j]
+        loss = loss + DECAY ** j * -(p * logq).sum(-1).mean()
+        accs.append((logq.argmax(-1) == p.argmax(-1)).float().mean().item())
+    return loss, accs
+
+
+def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed: int,
+          ttt: int, draft_vocab: int, intermediate: int, new_tokens: int, out: Path,
+          benchmarks_root=None) -> dict:
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    loaded = models.load(target_name, device="cpu", dtype="float32")
+    target, tok = loaded.model, loaded.tokenizer
+    for p in target.parameters():
+        p.requires_grad_(False)
+    tcfg = target.config
+    prompts = [p.text for name in ("mbpp", "gsm8k")
+               for p in benchmarks.load_train(name, root=benchmarks_root)]
+    prompts = prompts[:374 + 1000]
+    responses = generate_responses(target, tok, prompts, new_tokens)
+    response_stream = np.asarray([t for r in responses for t in (*r, tok.eos_token_id)], np.int32)
+    docs = corpus.load_corpus(benchmarks_root)
+    streams = token_streams(tok, {s: corpus.split(d)[0] for s, d in docs.items()})
+    used = draft_vocabulary([response_stream, *streams.values()], tcfg.vocab_size, draft_vocab)
+
+    cfg = DraftConfig(hidden_size=tcfg.hidden_size, intermediate_size=intermediate,
+                      num_attention_heads=tcfg.num_attention_heads,
+                      num_key_value_heads=tcfg.num_attention_heads, vocab_size=tcfg.vocab_size,
+                      draft_vocab_size=draft_vocab, rms_norm_eps=1e-6,
+                      rope_theta=getattr(tcfg, "rope_theta", None) or
+                      (tcfg.rope_parameters or {}).get("rope_theta", 10000.0),
+                      feature_layers=default_feature_layers(tcfg.num_hidden_layers),
+                      target_model_type=tcfg.model_type, target_num_layers=tcfg.num_hidden_layers,
+                      architectures=["Eagle3DraftHead"])
+    head = Eagle3Draft(cfg, target.get_input_embeddings())
+    for m in head.modules():
+        if isinstance(m, torch.nn.Linear):
+            torch.nn.init.normal_(m.weight, std=0.02)
+    head.d2t.copy_(used - torch.arange(draft_vocab))
+    head.t2d.zero_()
+    head.t2d[used] = True
+    params = [p for n, p in head.named_parameters() if not n.startswith("embed_tokens")]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    tap = FeatureTap(target, cfg.feature_layers)
+    sources = {"responses": response_stream, **streams}
+    mix = {"responses": 0.6, **{k: 0.4 * v for k, v in MIXTURE.items()}}
+    names = list(mix)
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc=f"draft for {target_name}", unit="step")
+    for step in bar:
+        frac = step / max(1, steps - 1)
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * (1 - frac))
+        picks = rng.choice(len(names), size=batch, p=[mix[n] for n in names])
+        rows = []
+        for p_ in picks:
+            s_ = sources[names[p_]]
+            i = rng.integers(0, len(s_) - seq - 1)
+            rows.append(s_[i:i + seq])
+        ids = torch.from_numpy(np.stack(rows).astype(np.int64))
+        with torch.no_grad(), tap.active():
+            logits = target(input_ids=ids).logits
+            feats = tap.features()
+        loss, accs = ttt_loss(head, feats, ids, torch.log_softmax(logits.float(), -1), used, ttt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}", acc3=f"{accs[3]:.2f}")
+    seconds = time.perf_counter() - start
+    record = dict(target=target_name, steps=steps, batch=batch, seq_len=seq, peak_lr=lr,
+                  seed=seed, ttt_steps=ttt, draft_vocab=draft_vocab, seconds=round(seconds, 1),
+                  final_loss=round(loss.item(), 4), final_step_accuracy=[round(a, 3) for a in accs],
+                  responses=len(responses), command=" ".join(["train-draft", *sys.argv[1:]]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        head.to(torch.float16).save_pretrained(tmp)
+        (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+        load_draft(tmp, target)  # what we wrote must load strictly
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="train-draft", description=(
+        "Train an EAGLE-3 draft head for a target model with training-time test, offline, and "
+        "write it in EAGLE's checkpoint layout (config.json + model.safetensors)."))
+    p.add_argument("--model", default=models.DEFAULT_MODEL, help="target: alias, hub id or folder")
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttt", type=int, default=7, help="unrolled TTT steps (EAGLE-3: 7)")
+    p.add_argument("--draft-vocab", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=512, help="draft MLP width")
+    p.add_argument("--new-tokens", type=int, default=128, help="target response length")
+    p.add_argument("--out", type=Path, default=None, help="default data/drafts/<model>")
+    p.add_argument("--benchmarks", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        out = args.out or DRAFTS_DIR / models.resolve(args.model).name
+        record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len,
+                       lr=args.lr, seed=args.seed, ttt=args.ttt, draft_vocab=args.draft_vocab,
+                       intermediate=args.intermediate, new_tokens=args.new_tokens, out=out,
+                       benchmarks_root=args.benchmarks)
+    except (models.ModelError, benchmarks.BenchmarkError) as exc:
+        print(f"train-draft: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(record, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
