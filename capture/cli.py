@@ -1,0 +1,123 @@
+"""``capture``: run EAGLE decoding over a benchmark and record every verification pass.
+
+    capture --model tiny-olmoe --bench mbpp --limit 8
+    capture --model olmoe --bench gsm8k --draft path/to/eagle3-head     # on a GPU machine
+    capture --budget 32 --ranking router --coverage substitution       # MoE-Spec online mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from capture import benchmarks, models
+from capture.eagle.draft_head import DraftHeadError
+from capture.moe_adapter import UnsupportedModelError
+from capture.run import CaptureSettings, CaptureSummary, capture_run
+from capture.writer import CaptureError
+from replay.budget import COVERAGES, RANKINGS
+
+
+def parser() -> argparse.ArgumentParser:
+    d = CaptureSettings()
+    p = argparse.ArgumentParser(
+        prog="capture",
+        description="Run real EAGLE tree drafting and verification on a Hugging Face MoE model "
+                    "over a benchmark and write, per verification pass, tree node and MoE layer, "
+                    "router probabilities, top-k and mixing weights, MoE input and output to "
+                    "hive-partitioned Parquet. Interrupted runs resume where they stopped.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("what to run")
+    g.add_argument("--model", default=d.model,
+                   help=f"alias ({', '.join(models.ALIASES)}), hub id or local folder")
+    g.add_argument("--draft", default=None,
+                   help="EAGLE-3 or EAGLE-1 head folder or hub id (default: the model's own)")
+    g.add_argument("--bench", default=d.bench, choices=benchmarks.BENCHMARKS)
+    g.add_argument("--benchmarks", default=None,
+                   help=f"benchmarks folder (default ${benchmarks.ENV_VAR} or "
+                        "../shared/data/benchmarks)")
+    g.add_argument("--offset", type=int, default=d.offset, help="first prompt")
+    g.add_argument("--limit", type=int, default=d.limit, help="number of prompts (0: all)")
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    g = p.add_argument_group("draft tree (EAGLE-2)")
+    g.add_argument("--total-tokens", type=int, default=d.total_tokens,
+                   help="tokens per verification tree, root included")
+    g.add_argument("--depth", type=int, default=d.depth, help="expansion steps")
+    g.add_argument("--tree-top-k", type=int, default=d.tree_top_k, help="beams and children")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
+    g.add_argument("--seed", type=int, default=d.seed, help="prompt i uses seed + i")
+    g = p.add_argument_group("device")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+    g.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, "
+                                                    "bfloat16, float16")
+    g = p.add_argument_group("output")
+    g.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
+    g.add_argument("--run", default=None,
+                   help="run name (default: derived from the settings, so reruns resume)")
+    g.add_argument("--hidden-dtype", default=d.hidden_dtype, choices=("float16", "float32"),
+                   help="storage dtype of MoE inputs/outputs")
+    g.add_argument("--store-expert-outputs", action="store_true",
+                   help="also store each used expert's own output E_i(h_t)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group("MoE-Spec online mode (budget inside verification passes only)")
+    g.add_argument("--budget", type=int, default=None, help="experts per layer per tree")
+    g.add_argument("--ranking", default=d.ranking, choices=RANKINGS)
+    g.add_argument("--coverage", default=d.coverage, choices=COVERAGES)
+    return p
+
+
+def print_summary(s: CaptureSummary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title=f"capture {s.model} / {s.bench} / run={s.run}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    rows = [
+        ("prompts", f"{s.prompts}" + (f" ({s.prompts_resumed} resumed)" if s.prompts_resumed else "")),
+        ("verification trees", str(s.trees)),
+        ("mean accepted length τ", f"{s.tau:.3f}"),
+        ("unique experts / layer / tree", f"{s.unique_experts:.1f}"),
+        ("experts loaded / layer / tree", f"{s.experts_loaded:.1f}"),
+        ("bytes on disk", f"{s.bytes_written / 2**20:.1f} MiB"),
+        ("wall time", f"{s.seconds:.1f} s"),
+        ("data", str(s.root.resolve())),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    Console().print(t)
+    root = s.root.as_posix()
+    print("look at it:\n  duckdb -c \"SELECT bench, count(*) AS trees, avg(accepted_length) AS tau "
+          f"FROM read_parquet('{root}/trees/**/*.parquet', hive_partitioning=true) "
+          "GROUP BY bench\"")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    settings = CaptureSettings(
+        model=args.model, bench=args.bench, draft=args.draft, offset=args.offset,
+        limit=args.limit or None, max_new_tokens=args.max_new_tokens,
+        total_tokens=args.total_tokens, depth=args.depth, tree_top_k=args.tree_top_k,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        hidden_dtype=args.hidden_dtype, store_expert_outputs=args.store_expert_outputs,
+        budget=args.budget, ranking=args.ranking, coverage=args.coverage, device=args.device,
+        dtype=args.dtype)
+    try:
+        summary = capture_run(settings, args.out, args.run, benchmarks_root=args.benchmarks,
+                              progress=not args.no_progress)
+    except (models.ModelError, benchmarks.BenchmarkError, CaptureError, DraftHeadError,
+            UnsupportedModelError, ValueError) as exc:
+        print(f"capture: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("capture: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""One capture run: EAGLE decoding over a benchmark, every verification pass to Parquet.
+
+``capture_run`` drives the decoder prompt by prompt, turns each prompt's verification passes into
+the tables of :mod:`capture.schema` and writes them through :class:`capture.writer.RunWriter`
+(atomic parts, resumable). Routing and MoE tensors are flushed every ``chunk_steps`` passes, so
+memory stays bounded however long a generation runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tqdm import tqdm
+
+from capture import benchmarks, models, schema
+from capture.eagle.acceptance import SamplingSettings
+from capture.eagle.decoding import EagleDecoder, Generation
+from capture.eagle.tree import TreeSettings
+from capture.moe_adapter import MoEAdapter
+from capture.recorder import BudgetSettings, LayerRecord, VerifyRecorder
+from capture.writer import CaptureError, RunWriter
+
+
+@dataclass(frozen=True)
+class CaptureSettings:
+    model: str = models.DEFAULT_MODEL
+    bench: str = "mbpp"
+    draft: str | None = None
+    offset: int = 0
+    limit: int | None = 8
+    max_new_tokens: int = 64
+    total_tokens: int = 63
+    depth: int = 7
+    tree_top_k: int = 10
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    hidden_dtype: str = "float32"
+    store_expert_outputs: bool = False
+    budget: int | None = None
+    ranking: str = "router"
+    coverage: str = "substitution"
+    device: str = "auto"
+    dtype: str = "auto"
+    chunk_steps: int = 64
+
+    def identity(self) -> dict:
+        """What makes two captures the same run (device/dtype and chunking included: traces
+        from different numerics are different data)."""
+        return dataclasses.asdict(self)
+
+    def default_run_name(self) -> str:
+        """Readable and unique per settings: a short digest of everything that matters."""
+        digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+        kind = f"B{self.budget}-{self.ranking}-{self.coverage}" if self.budget else "eagle"
+        return f"{kind}-T{self.temperature:g}-{digest[:8]}"
+
+
+def _lists(matrix: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
+    """Rows of a 2-D array as a list column (zero-copy offsets, one flat values buffer)."""
+    rows, width = matrix.shape
+    offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
+    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), type=dtype))
+
+
+def _np(t: torch.Tensor, dtype=np.float32) -> np.ndarray:
+    return t.detach().to("cpu", torch.float32 if dtype in (np.float32, np.float16) else
+                         torch.int64).numpy().astype(dtype)
+
+
+def layer_tables(prompt_index: int, prompt_id: str, step: int, records: list[LayerRecord],
+                 hidden_dtype: str) -> tuple[pa.Table, pa.Table | None]:
+    """``routing`` and ``moe_io`` rows of one verification pass (all layers × nodes)."""
+    m = records[0].probs.shape[0]
+    n_layers = len(records)
+    node = np.tile(np.arange(m, dtype=np.int16), n_layers)
+    layer = np.repeat(np.array([r.layer for r in records], dtype=np.int16), m)
+    key = {"prompt_index": pa.array(np.full(m * n_layers, prompt_index, np.int32)),
+           "prompt_id": pa.array([prompt_id] * (m * n_layers)),
+           "step": pa.array(np.full(m * n_layers, step, np.int32)),
+           "layer": pa.array(layer), "node": pa.array(node)}
+    cat = lambda f, dtype=np.float32: np.concatenate([_np(f(r), dtype) for r in records])  # noqa: E731
+    budgeted = records[0].applied_ids is not None
+    routing = {
+        **key,
+        "router_probs": _lists(cat(lambda r: r.probs), pa.float32()),
+        "topk_ids": _lists(cat(lambda r: r.topk_ids, np.int16), pa.int16()),
+        "topk_weights": _lists(cat(lambda r: r.topk_weights), pa.float32()),
+        "applied_ids": _lists(cat(lambda r: r.applied_ids, np.int16), pa.int16()) if budgeted
+        else pa.nulls(m * n_layers, pa.list_(pa.int16())),
+        "applied_weights": _lists(cat(lambda r: r.applied_weights), pa.float32()) if budgeted
+        else pa.nulls(m * n_layers, pa.list_(pa.float32())),
+    }
+    routing_t = pa.Table.from_pydict(routing, schema=schema.TABLES["routing"])
+    if records[0].hidden is None:
+        return routing_t, None
+    vec = schema.hidden_type(hidden_dtype)
+    npd = np.float16 if hidden_dtype == "float16" else np.float32
+    expert = None
+    if records[0].expert_outputs is not None:
+        expert = _lists(np.concatenate([_np(r.expert_outputs, npd).reshape(m, -1)
+                                        for r in records]), vec)
+    io = {**key,
+          "hidden": _lists(cat(lambda r: r.hidden, npd), vec),
+          "output": _lists(cat(lambda r: r.output, npd), vec),
+          "expert_outputs": expert if expert is not None else pa.nulls(m * n_layers, pa.list_(vec))}
+    return routing_t, pa.Table.from_pydict(io, schema=schema.storage_schema("moe_io", hidden_dtype))
+
+
+def step_tables(prompt_index: int, prompt_id: str, gen: Generation, stats: dict,
+                budget: BudgetSettings | None) -> tuple[pa.Table, pa.Table]:
+    """``trees`` (one row per pass) and ``nodes`` (one row per tree node) of a prompt."""
+    trees, nodes = [], []
+    for s in gen.steps:
+        unique, loaded = stats[s.step]
+        trees.append(dict(prompt_index=prompt_index, prompt_id=prompt_id, step=s.step,
+                          prefix_len=s.prefix_len, nodes=s.tree.size,
+                          depth=int(s.tree.depth.max()), accepted_length=s.accepted_length,
+                          draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
+                          unique_experts=unique, experts_loaded=loaded,
+                          budget=budget.budget if budget else None,
+                          ranking=budget.ranking if budget else None,
+                          coverage=budget.coverage if budget else None))
+        accepted = set(s.path)
+        for j, (par, dep, tok, sc) in enumerate(zip(s.tree.parents.tolist(), s.tree.depth.tolist(),
+                                                    s.tree.tokens.tolist(), s.tree.scores.tolist())):
+            nodes.append(dict(prompt_index=prompt_index, prompt_id=prompt_id, step=s.step, node=j,
+                              parent=par, depth=dep, token_id=tok, draft_logprob=sc,
+                              accepted=j in accepted))
+    return (pa.Table.from_pylist(trees, schema=schema.TABLES["trees"]),
+            pa.Table.from_pylist(nodes, schema=schema.TABLES["nodes"]))
+
+
+def _versions() -> dict:
+    import duckdb
+    import transformers
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "pyarrow": pa.__version__, "duckdb": duckdb.__version__}
+
+
+@dataclass
+class CaptureSummary:
+    root: Path
+    model: str
+    bench: str
+    run: str
+    prompts: int
+    prompts_resumed: int  # already complete before this invocation
+    trees: int
+    tau: float
+    unique_experts: float  # mean over trees and layers
+    experts_loaded: float
+    bytes_written: int
+    seconds: float  # wall time of this invocation
+    load_seconds: float = 0.0  # of which: loading model and draft
+
+
+def summarise(writer: RunWriter, model: str, bench: str, run: str, resumed: int,
+              seconds: float, load_seconds: float) -> CaptureSummary:
+    """Figures of the whole run, read back from what is on disk (resumed prompts included)."""
+    import pyarrow.parquet as pq
+    trees = pq.read_table(writer.table_dir("trees"),
+                          columns=["accepted_length", "unique_experts", "experts_loaded"])
+    seqs = pq.read_table(writer.table_dir("sequences"), columns=["prompt_index"])
+    mean_of = lambda col: float(np.mean([np.mean(v) for v in trees[col].to_pylist()])) \
+        if trees.num_rows else 0.0  # noqa: E731
+    return CaptureSummary(writer.root, model, bench, run, seqs.num_rows, resumed, trees.num_rows,
+                          float(np.mean(trees["accepted_length"].to_numpy())) if trees.num_rows
+                          else 0.0, mean_of("unique_experts"), mean_of("experts_loaded"),
+                          writer.bytes_written(), seconds, load_seconds)
+
+
+def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
+                benchmarks_root=None, progress: bool = True,
+                record_tensors: bool = True) -> CaptureSummary:
+    start = time.perf_counter()
+    prompts = benchmarks.load(settings.bench, root=benchmarks_root, offset=settings.offset,
+                              limit=settings.limit)
+    if not prompts:
+        raise CaptureError(f"no prompts in {settings.bench} at offset {settings.offset}")
+    loaded, head = models.load_with_draft(settings.model, settings.draft, device=settings.device,
+                                          dtype=settings.dtype)
+    load_seconds = time.perf_counter() - start
+    adapter = MoEAdapter(loaded.model)
+    budget = None
+    if settings.budget is not None:
+        n, k = adapter.num_experts, adapter.top_k
+        low = k if settings.coverage == "substitution" else 1
+        if not low <= settings.budget <= n:
+            raise CaptureError(f"--budget {settings.budget} is out of range for {loaded.name}: "
+                               f"use {low}..{n} ({n} experts, top-{k}, {settings.coverage})")
+        if settings.ranking != "router":
+            raise CaptureError(f"online --ranking {settings.ranking} needs calibration counts; "
+                               "capture supports --ranking router (replay covers static)")
+        budget = BudgetSettings(settings.budget, settings.ranking, settings.coverage)
+    tree = TreeSettings(settings.total_tokens, settings.depth, settings.tree_top_k)
+    sampling = SamplingSettings(settings.temperature, settings.top_p, settings.top_k)
+    recorder = VerifyRecorder(adapter, store_expert_outputs=settings.store_expert_outputs,
+                              budget=budget, record_tensors=record_tensors)
+    decoder = EagleDecoder(loaded.model, head, tree=tree, sampling=sampling,
+                           verify_context=recorder)
+    run = run or settings.default_run_name()
+    writer = RunWriter(out, loaded.name, settings.bench, run)
+    cfg = loaded.model.config
+    manifest = dict(model=loaded.name, model_location=loaded.source.location,
+                    draft=settings.draft or models.default_draft(loaded.source),
+                    bench=settings.bench, run=run, settings=settings.identity(),
+                    num_experts=adapter.num_experts, top_k=adapter.top_k,
+                    renormalize=adapter.renormalize, num_layers=adapter.num_decoder_layers,
+                    moe_layers=[layer.index for layer in adapter], hidden_size=cfg.hidden_size,
+                    feature_layers=head.config.feature_layers, dtype=str(loaded.dtype),
+                    device=str(loaded.device), versions=_versions(),
+                    schema_version=schema.SCHEMA_VERSION, prompts_total=len(prompts),
+                    prompt_ids=[p.prompt_id for p in prompts])
+    try:
+        done = writer.start(manifest)
+        resumed = len(done)
+        tok = loaded.tokenizer
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        trees = steps_tau = 0
+        bar = tqdm(list(enumerate(prompts)), desc=f"capture {loaded.name}/{settings.bench}",
+                   unit="prompt", disable=not progress)
+        for i, prompt in bar:
+            index = settings.offset + i
+            if index in done:
+                continue
+            stats: dict[int, tuple[list[int], list[int]]] = {}
+            chunk = [0]
+
+            def flush():
+                passes = recorder.take()
+                if not passes:
+                    return
+                routing, io = [], []
+                for step, records in passes:
+                    stats[step] = ([r.unique_experts for r in records],
+                                   [r.experts_loaded for r in records])
+                    r_t, io_t = layer_tables(index, prompt.prompt_id, step, records,
+                                             settings.hidden_dtype)
+                    routing.append(r_t)
+                    if io_t is not None:
+                        io.append(io_t)
+                writer.write_part("routing", index, chunk[0], pa.concat_tables(routing))
+                if io:
+                    writer.write_part("moe_io", index, chunk[0], pa.concat_tables(io))
+                chunk[0] += 1
+
+            recorder.on_pass = lambda: flush() if len(recorder.passes) >= settings.chunk_steps \
+                else None
+            ids = tok(prompt.text)["input_ids"]
+            gen = decoder.generate(ids, max_new_tokens=settings.max_new_tokens, eos_token_ids=eos,
+                                   seed=settings.seed + index)
+            flush()
+            trees_t, nodes_t = step_tables(index, prompt.prompt_id, gen, stats, budget)
+            writer.write_part("trees", index, 0, trees_t)
+            writer.write_part("nodes", index, 0, nodes_t)
+            seq = pa.Table.from_pylist([dict(
+                prompt_index=index, prompt_id=prompt.prompt_id, prompt_token_ids=ids,
+                output_token_ids=gen.output_ids, steps=len(gen.steps),
+                mean_accepted_length=gen.mean_accepted_length, wall_seconds=gen.seconds,
+                stop_reason=gen.stop_reason)], schema=schema.TABLES["sequences"])
+            writer.write_part("sequences", index, 0, seq)
+            trees += len(gen.steps)
+            steps_tau += sum(s.accepted_length for s in gen.steps)
+            bar.set_postfix(tau=f"{steps_tau / max(1, trees):.2f}")
+            done.add(index)
+            writer.write_manifest({**manifest, "status": "running", "prompts_done": len(done)})
+        runs_row = dict(model_location=manifest["model_location"], draft=manifest["draft"],
+                        num_experts=adapter.num_experts, top_k=adapter.top_k,
+                        renormalize=adapter.renormalize, num_layers=adapter.num_decoder_layers,
+                        moe_layers=manifest["moe_layers"], hidden_size=cfg.hidden_size,
+                        dtype=manifest["dtype"], device=manifest["device"], prompts=len(prompts),
+                        settings=json.dumps(settings.identity(), sort_keys=True),
+                        versions=json.dumps(manifest["versions"], sort_keys=True),
+                        schema_version=schema.SCHEMA_VERSION, status="complete")
+        writer.finish({**manifest, "prompts_done": len(prompts)}, runs_row)
+    except OSError as exc:
+        raise CaptureError(f"cannot write to {out}: {exc.strerror or exc}; free space or choose "
+                           "another --out") from exc
+    return summarise(writer, loaded.name, settings.bench, run, resumed,
+                     time.perf_counter() - start, load_seconds)

@@ -1,0 +1,121 @@
+"""The trace schema: every table, column and partition of a capture, in one place.
+
+Layout (hive partitioning, readable by DuckDB, pyarrow and polars with no project code)::
+
+    <root>/<table>/model=<model>/bench=<bench>/run=<run>/part-<prompt>-<chunk>.parquet
+    <root>/runs/model=<model>/bench=<bench>/run=<run>/manifest.json   (+ part-0.parquet when complete)
+
+Partition columns (``model``, ``bench``, ``run``) are not stored in the files; readers get them
+from the paths. A prompt's files are written to ``*.parquet.tmp`` and renamed; ``sequences`` is
+written last, so a prompt is complete exactly when its ``sequences`` part exists. Notation as in
+DESIGN.md: for tree node t and MoE layer ℓ, ``g_t`` router softmax (N), ``T_k(t)`` natural top-k,
+``ḡ`` mixing weights, ``h_t`` MoE input, ``O*_t`` gold MoE output.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+PARTITIONS = ("model", "bench", "run")
+
+_KEY = [
+    pa.field("prompt_index", pa.int32(), nullable=False),  # position in the benchmark
+    pa.field("prompt_id", pa.string(), nullable=False),  # the benchmark's own stable id
+]
+_STEP = [pa.field("step", pa.int32(), nullable=False)]  # verification pass within the prompt
+
+TABLES: dict[str, pa.Schema] = {
+    # one row per prompt
+    "sequences": pa.schema(_KEY + [
+        pa.field("prompt_token_ids", pa.list_(pa.int32())),
+        pa.field("output_token_ids", pa.list_(pa.int32())),
+        pa.field("steps", pa.int32()),
+        pa.field("mean_accepted_length", pa.float64()),  # τ = mean(accepted drafts + 1)
+        pa.field("wall_seconds", pa.float64()),
+        pa.field("stop_reason", pa.string()),
+    ]),
+    # one row per verification pass
+    "trees": pa.schema(_KEY + _STEP + [
+        pa.field("prefix_len", pa.int32()),  # committed tokens before the pass
+        pa.field("nodes", pa.int16()),  # M = root + drafts
+        pa.field("depth", pa.int16()),  # deepest node
+        pa.field("accepted_length", pa.int16()),  # accepted drafts + bonus
+        pa.field("draft_seconds", pa.float64()),  # device-synchronised
+        pa.field("verify_seconds", pa.float64()),
+        pa.field("unique_experts", pa.list_(pa.int16())),  # |∪_t T_k(t)| per MoE layer
+        pa.field("experts_loaded", pa.list_(pa.int16())),  # experts run per layer (≤ budget)
+        pa.field("budget", pa.int16()),  # null: no budget (plain EAGLE)
+        pa.field("ranking", pa.string()),
+        pa.field("coverage", pa.string()),
+    ]),
+    # one row per tree node
+    "nodes": pa.schema(_KEY + _STEP + [
+        pa.field("node", pa.int16()),  # 0 = root
+        pa.field("parent", pa.int16()),  # -1 for the root
+        pa.field("depth", pa.int16()),
+        pa.field("token_id", pa.int32()),
+        pa.field("draft_logprob", pa.float32()),  # cumulative draft log-prob (root 0)
+        pa.field("accepted", pa.bool_()),  # on the accepted path (root always)
+    ]),
+    # one row per (tree, MoE layer, node)
+    "routing": pa.schema(_KEY + _STEP + [
+        pa.field("layer", pa.int16()),  # decoder layer index
+        pa.field("node", pa.int16()),
+        pa.field("router_probs", pa.list_(pa.float32())),  # g_t, all N
+        pa.field("topk_ids", pa.list_(pa.int16())),  # T_k(t), by decreasing g
+        pa.field("topk_weights", pa.list_(pa.float32())),  # ḡ over T_k(t)
+        pa.field("applied_ids", pa.list_(pa.int16())),  # under a budget: experts used; else null
+        pa.field("applied_weights", pa.list_(pa.float32())),
+    ]),
+    # one row per (tree, MoE layer, node)
+    "moe_io": pa.schema(_KEY + _STEP + [
+        pa.field("layer", pa.int16()),
+        pa.field("node", pa.int16()),
+        pa.field("hidden", pa.list_(pa.float32())),  # h_t (stored in --hidden-dtype, read as f32)
+        pa.field("output", pa.list_(pa.float32())),  # O*_t as the model computed it
+        pa.field("expert_outputs", pa.list_(pa.float32())),  # optional: E_i(h_t), i∈T_k(t), k×H
+    ]),
+}
+TRACE_TABLES = tuple(TABLES)  # written per prompt; "sequences" must stay the last one written
+COMPLETION_TABLE = "sequences"
+
+RUNS_SCHEMA = pa.schema([
+    pa.field("model_location", pa.string()),
+    pa.field("draft", pa.string()),
+    pa.field("num_experts", pa.int16()),
+    pa.field("top_k", pa.int16()),
+    pa.field("renormalize", pa.bool_()),
+    pa.field("num_layers", pa.int16()),
+    pa.field("moe_layers", pa.list_(pa.int16())),
+    pa.field("hidden_size", pa.int32()),
+    pa.field("dtype", pa.string()),
+    pa.field("device", pa.string()),
+    pa.field("prompts", pa.int32()),
+    pa.field("settings", pa.string()),  # JSON of the capture settings
+    pa.field("versions", pa.string()),  # JSON of library versions
+    pa.field("schema_version", pa.int16()),
+    pa.field("status", pa.string()),
+])
+
+
+def hidden_type(dtype: str) -> pa.DataType:
+    """Storage type of hidden-state vectors: float16 halves the size, float32 is exact."""
+    return {"float16": pa.float16(), "float32": pa.float32()}[dtype]
+
+
+def storage_schema(table: str, hidden_dtype: str = "float32") -> pa.Schema:
+    """The schema a file is written with (vectors of ``moe_io`` in the chosen dtype)."""
+    schema = TABLES[table]
+    if table != "moe_io":
+        return schema
+    vec = pa.list_(hidden_type(hidden_dtype))
+    for name in ("hidden", "output", "expert_outputs"):
+        i = schema.get_field_index(name)
+        schema = schema.set(i, schema.field(i).with_type(vec))
+    return schema
+
+
+def partition_value(value: str) -> str:
+    """A hive partition value: hub ids' '/' become '--' (as in the Hugging Face cache)."""
+    return value.replace("/", "--").replace("=", "-")
