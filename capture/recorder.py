@@ -22,14 +22,16 @@ import torch
 
 from capture.moe_adapter import MoEAdapter
 from replay import budget as budgets
+from replay.coact import CoactStats
+from replay.rankings import keep_mask, runtime_order
 
 
 @dataclass(frozen=True)
 class BudgetSettings:
     budget: int
-    ranking: str = "router"  # router | static
+    ranking: str = "router"  # a runtime ranking: router | static | coact
     coverage: str = "substitution"  # truncation | substitution
-    static_scores: torch.Tensor | None = None  # [layers, N] calibration counts for "static"
+    stats: CoactStats | None = None  # calibration statistics for static and coact
 
 
 @dataclass
@@ -70,7 +72,7 @@ class VerifyRecorder:
         passes, self.passes = self.passes, []
         return passes
 
-    def _router_hook(self, pos: int, layer, records: dict):
+    def _router_hook(self, layer, records: dict):
         def hook(module, args, out):
             logits, weights, idx = out
             probs = torch.softmax(logits.float(), dim=-1)
@@ -79,16 +81,14 @@ class VerifyRecorder:
             if self.budget is None:
                 return None
             b = self.budget
-            scores = budgets.router_scores(probs) if b.ranking == "router" else \
-                b.static_scores[pos].to(probs.device)
-            keep = budgets.shortlist(scores, b.budget)
+            order = runtime_order(b.ranking, probs, idx, weights, layer.index, b.stats)
+            keep = keep_mask(order, b.budget, layer.num_experts, probs.device)
             new_idx, new_w = budgets.apply(probs, idx, weights.float(), keep, b.coverage,
                                            layer.renormalize)
             rec.applied_ids, rec.applied_weights = new_idx, new_w
             # Dropped truncation slots (weight 0) point at a shortlisted expert, so the experts
             # module never runs an expert outside the budget.
-            fallback = torch.argmax(scores.masked_fill(~keep, float("-inf")))
-            run_idx = torch.where(new_w == 0, fallback, new_idx)
+            run_idx = torch.where(new_w == 0, order[0], new_idx)
             return logits, new_w.to(weights.dtype), run_idx
         return hook
 
@@ -110,8 +110,8 @@ class VerifyRecorder:
     def __call__(self, step: int, tree, prefix_len: int):
         records: dict[int, LayerRecord] = {}
         hooks = []
-        for pos, layer in enumerate(self.adapter):
-            hooks.append(layer.router.register_forward_hook(self._router_hook(pos, layer, records)))
+        for layer in self.adapter:
+            hooks.append(layer.router.register_forward_hook(self._router_hook(layer, records)))
             if self.record_tensors:
                 hooks.append(layer.block.register_forward_hook(self._block_hook(layer, records)))
         try:

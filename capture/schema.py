@@ -80,6 +80,30 @@ TABLES: dict[str, pa.Schema] = {
 TRACE_TABLES = tuple(TABLES)  # written per prompt; "sequences" must stay the last one written
 COMPLETION_TABLE = "sequences"
 
+_REPLAY_KEY = _KEY + _STEP + [pa.field("ranking", pa.string()), pa.field("coverage", pa.string()),
+                              pa.field("budget", pa.int16())]
+
+# Replay results, partitioned like the traces plus config=<hash> (replay/run.py).
+REPLAY_TABLES: dict[str, pa.Schema] = {
+    # one row per (tree, layer, ranking, coverage, budget)
+    "replay_open": pa.schema(_REPLAY_KEY[:3] + [pa.field("layer", pa.int16())] + _REPLAY_KEY[3:] + [
+        pa.field("rse", pa.float64()),  # Σ_t ||O*_t − Ô_t||² / Σ_t ||O*_t||²
+        pa.field("token_error", pa.float64()),  # mean_t ||O*_t − Ô_t|| / ||O*_t||
+        pa.field("mass_excluded", pa.float64()),  # Σ_{i∉S} s_i / Σ_i s_i
+        pa.field("experts_loaded", pa.int16()),  # experts with non-zero weight somewhere
+        pa.field("unique_experts", pa.int16()),  # |∪_t T_k(t)| without a budget
+    ]),
+    # one row per (tree, ranking, coverage, budget)
+    "replay_closed": pa.schema(_REPLAY_KEY + [
+        pa.field("accepted_length", pa.int16()),  # under the budget (drafts + bonus)
+        pa.field("captured_accepted_length", pa.int16()),
+        pa.field("path_unchanged", pa.bool_()),  # same accepted path and bonus token
+        pa.field("top1_agreement", pa.float64()),  # share of nodes whose argmax is unchanged
+        pa.field("mean_kl", pa.float64()),  # mean_t KL(p_t ‖ p_t^B) over nodes, nats
+        pa.field("experts_loaded", pa.list_(pa.int16())),  # per MoE layer
+    ]),
+}
+
 RUNS_SCHEMA = pa.schema([
     pa.field("model_location", pa.string()),
     pa.field("draft", pa.string()),

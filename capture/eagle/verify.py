@@ -14,7 +14,7 @@ path's cache rows are kept (``compact_cache``), gathered to contiguous slots.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -79,26 +79,27 @@ def prefill(target: nn.Module, tap: FeatureTap, input_ids: torch.Tensor):
 
 
 @torch.no_grad()
-def verify_tree(target: nn.Module, tap: FeatureTap, cache, tree: DraftTree, prefix_len: int):
-    """One target forward over the tree; returns (logits ``[M, V]``, features ``[M, F]``)."""
+def verify_tree(target: nn.Module, tap: FeatureTap | None, cache, tree: DraftTree, prefix_len: int):
+    """One target forward over the tree; returns (logits ``[M, V]``, features ``[M, F]`` or
+    None without a tap)."""
     dtype = next(target.parameters()).dtype
     mask = tree_attention_mask(tree, prefix_len, dtype)
     positions = (prefix_len + tree.depth)[None]
-    with tap.active():
+    with tap.active() if tap else nullcontext():
         out = target(input_ids=tree.tokens[None], position_ids=positions, attention_mask=mask,
                      cache=cache, use_cache=True)
-        feats = tap.features()[0]
+        feats = tap.features()[0] if tap else None
     return out.logits[0], feats
 
 
 @torch.no_grad()
-def forward_tokens(target: nn.Module, tap: FeatureTap, cache, tokens: torch.Tensor,
+def forward_tokens(target: nn.Module, tap: FeatureTap | None, cache, tokens: torch.Tensor,
                    prefix_len: int):
     """Plain causal forward of ``tokens [T]`` after the cached prefix (the AR baseline's step)."""
     positions = torch.arange(prefix_len, prefix_len + len(tokens), device=tokens.device)[None]
-    with tap.active():
+    with tap.active() if tap else nullcontext():
         out = target(input_ids=tokens[None], position_ids=positions, cache=cache, use_cache=True)
-        feats = tap.features()[0]
+        feats = tap.features()[0] if tap else None
     return out.logits[0], feats
 
 
