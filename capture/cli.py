@@ -16,7 +16,8 @@ from capture.eagle.draft_head import DraftHeadError
 from capture.moe_adapter import UnsupportedModelError
 from capture.run import CaptureSettings, CaptureSummary, capture_run
 from capture.writer import CaptureError
-from replay.budget import COVERAGES, RANKINGS
+from replay.budget import COVERAGES
+from replay.rankings import RUNTIME
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,8 +66,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("MoE-Spec online mode (budget inside verification passes only)")
     g.add_argument("--budget", type=int, default=None, help="experts per layer per tree")
-    g.add_argument("--ranking", default=d.ranking, choices=RANKINGS)
+    g.add_argument("--ranking", default=d.ranking, choices=RUNTIME)
     g.add_argument("--coverage", default=d.coverage, choices=COVERAGES)
+    g.add_argument("--calibration", nargs="+", default=[],
+                   help="captured runs under --out that static counts / coact statistics are "
+                        "learned from (other prompts)")
     return p
 
 
@@ -103,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         total_tokens=args.total_tokens, depth=args.depth, tree_top_k=args.tree_top_k,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
         hidden_dtype=args.hidden_dtype, store_expert_outputs=args.store_expert_outputs,
-        budget=args.budget, ranking=args.ranking, coverage=args.coverage, device=args.device,
+        budget=args.budget, ranking=args.ranking, coverage=args.coverage,
+        calibration=tuple(args.calibration), device=args.device,
         dtype=args.dtype)
     try:
         summary = capture_run(settings, args.out, args.run, benchmarks_root=args.benchmarks,

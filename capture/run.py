@@ -27,6 +27,7 @@ from capture.eagle.tree import TreeSettings
 from capture.moe_adapter import MoEAdapter
 from capture.recorder import BudgetSettings, LayerRecord, VerifyRecorder
 from capture.writer import CaptureError, RunWriter
+from replay import rankings
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class CaptureSettings:
     budget: int | None = None
     ranking: str = "router"
     coverage: str = "substitution"
+    calibration: tuple[str, ...] = ()  # runs under the same --out for static / coact
     device: str = "auto"
     dtype: str = "auto"
     chunk_steps: int = 64
@@ -179,6 +181,30 @@ def summarise(writer: RunWriter, model: str, bench: str, run: str, resumed: int,
                           writer.bytes_written(), seconds, load_seconds)
 
 
+def _calibration(settings: CaptureSettings, out: Path, model: str, adapter: MoEAdapter,
+                 prompts: list) -> object:
+    """Calibration statistics for online static/coact ranking, from other captured runs."""
+    from replay.data import ReplayError, find_runs
+    from replay.run import calibrate
+    if not settings.calibration:
+        raise CaptureError(f"--ranking {settings.ranking} needs --calibration RUN (a capture of "
+                           f"other prompts under {out})")
+    try:
+        cal = find_runs(out, model=model, runs=list(settings.calibration))
+    except ReplayError as exc:
+        raise CaptureError(str(exc)) from exc
+    missing = set(settings.calibration) - {r.name for r in cal}
+    if missing:
+        raise CaptureError(f"calibration run(s) {', '.join(sorted(missing))} not found complete "
+                           f"under {out} for {model}")
+    overlap = {(settings.bench, p.prompt_id) for p in prompts} & set().union(
+        *(r.prompt_keys() for r in cal))
+    if overlap:
+        raise CaptureError(f"calibration runs share {len(overlap)} prompts with this capture; "
+                           "calibrate on other prompts")
+    return calibrate(cal, adapter)
+
+
 def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
                 benchmarks_root=None, progress: bool = True,
                 record_tensors: bool = True) -> CaptureSummary:
@@ -198,10 +224,10 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
         if not low <= settings.budget <= n:
             raise CaptureError(f"--budget {settings.budget} is out of range for {loaded.name}: "
                                f"use {low}..{n} ({n} experts, top-{k}, {settings.coverage})")
-        if settings.ranking != "router":
-            raise CaptureError(f"online --ranking {settings.ranking} needs calibration counts; "
-                               "capture supports --ranking router (replay covers static)")
-        budget = BudgetSettings(settings.budget, settings.ranking, settings.coverage)
+        stats = None
+        if settings.ranking in rankings.NEEDS_CALIBRATION:
+            stats = _calibration(settings, out, loaded.name, adapter, prompts)
+        budget = BudgetSettings(settings.budget, settings.ranking, settings.coverage, stats)
     tree = TreeSettings(settings.total_tokens, settings.depth, settings.tree_top_k)
     sampling = SamplingSettings(settings.temperature, settings.top_p, settings.top_k)
     recorder = VerifyRecorder(adapter, store_expert_outputs=settings.store_expert_outputs,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-RANKINGS = ("router", "static")
 COVERAGES = ("truncation", "substitution")
 
 

@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     frame = summary_frame(folders, args.mode)
     if frame is not None:
         import polars as pl
-        with pl.Config(tbl_rows=200, tbl_hide_dataframe_shape=True, float_precision=4):
+        with pl.Config(tbl_rows=200, tbl_cols=-1, tbl_width_chars=160,
+                       tbl_hide_dataframe_shape=True, float_precision=4):
             print(frame)
     print(f"results: {', '.join(str(f) for f in folders)}")
     return 0

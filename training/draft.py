@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +34,7 @@ from capture.eagle.draft_head import (DraftConfig, Eagle3Draft, default_feature_
                                       load_draft)
 from capture.eagle.verify import FeatureTap
 from training import corpus
+from training.atomic import atomic_folder
 from training.tiny_moe import MIXTURE, token_streams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -166,19 +165,10 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
                   seed=seed, ttt_steps=ttt, draft_vocab=draft_vocab, seconds=round(seconds, 1),
                   final_loss=round(loss.item(), 4), final_step_accuracy=[round(a, 3) for a in accs],
                   responses=len(responses), command=" ".join(["train-draft", *sys.argv[1:]]))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         head.to(torch.float16).save_pretrained(tmp)
         (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
         load_draft(tmp, target)  # what we wrote must load strictly
-        tmp.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return record
 
 

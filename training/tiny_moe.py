@@ -19,9 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +32,7 @@ from transformers import (AutoTokenizer, MixtralConfig, MixtralForCausalLM, Olmo
 
 from capture.models import EMBEDDED_DIR
 from training import corpus, quality
+from training.atomic import atomic_folder
 from training.tokenizer import train_tokenizer
 
 VOCAB_SIZE = 4096
@@ -150,9 +149,7 @@ def save(model, tokenizer, out: Path, training: dict, benchmarks_root=None) -> d
     Weights are stored in float16 (halves the repository's size); the quality record is measured
     on the saved weights as loaded back, so it describes exactly what users get.
     """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         model.to(torch.float16).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         reloaded = type(model).from_pretrained(tmp, dtype=torch.float32)
@@ -160,13 +157,6 @@ def save(model, tokenizer, out: Path, training: dict, benchmarks_root=None) -> d
         record = quality.measure(reloaded, reloaded_tok, benchmarks_root)
         record["training"] = training
         (tmp / quality.FILENAME).write_text(json.dumps(record, indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.chmod(0o755)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return record
 
 

@@ -1,0 +1,84 @@
+"""``query``: SQL over the traces and replay results with DuckDB.
+
+    query "SELECT bench, count(*) AS trees, avg(accepted_length) AS tau FROM trees GROUP BY bench"
+    query --schema
+    query "SELECT * FROM replay_open" --format parquet --out results.parquet
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import duckdb
+
+from analysis.sql import connect, views
+
+FORMATS = ("table", "csv", "json", "parquet")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="query",
+        description="Run SQL over every trace table (sequences, trees, nodes, routing, moe_io, "
+                    "runs) and replay result (replay_open, replay_closed) as named DuckDB views; "
+                    "hive partitions (model, bench, run, config) are columns.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("sql", nargs="?", help="the query")
+    p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
+    p.add_argument("--schema", action="store_true", help="list the views and their columns")
+    p.add_argument("--format", default="table", choices=FORMATS)
+    p.add_argument("--out", type=Path, default=None, help="write here instead of stdout "
+                                                          "(required for parquet)")
+    p.add_argument("--max-rows", type=int, default=40, help="rows shown by --format table")
+    args = p.parse_args(argv)
+    if not args.traces.is_dir():
+        print(f"query: error: no traces folder at {args.traces}; run `capture` first or pass "
+              "--traces", file=sys.stderr)
+        return 2
+    con = connect(args.traces)
+    names = views(con)
+    if args.schema:
+        if not names:
+            print(f"no tables under {args.traces} yet; run `capture` first")
+        for name in names:
+            cols = con.execute(f"DESCRIBE {name}").fetchall()
+            print(f"{name}: " + ", ".join(f"{c[0]} {c[1]}" for c in cols))
+        return 0
+    if not args.sql:
+        print("query: error: give a SQL query or --schema", file=sys.stderr)
+        return 2
+    try:
+        rel = con.sql(args.sql)
+        if rel is None:
+            return 0
+        if args.format == "parquet":
+            if not args.out:
+                print("query: error: --format parquet needs --out FILE", file=sys.stderr)
+                return 2
+            rel.write_parquet(str(args.out))
+            return 0
+        df = rel.pl()
+    except duckdb.Error as exc:
+        first = str(exc).strip().splitlines()[0]
+        print(f"query: error: {first} (views: {', '.join(names) or 'none'})", file=sys.stderr)
+        return 2
+    if args.format == "csv":
+        text = df.write_csv()
+    elif args.format == "json":
+        text = df.write_json()
+    else:
+        import polars as pl
+        with pl.Config(tbl_rows=args.max_rows, tbl_cols=-1, tbl_width_chars=160,
+                       tbl_hide_dataframe_shape=False):
+            text = str(df)
+    if args.out:
+        args.out.write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

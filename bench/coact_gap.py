@@ -1,0 +1,75 @@
+"""How much of the router→oracle gap does coact close, on held-out prompts?
+
+    python bench/coact_gap.py --traces /tmp/coact-traces
+
+Captures (or reuses) a calibration run (MBPP prompts from --cal-offset) and an evaluation run
+(MBPP prompts from 0) with the default model, replays router, oracle and coact under both
+coverage policies over the budget sweep, and prints per budget
+
+    gap closed = (RSE_router − RSE_coact) / (RSE_router − RSE_oracle)     (mean RSE over tree-layers)
+
+and the experts saved at matched error: for the router's RSE at budget B, the budget coact needs
+(linear interpolation on its sweep), B − B_coact. Static ranking is shown for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+from capture import cli as capture_cli
+from replay import cli as replay_cli
+
+
+def budget_at(rse_curve: pl.DataFrame, target: float) -> float:
+    """Smallest budget reaching ``target`` RSE on a decreasing curve (linear interpolation)."""
+    b, r = rse_curve["budget"].to_numpy(), rse_curve["rse"].to_numpy()
+    if target >= r[0]:
+        return float(b[0])
+    for i in range(1, len(b)):
+        if r[i] <= target:
+            return float(b[i - 1] + (b[i] - b[i - 1]) * (r[i - 1] - target) / (r[i - 1] - r[i]))
+    return float("nan")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", type=Path, default=Path("traces-coact"))
+    p.add_argument("--model", default="tiny-olmoe")
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--cal-prompts", type=int, default=24)
+    p.add_argument("--cal-offset", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    args = p.parse_args()
+    common = ["--model", args.model, "--bench", "mbpp", "--max-new-tokens",
+              str(args.max_new_tokens), "--out", str(args.traces), "--no-progress"]
+    assert capture_cli.main([*common, "--limit", str(args.eval_prompts), "--run", "eval"]) == 0
+    assert capture_cli.main([*common, "--limit", str(args.cal_prompts), "--offset",
+                             str(args.cal_offset), "--run", "cal"]) == 0
+    out = args.traces / "results"
+    assert replay_cli.main(["--traces", str(args.traces), "--run", "eval", "--calibration", "cal",
+                            "--ranking", "static", "router", "oracle", "coact", "--budget",
+                            "sweep", "--out", str(out), "--no-progress"]) == 0
+    df = pl.read_parquet(f"{out}/replay_open/**/*.parquet", hive_partitioning=True)
+    mean = df.group_by("ranking", "coverage", "budget").agg(pl.col("rse").mean()).sort("budget")
+    for coverage in ("truncation", "substitution"):
+        print(f"\n{args.model}, {coverage}: mean RSE over {df.filter(pl.col('coverage') == coverage).height // 4} "
+              "tree-layer-budgets per ranking")
+        curves = {r: mean.filter((pl.col("ranking") == r) & (pl.col("coverage") == coverage))
+                  for r in ("static", "router", "oracle", "coact")}
+        print(f"{'B':>4} {'static':>9} {'router':>9} {'coact':>9} {'oracle':>9} "
+              f"{'gap closed':>11} {'experts saved':>14}")
+        for row in curves["router"].iter_rows(named=True):
+            b = row["budget"]
+            get = lambda r: float(curves[r].filter(pl.col("budget") == b)["rse"][0])  # noqa: E731
+            r_, c_, o_, s_ = get("router"), get("coact"), get("oracle"), get("static")
+            gap = (r_ - c_) / (r_ - o_) if r_ > o_ else np.nan
+            saved = b - budget_at(curves["coact"], r_)
+            print(f"{b:4d} {s_:9.4f} {r_:9.4f} {c_:9.4f} {o_:9.4f} {gap:10.0%} {saved:14.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""query: DuckDB views over traces and replay results, through the real CLI."""
+
+import json
+
+import pytest
+
+from analysis import query_cli
+from analysis.sql import connect, views
+from capture import cli as capture_cli
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("q")
+    assert capture_cli.main(["--limit", "1", "--max-new-tokens", "8", "--out", str(root),
+                             "--no-progress", "--run", "q"]) == 0
+    return root
+
+
+def test_views_cover_every_table_with_partition_columns(traces):
+    con = connect(traces)
+    assert set(views(con)) == {"sequences", "trees", "nodes", "routing", "moe_io", "runs"}
+    model, run, n = con.sql("SELECT any_value(model), any_value(run), count(*) FROM trees").fetchone()
+    assert (model, run) == ("tiny-olmoe", "q") and n > 0
+    per_layer = con.sql("SELECT layer, count(*) FROM routing GROUP BY layer").fetchall()
+    assert len(per_layer) == 8
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json", "parquet"])
+def test_formats(traces, tmp_path, fmt):
+    out = tmp_path / f"r.{fmt}"
+    assert query_cli.main(["SELECT step, accepted_length FROM trees ORDER BY step", "--traces",
+                           str(traces), "--format", fmt, "--out", str(out)]) == 0
+    if fmt == "json":
+        assert json.loads(out.read_text())[0]["step"] == 0
+    elif fmt == "csv":
+        assert out.read_text().splitlines()[0] == "step,accepted_length"
+    else:
+        import polars as pl
+        assert pl.read_parquet(out).height > 0
+
+
+def test_schema_and_errors(traces, tmp_path, capsys):
+    assert query_cli.main(["--schema", "--traces", str(traces)]) == 0
+    assert "trees: prompt_index INTEGER" in capsys.readouterr().out
+    assert query_cli.main(["SELECT nope FROM trees", "--traces", str(traces)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("query: error:") and len(err.strip().splitlines()) == 1
+    assert query_cli.main(["SELECT 1", "--traces", str(tmp_path / "none")]) == 2

@@ -1,0 +1,108 @@
+"""replay end to end through the real CLI on captured tiny-olmoe trees."""
+
+import subprocess
+import sys
+
+import duckdb
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+from capture import cli as capture_cli
+from replay import cli
+
+CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("traces")
+    assert capture_cli.main([*CAP, "--limit", "2", "--out", str(root), "--run", "eval"]) == 0
+    assert capture_cli.main([*CAP, "--limit", "3", "--offset", "100", "--out", str(root),
+                             "--run", "cal"]) == 0
+    return root
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "replay.cli", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def results(root, table):
+    return duckdb.sql(f"SELECT * FROM read_parquet('{root}/{table}/**/*.parquet', "
+                      "hive_partitioning=true)").pl()
+
+
+def test_full_budget_is_exact_for_every_ranking_and_results_are_reused(traces, tmp_path, capsys):
+    args = ["--traces", str(traces), "--run", "eval", "--calibration", "cal", "--ranking",
+            "static", "router", "oracle", "coact", "--budget", "64", "--no-progress",
+            "--out", str(tmp_path)]
+    assert cli.main(args) == 0
+    df = results(tmp_path, "replay_open")
+    assert set(df["ranking"]) == {"static", "router", "oracle", "coact"}
+    assert df["rse"].max() < 1e-10 and df["mass_excluded"].max() == 0
+    assert set(df["model"]) == {"tiny-olmoe"} and set(df["run"]) == {"eval"}
+    capsys.readouterr()
+    assert cli.main(args) == 0
+    assert "reused" in capsys.readouterr().err
+
+
+def test_sweep_orders_oracle_below_router_and_covers_the_grid(traces, tmp_path):
+    assert cli.main(["--traces", str(traces), "--run", "eval", "--ranking", "router", "oracle",
+                     "--budget", "sweep", "--coverage", "truncation", "--layers", "0,7",
+                     "--no-progress", "--out", str(tmp_path)]) == 0
+    df = results(tmp_path, "replay_open")
+    assert set(df["coverage"]) == {"truncation"}
+    assert sorted(set(df["budget"])) == list(range(8, 57, 8))
+    assert set(df["layer"]) == {0, 7}
+    mean = df.group_by("ranking").agg(pl.col("rse").mean())
+    rse = dict(zip(mean["ranking"], mean["rse"]))
+    assert rse["oracle"] <= rse["router"]
+
+
+def test_closed_loop_with_all_experts_reproduces_captured_acceptance(traces, tmp_path):
+    assert cli.main(["--traces", str(traces), "--run", "eval", "--mode", "closed", "--ranking",
+                     "router", "--budget", "64,16", "--coverage", "substitution",
+                     "--no-progress", "--out", str(tmp_path)]) == 0
+    df = results(tmp_path, "replay_closed")
+    full = df.filter(df["budget"] == 64)
+    assert (full["accepted_length"] == full["captured_accepted_length"]).all()
+    assert full["path_unchanged"].all() and full["top1_agreement"].min() == 1.0
+    assert full["mean_kl"].abs().max() < 1e-6
+    cut = df.filter(df["budget"] == 16)
+    assert cut["experts_loaded"].list.max().max() <= 16
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--calibration", "eval", "--ranking", "static", "--run", "eval"], "no complete captured"),
+    (["--ranking", "coact"], "needs --calibration"),
+    (["--budget", "65"], "out of range"),
+    (["--budget", "x"], "cannot read --budget"),
+    (["--model", "tiny-mixtral"], "no complete captured runs match"),
+    (["--layers", "9"], "no MoE block"),
+])
+def test_bad_input_is_one_line(traces, args, message):
+    r = run_cli("--traces", str(traces), "--no-progress", *args)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_overlapping_calibration_is_refused(traces, tmp_path):
+    assert capture_cli.main([*CAP, "--limit", "1", "--offset", "1", "--out", str(traces),
+                             "--run", "overlap"]) == 0
+    r = run_cli("--traces", str(traces), "--run", "eval", "--calibration", "overlap",
+                "--ranking", "static", "--no-progress")
+    assert r.returncode == 2 and "overlap" in r.stderr
+
+
+def test_missing_traces_and_corrupt_parts_are_one_line(traces, tmp_path):
+    r = run_cli("--traces", str(tmp_path / "none"))
+    assert r.returncode == 2 and "no captured runs" in r.stderr
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(traces, copy, ignore=shutil.ignore_patterns("replay_*"))
+    part = next((copy / "routing").rglob("run=eval/part-000000-*.parquet"))
+    part.write_bytes(part.read_bytes()[:100])
+    r = run_cli("--traces", str(copy), "--run", "eval", "--no-progress")
+    assert r.returncode == 2 and "corrupt routing part" in r.stderr, r.stderr
+    assert pq.ParquetFile(next((copy / "trees").rglob("*.parquet"))).metadata.num_rows > 0
