@@ -20,19 +20,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
+from analysis.replay_views import budget_at
 from capture import cli as capture_cli
 from replay import cli as replay_cli
-
-
-def budget_at(rse_curve: pl.DataFrame, target: float) -> float:
-    """Smallest budget reaching ``target`` RSE on a decreasing curve (linear interpolation)."""
-    b, r = rse_curve["budget"].to_numpy(), rse_curve["rse"].to_numpy()
-    if target >= r[0]:
-        return float(b[0])
-    for i in range(1, len(b)):
-        if r[i] <= target:
-            return float(b[i - 1] + (b[i] - b[i - 1]) * (r[i - 1] - target) / (r[i - 1] - r[i]))
-    return float("nan")
 
 
 def main() -> None:
@@ -67,7 +57,7 @@ def main() -> None:
             get = lambda r: float(curves[r].filter(pl.col("budget") == b)["rse"][0])  # noqa: E731
             r_, c_, o_, s_ = get("router"), get("coact"), get("oracle"), get("static")
             gap = (r_ - c_) / (r_ - o_) if r_ > o_ else np.nan
-            saved = b - budget_at(curves["coact"], r_)
+            saved = b - budget_at(curves["coact"]["budget"], curves["coact"]["rse"], r_)
             print(f"{b:4d} {s_:9.4f} {r_:9.4f} {c_:9.4f} {o_:9.4f} {gap:10.0%} {saved:14.1f}")
 
 

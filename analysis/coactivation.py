@@ -1,0 +1,96 @@
+"""Expert co-activation per MoE layer, in both conventions, with concentration and ordering.
+
+* ``all_pairs`` (DESIGN.md): ``C[i, j]`` = tokens whose top-k holds both i and j (symmetric;
+  the diagonal holds selection counts). Concentration = ``max_{i≠j} C[i, j] / expected``, with
+  ``expected = M·k(k−1)/(N(N−1))`` the count under uniform independent routing of M tokens
+  (≈ 1 for uniform random routing; MoE-Spec reports 10–33× on OLMoE).
+* ``adjacent`` (OLMoE's own scripts): only pairs of experts at adjacent ranks of a token's
+  top-k (rank r with r+1), counted both ways and row-normalised to ``P(b | a)``.
+
+``cluster_order`` orders experts so that frequently co-activated ones sit together: average-link
+hierarchical clustering of the distance ``1 − C[i,j]/sqrt(C[i,i]·C[j,j])`` (scipy), leaves in
+dendrogram order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+import numpy as np
+
+
+@dataclass
+class Coactivation:
+    layer: int
+    matrix: np.ndarray  # [N, N]
+    tokens: int
+    top_k: int
+    convention: str
+
+    @property
+    def num_experts(self) -> int:
+        return self.matrix.shape[0]
+
+    @property
+    def expected(self) -> float:
+        n, k = self.num_experts, self.top_k
+        return self.tokens * k * (k - 1) / (n * (n - 1))
+
+    @property
+    def concentration(self) -> float:
+        """``max_{i≠j} C[i, j] / (M·k(k−1)/(N(N−1)))`` (all-pairs counts only)."""
+        if self.convention != "all_pairs":
+            raise ValueError("concentration is defined on all-pairs counts")
+        off = self.matrix - np.diag(np.diag(self.matrix))
+        return float(off.max() / self.expected)
+
+
+def topk_matrix(con: duckdb.DuckDBPyConnection, layer: int, where: str = "") -> np.ndarray:
+    """Top-k ids of every token in one layer as ``[M, k]`` (columnar, no Python rows)."""
+    cond = f"layer = {int(layer)}" + (f" AND ({where})" if where else "")
+    arr = con.sql(f"SELECT topk_ids FROM routing WHERE {cond}").to_arrow_table().column(0)
+    arr = arr.combine_chunks()
+    flat = arr.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    return flat.reshape(len(arr), -1)
+
+
+def all_pairs(topk: np.ndarray, n: int) -> np.ndarray:
+    """``C[i, j]``: tokens whose top-k holds both i and j; diagonal: selection counts."""
+    m, k = topk.shape
+    pairs = (topk[:, :, None] * n + topk[:, None, :]).reshape(-1)
+    return np.bincount(pairs, minlength=n * n).reshape(n, n).astype(np.float64)
+
+
+def adjacent_rank(topk: np.ndarray, n: int) -> np.ndarray:
+    """OLMoE convention: adjacent-rank pairs, both directions, row-normalised to P(b | a)."""
+    a, b = topk[:, :-1].reshape(-1), topk[:, 1:].reshape(-1)
+    counts = np.bincount(np.r_[a * n + b, b * n + a], minlength=n * n).reshape(n, n)
+    rows = counts.sum(1, keepdims=True)
+    return np.divide(counts, rows, out=np.zeros((n, n)), where=rows > 0)
+
+
+def coactivation(con: duckdb.DuckDBPyConnection, layer: int, num_experts: int,
+                 convention: str = "all_pairs", where: str = "") -> Coactivation:
+    topk = topk_matrix(con, layer, where)
+    if convention == "all_pairs":
+        matrix = all_pairs(topk, num_experts)
+    elif convention == "adjacent":
+        matrix = adjacent_rank(topk, num_experts)
+    else:
+        raise ValueError(f"unknown convention {convention!r}; use all_pairs or adjacent")
+    return Coactivation(layer, matrix, topk.shape[0], topk.shape[1], convention)
+
+
+def cluster_order(matrix: np.ndarray) -> np.ndarray:
+    """Expert order that places co-activated experts next to each other."""
+    from scipy.cluster.hierarchy import leaves_list, linkage
+    from scipy.spatial.distance import squareform
+    sym = (matrix + matrix.T) / 2
+    diag = np.sqrt(np.clip(np.diag(sym), 1e-12, None))
+    sim = sym / diag[:, None] / diag[None, :]
+    if not np.isfinite(sim).all() or np.allclose(np.diag(matrix), 0):
+        sim = sym / max(sym.max(), 1e-12)
+    dist = np.clip(1 - sim, 0, None)
+    np.fill_diagonal(dist, 0)
+    return leaves_list(linkage(squareform(dist, checks=False), method="average"))

@@ -1,0 +1,141 @@
+"""A roofline cost model of verification, calibratable from measured timings, and projected
+speedups under an expert budget.
+
+Per decoder layer, a forward over ``M`` tokens after ``P`` cached ones reads
+
+    bytes = (attention + router + norms) params · b  +  experts_loaded · 3·H·I · b
+            + KV cache 2·P·kv_heads·head_dim · b
+    flops = 2·M·(attention params) + 4·M·(P + M)·H  +  2·M·k·3·H·I
+
+and takes ``max(bytes / bandwidth, flops / peak)`` (b = bytes per parameter); embeddings and
+the LM head add one more such term. Summed over layers:
+
+    T_verify(B) = Σ_ℓ max(bytes_ℓ(B) / BW, flops_ℓ / peak),   B = experts loaded per layer
+    speedup(B)  = τ(B) · T_AR / (T_draft + T_verify(B))        (DESIGN.md)
+
+with ``T_AR`` the same model for M = 1 (k experts per layer). Datasheet peaks come from
+:data:`PROFILES`; ``calibrate`` fits ``T ≈ α·T_mem + β·T_flop + γ`` to measured (verify seconds,
+experts loaded, tokens) by non-negative least squares and reports the fit error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    bandwidth: float  # bytes / s
+    peak_flops: float  # flop / s (bf16 dense)
+
+
+PROFILES = {
+    "A100-80G": Hardware("A100-80G", 2.04e12, 312e12),
+    "H100-SXM": Hardware("H100-SXM", 3.35e12, 989e12),
+    "H200": Hardware("H200", 4.8e12, 989e12),
+}
+
+
+def custom(bandwidth_tbs: float, peak_tflops: float) -> Hardware:
+    return Hardware("custom", bandwidth_tbs * 1e12, peak_tflops * 1e12)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a MoE model (read from a transformers config)."""
+    layers: int
+    hidden: int
+    expert_inter: int
+    num_experts: int
+    top_k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    bytes_per_param: float = 2.0
+
+    @classmethod
+    def from_config(cls, cfg, bytes_per_param: float = 2.0) -> "ModelShape":
+        n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
+        inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(cfg.num_hidden_layers, cfg.hidden_size, inter, n, cfg.num_experts_per_tok,
+                   cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.vocab_size,
+                   bytes_per_param)
+
+    @property
+    def expert_bytes(self) -> float:
+        return 3 * self.hidden * self.expert_inter * self.bytes_per_param
+
+    @property
+    def attention_params(self) -> int:
+        return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+
+    def layer_terms(self, tokens: int, prefix: int, experts_loaded: float):
+        """(bytes, flops) of one decoder layer."""
+        dense = (self.attention_params + self.num_experts * self.hidden + 2 * self.hidden)
+        kv = 2 * prefix * self.kv_heads * self.head_dim * self.bytes_per_param
+        bytes_ = dense * self.bytes_per_param + experts_loaded * self.expert_bytes + kv
+        flops = (2 * tokens * self.attention_params + 4 * tokens * (prefix + tokens) * self.hidden
+                 + 2 * tokens * self.top_k * 3 * self.hidden * self.expert_inter)
+        return bytes_, flops
+
+    def head_terms(self, tokens: int):
+        return 2 * self.vocab * self.hidden * self.bytes_per_param, 2 * tokens * self.vocab * self.hidden
+
+
+def pass_time(shape: ModelShape, hw: Hardware, tokens: int, prefix: int,
+              experts_loaded: float) -> tuple[float, float, float]:
+    """(roofline time, memory-only time, compute-only time) of one forward, seconds."""
+    b, f = shape.layer_terms(tokens, prefix, experts_loaded)
+    hb, hf = shape.head_terms(tokens)
+    mem = shape.layers * b / hw.bandwidth + hb / hw.bandwidth
+    comp = shape.layers * f / hw.peak_flops + hf / hw.peak_flops
+    roof = shape.layers * max(b / hw.bandwidth, f / hw.peak_flops) + max(hb / hw.bandwidth,
+                                                                         hf / hw.peak_flops)
+    return roof, mem, comp
+
+
+def projected_speedup(shape: ModelShape, hw: Hardware, tau: float, experts_loaded: float,
+                      tree_tokens: int, prefix: int, draft_seconds: float) -> float:
+    """``τ(B) · T_AR / (T_draft + T_verify(B))``."""
+    t_ar = pass_time(shape, hw, 1, prefix, shape.top_k)[0]
+    t_verify = pass_time(shape, hw, tree_tokens, prefix, experts_loaded)[0]
+    return tau * t_ar / (draft_seconds + t_verify)
+
+
+@dataclass
+class Calibration:
+    alpha: float  # × memory time
+    beta: float  # × compute time
+    gamma: float  # fixed seconds per pass (launches, Python)
+    relative_rmse: float
+    r2: float
+    points: int
+
+    def predict(self, mem: np.ndarray, comp: np.ndarray) -> np.ndarray:
+        return self.alpha * mem + self.beta * comp + self.gamma
+
+
+def calibrate(shape: ModelShape, hw: Hardware, seconds, tokens, prefix, experts_loaded) -> Calibration:
+    """Non-negative least squares fit of measured pass times to the model's memory and compute
+    times: ``T ≈ α·T_mem + β·T_flop + γ``."""
+    from scipy.optimize import nnls
+    seconds = np.asarray(seconds, dtype=float)
+    terms = np.array([pass_time(shape, hw, int(t), int(p), float(e))[1:]
+                      for t, p, e in zip(tokens, prefix, experts_loaded)])
+    a = np.c_[terms, np.ones(len(seconds))]
+    scale = a.max(0)
+    scale[scale == 0] = 1
+    coef, _ = nnls(a / scale, seconds)
+    coef = coef / scale
+    pred = a @ coef
+    resid = seconds - pred
+    ss_tot = ((seconds - seconds.mean()) ** 2).sum()
+    return Calibration(coef[0], coef[1], coef[2],
+                       float(np.sqrt((resid ** 2).mean()) / seconds.mean()),
+                       float(1 - (resid ** 2).sum() / ss_tot) if ss_tot > 0 else float("nan"),
+                       len(seconds))

@@ -1,0 +1,137 @@
+"""MoESD's target efficiency ``η(b, γ) = T(b, 1) / T(b, γ)``: profile, fit, regimes.
+
+``profile-target`` times the target's forward for batch size b and γ tokens per sequence (after a
+cached prefix) on the current device and stores the points as Parquet. The fit models a pass as
+
+    T(b, γ) ≈ c₀ + c₁ · E(bγ) + c₂ · bγ,     E(t) = N·[1 − ((N−k)/N)^t]  (activated experts)
+
+(non-negative least squares): fixed cost, expert weight traffic growing with activated experts,
+and per-token compute. Three regimes follow: *expert growth* (E(bγ) < 0.9·N: every extra token
+loads new experts), *activation saturation* (all experts loaded, memory still dominates), and
+*compute-bound* (c₂·bγ exceeds c₀ + c₁·E).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import torch
+
+from analysis.routing import moesd_uniform
+
+
+@torch.no_grad()
+def time_forward(model, batch: int, gamma: int, prefix: int, repeats: int, vocab: int,
+                 seed: int = 0) -> float:
+    from transformers import DynamicCache
+    dev = next(model.parameters()).device
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    ctx = torch.randint(0, vocab, (batch, prefix), generator=g).to(dev)
+    new = torch.randint(0, vocab, (batch, gamma), generator=g).to(dev)
+    times = []
+    for _ in range(repeats + 1):
+        cache = DynamicCache(config=model.config)
+        model(input_ids=ctx, cache=cache, use_cache=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        model(input_ids=new, cache=cache, use_cache=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])  # first run warms up
+
+
+def profile(model, batches, gammas, prefix: int, repeats: int) -> pl.DataFrame:
+    rows = [dict(batch=b, gamma=g, seconds=time_forward(model, b, g, prefix, repeats,
+                                                        model.config.vocab_size))
+            for b in batches for g in gammas]
+    return pl.DataFrame(rows)
+
+
+def efficiency(points: pl.DataFrame) -> pl.DataFrame:
+    """``η(b, γ) = T(b, 1) / T(b, γ)`` for every measured point (γ = 1 must be measured)."""
+    t1 = points.filter(pl.col("gamma") == 1).select("batch", pl.col("seconds").alias("t1"))
+    return points.join(t1, on="batch").with_columns(eta=pl.col("t1") / pl.col("seconds"))
+
+
+def fit(points: pl.DataFrame, n: int, k: int) -> dict:
+    from scipy.optimize import nnls
+    tokens = (points["batch"] * points["gamma"]).to_numpy().astype(float)
+    e = moesd_uniform(n, k, tokens)
+    a = np.c_[np.ones_like(tokens), e, tokens]
+    y = points["seconds"].to_numpy()
+    scale = a.max(0)
+    coef, _ = nnls(a / scale, y)
+    coef = coef / scale
+    pred = a @ coef
+    return dict(c0=coef[0], c1=coef[1], c2=coef[2],
+                relative_rmse=float(np.sqrt(((y - pred) ** 2).mean()) / y.mean()))
+
+
+def regime(tokens, n: int, k: int, coef: dict) -> list[str]:
+    tokens = np.asarray(tokens, dtype=float)
+    e = moesd_uniform(n, k, tokens)
+    out = []
+    for t, ei in zip(tokens, e):
+        if coef["c2"] * t > coef["c0"] + coef["c1"] * ei:
+            out.append("compute-bound")
+        elif ei < 0.9 * n:
+            out.append("expert growth")
+        else:
+            out.append("activation saturation")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from capture import models
+    from capture.moe_adapter import MoEAdapter
+    from capture.schema import partition_value
+    p = argparse.ArgumentParser(
+        prog="profile-target",
+        description="Time the target's forward at batch sizes b and gamma tokens per sequence on "
+                    "this device and store the points for MoESD's efficiency eta(b, gamma).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=models.DEFAULT_MODEL)
+    p.add_argument("--batches", default="1,2,4,8")
+    p.add_argument("--gammas", default="1,2,4,8,16,32,64")
+    p.add_argument("--prefix", type=int, default=128, help="cached tokens before the pass")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--out", type=Path, default=Path("traces"))
+    args = p.parse_args(argv)
+    try:
+        loaded = models.load(args.model, device=args.device, dtype=args.dtype)
+        batches = [int(x) for x in args.batches.split(",")]
+        gammas = sorted({1, *(int(x) for x in args.gammas.split(","))})
+    except (models.ModelError, ValueError) as exc:
+        print(f"profile-target: error: {exc}", file=sys.stderr)
+        return 2
+    adapter = MoEAdapter(loaded.model)
+    points = profile(loaded.model, batches, gammas, args.prefix, args.repeats)
+    folder = (args.out / "profile" / f"model={partition_value(loaded.name)}" /
+              f"device={loaded.device.type}")
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "part-0.parquet.tmp"
+    points.with_columns(prefix=pl.lit(args.prefix), num_experts=pl.lit(adapter.num_experts),
+                        top_k=pl.lit(adapter.top_k)).write_parquet(tmp)
+    tmp.replace(folder / "part-0.parquet")
+    eff = efficiency(points)
+    coef = fit(points, adapter.num_experts, adapter.top_k)
+    with pl.Config(tbl_rows=100):
+        print(eff.with_columns(regime=pl.Series(regime(
+            eff["batch"] * eff["gamma"], adapter.num_experts, adapter.top_k, coef))))
+    print(f"fit: T = {coef['c0']:.3g} + {coef['c1']:.3g}·E(bγ) + {coef['c2']:.3g}·bγ s "
+          f"(relative RMSE {coef['relative_rmse']:.1%}); wrote {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

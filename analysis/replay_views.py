@@ -1,0 +1,72 @@
+"""Views over replay results: error vs budget, matched-error budgets, oracle gap, closed loop.
+
+* ``error_vs_budget``: mean RSE (and token error, mass excluded) per ranking × coverage × budget
+  (MoE-Spec Fig. 5).
+* ``budget_at``: the budget a ranking needs to reach a target RSE, linearly interpolated on its
+  (decreasing) sweep.
+* ``oracle_gap``: for each router budget B, the budget the oracle needs for the router's RSE at B,
+  and the share of experts it saves, ``(B − B_oracle) / B`` (paper: ~25%) (Fig. 6).
+* ``closed_loop``: accepted length under budget, path-unchanged rate, top-1 agreement, KL.
+"""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import polars as pl
+
+
+def error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
+    return con.sql(f"""
+        SELECT {by}, ranking, coverage, budget, avg(rse) AS rse, avg(token_error) AS token_error,
+               avg(mass_excluded) AS mass_excluded, avg(experts_loaded) AS experts_loaded,
+               count(*) AS tree_layers
+        FROM replay_open GROUP BY ALL ORDER BY ALL
+    """).pl()
+
+
+def budget_at(budgets, rse, target: float) -> float:
+    """Smallest budget reaching ``target`` on a decreasing RSE curve (linear interpolation);
+    NaN when the curve never gets there."""
+    b, r = np.asarray(budgets, dtype=float), np.asarray(rse, dtype=float)
+    order = np.argsort(b)
+    b, r = b[order], r[order]
+    if target >= r[0]:
+        return float(b[0])
+    for i in range(1, len(b)):
+        if r[i] <= target:
+            return float(b[i - 1] + (b[i] - b[i - 1]) * (r[i - 1] - target) / (r[i - 1] - r[i]))
+    return float("nan")
+
+
+def matched_error(curves: pl.DataFrame, reference: str = "router") -> pl.DataFrame:
+    """For every reference budget B: the budget each ranking needs for the reference's RSE."""
+    rows = []
+    for (coverage,), frame in curves.group_by(["coverage"], maintain_order=True):
+        ref = frame.filter(pl.col("ranking") == reference).sort("budget")
+        for b, target in zip(ref["budget"], ref["rse"]):
+            for (ranking,), cur in frame.group_by(["ranking"], maintain_order=True):
+                cur = cur.sort("budget")
+                rows.append(dict(coverage=coverage, reference_budget=int(b), target_rse=target,
+                                 ranking=ranking,
+                                 budget_needed=budget_at(cur["budget"], cur["rse"], target)))
+    return pl.DataFrame(rows)
+
+
+def oracle_gap(curves: pl.DataFrame) -> pl.DataFrame:
+    m = matched_error(curves).filter(pl.col("ranking") == "oracle")
+    return m.with_columns(
+        experts_saved=pl.col("reference_budget") - pl.col("budget_needed"),
+        saved_share=(pl.col("reference_budget") - pl.col("budget_needed"))
+        / pl.col("reference_budget"))
+
+
+def closed_loop(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
+    return con.sql(f"""
+        SELECT {by}, ranking, coverage, budget, avg(accepted_length) AS tau,
+               avg(captured_accepted_length) AS tau_captured,
+               avg(path_unchanged::DOUBLE) AS path_unchanged, avg(top1_agreement) AS top1,
+               avg(mean_kl) AS kl, avg(list_avg(experts_loaded)) AS experts_loaded,
+               count(*) AS trees
+        FROM replay_closed GROUP BY ALL ORDER BY ALL
+    """).pl()
