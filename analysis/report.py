@@ -31,7 +31,7 @@ def speedup_frame(con, model: str, bench: str, manifest: dict, hardware: list[co
     trees = con.execute(f"""SELECT avg(accepted_length) tau, avg(prefix_len) prefix,
                         avg(list_avg(unique_experts)) uniq, any_value(nodes) m
                         FROM trees WHERE model = '{model}' AND bench = '{bench}'
-                        AND budget IS NULL""").fetchone()
+                        AND budget IS NULL""").fetchall()[0]
     if trees[0] is None:
         return None
     tau0, prefix, uniq, m = trees

@@ -194,8 +194,10 @@ def resolve_draft(draft: str) -> Path:
     path = Path(draft).expanduser()
     if path.is_dir():
         return path
-    if draft.count("/") != 1 or draft.startswith((".", "/", "~")):
-        raise ModelError(f"draft head {draft!r} is neither a folder nor a hub id (org/name)")
+    if path.is_absolute() or draft.startswith((".", "~")) or draft.count("/") != 1:
+        hint = (f"train it with `train-draft --model {path.name}`"
+                if path.parent == DRAFTS_DIR else "pass --draft with an existing folder or a hub id")
+        raise ModelError(f"draft head folder {draft} does not exist; {hint}")
     from huggingface_hub import snapshot_download
     try:
         return Path(snapshot_download(draft, local_files_only=not _hub_reachable()))

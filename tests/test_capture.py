@@ -49,7 +49,7 @@ def test_every_table_reads_with_plain_duckdb_pyarrow_polars(captured):
     for name in (*schema.TRACE_TABLES, "runs"):
         q = f"SELECT count(*), any_value(model), any_value(bench), any_value(run) FROM " \
             f"read_parquet('{captured}/{name}/**/*.parquet', hive_partitioning=true)"
-        n, model, bench, run = duckdb.execute(q).fetchone()
+        n, model, bench, run = duckdb.execute(q).fetchall()[0]
         assert (model, bench, run) == ("tiny-olmoe", "mbpp", "r1")
         assert ds.dataset(captured / name, format="parquet", partitioning="hive").count_rows() == n
         lf = pl.scan_parquet(f"{captured}/{name}/**/*.parquet", hive_partitioning=True)

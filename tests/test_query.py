@@ -20,7 +20,7 @@ def traces(tmp_path_factory):
 def test_views_cover_every_table_with_partition_columns(traces):
     con = connect(traces)
     assert set(views(con)) == {"sequences", "trees", "nodes", "routing", "moe_io", "runs"}
-    model, run, n = con.execute("SELECT any_value(model), any_value(run), count(*) FROM trees").fetchone()
+    model, run, n = con.execute("SELECT any_value(model), any_value(run), count(*) FROM trees").fetchall()[0]
     assert (model, run) == ("tiny-olmoe", "q") and n > 0
     per_layer = con.execute("SELECT layer, count(*) FROM routing GROUP BY layer").fetchall()
     assert len(per_layer) == 8

@@ -1,0 +1,121 @@
+"""Data access for the dashboard: one cached DuckDB connection, results cached per dataset version.
+
+The *version* of a traces folder is a digest of its manifests and Parquet files (names, sizes,
+modification times). Cached connections and frames are keyed by it, so a new capture or replay
+shows up on the next interaction without restarting the app.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+import streamlit as st
+
+from analysis import replay_views, routing
+from analysis.sql import connect, views
+
+
+def dataset_version(root: Path) -> str:
+    h = hashlib.sha256()
+    for dirpath, _, files in os.walk(root):
+        for f in sorted(files):
+            if f.endswith((".parquet", "manifest.json", "config.json")):
+                st_ = os.stat(os.path.join(dirpath, f))
+                h.update(f"{dirpath}/{f}:{st_.st_size}:{st_.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+@st.cache_resource(show_spinner=False)
+def connection(root: str, version: str):
+    return connect(root)
+
+
+@dataclass
+class Dataset:
+    root: Path
+    version: str
+    runs: pl.DataFrame  # one row per complete run
+    views: list[str]
+
+    @property
+    def con(self):
+        """A cursor of the cached connection (DuckDB connections are not shared across the
+        threads Streamlit runs sessions on; cursors are, and see the same views)."""
+        return connection(str(self.root), self.version).cursor()
+
+
+def load(root: Path) -> tuple[Dataset | None, str | None]:
+    """(dataset, None) or (None, a message saying what is missing or broken)."""
+    if not root.is_dir():
+        return None, f"No traces folder at `{root}` yet."
+    manifests = sorted(root.glob("runs/model=*/bench=*/run=*/manifest.json"))
+    rows = []
+    for path in manifests:
+        try:
+            m = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return None, f"The manifest `{path}` is corrupt; delete that run or recapture it."
+        rows.append(dict(model=m["model"], bench=m["bench"], run=m["run"], status=m["status"],
+                         prompts=m.get("prompts_total"), num_experts=m["num_experts"],
+                         top_k=m["top_k"], moe_layers=m["moe_layers"],
+                         model_location=m["model_location"], draft=m.get("draft"),
+                         budget=m["settings"].get("budget"), depth=m["settings"]["depth"]))
+    complete = [r for r in rows if r["status"] == "complete"]
+    if not complete:
+        return None, "No complete capture yet." + (
+            f" {len(rows)} run(s) still running or interrupted." if rows else "")
+    version = dataset_version(root)
+    try:
+        con = connection(str(root), version).cursor()
+        names = views(con)
+        con.execute("SELECT count(*) FROM trees").fetchall()[0]
+    except Exception as exc:  # noqa: BLE001 - a broken table must become a page, not a traceback
+        return None, f"A trace table could not be read ({type(exc).__name__}: " \
+                     f"{str(exc).splitlines()[0]}); recapture the affected run."
+    return Dataset(root, version, pl.DataFrame(complete), names), None
+
+
+@st.cache_data(show_spinner=False)
+def overview(root: str, version: str) -> pl.DataFrame:
+    return connection(root, version).cursor().sql("""
+        SELECT model, bench, run, count(DISTINCT prompt_index) AS prompts, count(*) AS trees,
+               avg(accepted_length) AS tau, avg(list_avg(unique_experts)) AS unique_experts,
+               avg(list_avg(experts_loaded)) AS experts_loaded, any_value(budget) AS budget
+        FROM trees GROUP BY ALL ORDER BY ALL""").pl()
+
+
+@st.cache_data(show_spinner=False)
+def heavy_tails(root: str, version: str) -> pl.DataFrame:
+    con = connection(root, version)
+    return routing.heavy_tails_summary(routing.heavy_tails(con.cursor()),
+                                       ("model", "bench", "layer"))
+
+
+@st.cache_data(show_spinner=False)
+def coverage(root: str, version: str) -> pl.DataFrame:
+    return routing.coverage_curve(connection(root, version).cursor())
+
+
+@st.cache_data(show_spinner=False)
+def growth(root: str, version: str) -> pl.DataFrame:
+    return routing.activation_growth(connection(root, version).cursor())
+
+
+@st.cache_data(show_spinner=False)
+def errors(root: str, version: str) -> pl.DataFrame:
+    return replay_views.error_vs_budget(connection(root, version).cursor())
+
+
+@st.cache_data(show_spinner=False)
+def closed(root: str, version: str) -> pl.DataFrame:
+    return replay_views.closed_loop(connection(root, version).cursor())
+
+
+@st.cache_data(show_spinner=False)
+def query(root: str, version: str, sql: str) -> pl.DataFrame:
+    return connection(root, version).cursor().sql(sql).pl()

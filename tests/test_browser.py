@@ -1,0 +1,109 @@
+"""The dashboard in a real browser: headless Chromium drives every page of a running app.
+
+Needs Debian's chromium and chromium-driver (.ci/run installs them); screenshots go to
+$MOESPEC_SCREENSHOTS (default: the test's temporary folder).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from app import pages
+from capture import cli as capture_cli
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DRIVER = shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
+                                reason="needs chromium and chromedriver (apt-get install "
+                                       "chromium chromium-driver; .ci/run does)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("browser")
+    assert capture_cli.main(["--limit", "2", "--max-new-tokens", "10", "--out", str(root),
+                             "--no-progress"]) == 0
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "app.launch", "--traces", str(root), "--port",
+                             str(port), "--headless"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                break
+        except OSError:
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail("the app did not start within 90 s")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--window-size=1400,1000"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    yield driver
+    driver.quit()
+
+
+def wait_idle(driver, timeout=60):
+    """Until Streamlit has finished running the script (no running indicator, content shown)."""
+    from selenium.webdriver.common.by import By
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        main = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stMainBlockContainer"]')
+        if main and not running and main[0].text.strip():
+            return
+        time.sleep(0.25)
+    raise AssertionError("page did not finish rendering")
+
+
+def test_every_page_in_headless_chromium(server, browser, tmp_path):
+    from selenium.webdriver.common.by import By
+    shots = Path(os.environ.get("MOESPEC_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    browser.get(server)
+    wait_idle(browser)
+    first = time.perf_counter() - start
+    print(f"first page rendered in {first:.2f} s")
+    for name in pages.PAGES:
+        labels = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stSidebar"] label')
+        target = [el for el in labels if el.text.strip() == name]
+        assert target, f"no sidebar entry {name!r}"
+        target[0].click()
+        time.sleep(0.5)
+        wait_idle(browser)
+        errors = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]')
+        assert not errors, f"{name}: {errors[0].text[:300]}"
+        headers = [h.text for h in browser.find_elements(
+            By.CSS_SELECTOR, '[data-testid="stMainBlockContainer"] h2')]
+        assert name in headers, (name, headers)
+        browser.save_screenshot(str(shots / f"{name.lower().replace(' ', '-')}.png"))
+    assert len(list(shots.glob("*.png"))) >= len(pages.PAGES)
