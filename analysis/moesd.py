@@ -24,6 +24,7 @@ import polars as pl
 import torch
 
 from analysis.routing import moesd_uniform
+from capture import console
 
 
 @torch.no_grad()
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     from capture import models
     from capture.moe_adapter import MoEAdapter
     from capture.schema import partition_value
-    p = argparse.ArgumentParser(
+    p = console.ArgumentParser(
         prog="profile-target",
         description="Time the target's forward at batch sizes b and gamma tokens per sequence on "
                     "this device and store the points for MoESD's efficiency eta(b, gamma).",
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", type=Path, default=Path("traces"))
     args = p.parse_args(argv)
+    models.quiet_transformers()
     try:
         loaded = models.load(args.model, device=args.device, dtype=args.dtype)
         batches = [int(x) for x in args.batches.split(",")]
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = (args.out / "profile" / f"model={partition_value(loaded.name)}" /
               f"device={loaded.device.type}")
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / "part-0.parquet.tmp"
+    tmp = folder / ".part-0.parquet.tmp"
     points.with_columns(prefix=pl.lit(args.prefix), num_experts=pl.lit(adapter.num_experts),
                         top_k=pl.lit(adapter.top_k)).write_parquet(tmp)
     tmp.replace(folder / "part-0.parquet")

@@ -14,12 +14,13 @@ from pathlib import Path
 import duckdb
 
 from analysis.sql import connect, views
+from capture import console
 
 FORMATS = ("table", "csv", "json", "parquet")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = console.ArgumentParser(
         prog="query",
         description="Run SQL over every trace table (sequences, trees, nodes, routing, moe_io, "
                     "runs) and replay result (replay_open, replay_closed) as named DuckDB views; "

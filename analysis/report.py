@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import polars as pl
 
 from analysis import coactivation, cost, figures, replay_views, routing
 from analysis.sql import connect, views
+from capture import console, schema
 
 
 def speedup_frame(con, model: str, bench: str, manifest: dict, hardware: list[cost.Hardware],
@@ -109,7 +109,7 @@ def write_report(traces: Path, out: Path) -> list[Path]:
     frames = all_frames(con)
     written = []
     out.mkdir(parents=True, exist_ok=True)
-    for manifest_path in sorted(traces.glob("runs/model=*/bench=*/run=*/manifest.json")):
+    for manifest_path in sorted(traces.glob(f"runs/model=*/bench=*/run=*/{schema.MANIFEST}")):
         manifest = json.loads(manifest_path.read_text())
         key = (manifest["model"], manifest["bench"])
         path = out / f"{key[0].replace('/', '--')}_{key[1]}.html"
@@ -121,7 +121,7 @@ def write_report(traces: Path, out: Path) -> list[Path]:
         html = (f"<html><head><meta charset='utf-8'><title>MoE-Spec workbench: {key[0]} / "
                 f"{key[1]}</title></head><body style='font-family:sans-serif;max-width:1200px;"
                 f"margin:auto'><h1>{key[0]} / {key[1]}</h1>" + "".join(parts) + "</body></html>")
-        tmp = path.with_name(path.name + ".tmp")
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(html, encoding="utf-8")
         tmp.replace(path)
         written.append(path)
@@ -129,7 +129,7 @@ def write_report(traces: Path, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="report", description="Write one self-contained HTML report "
+    p = console.ArgumentParser(prog="report", description="Write one self-contained HTML report "
                                 "per captured dataset (model × benchmark) with every figure.")
     p.add_argument("--traces", type=Path, default=Path("traces"))
     p.add_argument("--out", type=Path, default=Path("reports"))

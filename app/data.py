@@ -18,13 +18,14 @@ import streamlit as st
 
 from analysis import replay_views, routing
 from analysis.sql import connect, views
+from capture import schema
 
 
 def dataset_version(root: Path) -> str:
     h = hashlib.sha256()
     for dirpath, _, files in os.walk(root):
         for f in sorted(files):
-            if f.endswith((".parquet", "manifest.json", "config.json")):
+            if f.endswith((".parquet", "_manifest.json", "config.json")):
                 st_ = os.stat(os.path.join(dirpath, f))
                 h.update(f"{dirpath}/{f}:{st_.st_size}:{st_.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
@@ -53,7 +54,7 @@ def load(root: Path) -> tuple[Dataset | None, str | None]:
     """(dataset, None) or (None, a message saying what is missing or broken)."""
     if not root.is_dir():
         return None, f"No traces folder at `{root}` yet."
-    manifests = sorted(root.glob("runs/model=*/bench=*/run=*/manifest.json"))
+    manifests = sorted(root.glob(f"runs/model=*/bench=*/run=*/{schema.MANIFEST}"))
     rows = []
     for path in manifests:
         try:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
+from capture import console
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="workbench-app", description="Start the Streamlit dashboard "
+    p = console.ArgumentParser(prog="workbench-app", description="Start the Streamlit dashboard "
                                 "over a traces folder (captures and replay results).")
     p.add_argument("--traces", default="traces", help="traces root (default traces/)")
     p.add_argument("--port", type=int, default=8501)

@@ -46,8 +46,8 @@ def main() -> None:
     df = pl.read_parquet(f"{out}/replay_open/**/*.parquet", hive_partitioning=True)
     mean = df.group_by("ranking", "coverage", "budget").agg(pl.col("rse").mean()).sort("budget")
     for coverage in ("truncation", "substitution"):
-        print(f"\n{args.model}, {coverage}: mean RSE over {df.filter(pl.col('coverage') == coverage).height // 4} "
-              "tree-layer-budgets per ranking")
+        rows = df.filter(pl.col("coverage") == coverage).height // 4
+        print(f"\n{args.model}, {coverage}: mean RSE over {rows} tree-layer-budgets per ranking")
         curves = {r: mean.filter((pl.col("ranking") == r) & (pl.col("coverage") == coverage))
                   for r in ("static", "router", "oracle", "coact")}
         print(f"{'B':>4} {'static':>9} {'router':>9} {'coact':>9} {'oracle':>9} "

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from capture import benchmarks, models
+from capture import benchmarks, console, models
 from capture.eagle.draft_head import DraftHeadError
 from capture.moe_adapter import UnsupportedModelError
 from capture.run import CaptureSettings, CaptureSummary, capture_run
@@ -22,7 +22,7 @@ from replay.rankings import RUNTIME
 
 def parser() -> argparse.ArgumentParser:
     d = CaptureSettings()
-    p = argparse.ArgumentParser(
+    p = console.ArgumentParser(
         prog="capture",
         description="Run real EAGLE tree drafting and verification on a Hugging Face MoE model "
                     "over a benchmark and write, per verification pass, tree node and MoE layer, "
@@ -101,6 +101,7 @@ def print_summary(s: CaptureSummary) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    models.quiet_transformers()
     settings = CaptureSettings(
         model=args.model, bench=args.bench, draft=args.draft, offset=args.offset,
         limit=args.limit or None, max_new_tokens=args.max_new_tokens,

@@ -10,7 +10,6 @@ EAGLE verification tree.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
@@ -18,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from capture import benchmarks, models
+from capture import benchmarks, console, models
 from capture.moe_adapter import MoEAdapter, UnsupportedModelError
 
 PROBE_TOKENS = 63
@@ -67,7 +66,7 @@ def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = console.ArgumentParser(
         prog="inspect-model",
         description="Load a MoE model (alias, hub id or local folder) and print its MoE structure, "
                     "quality record and a live routing probe.")
@@ -83,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                    f"${benchmarks.ENV_VAR} or ../shared/data/benchmarks)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
+    models.quiet_transformers()
     try:
         loaded = models.load(args.model, device=args.device, dtype=args.dtype)
         adapter = MoEAdapter(loaded.model)

@@ -115,6 +115,14 @@ def _ensure_available(source: ModelSource) -> None:
                      f"cache and the hub cannot be reached (offline); {hint}")
 
 
+def quiet_transformers() -> None:
+    """Command-line tools print their own progress and one-line errors: silence transformers'
+    weight-loading bars and advisory warnings."""
+    from transformers.utils import logging
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
 def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -3,13 +3,15 @@
 Layout (hive partitioning, readable by DuckDB, pyarrow and polars with no project code)::
 
     <root>/<table>/model=<model>/bench=<bench>/run=<run>/part-<prompt>-<chunk>.parquet
-    <root>/runs/model=<model>/bench=<bench>/run=<run>/manifest.json   (+ part-0.parquet when complete)
+    <root>/runs/model=<model>/bench=<bench>/run=<run>/_manifest.json  (+ part-0.parquet when complete)
 
 Partition columns (``model``, ``bench``, ``run``) are not stored in the files; readers get them
-from the paths. A prompt's files are written to ``*.parquet.tmp`` and renamed; ``sequences`` is
-written last, so a prompt is complete exactly when its ``sequences`` part exists. Notation as in
-DESIGN.md: for tree node t and MoE layer ℓ, ``g_t`` router softmax (N), ``T_k(t)`` natural top-k,
-``ḡ`` mixing weights, ``h_t`` MoE input, ``O*_t`` gold MoE output.
+from the paths. A prompt's files are written to ``.<name>.tmp`` and renamed; ``sequences`` is
+written last, so a prompt is complete exactly when its ``sequences`` part exists. Files whose
+names start with ``_`` or ``.`` (the manifest, files being written) are skipped by pyarrow's
+dataset discovery and never match ``*.parquet`` globs, so plain readers see only finished parts.
+Notation as in DESIGN.md: for tree node t and MoE layer ℓ, ``g_t`` router softmax (N),
+``T_k(t)`` natural top-k, ``ḡ`` mixing weights, ``h_t`` MoE input, ``O*_t`` gold MoE output.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
+MANIFEST = "_manifest.json"  # per run, beside the runs table's part
 PARTITIONS = ("model", "bench", "run")
 
 _KEY = [

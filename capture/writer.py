@@ -1,10 +1,10 @@
 """Atomic, resumable writing of one capture run (layout and tables in :mod:`capture.schema`).
 
-* Every file is written as ``<name>.parquet.tmp`` and renamed, so a reader never sees half a file.
+* Every file is written as ``.<name>.tmp`` and renamed, so a reader never sees half a file.
 * A prompt's tables are written in :data:`schema.TRACE_TABLES` order with ``sequences`` last:
   the prompt is complete exactly when its ``sequences`` part exists. On resume, any other parts
   of an incomplete prompt are deleted and the prompt is captured again.
-* ``manifest.json`` says ``"status": "running"`` until every prompt is done, then
+* ``_manifest.json`` says ``"status": "running"`` until every prompt is done, then
   ``"complete"`` (and a one-row ``runs`` part is written), so a run is never mistaken for
   complete. Rerunning with different settings is refused.
 """
@@ -25,8 +25,13 @@ class CaptureError(RuntimeError):
     """A run that cannot be written or resumed; the message is one line for the user."""
 
 
+def _tmp(path: Path) -> Path:
+    """Hidden while being written: pyarrow skips '.'-files and '*.parquet' globs miss '.tmp'."""
+    return path.with_name(f".{path.name}.tmp")
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _tmp(path)
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -35,7 +40,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def _atomic_write_table(path: Path, table: pa.Table) -> int:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = _tmp(path)
     pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, path)
     return path.stat().st_size
@@ -52,7 +57,7 @@ class RunWriter:
 
     @property
     def manifest_path(self) -> Path:
-        return self.table_dir("runs") / "manifest.json"
+        return self.table_dir("runs") / schema.MANIFEST
 
     def read_manifest(self) -> dict | None:
         if not self.manifest_path.is_file():
@@ -66,6 +71,7 @@ class RunWriter:
     def start(self, manifest: dict) -> set[int]:
         """Create or resume the run; returns the prompt indices already complete."""
         old = self.read_manifest()
+        manifest = json.loads(json.dumps(manifest))  # compare as stored (tuples become lists)
         if old is not None and old["settings"] != manifest["settings"]:
             changed = sorted(k for k in set(old["settings"]) | set(manifest["settings"])
                              if old["settings"].get(k) != manifest["settings"].get(k))

@@ -11,16 +11,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from capture import models
+from capture import console, models
 from capture.moe_adapter import MoEAdapter
 from replay import rankings
 from replay.data import ReplayError, find_runs
-from replay.run import (ReplaySettings, calibrate, check_disjoint, parse_budgets, replay_run,
-                        summary_frame)
+from replay.run import ReplaySettings, calibrate, check_disjoint, parse_budgets, replay_run, summary_frame
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = console.ArgumentParser(
         prog="replay",
         description="Replay captured verification trees under expert budgets. Open loop: every "
                     "MoE layer of every tree is recomputed from its captured input under each "
@@ -52,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    models.quiet_transformers()
     try:
         runs = find_runs(args.traces, model=args.model, bench=args.bench, runs=args.run)
         runs = [r for r in runs if r.name not in args.calibration]

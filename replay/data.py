@@ -51,7 +51,7 @@ class CapturedRun:
 def find_runs(root: Path, *, model: str | None = None, bench: str | None = None,
               runs: list[str] | None = None) -> list[CapturedRun]:
     root = Path(root)
-    manifests = sorted(root.glob("runs/model=*/bench=*/run=*/manifest.json"))
+    manifests = sorted(root.glob(f"runs/model=*/bench=*/run=*/{schema.MANIFEST}"))
     if not manifests:
         raise ReplayError(f"no captured runs under {root}; run `capture` first or point --traces "
                           "at a traces folder")

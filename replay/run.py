@@ -160,7 +160,7 @@ def open_loop_rows(tl_data, layer, settings: ReplaySettings, stats: CoactStats |
 
 
 def _write_atomic(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.tmp")
     pq.write_table(table, tmp, compression="zstd")
     os.replace(tmp, path)
 

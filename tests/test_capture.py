@@ -59,7 +59,7 @@ def test_every_table_reads_with_plain_duckdb_pyarrow_polars(captured):
     assert counts["sequences"] == 2 and counts["runs"] == 1
     assert counts["nodes"] == trees * 63
     assert counts["routing"] == counts["moe_io"] == trees * 63 * 8
-    manifest = json.loads(next(captured.glob("runs/**/manifest.json")).read_text())
+    manifest = json.loads(next(captured.glob("runs/**/_manifest.json")).read_text())
     assert manifest["status"] == "complete" and manifest["schema_version"] == schema.SCHEMA_VERSION
 
 
@@ -118,15 +118,15 @@ def test_sigkill_then_rerun_resumes_and_equals_uninterrupted(captured, tmp_path)
         time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    manifest = json.loads(next(tmp_path.glob("runs/**/manifest.json")).read_text())
+    manifest = json.loads(next(tmp_path.glob("runs/**/_manifest.json")).read_text())
     assert manifest["status"] == "running"
     done_before = len(list(seq_dir.glob("part-*.parquet")))
     assert 1 <= done_before < 3
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr
     assert f"({done_before} resumed)" in r.stdout
-    full = tmp_path / "full"
-    assert cli.main([*args[:-4], "--out", str(full), "--run", "r1"]) == 0
+    full = tmp_path / "full"  # uninterrupted, in the same kind of process (same threads)
+    assert run_cli(*args[:-4], "--out", str(full), "--run", "r1").returncode == 0
     for name in schema.TRACE_TABLES:
         assert comparable(tmp_path, name).equals(comparable(full, name)), name
     assert not list(tmp_path.rglob("*.tmp"))
@@ -163,6 +163,8 @@ def test_budget_caps_the_experts_loaded(tmp_path, coverage):
     (["--budget", "4", "--coverage", "substitution"], "out of range"),
     (["--budget", "0", "--coverage", "truncation"], "out of range"),
     (["--draft", "data/drafts/tiny-mixtral"], "trained for a mixtral"),
+    (["--draft", "data/drafts/nothing"], "does not exist"),
+    (["--budget", "16", "--ranking", "coact"], "needs --calibration"),
 ])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, args, message):
     r = run_cli(*BASE, "--out", str(tmp_path), *args)
@@ -181,3 +183,17 @@ def test_unwritable_output_is_one_line(tmp_path):
     blocker.write_text("x")
     r = run_cli(*BASE, "--out", str(blocker / "traces"))
     assert r.returncode == 2 and "choose a writable --out" in r.stderr
+
+
+def test_online_static_and_coact_rankings_use_disjoint_calibration(captured, tmp_path):
+    assert cli.main([*BASE[:1], "1", *BASE[2:], "--offset", "100", "--out", str(captured),
+                     "--run", "cal"]) == 0
+    for ranking in ("static", "coact"):
+        assert cli.main([*BASE, "--out", str(captured), "--run", f"online-{ranking}",
+                         "--budget", "16", "--ranking", ranking, "--calibration", "cal"]) == 0
+        trees = pq.read_table(captured / "trees" / "model=tiny-olmoe" / "bench=mbpp" /
+                              f"run=online-{ranking}").to_pylist()
+        assert all(max(t["experts_loaded"]) <= 16 and t["ranking"] == ranking for t in trees)
+    r = run_cli(*BASE, "--out", str(captured), "--run", "bad", "--budget", "16", "--ranking",
+                "static", "--calibration", "r1")
+    assert r.returncode == 2 and "share 2 prompts" in r.stderr

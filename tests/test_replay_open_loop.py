@@ -9,8 +9,16 @@ from hypothesis import strategies as st
 
 from replay import budget as budgets
 from replay.coact import coact_order
-from replay.open_loop import (TreeLayer, approximate, exact_best, metrics, oracle_order,
-                              policy, prefix_masks, token_sq_errors)
+from replay.open_loop import (
+    TreeLayer,
+    approximate,
+    exact_best,
+    metrics,
+    oracle_order,
+    policy,
+    prefix_masks,
+    token_sq_errors,
+)
 
 
 def errors(gold, approx):

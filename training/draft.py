@@ -19,7 +19,6 @@ most frequent target tokens of the training data (``d2t``/``t2d`` as in EAGLE-3)
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -29,9 +28,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from capture import benchmarks, models
-from capture.eagle.draft_head import (DraftConfig, Eagle3Draft, default_feature_layers,
-                                      load_draft)
+from capture import benchmarks, console, models
+from capture.eagle.draft_head import DraftConfig, Eagle3Draft, default_feature_layers, load_draft
 from capture.eagle.verify import FeatureTap
 from training import corpus
 from training.atomic import atomic_folder
@@ -173,7 +171,7 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="train-draft", description=(
+    p = console.ArgumentParser(prog="train-draft", description=(
         "Train an EAGLE-3 draft head for a target model with training-time test, offline, and "
         "write it in EAGLE's checkpoint layout (config.json + model.safetensors)."))
     p.add_argument("--model", default=models.DEFAULT_MODEL, help="target: alias, hub id or folder")
@@ -190,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--benchmarks", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
+    models.quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:

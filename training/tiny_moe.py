@@ -16,7 +16,6 @@ machine and library versions.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -27,9 +26,17 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import (AutoTokenizer, MixtralConfig, MixtralForCausalLM, OlmoeConfig,
-                          OlmoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (
+    AutoTokenizer,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
+from capture import console, models
 from capture.models import EMBEDDED_DIR
 from training import corpus, quality
 from training.atomic import atomic_folder
@@ -161,7 +168,7 @@ def save(model, tokenizer, out: Path, training: dict, benchmarks_root=None) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = console.ArgumentParser(
         prog="train-tiny",
         description="Train one embedded tiny MoE model on the offline corpus and write it, with "
                     "its tokenizer and quality record, as a Hugging Face folder.")
@@ -176,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--benchmarks", default=None, help="benchmarks folder (train splits)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = p.parse_args(argv)
+    models.quiet_transformers()
     if args.threads:
         torch.set_num_threads(args.threads)
     out = args.out or EMBEDDED_DIR / args.model

@@ -18,8 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import (LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from capture.eagle.tree import DraftTree
 

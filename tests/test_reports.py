@@ -1,0 +1,33 @@
+"""report and profile-target through their real entry points."""
+
+import polars as pl
+
+from analysis import moesd, report
+from capture import cli as capture_cli
+from replay import cli as replay_cli
+
+
+def test_report_writes_one_self_contained_html_per_dataset(tmp_path):
+    traces = tmp_path / "traces"
+    for bench in ("mbpp", "gsm8k"):
+        assert capture_cli.main(["--bench", bench, "--limit", "1", "--max-new-tokens", "8",
+                                 "--out", str(traces), "--no-progress"]) == 0
+    assert replay_cli.main(["--traces", str(traces), "--bench", "mbpp", "--ranking", "router",
+                            "oracle", "--budget", "16,32", "--no-progress"]) == 0
+    assert report.main(["--traces", str(traces), "--out", str(tmp_path / "r")]) == 0
+    files = sorted(p.name for p in (tmp_path / "r").iterdir())
+    assert files == ["tiny-olmoe_gsm8k.html", "tiny-olmoe_mbpp.html"]
+    html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
+    assert html.count('class="plotly-graph-div"') >= 9  # routing figures + replay + speedup
+    assert "plotly.js" in html or "Plotly" in html[:200000]  # the library is inlined once
+    assert "Oracle gap" in html and "Projected speedup" in html
+    assert report.main(["--traces", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_profile_target_stores_points_and_fits(tmp_path, capsys):
+    assert moesd.main(["--model", "tiny-mixtral", "--batches", "1,2", "--gammas", "1,4",
+                       "--prefix", "8", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    points = pl.read_parquet(tmp_path / "profile" / "model=tiny-mixtral" / "device=cpu" /
+                             "part-0.parquet")
+    assert points.height == 4 and (points["seconds"] > 0).all()
+    assert "fit: T =" in capsys.readouterr().out
