@@ -90,3 +90,13 @@ def efficiency(frame: pl.DataFrame) -> go.Figure:
     fig.update_xaxes(title="tokens per sequence γ")
     fig.update_yaxes(title="η(b, γ) = T(b,1) / T(b,γ)")
     return _style(fig, "MoESD target efficiency")
+
+
+def calibration(frame: pl.DataFrame, title: str) -> go.Figure:
+    fig = px.scatter(frame.to_pandas(), x="predicted", y="measured", color="experts_loaded")
+    lim = [0, float(max(frame["predicted"].max(), frame["measured"].max())) * 1.05]
+    fig.add_scatter(x=lim, y=lim, mode="lines", line=dict(dash="dash", color="black"),
+                    name="measured = predicted")
+    fig.update_xaxes(title="calibrated roofline prediction (s)")
+    fig.update_yaxes(title="measured verify time (s)")
+    return _style(fig, title)

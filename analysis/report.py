@@ -75,7 +75,8 @@ def all_frames(con) -> dict[str, pl.DataFrame]:
     return frames
 
 
-def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict) -> list:
+def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
+                    root: Path | None = None) -> list:
     pick = lambda name: frames[name].filter((pl.col("model") == model)  # noqa: E731
                                             & (pl.col("bench") == bench))
     figs = [figures.heavy_tails(pick("tails")), figures.coverage(pick("coverage")),
@@ -99,7 +100,53 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict) -
     sp = speedup_frame(con, model, bench, manifest, list(cost.PROFILES.values()))
     if sp is not None:
         figs.append(figures.speedup(sp))
+    fitted = calibration_frame(con, model, bench, manifest)
+    if fitted is not None:
+        frame, cal = fitted
+        figs.append(figures.calibration(frame, (
+            f"Cost model calibrated on {cal.points} measured verification passes: "
+            f"T = {cal.alpha:.3g}·T_mem + {cal.beta:.3g}·T_flop + {cal.gamma * 1e3:.3g} ms, "
+            f"relative RMSE {cal.relative_rmse:.1%}, R² {cal.r2:.2f}")))
+    eta = efficiency_frame(root, model)
+    if eta is not None:
+        figs.append(figures.efficiency(eta))
     return figs
+
+
+def calibration_frame(con, model: str, bench: str, manifest: dict,
+                      hw: cost.Hardware = cost.PROFILES["A100-80G"]):
+    """Least-squares calibration of the roofline (datasheet shape of ``hw``) to this dataset's
+    measured verify times; (measured vs predicted frame, Calibration) or None."""
+    from transformers import AutoConfig
+    t = con.sql(f"""SELECT verify_seconds AS measured, nodes, prefix_len,
+                    list_avg(experts_loaded) AS experts_loaded FROM trees
+                    WHERE model = '{model}' AND bench = '{bench}'""").pl()
+    if t.height < 4:
+        return None
+    try:
+        shape = cost.ModelShape.from_config(AutoConfig.from_pretrained(manifest["model_location"]))
+    except (OSError, ValueError):
+        return None
+    cal = cost.calibrate(shape, hw, t["measured"], t["nodes"], t["prefix_len"],
+                         t["experts_loaded"])
+    parts = np.array([cost.pass_time(shape, hw, n, p, e)[1:] for n, p, e in
+                      zip(t["nodes"], t["prefix_len"], t["experts_loaded"])])
+    return t.with_columns(predicted=pl.Series(cal.predict(parts[:, 0], parts[:, 1]))), cal
+
+
+def efficiency_frame(root: Path | None, model: str) -> pl.DataFrame | None:
+    """MoESD η(b, γ) with regimes from ``profile-target`` points, if any were stored."""
+    from analysis import moesd
+    if root is None:
+        return None
+    parts = sorted(Path(root).glob(f"profile/model={model.replace('/', '--')}/device=*/*.parquet"))
+    if not parts:
+        return None
+    points = pl.read_parquet(parts[-1])
+    n, k = int(points["num_experts"][0]), int(points["top_k"][0])
+    eff = moesd.efficiency(points.select("batch", "gamma", "seconds"))
+    coef = moesd.fit(points, n, k)
+    return eff.with_columns(regime=pl.Series(moesd.regime(eff["batch"] * eff["gamma"], n, k, coef)))
 
 
 def write_report(traces: Path, out: Path) -> list[Path]:
@@ -115,7 +162,7 @@ def write_report(traces: Path, out: Path) -> list[Path]:
         path = out / f"{key[0].replace('/', '--')}_{key[1]}.html"
         if path in written or manifest.get("status") != "complete":
             continue
-        figs = dataset_figures(con, frames, *key, manifest)
+        figs = dataset_figures(con, frames, *key, manifest, traces)
         parts = [pio.to_html(f, include_plotlyjs=(i == 0), full_html=False)
                  for i, f in enumerate(figs)]
         html = (f"<html><head><meta charset='utf-8'><title>MoE-Spec workbench: {key[0]} / "

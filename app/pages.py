@@ -204,9 +204,11 @@ def tree_viewer(ds: data.Dataset) -> None:
 
 def _tree_figure(nodes: pl.DataFrame, dropped: list) -> go.Figure:
     depth = nodes["depth"].to_numpy()
+    parent = nodes["parent"].to_numpy()
     x = np.zeros(len(depth))
-    for d in np.unique(depth):
+    for d in np.unique(depth):  # children ordered by their parent's place: fewer crossings
         idx = np.flatnonzero(depth == d)
+        idx = idx[np.lexsort((idx, x[np.maximum(parent[idx], 0)]))]
         x[idx] = np.linspace(-1, 1, len(idx)) if len(idx) > 1 else 0
     fig = go.Figure()
     ex, ey = [], []

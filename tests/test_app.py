@@ -1,6 +1,7 @@
 """The dashboard under Streamlit's AppTest: every page, its selectors, no-data and broken data."""
 
 import sys
+from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
@@ -9,7 +10,7 @@ from app import pages
 from capture import cli as capture_cli
 from replay import cli as replay_cli
 
-APP = "app/main.py"
+APP = str(Path(__file__).resolve().parent.parent / "app" / "main.py")
 CAP = ["--model", "tiny-olmoe", "--max-new-tokens", "10", "--no-progress"]
 
 

@@ -10,17 +10,21 @@ from replay import cli as replay_cli
 def test_report_writes_one_self_contained_html_per_dataset(tmp_path):
     traces = tmp_path / "traces"
     for bench in ("mbpp", "gsm8k"):
-        assert capture_cli.main(["--bench", bench, "--limit", "1", "--max-new-tokens", "8",
+        assert capture_cli.main(["--bench", bench, "--limit", "2", "--max-new-tokens", "16",
                                  "--out", str(traces), "--no-progress"]) == 0
     assert replay_cli.main(["--traces", str(traces), "--bench", "mbpp", "--ranking", "router",
                             "oracle", "--budget", "16,32", "--no-progress"]) == 0
+    assert moesd.main(["--model", "tiny-olmoe", "--batches", "1", "--gammas", "1,4,16",
+                       "--prefix", "8", "--repeats", "1", "--out", str(traces)]) == 0
     assert report.main(["--traces", str(traces), "--out", str(tmp_path / "r")]) == 0
     files = sorted(p.name for p in (tmp_path / "r").iterdir())
     assert files == ["tiny-olmoe_gsm8k.html", "tiny-olmoe_mbpp.html"]
     html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
-    assert html.count('class="plotly-graph-div"') >= 9  # routing figures + replay + speedup
+    assert html.count('class="plotly-graph-div"') >= 11  # routing, replay, cost, eta figures
     assert "plotly.js" in html or "Plotly" in html[:200000]  # the library is inlined once
-    assert "Oracle gap" in html and "Projected speedup" in html
+    for title in ("Oracle gap", "Projected speedup", "Cost model calibrated", "MoESD target "
+                  "efficiency", "Co-activation, layer 0", "Expert activation growth"):
+        assert title in html, title
     assert report.main(["--traces", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
 
 
