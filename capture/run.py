@@ -121,25 +121,31 @@ def layer_tables(prompt_index: int, prompt_id: str, step: int, records: list[Lay
 def step_tables(prompt_index: int, prompt_id: str, gen: Generation, stats: dict,
                 budget: BudgetSettings | None) -> tuple[pa.Table, pa.Table]:
     """``trees`` (one row per pass) and ``nodes`` (one row per tree node) of a prompt."""
-    trees, nodes = [], []
-    for s in gen.steps:
-        unique, loaded = stats[s.step]
-        trees.append(dict(prompt_index=prompt_index, prompt_id=prompt_id, step=s.step,
-                          prefix_len=s.prefix_len, nodes=s.tree.size,
-                          depth=int(s.tree.depth.max()), accepted_length=s.accepted_length,
-                          draft_seconds=s.draft_seconds, verify_seconds=s.verify_seconds,
-                          unique_experts=unique, experts_loaded=loaded,
-                          budget=budget.budget if budget else None,
-                          ranking=budget.ranking if budget else None,
-                          coverage=budget.coverage if budget else None))
-        accepted = set(s.path)
-        for j, (par, dep, tok, sc) in enumerate(zip(s.tree.parents.tolist(), s.tree.depth.tolist(),
-                                                    s.tree.tokens.tolist(), s.tree.scores.tolist())):
-            nodes.append(dict(prompt_index=prompt_index, prompt_id=prompt_id, step=s.step, node=j,
-                              parent=par, depth=dep, token_id=tok, draft_logprob=sc,
-                              accepted=j in accepted))
+    trees = [dict(prompt_index=prompt_index, prompt_id=prompt_id, step=s.step,
+                  prefix_len=s.prefix_len, nodes=s.tree.size, depth=int(s.tree.depth.max()),
+                  accepted_length=s.accepted_length, draft_seconds=s.draft_seconds,
+                  verify_seconds=s.verify_seconds, unique_experts=stats[s.step][0],
+                  experts_loaded=stats[s.step][1], budget=budget.budget if budget else None,
+                  ranking=budget.ranking if budget else None,
+                  coverage=budget.coverage if budget else None) for s in gen.steps]
+    cat = lambda f: torch.cat([f(s) for s in gen.steps]).cpu().numpy()  # noqa: E731
+    sizes = [s.tree.size for s in gen.steps]
+    accepted = np.zeros(sum(sizes), dtype=bool)
+    offsets = np.cumsum([0, *sizes[:-1]])
+    for off, s in zip(offsets, gen.steps):
+        accepted[off + np.asarray(s.path)] = True
+    rows = sum(sizes)
+    nodes = {"prompt_index": np.full(rows, prompt_index, np.int32),
+             "prompt_id": [prompt_id] * rows,
+             "step": np.repeat([s.step for s in gen.steps], sizes).astype(np.int32),
+             "node": np.concatenate([np.arange(n) for n in sizes]).astype(np.int16),
+             "parent": cat(lambda s: s.tree.parents).astype(np.int16),
+             "depth": cat(lambda s: s.tree.depth).astype(np.int16),
+             "token_id": cat(lambda s: s.tree.tokens).astype(np.int32),
+             "draft_logprob": cat(lambda s: s.tree.scores.float()).astype(np.float32),
+             "accepted": accepted}
     return (pa.Table.from_pylist(trees, schema=schema.TABLES["trees"]),
-            pa.Table.from_pylist(nodes, schema=schema.TABLES["nodes"]))
+            pa.Table.from_pydict(nodes, schema=schema.TABLES["nodes"]))
 
 
 def _versions() -> dict:

@@ -40,8 +40,13 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def _atomic_write_table(path: Path, table: pa.Table) -> int:
+    """zstd, dictionary encoding and statistics for scalar columns only: dictionary-encoding
+    float vectors costs time and space, and their min/max help no query."""
     tmp = _tmp(path)
-    pq.write_table(table, tmp, compression="zstd")
+    scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
+    strings = [f.name for f in table.schema if pa.types.is_string(f.type)]
+    pq.write_table(table, tmp, compression="zstd", use_dictionary=strings,
+                   write_statistics=scalar)
     os.replace(tmp, path)
     return path.stat().st_size
 

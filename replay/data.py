@@ -80,7 +80,7 @@ def find_runs(root: Path, *, model: str | None = None, bench: str | None = None,
 def _matrix(column: pa.ChunkedArray, dtype=np.float32) -> np.ndarray:
     """A list column of equal-length rows as a 2-D array (no Python objects)."""
     arr = column.combine_chunks()
-    values = arr.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    values = arr.flatten().to_numpy(zero_copy_only=False).astype(dtype)  # a writable copy
     return values.reshape(len(arr), -1)
 
 
