@@ -24,6 +24,39 @@ from replay.data import find_runs, iter_tree_layers
 from replay.run import ReplaySettings, calibrate, open_loop_rows, parse_budgets
 
 
+def olmoe_sized(items, settings, stats, renormalize) -> None:
+    """The same sweep on the same routing, with one OLMoE-1B-7B-sized expert layer (N=64,
+    H=2048, I=1024, random weights): the recompute grows with the experts, the sweep barely."""
+    from transformers import OlmoeConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+
+    from capture.moe_adapter import MoELayer
+    from replay.data import TreeLayerData
+    torch.manual_seed(0)
+    block = OlmoeSparseMoeBlock(OlmoeConfig(hidden_size=2048, intermediate_size=1024,
+                                            num_experts=64, num_experts_per_tok=8))
+    for p_ in block.parameters():
+        torch.nn.init.normal_(p_, std=0.02)
+    layer = MoELayer(0, block, block.gate, block.experts, 64, 8, renormalize)
+    big = []
+    with torch.no_grad():
+        for tl in items:
+            h = torch.randn(tl.probs.shape[0], 2048)
+            out = layer.moe_output(h, tl.idx, tl.weights)
+            big.append(TreeLayerData(tl.prompt_index, tl.prompt_id, tl.step, tl.layer, tl.probs,
+                                     tl.idx, tl.weights, h, out))
+        t0 = time.perf_counter()
+        for tl in big:
+            layer.all_expert_outputs(tl.hidden)
+        recompute = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for tl in big:
+        open_loop_rows(tl, layer, settings, stats, "float32", "olmoe-sized")
+    sweep = time.perf_counter() - t0
+    print(f"  same sweep at OLMoE-1B-7B expert size ({len(big)} tree-layers): "
+          f"{sweep / recompute:.2f}x one all-experts recompute")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, default=Path("traces"))
@@ -47,12 +80,13 @@ def main() -> None:
             adapter.layer(tl.layer).all_expert_outputs(tl.hidden)
     recompute = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rows = sum(len(open_loop_rows(tl, adapter.layer(tl.layer), settings, stats, hidden_dtype,
-                                  run.name)) for tl in items)
+    rows = sum(len(b["budget"]) for tl in items for b in open_loop_rows(
+        tl, adapter.layer(tl.layer), settings, stats, hidden_dtype, run.name))
     sweep = time.perf_counter() - t0
     print(f"{len(items)} tree-layers, {rows} result rows ({', '.join(ranks)} x 2 policies x "
           f"{len(settings.budgets)} budgets)")
     print(f"full sweep / one all-experts recompute: {sweep / recompute:.2f}x (goal <= 3x)")
+    olmoe_sized(items[:16], settings, stats, adapter.renormalize)
 
     # selection vs the verification forward, both timed here on the first prompt's trees
     from transformers import DynamicCache

@@ -161,9 +161,9 @@ def exact_best(tl: TreeLayer, coverage: str, budget: int) -> torch.Tensor | None
     return best
 
 
-def prefix_masks(order: list[int], budgets_: list[int], n: int) -> torch.Tensor:
+def prefix_masks(order, budgets_: list[int], n: int) -> torch.Tensor:
     """Shortlists of the first B experts of a selection order, one row per budget."""
-    keep = torch.zeros(len(budgets_), n, dtype=torch.bool)
-    for row, b in enumerate(budgets_):
-        keep[row, order[:b]] = True
-    return keep
+    order = torch.as_tensor(order, dtype=torch.long)
+    rank = torch.full((n,), n, dtype=torch.long)  # experts outside the order: never kept
+    rank[order] = torch.arange(len(order))
+    return rank[None] < torch.as_tensor(budgets_)[:, None]

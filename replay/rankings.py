@@ -31,8 +31,9 @@ def dense_weights(idx: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Ten
 
 
 def runtime_order(ranking: str, probs: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                  layer: int, stats: CoactStats | None) -> list[int]:
-    """All N experts in the order a runtime ranking would add them to the shortlist."""
+                  layer: int, stats: CoactStats | None) -> torch.Tensor:
+    """All N expert ids (a LongTensor) in the order a runtime ranking adds them to the
+    shortlist."""
     n = probs.shape[-1]
     mass = budgets.router_scores(probs)
     if ranking == "router":
@@ -40,14 +41,16 @@ def runtime_order(ranking: str, probs: torch.Tensor, idx: torch.Tensor, weights:
     elif ranking == "static":
         scores = stats.selection_counts(layer).to(probs.device)
     elif ranking == "coact":
-        return coact_order(dense_weights(idx, weights.float(), n), stats.mean_gram(layer).to(
-            probs.device), mass, n)
+        order = coact_order(dense_weights(idx, weights.float(), n),
+                            stats.mean_gram(layer).to(probs.device), mass, n)
+        return torch.tensor(order, device=probs.device)
     else:
         raise ValueError(f"{ranking!r} is not a runtime ranking; use one of {', '.join(RUNTIME)}")
-    return torch.argsort(scores, descending=True, stable=True).tolist()
+    return torch.argsort(scores, descending=True, stable=True)
 
 
-def keep_mask(order: list[int], budget: int, n: int, device=None) -> torch.Tensor:
+def keep_mask(order, budget: int, n: int, device=None) -> torch.Tensor:
+    """Boolean ``[N]``: the first ``budget`` experts of ``order``."""
     keep = torch.zeros(n, dtype=torch.bool, device=device)
-    keep[order[:budget]] = True
+    keep[torch.as_tensor(order[:budget], device=device, dtype=torch.long)] = True
     return keep

@@ -24,6 +24,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
@@ -116,7 +117,8 @@ def _check_gold(tl, recomputed: torch.Tensor, hidden_dtype: str, run: str) -> No
 
 def open_loop_rows(tl_data, layer, settings: ReplaySettings, stats: CoactStats | None,
                    hidden_dtype: str, run: str) -> list[dict]:
-    """Every ranking × coverage × budget for one (tree, layer)."""
+    """Every ranking × coverage × budget for one (tree, layer), as column blocks (one dict of
+    equal-length arrays per ranking × coverage; see :func:`blocks_to_table`)."""
     dev = next(layer.experts.parameters()).device
     dtype = next(layer.experts.parameters()).dtype
     with torch.no_grad():
@@ -148,15 +150,28 @@ def open_loop_rows(tl_data, layer, settings: ReplaySettings, stats: CoactStats |
                 if not valid:
                     continue
             m = open_loop.metrics(tl, masks, coverage)
-            for i, b in enumerate(valid):
-                rows.append(dict(prompt_index=tl_data.prompt_index, prompt_id=tl_data.prompt_id,
-                                 step=tl_data.step, layer=tl_data.layer, ranking=ranking,
-                                 coverage=coverage, budget=b, rse=float(m["rse"][i]),
-                                 token_error=float(m["token_error"][i]),
-                                 mass_excluded=float(m["mass_excluded"][i]),
-                                 experts_loaded=int(m["experts_loaded"][i]),
-                                 unique_experts=unique))
+            count = len(valid)
+            rows.append(dict(
+                prompt_index=np.full(count, tl_data.prompt_index, np.int32),
+                prompt_id=[tl_data.prompt_id] * count, step=np.full(count, tl_data.step, np.int32),
+                layer=np.full(count, tl_data.layer, np.int16), ranking=[ranking] * count,
+                coverage=[coverage] * count, budget=np.asarray(valid, np.int16),
+                rse=m["rse"].numpy(), token_error=m["token_error"].numpy(),
+                mass_excluded=m["mass_excluded"].double().numpy(),
+                experts_loaded=m["experts_loaded"].numpy().astype(np.int16),
+                unique_experts=np.full(count, unique, np.int16)))
     return rows
+
+
+def blocks_to_table(blocks: list[dict], table: str) -> pa.Table:
+    sch = schema.REPLAY_TABLES[table]
+    if not blocks:
+        return sch.empty_table()
+    cols = {name: np.concatenate([np.asarray(b[name], dtype=object if isinstance(b[name], list)
+                                             else None) for b in blocks])
+            for name in sch.names}
+    return pa.Table.from_pydict({k: pa.array(v, type=sch.field(k).type) for k, v in cols.items()},
+                                schema=sch)
 
 
 def _write_atomic(path: Path, table: pa.Table) -> None:
@@ -188,10 +203,10 @@ def replay_run(run: CapturedRun, adapter: MoEAdapter, settings: ReplaySettings,
         if part.is_file():
             continue
         if settings.mode == "open":
-            rows = [r for tl in iter_tree_layers(run, p, layers=settings.layers)
-                    for r in open_loop_rows(tl, adapter.layer(tl.layer), settings, stats,
-                                            hidden_dtype, run.name)]
-            _write_atomic(part, pa.Table.from_pylist(rows, schema=schema.REPLAY_TABLES[table]))
+            blocks = [b for tl in iter_tree_layers(run, p, layers=settings.layers)
+                      for b in open_loop_rows(tl, adapter.layer(tl.layer), settings, stats,
+                                              hidden_dtype, run.name)]
+            _write_atomic(part, blocks_to_table(blocks, table))
         else:
             from replay.closed_loop import closed_loop_rows
             rows = closed_loop_rows(run, p, adapter, settings, stats)
