@@ -33,7 +33,7 @@ from capture.eagle.draft_head import DraftConfig, Eagle3Draft, default_feature_l
 from capture.eagle.verify import FeatureTap
 from training import corpus
 from training.atomic import atomic_folder
-from training.tiny_moe import MIXTURE, token_streams
+from training.tiny_moe import MIXTURE, sample_batch, token_streams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DRAFTS_DIR = REPO_ROOT / "data" / "drafts"
@@ -134,20 +134,13 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
     tap = FeatureTap(target, cfg.feature_layers)
     sources = {"responses": response_stream, **streams}
     mix = {"responses": 0.6, **{k: 0.4 * v for k, v in MIXTURE.items()}}
-    names = list(mix)
     start = time.perf_counter()
     bar = tqdm(range(steps), desc=f"draft for {target_name}", unit="step")
     for step in bar:
         frac = step / max(1, steps - 1)
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / 50) * (0.1 + 0.9 * (1 - frac))
-        picks = rng.choice(len(names), size=batch, p=[mix[n] for n in names])
-        rows = []
-        for p_ in picks:
-            s_ = sources[names[p_]]
-            i = rng.integers(0, len(s_) - seq - 1)
-            rows.append(s_[i:i + seq])
-        ids = torch.from_numpy(np.stack(rows).astype(np.int64))
+        ids = sample_batch(sources, batch, seq, rng, mix)
         with torch.no_grad(), tap.active():
             logits = target(input_ids=ids).logits
             feats = tap.features()

@@ -90,9 +90,10 @@ def token_streams(tokenizer, docs: dict[str, list[corpus.Document]]) -> dict[str
 
 
 def sample_batch(streams: dict[str, np.ndarray], batch: int, seq: int,
-                 rng: np.random.Generator) -> torch.Tensor:
-    names = list(MIXTURE)
-    picks = rng.choice(len(names), size=batch, p=[MIXTURE[n] for n in names])
+                 rng: np.random.Generator, mixture: dict[str, float] = MIXTURE) -> torch.Tensor:
+    """``batch`` random windows of ``seq`` tokens, each from a source drawn by ``mixture``."""
+    names = list(mixture)
+    picks = rng.choice(len(names), size=batch, p=[mixture[n] for n in names])
     rows = []
     for p in picks:
         stream = streams[names[p]]
