@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -18,16 +20,24 @@ from analysis.sql import connect, views
 from capture import console, schema
 
 
+@functools.lru_cache(maxsize=16)
+def model_shape(location: str) -> cost.ModelShape | None:
+    """The cost model's view of a captured model, from its config alone (no weights)."""
+    from transformers import AutoConfig
+    try:
+        return cost.ModelShape.from_config(AutoConfig.from_pretrained(location))
+    except (OSError, ValueError):
+        return None
+
+
 def speedup_frame(con, model: str, bench: str, manifest: dict, hardware: list[cost.Hardware],
                   bytes_per_param: float = 2.0) -> pl.DataFrame | None:
     """Projected speedup vs budget: τ(B) from closed-loop replay (router, substitution) when
     present, else the unbudgeted τ for every budget (stated in the figure's rows)."""
-    from transformers import AutoConfig
-    try:
-        shape = cost.ModelShape.from_config(AutoConfig.from_pretrained(manifest["model_location"]),
-                                            bytes_per_param)
-    except (OSError, ValueError):
+    shape = model_shape(manifest["model_location"])
+    if shape is None:
         return None
+    shape = dataclasses.replace(shape, bytes_per_param=bytes_per_param)
     trees = con.execute(f"""SELECT avg(accepted_length) tau, avg(prefix_len) prefix,
                         avg(list_avg(unique_experts)) uniq, any_value(nodes) m
                         FROM trees WHERE model = '{model}' AND bench = '{bench}'
@@ -62,17 +72,23 @@ def speedup_frame(con, model: str, bench: str, manifest: dict, hardware: list[co
     return pl.DataFrame(rows)
 
 
+# Every frame-valued analysis, by name, and the table it needs; the report and the app share it.
+ANALYSES = {
+    "tails": lambda con: routing.heavy_tails_summary(routing.heavy_tails(con),
+                                                     ("model", "bench", "layer")),
+    "coverage": routing.coverage_curve,
+    "growth": routing.activation_growth,
+    "balance": routing.load_balance,
+    "errors": replay_views.error_vs_budget,
+    "closed": replay_views.closed_loop,
+}
+NEEDS = {"errors": "replay_open", "closed": "replay_closed"}
+
+
 def all_frames(con) -> dict[str, pl.DataFrame]:
-    """Every routing and replay analysis once, over all data (grouped by model and bench)."""
-    frames = dict(tails=routing.heavy_tails_summary(routing.heavy_tails(con),
-                                                    ("model", "bench", "layer")),
-                  coverage=routing.coverage_curve(con), growth=routing.activation_growth(con),
-                  balance=routing.load_balance(con))
-    if "replay_open" in views(con):
-        frames["errors"] = replay_views.error_vs_budget(con)
-    if "replay_closed" in views(con):
-        frames["closed"] = replay_views.closed_loop(con)
-    return frames
+    """Every analysis once, over all data (grouped by model and bench)."""
+    present = views(con)
+    return {name: fn(con) for name, fn in ANALYSES.items() if NEEDS.get(name, "routing") in present}
 
 
 def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
@@ -117,15 +133,13 @@ def calibration_frame(con, model: str, bench: str, manifest: dict,
                       hw: cost.Hardware = cost.PROFILES["A100-80G"]):
     """Least-squares calibration of the roofline (datasheet shape of ``hw``) to this dataset's
     measured verify times; (measured vs predicted frame, Calibration) or None."""
-    from transformers import AutoConfig
     t = con.sql(f"""SELECT verify_seconds AS measured, nodes, prefix_len,
                     list_avg(experts_loaded) AS experts_loaded FROM trees
                     WHERE model = '{model}' AND bench = '{bench}'""").pl()
     if t.height < 4:
         return None
-    try:
-        shape = cost.ModelShape.from_config(AutoConfig.from_pretrained(manifest["model_location"]))
-    except (OSError, ValueError):
+    shape = model_shape(manifest["model_location"])
+    if shape is None:
         return None
     cal = cost.calibrate(shape, hw, t["measured"], t["nodes"], t["prefix_len"],
                          t["experts_loaded"])

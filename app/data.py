@@ -16,7 +16,7 @@ from pathlib import Path
 import polars as pl
 import streamlit as st
 
-from analysis import replay_views, routing
+from analysis.report import ANALYSES
 from analysis.sql import connect, views
 from capture import schema
 
@@ -91,30 +91,10 @@ def overview(root: str, version: str) -> pl.DataFrame:
 
 
 @st.cache_data(show_spinner=False)
-def heavy_tails(root: str, version: str) -> pl.DataFrame:
-    con = connection(root, version)
-    return routing.heavy_tails_summary(routing.heavy_tails(con.cursor()),
-                                       ("model", "bench", "layer"))
-
-
-@st.cache_data(show_spinner=False)
-def coverage(root: str, version: str) -> pl.DataFrame:
-    return routing.coverage_curve(connection(root, version).cursor())
-
-
-@st.cache_data(show_spinner=False)
-def growth(root: str, version: str) -> pl.DataFrame:
-    return routing.activation_growth(connection(root, version).cursor())
-
-
-@st.cache_data(show_spinner=False)
-def errors(root: str, version: str) -> pl.DataFrame:
-    return replay_views.error_vs_budget(connection(root, version).cursor())
-
-
-@st.cache_data(show_spinner=False)
-def closed(root: str, version: str) -> pl.DataFrame:
-    return replay_views.closed_loop(connection(root, version).cursor())
+def frame(name: str, root: str, version: str) -> pl.DataFrame:
+    """One of :data:`analysis.report.ANALYSES` (tails, coverage, growth, balance, errors,
+    closed), over all data, cached per dataset version."""
+    return ANALYSES[name](connection(root, version).cursor())
 
 
 @st.cache_data(show_spinner=False)

@@ -9,7 +9,7 @@ import polars as pl
 import streamlit as st
 
 from analysis import coactivation, cost, figures, replay_views
-from analysis.report import speedup_frame
+from analysis.report import calibration_frame, speedup_frame
 from app import data
 
 EXAMPLES = {
@@ -52,14 +52,14 @@ def overview(ds: data.Dataset) -> None:
 def heavy_tails(ds: data.Dataset) -> None:
     st.header("Heavy tails")
     model, bench = _dataset_picker(ds, "tails_ds")
-    frame = _pick(data.heavy_tails(str(ds.root), ds.version), model, bench)
+    frame = _pick(data.frame("tails", str(ds.root), ds.version), model, bench)
     st.plotly_chart(figures.heavy_tails(frame), width="stretch")
     st.dataframe(frame, hide_index=True)
 
 
 def coverage(ds: data.Dataset) -> None:
     st.header("Coverage curves")
-    frame = data.coverage(str(ds.root), ds.version)
+    frame = data.frame("coverage", str(ds.root), ds.version)
     models = sorted(set(frame["model"]))
     model = st.selectbox("Model", models, key="cov_model")
     sel = frame.filter(pl.col("model") == model)
@@ -75,7 +75,7 @@ def growth(ds: data.Dataset) -> None:
     st.header("Activation growth")
     st.caption("Unique experts among the first t tree tokens vs MoESD's N(t).")
     model, bench = _dataset_picker(ds, "growth_ds")
-    frame = _pick(data.growth(str(ds.root), ds.version), model, bench)
+    frame = _pick(data.frame("growth", str(ds.root), ds.version), model, bench)
     st.plotly_chart(figures.growth(frame), width="stretch")
     last = frame.sort("tokens").tail(1).row(0, named=True)
     st.write(f"At {last['tokens']} tree tokens: measured {last['unique_experts']:.1f}, "
@@ -109,7 +109,7 @@ def replay(ds: data.Dataset) -> None:
         return
     model, bench = _dataset_picker(ds, "replay_ds")
     if "replay_open" in ds.views:
-        curves = _pick(data.errors(str(ds.root), ds.version), model, bench)
+        curves = _pick(data.frame("errors", str(ds.root), ds.version), model, bench)
         rank = st.multiselect("Rankings", sorted(set(curves["ranking"])),
                               default=sorted(set(curves["ranking"])), key="replay_rank")
         curves = curves.filter(pl.col("ranking").is_in(rank))
@@ -119,7 +119,7 @@ def replay(ds: data.Dataset) -> None:
                 st.plotly_chart(figures.oracle_gap(replay_views.oracle_gap(curves)),
                                 width="stretch")
     if "replay_closed" in ds.views:
-        cl = _pick(data.closed(str(ds.root), ds.version), model, bench)
+        cl = _pick(data.frame("closed", str(ds.root), ds.version), model, bench)
         if cl.height:
             st.plotly_chart(figures.closed_loop(cl), width="stretch")
             st.dataframe(cl, hide_index=True)
@@ -155,13 +155,11 @@ def speedup(ds: data.Dataset) -> None:
     mode = st.radio("Model", ["datasheet", "calibrated on this capture's timings"], key="speed_m",
                     horizontal=True)
     if mode != "datasheet":
-        t = ds.con.sql(f"""SELECT verify_seconds, nodes, prefix_len,
-                               list_avg(experts_loaded) AS loaded FROM trees
-                               WHERE model = '{model}' AND bench = '{bench}'""").pl()
-        from transformers import AutoConfig
-        shape = cost.ModelShape.from_config(AutoConfig.from_pretrained(run["model_location"]))
-        cal = cost.calibrate(shape, hw, t["verify_seconds"], t["nodes"], t["prefix_len"],
-                             t["loaded"])
+        fitted = calibration_frame(ds.con, model, bench, manifest, hw)
+        if fitted is None:
+            st.warning("Too few measured passes (or no readable config) to calibrate.")
+            return
+        cal = fitted[1]
         st.write(f"Fit T ≈ {cal.alpha:.3g}·T_mem + {cal.beta:.3g}·T_flop + {cal.gamma * 1e3:.3g} ms "
                  f"over {cal.points} passes: relative RMSE {cal.relative_rmse:.1%}, "
                  f"R² {cal.r2:.3f}. (Timings are those of the capturing device.)")

@@ -82,7 +82,7 @@ class VerifyRecorder:
                 return None
             b = self.budget
             order = runtime_order(b.ranking, probs, idx, weights, layer.index, b.stats)
-            keep = keep_mask(order, b.budget, layer.num_experts, probs.device)
+            keep = keep_mask(order, b.budget, layer.num_experts)
             new_idx, new_w = budgets.apply(probs, idx, weights.float(), keep, b.coverage,
                                            layer.renormalize)
             rec.applied_ids, rec.applied_weights = new_idx, new_w

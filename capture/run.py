@@ -75,8 +75,9 @@ def _lists(matrix: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
 
 
 def _np(t: torch.Tensor, dtype=np.float32) -> np.ndarray:
-    return t.detach().to("cpu", torch.float32 if dtype in (np.float32, np.float16) else
-                         torch.int64).numpy().astype(dtype)
+    """A tensor on the host as ``dtype`` (bf16 has no numpy type, so go through float32)."""
+    t = t.detach().cpu()
+    return (t.float() if t.is_floating_point() else t).numpy().astype(dtype, copy=False)
 
 
 def layer_tables(prompt_index: int, prompt_id: str, step: int, records: list[LayerRecord],

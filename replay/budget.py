@@ -24,12 +24,23 @@ def router_scores(probs: torch.Tensor) -> torch.Tensor:
     return probs.sum(0)
 
 
+def prefix_masks(order, budgets: list[int], n: int) -> torch.Tensor:
+    """Shortlists ``[len(budgets), N]``: the first B experts of a selection ``order`` (expert ids
+    by priority), one row per budget. The one place shortlists are built."""
+    order = torch.as_tensor(order, dtype=torch.long)
+    rank = torch.full((n,), n, dtype=torch.long, device=order.device)  # outside the order: never
+    rank[order] = torch.arange(len(order), device=order.device)
+    return rank[None] < torch.as_tensor(budgets, device=order.device)[:, None]
+
+
+def keep_mask(order, budget: int, n: int) -> torch.Tensor:
+    """Boolean ``[N]``: the first ``budget`` experts of ``order``."""
+    return prefix_masks(order, [budget], n)[0]
+
+
 def shortlist(scores: torch.Tensor, budget: int) -> torch.Tensor:
     """Boolean mask ``[N]`` of the ``budget`` highest-scoring experts (ties: lower index)."""
-    order = torch.argsort(scores, descending=True, stable=True)
-    mask = torch.zeros_like(scores, dtype=torch.bool)
-    mask[order[:budget]] = True
-    return mask
+    return keep_mask(torch.argsort(scores, descending=True, stable=True), budget, len(scores))
 
 
 def truncate(natural_idx: torch.Tensor, natural_w: torch.Tensor, keep: torch.Tensor):

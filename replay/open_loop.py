@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from replay import budget as budgets
+from replay.budget import prefix_masks  # noqa: F401  (re-exported for replay.run and tests)
 
 EXACT_LIMIT = 5000  # exhaustive search only when C(N, B) is at most this
 
@@ -159,11 +160,3 @@ def exact_best(tl: TreeLayer, coverage: str, budget: int) -> torch.Tensor | None
         if float(err[i]) < best_err:
             best, best_err = chunk[i], float(err[i])
     return best
-
-
-def prefix_masks(order, budgets_: list[int], n: int) -> torch.Tensor:
-    """Shortlists of the first B experts of a selection order, one row per budget."""
-    order = torch.as_tensor(order, dtype=torch.long)
-    rank = torch.full((n,), n, dtype=torch.long)  # experts outside the order: never kept
-    rank[order] = torch.arange(len(order))
-    return rank[None] < torch.as_tensor(budgets_)[:, None]

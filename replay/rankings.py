@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from replay import budget as budgets
+from replay.budget import keep_mask  # noqa: F401  (re-exported: callers pick masks here)
 from replay.coact import CoactStats, coact_order
 
 RUNTIME = ("router", "static", "coact")
@@ -48,9 +49,3 @@ def runtime_order(ranking: str, probs: torch.Tensor, idx: torch.Tensor, weights:
         raise ValueError(f"{ranking!r} is not a runtime ranking; use one of {', '.join(RUNTIME)}")
     return torch.argsort(scores, descending=True, stable=True)
 
-
-def keep_mask(order, budget: int, n: int, device=None) -> torch.Tensor:
-    """Boolean ``[N]``: the first ``budget`` experts of ``order``."""
-    keep = torch.zeros(n, dtype=torch.bool, device=device)
-    keep[torch.as_tensor(order[:budget], device=device, dtype=torch.long)] = True
-    return keep

@@ -77,8 +77,7 @@ def ttt_loss(head: Eagle3Draft, features, ids, target_logp, used, steps: int):
 
     features ``[B, S, 3H]``, ids ``[B, S]``, target_logp ``[B, S, V]`` (target log-probs at each
     position, i.e. of the token after it)."""
-    b, s, _ = features.shape
-    n = s - steps - 1  # positions that have a label at every step
+    n = features.shape[1] - steps - 1  # positions that have a label at every step
     hidden = head.fc(features[:, :n])
     target_p = torch.softmax(target_logp[..., used], -1)  # restricted to the draft vocab
     past = None

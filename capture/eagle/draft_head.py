@@ -21,7 +21,6 @@ EAGLE-1/2 (``cnets1.Model``, the public Mixtral head)::
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -332,10 +331,3 @@ def load_draft(folder: str | Path, target: nn.Module, eagle_version: int | None 
     param = next(target.parameters())
     return head.to(device=param.device, dtype=param.dtype).eval()
 
-
-def init_weights(module: nn.Module, std: float = 0.02) -> None:
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            nn.init.normal_(m.weight, std=std / math.sqrt(1.0))
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
