@@ -23,8 +23,8 @@ import numpy as np
 import polars as pl
 import torch
 
+import console
 from analysis.routing import moesd_uniform
-from capture import console
 
 
 @torch.no_grad()
@@ -91,9 +91,9 @@ def regime(tokens, n: int, k: int, coef: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from capture import models
-    from capture.moe_adapter import MoEAdapter
-    from capture.schema import partition_value
+    from catalog import partition_value
+    from moe import models
+    from moe.adapter import MoEAdapter
     p = console.ArgumentParser(
         prog="profile-target",
         description="Time the target's forward at batch sizes b and gamma tokens per sequence on "

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import duckdb
 
+import console
 from analysis.sql import connect, views
-from capture import console
 
 FORMATS = ("table", "csv", "json", "parquet")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from capture import console
+import console
 
 
 def main(argv: list[str] | None = None) -> int:

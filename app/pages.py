@@ -9,8 +9,9 @@ import polars as pl
 import streamlit as st
 
 from analysis import coactivation, cost, figures, replay_views
-from analysis.report import calibration_frame, speedup_frame
+from analysis.frames import calibration_frame, speedup_frame
 from app import data
+from catalog import partition_value
 
 EXAMPLES = {
     "τ and experts by benchmark": "SELECT model, bench, avg(accepted_length) AS tau, "
@@ -27,14 +28,14 @@ EXAMPLES = {
 
 
 def _dataset_picker(ds: data.Dataset, key: str) -> tuple[str, str]:
-    pairs = sorted({(r["model"], r["bench"]) for r in ds.runs.iter_rows(named=True)})
+    pairs = sorted({(r["model"], r["bench"]) for r in ds.evaluation.iter_rows(named=True)})
     label = st.selectbox("Dataset (model / benchmark)", [f"{m} / {b}" for m, b in pairs], key=key)
     model, bench = label.split(" / ")
     return model, bench
 
 
 def _pick(frame: pl.DataFrame, model: str, bench: str) -> pl.DataFrame:
-    return frame.filter((pl.col("model") == model) & (pl.col("bench") == bench))
+    return frame.filter((pl.col("model") == partition_value(model)) & (pl.col("bench") == bench))
 
 
 def overview(ds: data.Dataset) -> None:
@@ -85,14 +86,15 @@ def growth(ds: data.Dataset) -> None:
 def coact(ds: data.Dataset) -> None:
     st.header("Co-activation")
     model, bench = _dataset_picker(ds, "coact_ds")
-    run = ds.runs.filter((pl.col("model") == model) & (pl.col("bench") == bench)).row(0, named=True)
+    run = ds.evaluation.filter((pl.col("model") == model) & (pl.col("bench") == bench)).row(
+        0, named=True)
     c1, c2, c3 = st.columns(3)
     layer = c1.selectbox("Layer", run["moe_layers"], key="coact_layer")
     convention = c2.selectbox("Convention", ["all_pairs", "adjacent"], key="coact_conv",
                               help="all pairs: joint counts; adjacent: OLMoE's adjacent-rank "
                                    "pairs, row-normalised P(b|a)")
     ordering = c3.selectbox("Ordering", ["cluster", "index"], key="coact_order")
-    where = f"model = '{model}' AND bench = '{bench}'"
+    where = f"model = '{partition_value(model)}' AND bench = '{bench}'"
     c = coactivation.coactivation(ds.con, int(layer), run["num_experts"], convention, where)
     order = coactivation.cluster_order(c.matrix) if ordering == "cluster" else None
     conc = coactivation.coactivation(ds.con, int(layer), run["num_experts"], "all_pairs", where)
@@ -128,8 +130,8 @@ def replay(ds: data.Dataset) -> None:
 def speedup(ds: data.Dataset) -> None:
     st.header("Speedup projection")
     model, bench = _dataset_picker(ds, "speed_ds")
-    run = ds.runs.filter((pl.col("model") == model) & (pl.col("bench") == bench)
-                         & pl.col("budget").is_null())
+    run = ds.evaluation.filter((pl.col("model") == model) & (pl.col("bench") == bench)
+                               & pl.col("budget").is_null())
     if run.height == 0:
         st.info("Needs a plain EAGLE capture (no budget) of this dataset.")
         return
@@ -168,12 +170,13 @@ def speedup(ds: data.Dataset) -> None:
 def tree_viewer(ds: data.Dataset) -> None:
     st.header("Tree viewer")
     model, bench = _dataset_picker(ds, "tree_ds")
-    runs = ds.runs.filter((pl.col("model") == model) & (pl.col("bench") == bench))
+    runs = ds.evaluation.filter((pl.col("model") == model) & (pl.col("bench") == bench))
     c1, c2, c3 = st.columns(3)
     run = c1.selectbox("Run", runs["run"].to_list(), key="tree_run")
     info = runs.filter(pl.col("run") == run).row(0, named=True)
+    part = partition_value(model)
     steps = ds.con.execute(f"""SELECT prompt_index, max(step) FROM trees WHERE run = '{run}'
-                               AND model = '{model}' AND bench = '{bench}' GROUP BY ALL
+                               AND model = '{part}' AND bench = '{bench}' GROUP BY ALL
                                ORDER BY 1""").fetchall()
     prompt = c2.selectbox("Prompt", [p for p, _ in steps], key="tree_prompt")
     step = c3.number_input("Step", 0, dict(steps)[prompt], 0, key="tree_step")
@@ -182,7 +185,7 @@ def tree_viewer(ds: data.Dataset) -> None:
     budget = c5.slider("Budget B (router ranking)", 1, info["num_experts"],
                        min(info["num_experts"], max(info["top_k"], info["num_experts"] // 2)),
                        key="tree_budget")
-    cond = (f"run = '{run}' AND model = '{model}' AND bench = '{bench}' AND prompt_index = "
+    cond = (f"run = '{run}' AND model = '{part}' AND bench = '{bench}' AND prompt_index = "
             f"{int(prompt)} AND step = {int(step)}")
     nodes = ds.con.sql(f"SELECT node, parent, depth, token_id, draft_logprob, accepted "
                            f"FROM nodes WHERE {cond} ORDER BY node").pl()

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 
 from analysis import routing
 from analysis.sql import connect
-from capture import schema
+from catalog import schema
+from catalog.runs import write_manifest
 
 
 def write_synthetic(root: Path, trees: int, layers: int, n=64, k=8, m=63, seed=0,
@@ -56,6 +57,9 @@ def write_synthetic(root: Path, trees: int, layers: int, n=64, k=8, m=63, seed=0
             "applied_weights": pa.nulls(rows, pa.list_(pa.float32())),
         }, schema=schema.TABLES["routing"])
         pq.write_table(table, folder / f"part-{f:06d}-0000.parquet")
+    write_manifest(root, dict(model="synthetic", bench="synthetic", run="scale",
+                              status="complete", role="evaluation", settings={},
+                              schema_version=schema.SCHEMA_VERSION))
 
 
 def main() -> None:

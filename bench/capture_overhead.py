@@ -15,13 +15,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from capture import benchmarks, models
-from capture.eagle.decoding import EagleDecoder
 from capture.run import CaptureSettings, capture_run
+from eagle import loading
+from eagle.decoding import EagleDecoder
+from moe import models
+from tasks import benchmarks
 
 
 def untraced(settings: CaptureSettings) -> tuple[float, int]:
-    loaded, head = models.load_with_draft(settings.model)
+    loaded, head = loading.load_with_draft(settings.model)
     dec = EagleDecoder(loaded.model, head)
     tok = loaded.tokenizer
     prompts = benchmarks.load(settings.bench, limit=settings.limit)

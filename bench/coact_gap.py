@@ -38,7 +38,7 @@ def main() -> None:
               str(args.max_new_tokens), "--out", str(args.traces), "--no-progress"]
     assert capture_cli.main([*common, "--limit", str(args.eval_prompts), "--run", "eval"]) == 0
     assert capture_cli.main([*common, "--limit", str(args.cal_prompts), "--offset",
-                             str(args.cal_offset), "--run", "cal"]) == 0
+                             str(args.cal_offset), "--run", "cal", "--role", "calibration"]) == 0
     out = args.traces / "results"
     assert replay_cli.main(["--traces", str(args.traces), "--run", "eval", "--calibration", "cal",
                             "--ranking", "static", "router", "oracle", "coact", "--budget",

@@ -19,10 +19,12 @@ import time
 
 import torch
 
-from capture import benchmarks, models
-from capture.eagle.decoding import EagleDecoder
-from capture.eagle.tree import TreeSettings
-from capture.moe_adapter import MoEAdapter
+from eagle import loading
+from eagle.decoding import EagleDecoder
+from eagle.tree import TreeSettings
+from moe import models
+from moe.adapter import MoEAdapter
+from tasks import benchmarks
 
 
 class ExpertCounter:
@@ -57,7 +59,7 @@ class ExpertCounter:
 
 
 def run(model: str, bench: str, prompts: int, max_new: int, tree: TreeSettings, root=None):
-    loaded, head = models.load_with_draft(model)
+    loaded, head = loading.load_with_draft(model)
     dec = EagleDecoder(loaded.model, head, tree=tree)
     adapter = MoEAdapter(loaded.model)
     items = benchmarks.load(bench, root=root, limit=prompts)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from capture import models
-from capture.moe_adapter import MoEAdapter
+from moe import models
+from moe.adapter import MoEAdapter
 from replay import budget as budgets
 from replay import rankings
 from replay.data import find_runs, iter_tree_layers
@@ -30,7 +30,7 @@ def olmoe_sized(items, settings, stats, renormalize) -> None:
     from transformers import OlmoeConfig
     from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 
-    from capture.moe_adapter import MoELayer
+    from moe.adapter import MoELayer
     from replay.data import TreeLayerData
     torch.manual_seed(0)
     block = OlmoeSparseMoeBlock(OlmoeConfig(hidden_size=2048, intermediate_size=1024,
@@ -91,7 +91,7 @@ def main() -> None:
     # selection vs the verification forward, both timed here on the first prompt's trees
     from transformers import DynamicCache
 
-    from capture.eagle import verify
+    from eagle import verify
     from replay.closed_loop import _prompt_tables, _trees_by_step
     prompt = run.prompt_indices()[0]
     seq, trees, nodes = _prompt_tables(run, prompt)

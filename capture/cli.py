@@ -11,13 +11,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from capture import benchmarks, console, models
-from capture.eagle.draft_head import DraftHeadError
-from capture.moe_adapter import UnsupportedModelError
+import console
 from capture.run import CaptureSettings, CaptureSummary, capture_run
 from capture.writer import CaptureError
-from replay.budget import COVERAGES
-from replay.rankings import RUNTIME
+from catalog import schema
+from eagle.draft_head import DraftHeadError
+from moe import models
+from moe.families import UnsupportedModelError
+from policy import coverage, rankings
+from tasks import benchmarks
 
 
 def parser() -> argparse.ArgumentParser:
@@ -59,6 +61,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
     g.add_argument("--run", default=None,
                    help="run name (default: derived from the settings, so reruns resume)")
+    g.add_argument("--role", default="evaluation", choices=schema.ROLES,
+                   help="what the run is for: replay evaluates evaluation runs and learns "
+                        "static/coact statistics from calibration runs")
     g.add_argument("--hidden-dtype", default=d.hidden_dtype, choices=("float16", "float32"),
                    help="storage dtype of MoE inputs/outputs")
     g.add_argument("--store-expert-outputs", action="store_true",
@@ -66,8 +71,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g = p.add_argument_group("MoE-Spec online mode (budget inside verification passes only)")
     g.add_argument("--budget", type=int, default=None, help="experts per layer per tree")
-    g.add_argument("--ranking", default=d.ranking, choices=RUNTIME)
-    g.add_argument("--coverage", default=d.coverage, choices=COVERAGES)
+    g.add_argument("--ranking", default=d.ranking, choices=rankings.names(runtime=True),
+                   help=rankings.help_text(runtime=True))
+    g.add_argument("--coverage", default=d.coverage, choices=list(coverage.COVERAGES))
     g.add_argument("--calibration", nargs="+", default=[],
                    help="captured runs under --out that static counts / coact statistics are "
                         "learned from (other prompts)")
@@ -112,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         calibration=tuple(args.calibration), device=args.device,
         dtype=args.dtype)
     try:
-        summary = capture_run(settings, args.out, args.run, benchmarks_root=args.benchmarks,
-                              progress=not args.no_progress)
+        summary = capture_run(settings, args.out, args.run, role=args.role,
+                              benchmarks_root=args.benchmarks, progress=not args.no_progress)
     except (models.ModelError, benchmarks.BenchmarkError, CaptureError, DraftHeadError,
-            UnsupportedModelError, ValueError) as exc:
+            UnsupportedModelError, rankings.RankingError, ValueError) as exc:
         print(f"capture: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,9 +1,14 @@
 """One capture run: EAGLE decoding over a benchmark, every verification pass to Parquet.
 
-``capture_run`` drives the decoder prompt by prompt, turns each prompt's verification passes into
-the tables of :mod:`capture.schema` and writes them through :class:`capture.writer.RunWriter`
-(atomic parts, resumable). Routing and MoE tensors are flushed every ``chunk_steps`` passes, so
-memory stays bounded however long a generation runs.
+    prompts  = load the benchmark's prompts
+    target   = load model + draft head, find its MoE layers
+    budget   = (online mode only) ranking fitted on calibration runs, coverage, B
+    writer   = create or resume the run (manifest says running)
+    for each prompt not yet complete:
+        for each verification pass:  (the recorder hooks routing and MoE tensors)
+            every chunk_steps passes: write routing / moe_io rows
+        write trees, nodes, then sequences (which marks the prompt complete)
+    mark the run complete, summarise what is on disk
 """
 
 from __future__ import annotations
@@ -20,14 +25,19 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from capture import benchmarks, models, schema
-from capture.eagle.acceptance import SamplingSettings
-from capture.eagle.decoding import EagleDecoder, Generation
-from capture.eagle.tree import TreeSettings
-from capture.moe_adapter import MoEAdapter
-from capture.recorder import BudgetSettings, LayerRecord, VerifyRecorder
 from capture.writer import CaptureError, RunWriter
-from replay import rankings
+from catalog import Catalog, CatalogError, InvalidName, check_name, reader, schema
+from eagle import loading
+from eagle.acceptance import SamplingSettings
+from eagle.decoding import EagleDecoder, Generation
+from eagle.tree import TreeSettings
+from moe import models
+from moe.adapter import MoEAdapter
+from moe.recorder import LayerRecord, VerifyRecorder
+from policy import coverage, rankings
+from policy.budget import Budget
+from policy.calibration import CalibrationStats
+from tasks import benchmarks
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,7 @@ class CaptureSettings:
         return f"{kind}-T{self.temperature:g}-{digest[:8]}"
 
 
+# --- the tables of one prompt ------------------------------------------------------------------
 def _lists(matrix: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
     """Rows of a 2-D array as a list column (zero-copy offsets, one flat values buffer)."""
     rows, width = matrix.shape
@@ -119,16 +130,17 @@ def layer_tables(prompt_index: int, prompt_id: str, step: int, records: list[Lay
     return routing_t, pa.Table.from_pydict(io, schema=schema.storage_schema("moe_io", hidden_dtype))
 
 
-def step_tables(prompt_index: int, prompt_id: str, gen: Generation, stats: dict,
-                budget: BudgetSettings | None) -> tuple[pa.Table, pa.Table]:
-    """``trees`` (one row per pass) and ``nodes`` (one row per tree node) of a prompt."""
+def step_tables(prompt_index: int, prompt_id: str, gen: Generation, experts: dict,
+                budget: Budget | None) -> tuple[pa.Table, pa.Table]:
+    """``trees`` (one row per pass) and ``nodes`` (one row per tree node) of a prompt;
+    ``experts[step]`` = (unique experts, experts loaded) per MoE layer."""
     trees = [dict(prompt_index=prompt_index, prompt_id=prompt_id, step=s.step,
                   prefix_len=s.prefix_len, nodes=s.tree.size, depth=int(s.tree.depth.max()),
                   accepted_length=s.accepted_length, draft_seconds=s.draft_seconds,
-                  verify_seconds=s.verify_seconds, unique_experts=stats[s.step][0],
-                  experts_loaded=stats[s.step][1], budget=budget.budget if budget else None,
-                  ranking=budget.ranking if budget else None,
-                  coverage=budget.coverage if budget else None) for s in gen.steps]
+                  verify_seconds=s.verify_seconds, unique_experts=experts[s.step][0],
+                  experts_loaded=experts[s.step][1], budget=budget.size if budget else None,
+                  ranking=budget.ranking.name if budget else None,
+                  coverage=budget.coverage.name if budget else None) for s in gen.steps]
     cat = lambda f: torch.cat([f(s) for s in gen.steps]).cpu().numpy()  # noqa: E731
     sizes = [s.tree.size for s in gen.steps]
     accepted = np.zeros(sum(sizes), dtype=bool)
@@ -149,6 +161,186 @@ def step_tables(prompt_index: int, prompt_id: str, gen: Generation, stats: dict,
             pa.Table.from_pydict(nodes, schema=schema.TABLES["nodes"]))
 
 
+def sequence_table(index: int, prompt, ids: list[int], gen: Generation) -> pa.Table:
+    return pa.Table.from_pylist([dict(
+        prompt_index=index, prompt_id=prompt.prompt_id, prompt_token_ids=ids,
+        output_token_ids=gen.output_ids, steps=len(gen.steps),
+        mean_accepted_length=gen.mean_accepted_length, wall_seconds=gen.seconds,
+        stop_reason=gen.stop_reason)], schema=schema.TABLES["sequences"])
+
+
+class PromptChunks:
+    """Routing and MoE tensors of one prompt, written every ``chunk_steps`` passes (bounded
+    memory however long a generation runs); keeps per-pass expert counts for ``trees``."""
+
+    def __init__(self, writer: RunWriter, index: int, prompt_id: str, hidden_dtype: str):
+        self.writer, self.index, self.prompt_id = writer, index, prompt_id
+        self.hidden_dtype = hidden_dtype
+        self.chunk = 0
+        self.experts: dict[int, tuple[list[int], list[int]]] = {}
+
+    def write(self, passes: list[tuple[int, list[LayerRecord]]]) -> None:
+        if not passes:
+            return
+        routing, io = [], []
+        for step, records in passes:
+            self.experts[step] = ([r.unique_experts for r in records],
+                                  [r.experts_loaded for r in records])
+            r_t, io_t = layer_tables(self.index, self.prompt_id, step, records, self.hidden_dtype)
+            routing.append(r_t)
+            if io_t is not None:
+                io.append(io_t)
+        self.writer.write_part("routing", self.index, self.chunk, pa.concat_tables(routing))
+        if io:
+            self.writer.write_part("moe_io", self.index, self.chunk, pa.concat_tables(io))
+        self.chunk += 1
+
+
+# --- the steps of a run --------------------------------------------------------------------------
+def load_prompts(settings: CaptureSettings, benchmarks_root) -> list:
+    prompts = benchmarks.load(settings.bench, root=benchmarks_root, offset=settings.offset,
+                              limit=settings.limit)
+    if not prompts:
+        raise CaptureError(f"no prompts in {settings.bench} at offset {settings.offset}")
+    return prompts
+
+
+def make_budget(settings: CaptureSettings, adapter: MoEAdapter, out: Path, model: str,
+                prompts: list) -> Budget | None:
+    """MoE-Spec online mode: the ranking (fitted on calibration runs if it needs them), the
+    coverage policy and B; None for plain EAGLE."""
+    if settings.budget is None:
+        return None
+    cover = coverage.get(settings.coverage)
+    n, k = adapter.num_experts, adapter.top_k
+    low = cover.min_budget(k)
+    if not low <= settings.budget <= n:
+        raise CaptureError(f"--budget {settings.budget} is out of range for {model}: use "
+                           f"{low}..{n} ({n} experts, top-{k}, {settings.coverage})")
+    ranking = rankings.get(settings.ranking)()
+    stats = calibration_stats(settings, adapter, out, model, prompts) \
+        if ranking.needs_calibration else None
+    return Budget(settings.budget, ranking.fit(stats), cover)
+
+
+def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path, model: str,
+                      prompts: list) -> CalibrationStats:
+    """Statistics from other captured runs of this model (never this capture's prompts)."""
+    if not settings.calibration:
+        raise CaptureError(f"--ranking {settings.ranking} needs --calibration RUN (a capture of "
+                           f"other prompts under {out})")
+    try:
+        cal = Catalog(out).calibration_runs(list(settings.calibration), model,
+                                            {(settings.bench, p.prompt_id) for p in prompts})
+    except CatalogError as exc:
+        raise CaptureError(str(exc)) from exc
+    return CalibrationStats.collect(reader.tree_layers(cal), adapter,
+                                    sources=[r.ref for r in cal])
+
+
+def run_manifest(settings: CaptureSettings, loaded, head, adapter: MoEAdapter, run: str,
+                 role: str, prompts: list) -> dict:
+    cfg = loaded.model.config
+    return dict(model=loaded.name, model_location=loaded.source.location,
+                draft=settings.draft or loading.default_draft(loaded.source),
+                bench=settings.bench, run=run, role=role, settings=settings.identity(),
+                num_experts=adapter.num_experts, top_k=adapter.top_k,
+                renormalize=adapter.renormalize, num_layers=adapter.num_decoder_layers,
+                moe_layers=[layer.index for layer in adapter], hidden_size=cfg.hidden_size,
+                feature_layers=head.config.feature_layers, dtype=str(loaded.dtype),
+                device=str(loaded.device), versions=_versions(),
+                schema_version=schema.SCHEMA_VERSION, prompts_total=len(prompts),
+                prompt_ids=[p.prompt_id for p in prompts])
+
+
+def runs_row(manifest: dict) -> dict:
+    """The one row of the ``runs`` table, from the manifest."""
+    return dict(role=manifest["role"], run_id=manifest["run_id"],
+                model_location=manifest["model_location"], draft=manifest["draft"],
+                num_experts=manifest["num_experts"], top_k=manifest["top_k"],
+                renormalize=manifest["renormalize"], num_layers=manifest["num_layers"],
+                moe_layers=manifest["moe_layers"], hidden_size=manifest["hidden_size"],
+                dtype=manifest["dtype"], device=manifest["device"],
+                prompts=manifest["prompts_total"],
+                settings=json.dumps(manifest["settings"], sort_keys=True),
+                versions=json.dumps(manifest["versions"], sort_keys=True),
+                schema_version=schema.SCHEMA_VERSION, status="complete")
+
+
+def capture_prompt(index: int, prompt, tokenizer, decoder: EagleDecoder,
+                   recorder: VerifyRecorder, writer: RunWriter, settings: CaptureSettings,
+                   budget: Budget | None) -> Generation:
+    """Decode one prompt and write all its tables, ``sequences`` last."""
+    ids = tokenizer(prompt.text)["input_ids"]
+    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    chunks = PromptChunks(writer, index, prompt.prompt_id, settings.hidden_dtype)
+    recorder.new_prompt()
+    session = decoder.stream(ids, max_new_tokens=settings.max_new_tokens, eos_token_ids=eos,
+                             seed=settings.seed + index)
+    for _ in session:
+        if len(recorder.passes) >= settings.chunk_steps:
+            chunks.write(recorder.take())
+    chunks.write(recorder.take())
+    gen = session.result
+    trees, nodes = step_tables(index, prompt.prompt_id, gen, chunks.experts, budget)
+    writer.write_part("trees", index, 0, trees)
+    writer.write_part("nodes", index, 0, nodes)
+    writer.write_part("sequences", index, 0, sequence_table(index, prompt, ids, gen))
+    return gen
+
+
+def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
+                role: str = "evaluation", benchmarks_root=None, progress: bool = True,
+                record_tensors: bool = True) -> CaptureSummary:
+    start = time.perf_counter()
+    run = settings.default_run_name() if run is None else run
+    try:
+        check_name(run, "--run")
+    except InvalidName as exc:
+        raise CaptureError(str(exc)) from None
+    if role not in schema.ROLES:
+        raise CaptureError(f"--role {role!r} is not a role; use one of {', '.join(schema.ROLES)}")
+    prompts = load_prompts(settings, benchmarks_root)
+    loaded, head = loading.load_with_draft(settings.model, settings.draft, device=settings.device,
+                                           dtype=settings.dtype)
+    load_seconds = time.perf_counter() - start
+    adapter = MoEAdapter(loaded.model)
+    budget = make_budget(settings, adapter, out, loaded.name, prompts)
+    recorder = VerifyRecorder(adapter, store_expert_outputs=settings.store_expert_outputs,
+                              budget=budget, record_tensors=record_tensors)
+    decoder = EagleDecoder(loaded.model, head, verify_context=recorder,
+                           tree=TreeSettings(settings.total_tokens, settings.depth,
+                                             settings.tree_top_k),
+                           sampling=SamplingSettings(settings.temperature, settings.top_p,
+                                                     settings.top_k))
+    writer = RunWriter(out, loaded.name, settings.bench, run)
+    try:
+        manifest, done = writer.start(run_manifest(settings, loaded, head, adapter, run, role,
+                                                   prompts))
+        resumed = len(done)
+        trees = accepted = 0
+        bar = tqdm(list(enumerate(prompts)), desc=f"capture {loaded.name}/{settings.bench}",
+                   unit="prompt", disable=not progress)
+        for i, prompt in bar:
+            index = settings.offset + i
+            if index in done:
+                continue
+            gen = capture_prompt(index, prompt, loaded.tokenizer, decoder, recorder, writer,
+                                 settings, budget)
+            trees += len(gen.steps)
+            accepted += sum(s.accepted_length for s in gen.steps)
+            bar.set_postfix(tau=f"{accepted / max(1, trees):.2f}")
+            done.add(index)
+            writer.write_manifest({**manifest, "prompts_done": len(done)})
+        writer.finish({**manifest, "prompts_done": len(prompts)}, runs_row(manifest))
+    except OSError as exc:
+        raise CaptureError(f"cannot write to {out}: {exc.strerror or exc}; free space or choose "
+                           "another --out") from exc
+    return summarise(writer, loaded.name, settings.bench, run, resumed,
+                     time.perf_counter() - start, load_seconds)
+
+
+# --- what the run produced ---------------------------------------------------------------------
 def _versions() -> dict:
     import duckdb
     import transformers
@@ -186,138 +378,3 @@ def summarise(writer: RunWriter, model: str, bench: str, run: str, resumed: int,
                           float(np.mean(trees["accepted_length"].to_numpy())) if trees.num_rows
                           else 0.0, mean_of("unique_experts"), mean_of("experts_loaded"),
                           writer.bytes_written(), seconds, load_seconds)
-
-
-def _calibration(settings: CaptureSettings, out: Path, model: str, adapter: MoEAdapter,
-                 prompts: list) -> object:
-    """Calibration statistics for online static/coact ranking, from other captured runs."""
-    from replay.data import ReplayError, find_runs
-    from replay.run import calibrate
-    if not settings.calibration:
-        raise CaptureError(f"--ranking {settings.ranking} needs --calibration RUN (a capture of "
-                           f"other prompts under {out})")
-    try:
-        cal = find_runs(out, model=model, runs=list(settings.calibration))
-    except ReplayError as exc:
-        raise CaptureError(str(exc)) from exc
-    missing = set(settings.calibration) - {r.name for r in cal}
-    if missing:
-        raise CaptureError(f"calibration run(s) {', '.join(sorted(missing))} not found complete "
-                           f"under {out} for {model}")
-    overlap = {(settings.bench, p.prompt_id) for p in prompts} & set().union(
-        *(r.prompt_keys() for r in cal))
-    if overlap:
-        raise CaptureError(f"calibration runs share {len(overlap)} prompts with this capture; "
-                           "calibrate on other prompts")
-    return calibrate(cal, adapter)
-
-
-def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
-                benchmarks_root=None, progress: bool = True,
-                record_tensors: bool = True) -> CaptureSummary:
-    start = time.perf_counter()
-    prompts = benchmarks.load(settings.bench, root=benchmarks_root, offset=settings.offset,
-                              limit=settings.limit)
-    if not prompts:
-        raise CaptureError(f"no prompts in {settings.bench} at offset {settings.offset}")
-    loaded, head = models.load_with_draft(settings.model, settings.draft, device=settings.device,
-                                          dtype=settings.dtype)
-    load_seconds = time.perf_counter() - start
-    adapter = MoEAdapter(loaded.model)
-    budget = None
-    if settings.budget is not None:
-        n, k = adapter.num_experts, adapter.top_k
-        low = k if settings.coverage == "substitution" else 1
-        if not low <= settings.budget <= n:
-            raise CaptureError(f"--budget {settings.budget} is out of range for {loaded.name}: "
-                               f"use {low}..{n} ({n} experts, top-{k}, {settings.coverage})")
-        stats = None
-        if settings.ranking in rankings.NEEDS_CALIBRATION:
-            stats = _calibration(settings, out, loaded.name, adapter, prompts)
-        budget = BudgetSettings(settings.budget, settings.ranking, settings.coverage, stats)
-    tree = TreeSettings(settings.total_tokens, settings.depth, settings.tree_top_k)
-    sampling = SamplingSettings(settings.temperature, settings.top_p, settings.top_k)
-    recorder = VerifyRecorder(adapter, store_expert_outputs=settings.store_expert_outputs,
-                              budget=budget, record_tensors=record_tensors)
-    decoder = EagleDecoder(loaded.model, head, tree=tree, sampling=sampling,
-                           verify_context=recorder)
-    run = run or settings.default_run_name()
-    writer = RunWriter(out, loaded.name, settings.bench, run)
-    cfg = loaded.model.config
-    manifest = dict(model=loaded.name, model_location=loaded.source.location,
-                    draft=settings.draft or models.default_draft(loaded.source),
-                    bench=settings.bench, run=run, settings=settings.identity(),
-                    num_experts=adapter.num_experts, top_k=adapter.top_k,
-                    renormalize=adapter.renormalize, num_layers=adapter.num_decoder_layers,
-                    moe_layers=[layer.index for layer in adapter], hidden_size=cfg.hidden_size,
-                    feature_layers=head.config.feature_layers, dtype=str(loaded.dtype),
-                    device=str(loaded.device), versions=_versions(),
-                    schema_version=schema.SCHEMA_VERSION, prompts_total=len(prompts),
-                    prompt_ids=[p.prompt_id for p in prompts])
-    try:
-        done = writer.start(manifest)
-        resumed = len(done)
-        tok = loaded.tokenizer
-        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        trees = steps_tau = 0
-        bar = tqdm(list(enumerate(prompts)), desc=f"capture {loaded.name}/{settings.bench}",
-                   unit="prompt", disable=not progress)
-        for i, prompt in bar:
-            index = settings.offset + i
-            if index in done:
-                continue
-            stats: dict[int, tuple[list[int], list[int]]] = {}
-            chunk = [0]
-
-            def flush():
-                passes = recorder.take()
-                if not passes:
-                    return
-                routing, io = [], []
-                for step, records in passes:
-                    stats[step] = ([r.unique_experts for r in records],
-                                   [r.experts_loaded for r in records])
-                    r_t, io_t = layer_tables(index, prompt.prompt_id, step, records,
-                                             settings.hidden_dtype)
-                    routing.append(r_t)
-                    if io_t is not None:
-                        io.append(io_t)
-                writer.write_part("routing", index, chunk[0], pa.concat_tables(routing))
-                if io:
-                    writer.write_part("moe_io", index, chunk[0], pa.concat_tables(io))
-                chunk[0] += 1
-
-            recorder.on_pass = lambda: flush() if len(recorder.passes) >= settings.chunk_steps \
-                else None
-            ids = tok(prompt.text)["input_ids"]
-            gen = decoder.generate(ids, max_new_tokens=settings.max_new_tokens, eos_token_ids=eos,
-                                   seed=settings.seed + index)
-            flush()
-            trees_t, nodes_t = step_tables(index, prompt.prompt_id, gen, stats, budget)
-            writer.write_part("trees", index, 0, trees_t)
-            writer.write_part("nodes", index, 0, nodes_t)
-            seq = pa.Table.from_pylist([dict(
-                prompt_index=index, prompt_id=prompt.prompt_id, prompt_token_ids=ids,
-                output_token_ids=gen.output_ids, steps=len(gen.steps),
-                mean_accepted_length=gen.mean_accepted_length, wall_seconds=gen.seconds,
-                stop_reason=gen.stop_reason)], schema=schema.TABLES["sequences"])
-            writer.write_part("sequences", index, 0, seq)
-            trees += len(gen.steps)
-            steps_tau += sum(s.accepted_length for s in gen.steps)
-            bar.set_postfix(tau=f"{steps_tau / max(1, trees):.2f}")
-            done.add(index)
-            writer.write_manifest({**manifest, "status": "running", "prompts_done": len(done)})
-        runs_row = dict(model_location=manifest["model_location"], draft=manifest["draft"],
-                        num_experts=adapter.num_experts, top_k=adapter.top_k,
-                        renormalize=adapter.renormalize, num_layers=adapter.num_decoder_layers,
-                        moe_layers=manifest["moe_layers"], hidden_size=cfg.hidden_size,
-                        dtype=manifest["dtype"], device=manifest["device"], prompts=len(prompts),
-                        settings=json.dumps(settings.identity(), sort_keys=True),
-                        versions=json.dumps(manifest["versions"], sort_keys=True),
-                        schema_version=schema.SCHEMA_VERSION, status="complete")
-        writer.finish({**manifest, "prompts_done": len(prompts)}, runs_row)
-    except OSError as exc:
-        raise CaptureError(f"cannot write to {out}: {exc.strerror or exc}; free space or choose "
-                           "another --out") from exc
-    return summarise(writer, loaded.name, settings.bench, run, resumed,
-                     time.perf_counter() - start, load_seconds)

@@ -1,64 +1,37 @@
-"""Atomic, resumable writing of one capture run (layout and tables in :mod:`capture.schema`).
+"""Atomic, resumable writing of one capture run (layout and tables in :mod:`catalog.schema`).
 
-* Every file is written as ``.<name>.tmp`` and renamed, so a reader never sees half a file.
-* A prompt's tables are written in :data:`schema.TRACE_TABLES` order with ``sequences`` last:
-  the prompt is complete exactly when its ``sequences`` part exists. On resume, any other parts
-  of an incomplete prompt are deleted and the prompt is captured again.
+* Every file goes through :mod:`catalog.atomic`, so a reader never sees half a file.
+* A prompt's tables are written in :data:`catalog.schema.TRACE_TABLES` order with ``sequences``
+  last: the prompt is complete exactly when its ``sequences`` part exists. On resume, any other
+  parts of an incomplete prompt are deleted and the prompt is captured again.
 * ``_manifest.json`` says ``"status": "running"`` until every prompt is done, then
   ``"complete"`` (and a one-row ``runs`` part is written), so a run is never mistaken for
-  complete. Rerunning with different settings is refused.
+  complete. Rerunning with different settings is refused; a run started from scratch gets a new
+  ``run_id``, so results computed from an older capture of the same name are never reused.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import uuid
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from capture import schema
+from catalog import atomic, schema
+from catalog.runs import CatalogError, read_manifest, run_dir, write_manifest
 
 
 class CaptureError(RuntimeError):
     """A run that cannot be written or resumed; the message is one line for the user."""
 
 
-def _tmp(path: Path) -> Path:
-    """Hidden while being written: pyarrow skips '.'-files and '*.parquet' globs miss '.tmp'."""
-    return path.with_name(f".{path.name}.tmp")
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = _tmp(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_write_table(path: Path, table: pa.Table) -> int:
-    """zstd, dictionary encoding and statistics for scalar columns only: dictionary-encoding
-    float vectors costs time and space, and their min/max help no query."""
-    tmp = _tmp(path)
-    scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
-    strings = [f.name for f in table.schema if pa.types.is_string(f.type)]
-    pq.write_table(table, tmp, compression="zstd", use_dictionary=strings,
-                   write_statistics=scalar)
-    os.replace(tmp, path)
-    return path.stat().st_size
-
-
 class RunWriter:
-    def __init__(self, root: str | os.PathLike, model: str, bench: str, run: str):
+    def __init__(self, root: str | Path, model: str, bench: str, run: str):
         self.root = Path(root)
-        self.parts = {"model": schema.partition_value(model), "bench": bench, "run": run}
+        self.model, self.bench, self.run = model, bench, run
 
     def table_dir(self, table: str) -> Path:
-        p = self.parts
-        return self.root / table / f"model={p['model']}" / f"bench={p['bench']}" / f"run={p['run']}"
+        return run_dir(self.root, table, self.model, self.bench, self.run)
 
     @property
     def manifest_path(self) -> Path:
@@ -68,20 +41,21 @@ class RunWriter:
         if not self.manifest_path.is_file():
             return None
         try:
-            return json.loads(self.manifest_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise CaptureError(f"corrupt manifest {self.manifest_path}; delete the run folder "
-                               "or pick another --run") from exc
+            return read_manifest(self.manifest_path)
+        except CatalogError as exc:
+            raise CaptureError(f"{exc}; or pick another --run") from exc
 
-    def start(self, manifest: dict) -> set[int]:
-        """Create or resume the run; returns the prompt indices already complete."""
+    def start(self, manifest: dict) -> tuple[dict, set[int]]:
+        """Create or resume the run; returns (the manifest as stored, prompt indices already
+        complete)."""
         old = self.read_manifest()
-        manifest = json.loads(json.dumps(manifest))  # compare as stored (tuples become lists)
-        if old is not None and old["settings"] != manifest["settings"]:
-            changed = sorted(k for k in set(old["settings"]) | set(manifest["settings"])
-                             if old["settings"].get(k) != manifest["settings"].get(k))
-            raise CaptureError(f"run {self.parts['run']!r} exists with different settings "
-                               f"({', '.join(changed)}); pass another --run or the same settings")
+        manifest = as_stored(manifest)  # compare as stored (tuples become lists)
+        if old is not None:
+            for key in ("settings", "role"):
+                if old[key] != manifest[key]:
+                    raise CaptureError(f"run {self.run!r} exists with different {key} "
+                                       f"({_changed(old[key], manifest[key])}); pass another "
+                                       f"--run or the same {key}")
         try:
             for table in (*schema.TRACE_TABLES, "runs"):
                 self.table_dir(table).mkdir(parents=True, exist_ok=True)
@@ -90,12 +64,14 @@ class RunWriter:
                                "--out") from exc
         done = self.completed()
         self._clean_incomplete(done)
-        manifest = {**manifest, "status": "running", "prompts_done": len(done)}
+        run_id = old["run_id"] if old and old.get("run_id") else uuid.uuid4().hex
+        manifest = {**manifest, "run_id": run_id, "status": "running",
+                    "prompts_done": len(done)}
         self.write_manifest(manifest)
-        return done
+        return manifest, done
 
     def write_manifest(self, manifest: dict) -> None:
-        _atomic_write_bytes(self.manifest_path, (json.dumps(manifest, indent=2) + "\n").encode())
+        write_manifest(self.root, manifest)
 
     def completed(self) -> set[int]:
         folder = self.table_dir(schema.COMPLETION_TABLE)
@@ -111,13 +87,25 @@ class RunWriter:
 
     def write_part(self, table: str, prompt_index: int, chunk: int, rows: pa.Table) -> int:
         name = f"part-{prompt_index:06d}-{chunk:04d}.parquet"
-        return _atomic_write_table(self.table_dir(table) / name, rows)
+        return atomic.write_table(self.table_dir(table) / name, rows)
 
     def finish(self, manifest: dict, runs_row: dict) -> None:
-        _atomic_write_table(self.table_dir("runs") / "part-0.parquet",
-                            pa.Table.from_pylist([runs_row], schema=schema.RUNS_SCHEMA))
+        atomic.write_table(self.table_dir("runs") / "part-0.parquet",
+                           pa.Table.from_pylist([runs_row], schema=schema.RUNS_SCHEMA))
         self.write_manifest({**manifest, "status": "complete"})
 
     def bytes_written(self) -> int:
         return sum(p.stat().st_size for t in (*schema.TRACE_TABLES, "runs")
                    for p in self.table_dir(t).glob("*") if p.is_file())
+
+
+def as_stored(obj):
+    """``obj`` as it reads back from JSON."""
+    import json
+    return json.loads(json.dumps(obj))
+
+
+def _changed(old, new) -> str:
+    if isinstance(old, dict) and isinstance(new, dict):
+        return ", ".join(sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)))
+    return f"{old} vs {new}"

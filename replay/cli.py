@@ -11,11 +11,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from capture import console, models
-from capture.moe_adapter import MoEAdapter
-from replay import rankings
-from replay.data import ReplayError, find_runs
-from replay.run import ReplaySettings, calibrate, check_disjoint, parse_budgets, replay_run, summary_frame
+import console
+from catalog import ROLES, Catalog, CatalogError
+from moe import models
+from moe.adapter import MoEAdapter
+from moe.families import UnsupportedModelError
+from policy import coverage, rankings
+from replay.open_loop import GoldMismatch
+from replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay, summary_frame
 
 
 def parser() -> argparse.ArgumentParser:
@@ -25,17 +28,22 @@ def parser() -> argparse.ArgumentParser:
                     "MoE layer of every tree is recomputed from its captured input under each "
                     "ranking, coverage policy and budget, and the reconstruction error recorded. "
                     "Closed loop: each tree is re-verified through the whole target with the "
-                    "budget in every MoE layer. Results go to Parquet beside the traces; a "
-                    "configuration already replayed is reused.",
+                    "budget in every MoE layer. Results go to Parquet beside the traces; cells "
+                    "already replayed are reused, never stored twice.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--traces", type=Path, default=Path("traces"), help="captured traces root")
     p.add_argument("--model", default=None,
                    help="only runs of this model (default: the model of the runs found)")
     p.add_argument("--bench", default=None, help="only runs of this benchmark")
     p.add_argument("--run", nargs="+", default=None, help="only these runs")
-    p.add_argument("--ranking", nargs="+", default=["router", "oracle"], choices=rankings.ALL,
-                   help="rankings to compare (closed loop: runtime rankings only)")
-    p.add_argument("--coverage", default="both", choices=("truncation", "substitution", "both"))
+    p.add_argument("--role", default="evaluation", choices=ROLES,
+                   help="which runs to evaluate (calibration runs are never evaluated by "
+                        "accident)")
+    p.add_argument("--ranking", nargs="+", default=["router", "oracle"],
+                   choices=rankings.names(),
+                   help="rankings to compare (closed loop: runtime ones only): "
+                        + rankings.help_text())
+    p.add_argument("--coverage", default="both", choices=(*coverage.COVERAGES, "both"))
     p.add_argument("--budget", default="24",
                    help="24, a list 8,16,32, a range 8:56:8 or sweep (the paper's grid for N)")
     p.add_argument("--layers", default=None, help="comma-separated decoder layers (default all)")
@@ -49,70 +57,83 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def select_runs(catalog: Catalog, args) -> list:
+    runs = catalog.runs(model=args.model, bench=args.bench, names=args.run)
+    runs = [r for r in runs if r.name not in args.calibration]
+    other = [r for r in runs if r.role != args.role]
+    if args.run and other:
+        raise ReplayError(f"run {other[0].name} is a {other[0].role} run; pass --role "
+                          f"{other[0].role} to evaluate it anyway")
+    runs = [r for r in runs if r.role == args.role]
+    if not runs:
+        raise ReplayError(f"no complete {args.role} runs match under {args.traces} (model="
+                          f"{args.model}, bench={args.bench}, run={args.run})")
+    names = {r.model for r in runs}
+    if len(names) > 1:
+        raise ReplayError(f"runs of several models found ({', '.join(sorted(names))}); pick one "
+                          "with --model")
+    if any(r.settings.get("budget") is not None for r in runs):
+        raise ReplayError("replay needs plain EAGLE captures; some selected runs were captured "
+                          "under a budget (pick runs with --run)")
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     models.quiet_transformers()
     try:
-        runs = find_runs(args.traces, model=args.model, bench=args.bench, runs=args.run)
-        runs = [r for r in runs if r.name not in args.calibration]
-        if not runs:
-            raise ReplayError(f"no complete captured runs match under {args.traces} (model="
-                              f"{args.model}, bench={args.bench}, run={args.run})")
-        names = {r.model for r in runs}
-        if len(names) > 1:
-            raise ReplayError(f"runs of several models found ({', '.join(sorted(names))}); "
-                              "pick one with --model")
-        model = args.model or names.pop()
-        if args.model and args.model != runs[0].model:
-            raise ReplayError(f"traces were captured with {runs[0].model}, not {args.model}")
-        if any(r.manifest["settings"].get("budget") is not None for r in runs):
-            raise ReplayError("replay needs plain EAGLE captures; some selected runs were "
-                              "captured under a budget (pick runs with --run)")
-        need_cal = [r for r in args.ranking if r in rankings.NEEDS_CALIBRATION]
+        catalog = Catalog(args.traces)
+        if not catalog.manifests():
+            raise ReplayError(f"no captured runs under {args.traces}; run `capture` first or "
+                              "point --traces at a traces folder")
+        runs = select_runs(catalog, args)
+        model = runs[0].model
+        classes = [rankings.get(r) for r in args.ranking]
+        need_cal = [c.name for c in classes if c.needs_calibration]
         if need_cal and not args.calibration:
             raise ReplayError(f"--ranking {' '.join(need_cal)} needs --calibration RUN (captured "
                               "on other prompts)")
-        if args.mode == "closed" and any(r in rankings.OFFLINE for r in args.ranking):
-            raise ReplayError("closed loop takes runtime rankings only (router, static, coact)")
+        offline = [c.name for c in classes if not c.runtime]
+        if args.mode == "closed" and offline:
+            raise ReplayError(f"closed loop takes runtime rankings only "
+                              f"({', '.join(rankings.names(runtime=True))}), not "
+                              f"{', '.join(offline)}")
         loaded = models.load(model, device=args.device)
         adapter = MoEAdapter(loaded.model)
         budgets = parse_budgets(args.budget, adapter.num_experts)
-        coverages = ("truncation", "substitution") if args.coverage == "both" else (args.coverage,)
-        if coverages == ("substitution",) and max(budgets) < adapter.top_k:
+        coverages = tuple(coverage.COVERAGES) if args.coverage == "both" else (args.coverage,)
+        if all(b < coverage.get(c).min_budget(adapter.top_k) for c in coverages for b in budgets):
             raise ReplayError(f"substitution needs a budget ≥ k = {adapter.top_k}")
         layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
-        if layers:
-            for layer in layers:
-                adapter.layer(layer)
-        stats = None
+        for layer in layers or ():
+            adapter.layer(layer)
+        stats, cal = None, []
         if args.calibration:
-            cal = find_runs(args.traces, model=model, runs=args.calibration)
-            missing = set(args.calibration) - {r.name for r in cal}
-            if missing:
-                raise ReplayError(f"calibration run(s) {', '.join(sorted(missing))} not found "
-                                  f"complete under {args.traces} for {model}")
-            check_disjoint(runs, cal)
-            stats = calibrate(cal, adapter, progress=not args.no_progress)
-        settings = ReplaySettings(tuple(args.ranking), coverages, tuple(budgets), layers,
-                                  tuple(sorted(args.calibration)), args.mode)
-        folders = []
-        for run in runs:
-            folder, reused = replay_run(run, adapter, settings, stats, args.out or args.traces,
-                                        progress=not args.no_progress)
-            folders.append(folder)
-            if reused:
-                print(f"reused {folder}", file=sys.stderr)
-    except (ReplayError, models.ModelError, KeyError) as exc:
-        msg = exc.args[0] if isinstance(exc, KeyError) else str(exc)
-        print(f"replay: error: {msg}", file=sys.stderr)
+            stats, cal = calibration_stats(catalog, args.calibration, model, runs, adapter,
+                                           progress=not args.no_progress)
+        request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers, args.mode)
+        outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
+                         device=loaded.device, progress=not args.no_progress)
+    except (ReplayError, CatalogError, GoldMismatch, models.ModelError, UnsupportedModelError,
+            rankings.RankingError) as exc:
+        print(f"replay: error: {exc}", file=sys.stderr)
         return 2
-    frame = summary_frame(folders, args.mode)
+    except KeyError as exc:
+        print(f"replay: error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    for name, skipped in outcome.skipped.items():
+        print(f"replay: {name} skipped budgets {', '.join(map(str, skipped))}: C(N, B) exceeds "
+              f"its limit of {rankings.get(name).limit} subsets", file=sys.stderr)
+    for name in outcome.reused:
+        print(f"reused stored results for run {name}", file=sys.stderr)
+    frame = summary_frame(outcome, request)
     if frame is not None:
         import polars as pl
         with pl.Config(tbl_rows=200, tbl_cols=-1, tbl_width_chars=160,
                        tbl_hide_dataframe_shape=True, float_precision=4):
             print(frame)
-    print(f"results: {', '.join(str(f) for f in folders)}")
+    folders = sorted({str(u.folder.parent) for u in outcome.units})
+    print(f"results: {', '.join(folders)}")
     return 0
 
 

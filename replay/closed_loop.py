@@ -3,31 +3,66 @@
 Open-loop replay perturbs one layer at a time on captured inputs; a budget in every layer also
 changes the downstream hidden states and routing. For each captured tree (T = 0 captures) this
 rebuilds the target cache over the committed prefix, verifies the tree once without a budget
-(reproducing the captured pass) and once per runtime ranking × coverage × budget with the budget
-applied inside every MoE layer (the shortlist from that layer's own tree-token router
-probabilities, as MoE-Spec does at run time), and records
+(reproducing the captured pass) and once per ranking × coverage × budget with the budget applied
+inside every MoE layer (the shortlist from that layer's own tree-token router scores, as MoE-Spec
+does at run time), and records
 
     accepted length under the budget vs captured, whether the accepted path (and bonus token) is
     unchanged, top-1 agreement over the tree's nodes, mean_t KL(p_t ‖ p_t^B) over nodes.
+
+A stateful ranking keeps one state per (task, budget) across the trees of a prompt, as it would
+at run time.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from transformers import DynamicCache
 
-from capture.eagle import acceptance, verify
-from capture.eagle.tree import DraftTree
-from capture.moe_adapter import MoEAdapter
-from capture.recorder import BudgetSettings, VerifyRecorder
-from replay import rankings
-from replay.data import CapturedRun, ReplayError
+from catalog import schema
+from catalog.results import Block, UnitResults
+from catalog.runs import CatalogError, Run
+from eagle import acceptance, verify
+from eagle.tree import DraftTree
+from moe.adapter import MoEAdapter
+from moe.recorder import VerifyRecorder
+from policy.budget import Budget
+from policy.calibration import CalibrationStats
+from policy.coverage import Coverage
+from policy.rankings import Ranking
 
 
-def _prompt_tables(run: CapturedRun, prompt: int):
-    read = lambda t, cols: pq.read_table(  # noqa: E731
-        [str(p) for p in sorted(run.dirs[t].glob(f"part-{prompt:06d}-*.parquet"))], columns=cols)
+@dataclass
+class ClosedTask:
+    unit: UnitResults
+    block: Block
+    ranking: type[Ranking]
+    coverage: Coverage
+    calibration: CalibrationStats | None
+    budgets: dict[int, Budget] = field(default_factory=dict)
+
+    def budget(self, size: int) -> Budget:
+        if size not in self.budgets:
+            self.budgets[size] = Budget(size, self.ranking().fit(self.calibration), self.coverage)
+        return self.budgets[size]
+
+
+def check_replayable(run: Run) -> None:
+    if run.settings.get("temperature", 0) > 0:
+        raise CatalogError(f"closed-loop replay compares greedy acceptance; run {run.name} was "
+                           "captured at T > 0 (capture with --temperature 0)")
+    if run.settings.get("budget") is not None:
+        raise CatalogError(f"run {run.name} was captured under a budget; replay needs a plain "
+                           "EAGLE capture")
+
+
+def _prompt_tables(run: Run, prompt: int):
+    def read(table, cols):
+        return pq.read_table([str(p) for p in run.parts(table, prompt)], columns=cols)
     seq = read("sequences", ["prompt_token_ids", "output_token_ids"]).to_pylist()[0]
     trees = read("trees", ["step", "prefix_len", "accepted_length"]).sort_by("step").to_pylist()
     nodes = read("nodes", ["step", "node", "parent", "depth", "token_id", "draft_logprob",
@@ -53,13 +88,9 @@ def _trees_by_step(nodes: dict, device) -> dict[int, tuple[DraftTree, list[int]]
 
 
 @torch.no_grad()
-def closed_loop_rows(run: CapturedRun, prompt: int, adapter: MoEAdapter, settings, stats) -> list:
-    if run.manifest["settings"].get("temperature", 0) > 0:
-        raise ReplayError(f"closed-loop replay compares greedy acceptance; run {run.name} was "
-                          "captured at T > 0 (capture with --temperature 0)")
-    if run.manifest["settings"].get("budget") is not None:
-        raise ReplayError(f"run {run.name} was captured under a budget; replay needs a plain "
-                          "EAGLE capture")
+def replay_prompt(run: Run, prompt: int, adapter: MoEAdapter, tasks: list[ClosedTask]) \
+        -> dict[int, list[dict]]:
+    """Rows of one prompt per task (by position in ``tasks``)."""
     model = adapter.model
     dev = next(model.parameters()).device
     seq, trees, nodes = _prompt_tables(run, prompt)
@@ -67,11 +98,11 @@ def closed_loop_rows(run: CapturedRun, prompt: int, adapter: MoEAdapter, setting
     committed = seq["prompt_token_ids"] + seq["output_token_ids"]
     cache = DynamicCache(config=model.config)
     cached = 0
-    pid = run.manifest["prompt_ids"][prompt - run.manifest["settings"]["offset"]]
-    rows = []
-    combos = [(r, c, b) for r in settings.rankings if r in rankings.RUNTIME
-              for c in settings.coverages for b in settings.budgets
-              if not (c == "substitution" and b < adapter.top_k)]
+    pid = run.manifest["prompt_ids"][prompt - run.settings["offset"]]
+    rows: dict[int, list[dict]] = {i: [] for i in range(len(tasks))}
+    for task in tasks:
+        for b in task.block.budgets:
+            task.budget(b).reset()
     for t in trees:
         prefix = t["prefix_len"]
         if prefix > cached:
@@ -84,21 +115,41 @@ def closed_loop_rows(run: CapturedRun, prompt: int, adapter: MoEAdapter, setting
         verify.compact_cache(cache, prefix, empty)
         ref = acceptance.accept_greedy(tree, ref_logits)
         ref_logp = torch.log_softmax(ref_logits.float(), -1)
-        for ranking, coverage, budget in combos:
-            rec = VerifyRecorder(adapter, budget=BudgetSettings(budget, ranking, coverage, stats),
-                                 record_tensors=False)
-            with rec(t["step"], tree, prefix):
-                logits, _ = verify.verify_tree(model, None, cache, tree, prefix)
-            verify.compact_cache(cache, prefix, empty)
-            got = acceptance.accept_greedy(tree, logits)
-            logp = torch.log_softmax(logits.float(), -1)
-            kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
-            loaded = [r.experts_loaded for r in rec.take()[0][1]]
-            rows.append(dict(prompt_index=prompt, prompt_id=pid, step=t["step"], ranking=ranking,
-                             coverage=coverage, budget=budget, accepted_length=len(got.path),
-                             captured_accepted_length=t["accepted_length"],
-                             path_unchanged=got.path == captured_path and got.bonus == ref.bonus,
-                             top1_agreement=float((logits.argmax(-1) == ref_logits.argmax(-1))
-                                                  .float().mean()),
-                             mean_kl=float(kl.mean()), experts_loaded=loaded))
+        for i, task in enumerate(tasks):
+            for b in task.block.budgets:
+                rec = VerifyRecorder(adapter, budget=task.budget(b), record_tensors=False)
+                with rec(t["step"], tree, prefix):
+                    logits, _ = verify.verify_tree(model, None, cache, tree, prefix)
+                verify.compact_cache(cache, prefix, empty)
+                got = acceptance.accept_greedy(tree, logits)
+                logp = torch.log_softmax(logits.float(), -1)
+                kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+                loaded = [r.experts_loaded for r in rec.take()[0][1]]
+                rows[i].append(dict(
+                    prompt_index=prompt, prompt_id=pid, step=t["step"], ranking=task.ranking.name,
+                    coverage=task.coverage.name, budget=b, accepted_length=len(got.path),
+                    captured_accepted_length=t["accepted_length"],
+                    path_unchanged=got.path == captured_path and got.bonus == ref.bonus,
+                    top1_agreement=float((logits.argmax(-1) == ref_logits.argmax(-1))
+                                         .float().mean()),
+                    mean_kl=float(kl.mean()), experts_loaded=loaded))
     return rows
+
+
+def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress) -> int:
+    """Every pending prompt of every task; returns the trees re-verified."""
+    check_replayable(run)
+    done = {i: task.unit.done_prompts(task.block) for i, task in enumerate(tasks)}
+    verified = 0
+    for prompt in progress(run.prompt_indices()):
+        todo = [i for i in range(len(tasks)) if prompt not in done[i]]
+        if not todo:
+            continue
+        rows = replay_prompt(run, prompt, adapter, [tasks[i] for i in todo])
+        for j, i in enumerate(todo):
+            tasks[i].unit.write_part(tasks[i].block, prompt, pa.Table.from_pylist(
+                rows[j], schema=schema.REPLAY_TABLES["replay_closed"]))
+        verified += len(rows[0]) // max(1, len(tasks[todo[0]].block.budgets))
+    for task in tasks:
+        task.unit.finish(task.block)
+    return verified

@@ -1,162 +1,184 @@
-"""Open-loop replay of one (tree, MoE layer): what a budget costs in reconstruction error.
+"""Open-loop replay: what a budget costs in reconstruction error, batched over tree-layers.
 
-For one captured tree and layer (M tokens, N experts): router softmax ``g [M, N]``, natural
-top-k ``idx [M, k]`` with mixing weights ``ḡ``, and every expert's output ``E [M, N, H]``
-(computed once from the captured MoE inputs and shared by every ranking, budget and policy).
-The gold output is ``O*_t = Σ_{i∈T_k(t)} ḡ_i(t) E_i(h_t)``. Errors (DESIGN.md):
+For a batch of T tree-layers (each one captured tree at one MoE layer, M tokens, N experts):
+every expert's output ``E [T, M, N, H]`` is recomputed once from the captured MoE inputs with the
+model's own weights, checked against the captured output, turned into per-token Gram terms
+(:class:`policy.batch.ExpertTerms`), and shared by every ranking, coverage and budget. For
+shortlists S (B experts) and the indices/weights ``(i, w)`` the coverage policy gives each token,
+DESIGN.md's metrics are, per tree-layer:
 
-    RSE      = Σ_t ||O*_t − Ô_t||² / Σ_t ||O*_t||²
-    token    = mean_t ||O*_t − Ô_t|| / ||O*_t||
-    excluded = Σ_{i∉S} s_i / Σ_i s_i,   s_i = Σ_t g_i(t)
+    RSE       = Σ_t ||O*_t − Ô_t||² / Σ_t ||O*_t||²
+    token     = mean_t ||O*_t − Ô_t|| / ||O*_t||
+    excluded  = Σ_{i∉S} s_i / Σ_i s_i,        s_i = Σ_t g_i(t)
+    loaded    = #{i : w_i(t) ≠ 0 for some t}
 
-Fast path. Any policy output is ``Ô_t = Σ_j w_j E_{i_j}(h_t)`` for k (index, weight) pairs, so
-
-    ||O*_t − Ô_t||² = ||O*_t||² − 2 Σ_j w_j b_t[i_j] + Σ_{j,l} w_j w_l Q_t[i_j, i_l]
-
-with per-token Gram ``Q_t = E_t E_tᵀ [N, N]`` and ``b_t = E_t O*_t [N]`` computed once (float64).
-Every candidate, budget and policy then costs O(M·k²) instead of O(M·k·H), which is what makes
-the vectorised greedy oracle cheap. ``approximate`` builds Ô itself (the direct formula, used by
-the tests as a cross-check).
+with ``||O*_t − Ô_t||²`` from the Gram expansion (O(M·k²) per candidate, never O(M·k·H)), so all
+budgets × policies of a batch come out of a few tensor ops.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from replay import budget as budgets
-from replay.budget import prefix_masks  # noqa: F401  (re-exported for replay.run and tests)
+from catalog.reader import PromptTreeLayers
+from moe.adapter import MoEAdapter
+from policy.batch import ExpertTerms, RoutingBatch, combine
+from policy.coverage import Coverage, experts_used
+from policy.rankings import Ranking
 
-EXACT_LIMIT = 5000  # exhaustive search only when C(N, B) is at most this
+# relative tolerance of the recomputed vs captured MoE output of a tree-layer, by storage dtype
+GOLD_TOLERANCE = {"float32": 1e-3, "float16": 2e-2, "bfloat16": 2e-2}
+
+
+class GoldMismatch(ValueError):
+    """The recomputed MoE output differs from the captured one: wrong model or corrupt trace."""
 
 
 @dataclass
-class TreeLayer:
-    probs: torch.Tensor  # [M, N] float32
-    idx: torch.Tensor  # [M, k] natural top-k
-    weights: torch.Tensor  # [M, k] natural ḡ
-    experts: torch.Tensor  # [M, N, H] every expert's output
-    renormalize: bool
-    gold: torch.Tensor = field(init=False)  # [M, H] O*
-    q: torch.Tensor = field(init=False)  # [M, N, N] float64
-    b: torch.Tensor = field(init=False)  # [M, N] float64
-    gold_sq: torch.Tensor = field(init=False)  # [M] float64
+class Slice:
+    """Tree-layers ``rows`` of one prompt's data: what a batch is built from."""
 
-    def __post_init__(self):
-        self.gold = combine(self.experts, self.idx, self.weights)
-        e = self.experts.double()
-        self.q = torch.einsum("mnh,mph->mnp", e, e)
-        self.b = torch.einsum("mnh,mh->mn", e, self.gold.double())
-        self.gold_sq = self.gold.double().pow(2).sum(-1)
-
-    @property
-    def k(self) -> int:
-        return self.idx.shape[-1]
-
-    @property
-    def n(self) -> int:
-        return self.probs.shape[-1]
-
-    @property
-    def union(self) -> torch.Tensor:
-        return torch.unique(self.idx)
+    data: PromptTreeLayers
+    rows: list[int]
 
 
-def combine(experts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """``Ô_t = Σ_j w_j(t) E_{idx_j(t)}(h_t)`` for ``idx, weights [..., M, k]`` → ``[..., M, H]``."""
-    lead = idx.shape[:-2]
-    e = experts.expand(*lead, *experts.shape)
-    picked = e.gather(-2, idx[..., None].expand(*idx.shape, experts.shape[-1]))
-    return (picked * weights[..., None].to(experts.dtype)).sum(-2)
+def pad(slices: list[Slice], attr: str, width: int, dtype) -> np.ndarray:
+    """``[T, M, width]`` of one per-row array of the slices' tree-layers, zero-padded to the
+    longest tree."""
+    counts = [s.data.bounds[r + 1] - s.data.bounds[r] for s in slices for r in s.rows]
+    out = np.zeros((len(counts), max(counts), width), dtype=dtype)
+    t = 0
+    for s in slices:
+        arr = getattr(s.data, attr)
+        for r in s.rows:
+            rows = s.data.rows(r)
+            out[t, :rows.stop - rows.start] = arr[rows]
+            t += 1
+    return out
 
 
-def policy(tl: TreeLayer, keep: torch.Tensor, coverage: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indices, weights) ``[..., M, k]`` each token uses under shortlists ``keep [..., N]``."""
-    lead = keep.shape[:-1]
-    if coverage == "truncation":
-        w = tl.weights * keep[..., tl.idx].to(tl.weights.dtype)
-        return tl.idx.expand(*lead, *tl.idx.shape), w
-    if coverage == "substitution":
-        return budgets.substitute(tl.probs, keep[..., None, :], tl.k, tl.renormalize)
-    raise ValueError(f"unknown coverage {coverage!r}")
+def load_batch(slices: list[Slice], adapter: MoEAdapter, device, hidden_dtype: str, run: str,
+               with_terms: bool = True) -> RoutingBatch:
+    """A padded :class:`RoutingBatch` of the slices' tree-layers, with every expert's output
+    recomputed (one batched call per layer present) and checked against the capture."""
+    layers = torch.tensor([int(s.data.layer[r]) for s in slices for r in s.rows])
+    k = slices[0].data.topk_ids.shape[1]
+    n = slices[0].data.probs.shape[1]
+    counts = torch.tensor([int(s.data.bounds[r + 1] - s.data.bounds[r])
+                           for s in slices for r in s.rows])
+    m = int(counts.max())
+    mask = torch.arange(m)[None] < counts[:, None]
+    probs = torch.from_numpy(pad(slices, "probs", n, np.float32))
+    idx = torch.from_numpy(pad(slices, "topk_ids", k, np.int64))
+    weights = torch.from_numpy(pad(slices, "topk_weights", k, np.float32))
+    batch = RoutingBatch(probs.to(device), idx.to(device), weights.to(device), mask.to(device),
+                         layers.to(device), adapter.batch_rule(layers.to(device)))
+    if not with_terms:
+        return batch
+    hidden = torch.from_numpy(pad(slices, "hidden", slices[0].data.hidden.shape[1], np.float32))
+    output = torch.from_numpy(pad(slices, "output", hidden.shape[-1], np.float32))
+    experts, shared = expert_outputs(adapter, hidden, layers, mask, device)
+    gold = combine(experts, batch.idx, batch.weights)
+    if shared is not None:
+        gold = gold + shared
+    check_gold(gold, output.to(device), slices, hidden_dtype, run)
+    batch.terms = ExpertTerms.from_outputs(experts, batch.idx, batch.weights, shared)
+    return batch
 
 
-def approximate(tl: TreeLayer, keep: torch.Tensor, coverage: str) -> torch.Tensor:
-    """``MoE_S(h_t)`` itself, ``[..., M, H]`` (the direct formula)."""
-    idx, w = policy(tl, keep, coverage)
-    return combine(tl.experts, idx, w)
+def expert_outputs(adapter: MoEAdapter, hidden: torch.Tensor, layers: torch.Tensor,
+                   mask: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``E [T, M, N, H]`` (float32, 0 on padding) and the shared experts' output ``[T, M, H]`` or
+    None, one batched call per distinct layer in the batch."""
+    param = next(adapter.model.parameters())
+    t, m, h = hidden.shape
+    experts = torch.zeros(t, m, adapter.num_experts, h, dtype=torch.float32, device=device)
+    shared = None
+    with torch.no_grad():
+        for layer in layers.unique().tolist():
+            rows = (layers == layer).nonzero().flatten()
+            sel = mask[rows].to(hidden.device)  # real tokens of these tree-layers
+            x = hidden[rows][sel].to(param.device, param.dtype)  # [tokens, H]
+            moe = adapter.layer(layer)
+            out = moe.all_expert_outputs(x).float().to(device)
+            block = torch.zeros(len(rows), m, *out.shape[1:], device=device)
+            block[sel.to(device)] = out
+            experts[rows.to(device)] = block
+            so = moe.shared_output(x)
+            if so is not None:
+                shared = torch.zeros(t, m, h, device=device) if shared is None else shared
+                sblock = torch.zeros(len(rows), m, h, device=device)
+                sblock[sel.to(device)] = so.float().to(device)
+                shared[rows.to(device)] = sblock
+    return experts, shared
 
 
-def token_sq_errors(tl: TreeLayer, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``||O*_t − Ô_t||²`` for every token, ``[..., M]``, from the Gram expansion."""
-    w = w.double()
-    lead = idx.shape[:-2]
-    b = tl.b.expand(*lead, *tl.b.shape).gather(-1, idx)  # [..., M, k]
-    q = tl.q.expand(*lead, *tl.q.shape)
-    rows = q.gather(-2, idx[..., None].expand(*idx.shape, tl.n))  # [..., M, k, N]
-    qq = rows.gather(-1, idx[..., None, :].expand(*idx.shape, idx.shape[-1]))  # [..., M, k, k]
-    err = tl.gold_sq - 2 * (w * b).sum(-1) + torch.einsum("...j,...jl,...l->...", w, qq, w)
-    return err.clamp_min(0)
+def check_gold(recomputed: torch.Tensor, captured: torch.Tensor, slices: list[Slice],
+               hidden_dtype: str, run: str) -> None:
+    """Refuse a tree-layer whose recomputed MoE output differs from the captured one (or holds a
+    non-finite value): wrong ``--model`` or a corrupt trace."""
+    diff = (captured - recomputed).double().pow(2).sum((-1, -2))
+    norm = captured.double().pow(2).sum((-1, -2)).clamp_min(1e-30)
+    rel = diff / norm
+    bad = ~torch.isfinite(rel) | (rel > GOLD_TOLERANCE[hidden_dtype] ** 2)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        s, r = _locate(slices, i)
+        raise GoldMismatch(
+            f"run {run}: recomputed MoE output of prompt {s.data.prompt_index} step "
+            f"{int(s.data.step[r])} layer {int(s.data.layer[r])} differs from the captured one "
+            f"(relative error {float(rel[i]) ** 0.5:.2e}); wrong --model or corrupt trace")
 
 
-def metrics(tl: TreeLayer, keep: torch.Tensor, coverage: str) -> dict[str, torch.Tensor]:
-    """RSE, mean per-token relative error, mass excluded and experts loaded for shortlists
-    ``keep [..., N]``."""
-    idx, w = policy(tl, keep, coverage)
-    sq = token_sq_errors(tl, idx, w)
-    rse = sq.sum(-1) / tl.gold_sq.sum().clamp_min(1e-30)
-    token = (sq.sqrt() / tl.gold_sq.sqrt().clamp_min(1e-30)).mean(-1)
-    s = budgets.router_scores(tl.probs)
-    excluded = (s * ~keep).sum(-1) / s.sum()
-    used = torch.zeros(*keep.shape, dtype=torch.bool, device=keep.device)
-    used.scatter_(-1, idx.flatten(-2), (w != 0).flatten(-2))
-    return dict(rse=rse, token_error=token, mass_excluded=excluded, experts_loaded=used.sum(-1))
+def _locate(slices: list[Slice], i: int) -> tuple[Slice, int]:
+    for s in slices:
+        if i < len(s.rows):
+            return s, s.rows[i]
+        i -= len(s.rows)
+    raise IndexError(i)
 
 
-def oracle_order(tl: TreeLayer, coverage: str, max_budget: int) -> list[int]:
-    """Greedy oracle: from S = ∅ add the expert that most reduces Σ_t ||O*_t − MoE_S(h_t)||²;
-    returns the order of additions.
-
-    Truncation has a closed form: with D the experts left out, the error is
-    ``Σ_{i,j∈D} A_ij``, ``A_ij = Σ_t ḡ_i(t) ḡ_j(t) Q_t[i, j]``, so each greedy step is an O(N)
-    update (:func:`replay.coact.greedy_quadratic`). Substitution re-routes tokens as S grows, so
-    all N candidates are scored in one batched call per step."""
-    if coverage == "truncation":
-        from replay.coact import greedy_quadratic
-        w = torch.zeros(tl.probs.shape, dtype=torch.float64).scatter(1, tl.idx,
-                                                                      tl.weights.double())
-        a = torch.einsum("mi,mj,mij->ij", w, w, tl.q)
-        return greedy_quadratic(a, torch.zeros(tl.n, dtype=torch.float64), max_budget)
-    keep = torch.zeros(tl.n, dtype=torch.bool, device=tl.probs.device)
-    eye = torch.eye(tl.n, dtype=torch.bool, device=tl.probs.device)
-    order: list[int] = []
-    for _ in range(min(max_budget, tl.n)):
-        idx, w = policy(tl, keep[None] | eye, coverage)  # S ∪ {c} for every c
-        err = token_sq_errors(tl, idx, w).sum(-1)
-        err[keep] = float("inf")
-        best = int(torch.argmin(err))
-        order.append(best)
-        keep[best] = True
-    return order
+def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage) -> dict[str, torch.Tensor]:
+    """RSE, mean per-token relative error, mass excluded and experts loaded, ``[T, B]`` each,
+    for shortlists ``keep [T, B, N]``."""
+    idx, w = coverage.apply(batch, keep)  # [T, B, M, k]
+    sq = batch.token_sq_errors(idx, w)  # [T, B, M]
+    gold_sq = batch.terms.gold_sq[:, None, :]  # [T, 1, M]
+    rse = sq.sum(-1) / gold_sq.sum(-1).clamp_min(1e-30)
+    ratio = sq.sqrt() / gold_sq.sqrt().clamp_min(1e-30)
+    real = batch.mask[:, None, :]
+    token = (ratio * real).sum(-1) / real.sum(-1)
+    s = batch.mass()[:, None, :]  # [T, 1, N]
+    excluded = (s * ~keep).sum(-1) / s.sum(-1)
+    loaded = experts_used(idx, w * real[..., None], batch.n).sum(-1)
+    return dict(rse=rse, token_error=token, mass_excluded=excluded, experts_loaded=loaded)
 
 
-def exact_best(tl: TreeLayer, coverage: str, budget: int) -> torch.Tensor | None:
-    """The B-subset with the least squared error by exhaustive search, or None when
-    C(N, B) > EXACT_LIMIT."""
-    if math.comb(tl.n, budget) > EXACT_LIMIT:
-        return None
-    subsets = torch.tensor(list(itertools.combinations(range(tl.n), budget)),
-                           device=tl.probs.device)
-    keep = torch.zeros(len(subsets), tl.n, dtype=torch.bool, device=tl.probs.device)
-    keep.scatter_(1, subsets, True)
-    best, best_err = None, float("inf")
-    for chunk in keep.split(512):
-        idx, w = policy(tl, chunk, coverage)
-        err = token_sq_errors(tl, idx, w).sum(-1)
-        i = int(torch.argmin(err))
-        if float(err[i]) < best_err:
-            best, best_err = chunk[i], float(err[i])
-    return best
+@dataclass
+class Stream:
+    """Where a stateful ranking is in the captured passes (batches arrive in prompt, step order)."""
+
+    prompt: int | None = None
+
+
+def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budgets: list[int],
+               prompts: torch.Tensor, steps: torch.Tensor, stream: Stream):
+    """A ranking's shortlists for the batch. A stateful ranking sees the passes in order: one
+    call per (prompt, step), after observing what the previous captured pass loaded (in open
+    loop: the union of its natural top-k, what the unbudgeted capture loaded)."""
+    if not ranking.stateful:
+        return ranking.shortlists(batch, coverage, budgets)
+    keep = torch.zeros(batch.size, len(budgets), batch.n, dtype=torch.bool, device=batch.device)
+    union = batch.union()
+    for prompt, step in sorted(set(zip(prompts.tolist(), steps.tolist()))):
+        if prompt != stream.prompt:
+            ranking.reset()
+            stream.prompt = prompt
+        rows = ((prompts == prompt) & (steps == step)).nonzero().flatten()
+        masks, valid = ranking.shortlists(batch.take(rows), coverage, budgets)
+        keep[rows] = masks
+        ranking.observe(batch.layers[rows], union[rows])
+    return keep, budgets

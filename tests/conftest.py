@@ -8,7 +8,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from capture import models  # noqa: E402
+from moe import models  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

@@ -7,7 +7,8 @@ import pytest
 
 from analysis import coactivation, cost, moesd, replay_views, routing
 from analysis.sql import connect
-from capture import schema
+from catalog import schema
+from catalog.runs import write_manifest
 
 N, K, M, LAYERS, TREES = 16, 4, 10, 2, 6
 
@@ -31,6 +32,9 @@ def synthetic_traces(root, seed=0, sharp=2.0):
     folder.mkdir(parents=True)
     pq.write_table(pa.Table.from_pylist(rows, schema=schema.TABLES["routing"]),
                    folder / "part-000000-0000.parquet")
+    write_manifest(root, dict(model="m", bench="b", run="r", status="complete",
+                              role="evaluation", settings={},
+                              schema_version=schema.SCHEMA_VERSION))
     return rows
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from capture import benchmarks
+from tasks import benchmarks
 
 EXPECTED = {"mbpp": 500, "humaneval": 164, "gsm8k": 1319, "math500": 500, "cnndm": 80,
             "specbench": 480}

@@ -14,8 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from capture import cli, models, schema
-from capture.moe_adapter import MoEAdapter
+from capture import cli
+from catalog import schema
+from moe import models
+from moe.adapter import MoEAdapter
 
 TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds"}
 BASE = ["--limit", "2", "--max-new-tokens", "12", "--no-progress"]
@@ -78,7 +80,7 @@ def test_recorded_gold_output_is_what_the_model_computed(captured):
             rrows = [i for i, (p, l_) in enumerate(zip(routing["prompt_index"], routing["layer"]))
                      if p == 0 and l_ == layer.index]
             probs = torch.tensor([routing["router_probs"][i] for i in rrows])
-            torch.testing.assert_close(layer.router_probs(h), probs, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(layer.router_scores(h), probs, rtol=1e-4, atol=1e-6)
             ids = torch.tensor([routing["topk_ids"][i] for i in rrows])
             assert torch.equal(ids, probs.topk(layer.top_k).indices)
 
@@ -196,4 +198,4 @@ def test_online_static_and_coact_rankings_use_disjoint_calibration(captured, tmp
         assert all(max(t["experts_loaded"]) <= 16 and t["ranking"] == ranking for t in trees)
     r = run_cli(*BASE, "--out", str(captured), "--run", "bad", "--budget", "16", "--ranking",
                 "static", "--calibration", "r1")
-    assert r.returncode == 2 and "share 2 prompts" in r.stderr
+    assert r.returncode == 2 and "overlap (2 prompts" in r.stderr

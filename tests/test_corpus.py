@@ -1,6 +1,6 @@
 """The tiny models' corpus never contains an evaluation prompt, and its split is stable."""
 
-from capture import benchmarks
+from tasks import benchmarks
 from training import corpus
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from capture.eagle.draft_head import DraftConfig, DraftHeadError, Eagle1Draft, Eagle3Draft, load_draft
+from eagle.draft_head import DraftConfig, DraftHeadError, Eagle1Draft, Eagle3Draft, load_draft
 from training.tiny_moe import SPECS
 
 EAGLE3_KEYS = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",

@@ -6,16 +6,17 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from capture import benchmarks, models
-from capture.eagle import acceptance, verify
-from capture.eagle.acceptance import SamplingSettings
-from capture.eagle.decoding import EagleDecoder
-from capture.eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
+from eagle import acceptance, loading, verify
+from eagle.acceptance import SamplingSettings
+from eagle.decoding import EagleDecoder
+from eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
+from moe import models
+from tasks import benchmarks
 
 
 @pytest.fixture(scope="module", params=models.EMBEDDED)
 def pair(request):
-    return models.load_with_draft(request.param, device="cpu", dtype="float32")
+    return loading.load_with_draft(request.param, device="cpu", dtype="float32")
 
 
 def prompt_ids(tok, bench="mbpp", i=0, n=48):
@@ -200,7 +201,7 @@ def test_wrong_residual_would_fail_the_synthetic_check():
 def test_speculative_sampling_end_to_end_matches_plain_sampling():
     """tiny-mixtral, T=1 with top-k 3: the joint law of the first two generated tokens (the
     second one comes through tree acceptance) equals the target's, over 300 seeds."""
-    loaded, head = models.load_with_draft("tiny-mixtral", device="cpu", dtype="float32")
+    loaded, head = loading.load_with_draft("tiny-mixtral", device="cpu", dtype="float32")
     settings = SamplingSettings(temperature=1.0, top_k=3)
     dec = EagleDecoder(loaded.model, head, tree=TreeSettings(16, 3, 4), sampling=settings)
     ids = prompt_ids(loaded.tokenizer, "gsm8k", 0, n=32)

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from capture import benchmarks
-from capture.moe_adapter import MoEAdapter
+from moe.adapter import MoEAdapter
+from tasks import benchmarks
 from training.tiny_moe import SPECS
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -70,10 +70,10 @@ def test_recomputed_moe_output_equals_model_block_output(embedded, inputs):
         h, gold = h.reshape(-1, h.shape[-1]), gold.reshape(-1, gold.shape[-1])
         with torch.no_grad():
             torch.testing.assert_close(layer.forward(h), gold, **TOL)
-            probs = layer.router_probs(h)
+            probs = layer.router_scores(h)
             index, weights = layer.route(h)
-            torch.testing.assert_close(layer.mixing_weights(probs, index), weights.float(), **TOL)
-            torch.testing.assert_close(layer.moe_output(h, index, layer.mixing_weights(probs, index)),
+            torch.testing.assert_close(layer.rule.mix(probs, index), weights.float(), **TOL)
+            torch.testing.assert_close(layer.moe_output(h, index, layer.rule.mix(probs, index)),
                                        gold, **TOL)
             torch.testing.assert_close(reference_moe(layer, h[:12]), gold[:12], rtol=1e-4, atol=1e-5)
 
@@ -90,14 +90,14 @@ def test_all_experts_output_equals_per_expert_output(embedded):
                 torch.testing.assert_close(all_out[:, i], layer.expert_output(i, h), **TOL)
 
 
-def test_router_probs_match_the_models_router_logits(embedded):
+def test_router_scores_match_the_models_router_logits(embedded):
     ids = real_ids(embedded.tokenizer, 20)
     adapter, seen = block_io(embedded.model, ids)
     with torch.no_grad():
         out = embedded.model(input_ids=ids, output_router_logits=True)
     for layer, logits in zip(adapter, out.router_logits):
         h = seen[layer.index][0].reshape(-1, embedded.model.config.hidden_size)
-        torch.testing.assert_close(layer.router_probs(h), torch.softmax(logits.float(), -1), **TOL)
+        torch.testing.assert_close(layer.router_scores(h), torch.softmax(logits.float(), -1), **TOL)
 
 
 def _random_model(name, **overrides):
@@ -130,3 +130,30 @@ def test_dense_layers_of_qwen3_moe_are_skipped():
     assert [layer.index for layer in adapter] == [0, 2, 3, 4, 6, 7]
     with pytest.raises(KeyError, match="no MoE block"):
         adapter.layer(1)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
+def test_unsupported_families_are_refused_in_one_line(model_type):
+    """A family without a routing spec is refused at load, naming the supported ones (a random
+    DeepSeek-V3 would otherwise pass silently with its shared experts ignored)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moe.families import UnsupportedModelError
+    cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=64,
+                               moe_intermediate_size=32, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+                               num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
+                               n_group=2, topk_group=1, first_k_dense_replace=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(UnsupportedModelError, match="supported MoE families: olmoe"):
+        MoEAdapter(model)
+
+
+def test_a_router_that_breaks_its_spec_is_refused():
+    """The load-time probe catches a router that does not compute what its spec says."""
+    from moe.families import UnsupportedModelError
+    model = _random_model("tiny-olmoe", num_hidden_layers=2)
+    model.config.norm_topk_prob = True  # the spec now says renormalise; the routers do not
+    with pytest.raises(UnsupportedModelError, match="does not compute what its routing spec"):
+        MoEAdapter(model)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from capture import models
+from moe import models
 from training import quality
 from training.tiny_moe import SPECS
 

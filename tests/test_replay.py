@@ -74,11 +74,11 @@ def test_closed_loop_with_all_experts_reproduces_captured_acceptance(traces, tmp
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--calibration", "eval", "--ranking", "static", "--run", "eval"], "no complete captured"),
+    (["--calibration", "eval", "--ranking", "static", "--run", "eval"], "no complete evaluation"),
     (["--ranking", "coact"], "needs --calibration"),
     (["--budget", "65"], "out of range"),
     (["--budget", "x"], "cannot read --budget"),
-    (["--model", "tiny-mixtral"], "no complete captured runs match"),
+    (["--model", "tiny-mixtral"], "no complete evaluation runs match"),
     (["--layers", "9"], "no MoE block"),
 ])
 def test_bad_input_is_one_line(traces, args, message):

@@ -2,7 +2,7 @@
 
 import hashlib
 
-from capture import models
+from moe import models
 from training import tiny_moe
 
 

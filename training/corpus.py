@@ -17,7 +17,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from capture import benchmarks
+from tasks import benchmarks
 
 HELDOUT_PERCENT = 3
 SOURCES = ("stdlib", "gsm8k", "mbpp")

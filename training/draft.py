@@ -28,11 +28,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from capture import benchmarks, console, models
-from capture.eagle.draft_head import DraftConfig, Eagle3Draft, default_feature_layers, load_draft
-from capture.eagle.verify import FeatureTap
+import console
+from catalog import atomic
+from eagle.draft_head import DraftConfig, Eagle3Draft, default_feature_layers, load_draft
+from eagle.verify import FeatureTap
+from moe import models
+from tasks import benchmarks
 from training import corpus
-from training.atomic import atomic_folder
 from training.tiny_moe import MIXTURE, sample_batch, token_streams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -155,7 +157,7 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
                   seed=seed, ttt_steps=ttt, draft_vocab=draft_vocab, seconds=round(seconds, 1),
                   final_loss=round(loss.item(), 4), final_step_accuracy=[round(a, 3) for a in accs],
                   responses=len(responses), command=" ".join(["train-draft", *sys.argv[1:]]))
-    with atomic_folder(out) as tmp:
+    with atomic.folder(out) as tmp:
         head.to(torch.float16).save_pretrained(tmp)
         (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
         load_draft(tmp, target)  # what we wrote must load strictly

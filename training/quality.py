@@ -21,8 +21,8 @@ import math
 import numpy as np
 import torch
 
-from capture import benchmarks
-from capture.moe_adapter import MoEAdapter
+from moe.adapter import MoEAdapter
+from tasks import benchmarks
 from training import corpus
 
 FILENAME = "quality.json"
@@ -120,20 +120,3 @@ def measure(model, tokenizer, benchmarks_root=None) -> dict:
         routing=routing_stats(model, tokenizer, benchmarks_root),
         parameters=sum(p.numel() for p in model.parameters()),
     )
-
-
-def format_record(record: dict) -> str:
-    h, r = record["heldout"], record["routing"]
-    m = r["mean"]
-    lines = [
-        f"held-out loss {h['loss']:.3f} nats (unigram baseline {h['unigram_baseline']:.3f}) "
-        f"over {h['tokens']} tokens; per source "
-        + ", ".join(f"{s} {v:.3f}" for s, v in h["per_source"].items()),
-        f"routing over {r['windows']} windows of {r['window_tokens']} tokens "
-        f"(N={r['num_experts']}, k={r['top_k']}):",
-        f"  top-k mass {m['topk_mass']:.3f} (uniform {r['uniform_topk_mass']:.3f}), "
-        f"entropy/log N {m['entropy_ratio']:.3f}, load CV {m['load_cv']:.3f}",
-        f"  top-N/2 share {m['top_half_share']:.3f}, unique experts per window "
-        f"{m['unique_experts']:.1f} of {r['num_experts']}",
-    ]
-    return "\n".join(lines)

@@ -36,10 +36,11 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from capture import console, models
-from capture.models import EMBEDDED_DIR
+import console
+from catalog import atomic
+from moe import models
+from moe.models import EMBEDDED_DIR
 from training import corpus, quality
-from training.atomic import atomic_folder
 from training.tokenizer import train_tokenizer
 
 VOCAB_SIZE = 4096
@@ -157,7 +158,7 @@ def save(model, tokenizer, out: Path, training: dict, benchmarks_root=None) -> d
     Weights are stored in float16 (halves the repository's size); the quality record is measured
     on the saved weights as loaded back, so it describes exactly what users get.
     """
-    with atomic_folder(out) as tmp:
+    with atomic.folder(out) as tmp:
         model.to(torch.float16).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         reloaded = type(model).from_pretrained(tmp, dtype=torch.float32)
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or EMBEDDED_DIR / args.model
     record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len, lr=args.lr,
                    seed=args.seed, out=out, benchmarks_root=args.benchmarks)
-    print(quality.format_record(record))
+    print(models.format_quality_record(record))
     print(f"wrote {out}")
     return 0
 

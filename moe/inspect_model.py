@@ -17,8 +17,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from capture import benchmarks, console, models
-from capture.moe_adapter import MoEAdapter, UnsupportedModelError
+import console
+from moe import models
+from moe.adapter import MoEAdapter
+from moe.families import UnsupportedModelError
+from tasks import benchmarks
 
 PROBE_TOKENS = 63
 
@@ -109,9 +112,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{adapter.layers[0].index}..{adapter.layers[-1].index} "
               f"(mean {sum(touched) / len(touched):.1f} of {adapter.num_experts})")
     if record:
-        from training.quality import format_record
         out.print("quality record (quality.json):")
-        out.print(format_record(record), highlight=False)
+        out.print(models.format_quality_record(record), highlight=False)
     return 0
 
 

@@ -92,7 +92,7 @@ def _hub_is_cached(hub_id: str) -> bool:
     return isinstance(try_to_load_from_cache(hub_id, "config.json"), str)
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     from huggingface_hub import constants
     if constants.HF_HUB_OFFLINE:
         return False
@@ -106,7 +106,7 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def _ensure_available(source: ModelSource) -> None:
     """Fail at once, in one line, when a hub model is neither cached nor downloadable."""
-    if source.hub_id is None or _hub_is_cached(source.hub_id) or _hub_reachable():
+    if source.hub_id is None or _hub_is_cached(source.hub_id) or hub_reachable():
         return
     alt = source.alias.embedded_alternative if source.alias else None
     hint = f"use --model {alt} (embedded, offline)" if alt else \
@@ -187,47 +187,19 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto
     return LoadedModel(source, net, tokenizer, dev, dt)
 
 
-
-def default_draft(source: ModelSource) -> str | None:
-    """The draft head a model uses when ``--draft`` is not given."""
-    if source.alias is None:
-        return None
-    if source.alias.hub_id is None:
-        return str(DRAFTS_DIR / source.alias.name)
-    return source.alias.draft
-
-
-def resolve_draft(draft: str) -> Path:
-    """A draft head folder from a local path or a hub id (downloaded, or from the cache)."""
-    path = Path(draft).expanduser()
-    if path.is_dir():
-        return path
-    if path.is_absolute() or draft.startswith((".", "~")) or draft.count("/") != 1:
-        hint = (f"train it with `train-draft --model {path.name}`"
-                if path.parent == DRAFTS_DIR else "pass --draft with an existing folder or a hub id")
-        raise ModelError(f"draft head folder {draft} does not exist; {hint}")
-    from huggingface_hub import snapshot_download
-    try:
-        return Path(snapshot_download(draft, local_files_only=not _hub_reachable()))
-    except Exception as exc:  # noqa: BLE001 - the hub raises many types; one line for the user
-        raise ModelError(f"draft head {draft!r} is not in the local Hugging Face cache and the hub "
-                         f"cannot be reached ({type(exc).__name__}); pass --draft with a local "
-                         "folder") from exc
-
-
-def load_with_draft(model: str = DEFAULT_MODEL, draft: str | None = None, **kwargs):
-    """(LoadedModel, draft head) for EAGLE decoding; the head is checked against the target."""
-    from capture.eagle.draft_head import DraftHeadError, load_draft
-
-    loaded = load(model, **kwargs)
-    draft = draft or default_draft(loaded.source)
-    if draft is None:
-        raise ModelError(f"model {loaded.name!r} has no default draft head; pass --draft PATH")
-    try:
-        head = load_draft(resolve_draft(draft), loaded.model)
-    except DraftHeadError as exc:
-        raise ModelError(str(exc)) from exc
-    alias = loaded.source.alias
-    if alias and alias.feature_layers and draft == alias.draft:
-        head.config.feature_layers = list(alias.feature_layers)
-    return loaded, head
+def format_quality_record(record: dict) -> str:
+    """The ``quality.json`` an embedded model carries, as a few lines of text."""
+    h, r = record["heldout"], record["routing"]
+    m = r["mean"]
+    lines = [
+        f"held-out loss {h['loss']:.3f} nats (unigram baseline {h['unigram_baseline']:.3f}) "
+        f"over {h['tokens']} tokens; per source "
+        + ", ".join(f"{s} {v:.3f}" for s, v in h["per_source"].items()),
+        f"routing over {r['windows']} windows of {r['window_tokens']} tokens "
+        f"(N={r['num_experts']}, k={r['top_k']}):",
+        f"  top-k mass {m['topk_mass']:.3f} (uniform {r['uniform_topk_mass']:.3f}), "
+        f"entropy/log N {m['entropy_ratio']:.3f}, load CV {m['load_cv']:.3f}",
+        f"  top-N/2 share {m['top_half_share']:.3f}, unique experts per window "
+        f"{m['unique_experts']:.1f} of {r['num_experts']}",
+    ]
+    return "\n".join(lines)

@@ -4,6 +4,8 @@ Layout (hive partitioning, readable by DuckDB, pyarrow and polars with no projec
 
     <root>/<table>/model=<model>/bench=<bench>/run=<run>/part-<prompt>-<chunk>.parquet
     <root>/runs/model=<model>/bench=<bench>/run=<run>/_manifest.json  (+ part-0.parquet when complete)
+    <root>/replay_open/model=…/bench=…/run=…/config=<unit>/block=<id>/part-<prompt>.parquet
+    <root>/replay_open/model=…/bench=…/run=…/config=<unit>/_config.json   (and replay_closed alike)
 
 Partition columns (``model``, ``bench``, ``run``) are not stored in the files; readers get them
 from the paths. A prompt's files are written to ``.<name>.tmp`` and renamed; ``sequences`` is
@@ -18,9 +20,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: runs carry a role and a run_id; replay results are stored in blocks
 MANIFEST = "_manifest.json"  # per run, beside the runs table's part
+RESULT_CONFIG = "_config.json"  # per replay unit (ranking × coverage × calibration)
 PARTITIONS = ("model", "bench", "run")
+ROLES = ("evaluation", "calibration")  # what a run is for; nothing pools them by accident
 
 _KEY = [
     pa.field("prompt_index", pa.int32(), nullable=False),  # position in the benchmark
@@ -108,6 +112,8 @@ REPLAY_TABLES: dict[str, pa.Schema] = {
 }
 
 RUNS_SCHEMA = pa.schema([
+    pa.field("role", pa.string()),  # evaluation | calibration
+    pa.field("run_id", pa.string()),  # new for every capture started from scratch
     pa.field("model_location", pa.string()),
     pa.field("draft", pa.string()),
     pa.field("num_experts", pa.int16()),
@@ -142,7 +148,3 @@ def storage_schema(table: str, hidden_dtype: str = "float32") -> pa.Schema:
         schema = schema.set(i, schema.field(i).with_type(vec))
     return schema
 
-
-def partition_value(value: str) -> str:
-    """A hive partition value: hub ids' '/' become '--' (as in the Hugging Face cache)."""
-    return value.replace("/", "--").replace("=", "-")

@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from capture.eagle import acceptance, verify
-from capture.eagle.acceptance import SamplingSettings
-from capture.eagle.draft_head import DraftHead
-from capture.eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
+from eagle import acceptance, verify
+from eagle.acceptance import SamplingSettings
+from eagle.draft_head import DraftHead
+from eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
 
 
 def _sync(device: torch.device) -> None:
@@ -94,63 +94,94 @@ class EagleDecoder:
             return out[:max_new], "max_new_tokens"
         return out, ""
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int], *, max_new_tokens: int = 256,
                  eos_token_ids: set[int] | None = None, seed: int = 0,
                  autoregressive: bool = False) -> Generation:
-        eos = set(eos_token_ids or ())
-        gen = torch.Generator(device=self.device).manual_seed(seed)
+        """Decode one prompt to the end; see :meth:`stream` to act after every pass."""
+        session = self.stream(prompt_ids, max_new_tokens=max_new_tokens,
+                              eos_token_ids=eos_token_ids, seed=seed, autoregressive=autoregressive)
+        for _ in session:
+            pass
+        return session.result
+
+    def stream(self, prompt_ids: list[int], *, max_new_tokens: int = 256,
+               eos_token_ids: set[int] | None = None, seed: int = 0,
+               autoregressive: bool = False) -> DecodeSession:
+        """An iterator over the verification passes of one prompt (a :class:`StepRecord` each);
+        its ``result`` is the whole :class:`Generation` once the iterator is exhausted."""
+        return DecodeSession(self, prompt_ids, max_new_tokens, set(eos_token_ids or ()), seed,
+                             autoregressive)
+
+
+class DecodeSession:
+    """One prompt being decoded: iterate to run verification passes one at a time."""
+
+    def __init__(self, decoder: EagleDecoder, prompt_ids: list[int], max_new_tokens: int,
+                 eos: set[int], seed: int, autoregressive: bool):
+        self.decoder = decoder
+        self.result = Generation(list(prompt_ids), [])
+        self._steps = self._run(prompt_ids, max_new_tokens, eos, seed, autoregressive)
+
+    def __iter__(self):
+        return self._steps
+
+    @torch.no_grad()
+    def _run(self, prompt_ids, max_new_tokens, eos, seed, autoregressive):
+        dec = self.decoder
+        gen = torch.Generator(device=dec.device).manual_seed(seed)
         start = time.perf_counter()
-        ids = torch.tensor([prompt_ids], device=self.device)
-        logits, feats, cache = verify.prefill(self.target, self.tap, ids)
-        root = acceptance.next_token(logits, self.sampling, gen)
-        result = Generation(list(prompt_ids), [])
-        out, reason = self._stop([root], eos, max_new_tokens)
+        ids = torch.tensor([prompt_ids], device=dec.device)
+        logits, feats, cache = verify.prefill(dec.target, dec.tap, ids)
+        root = acceptance.next_token(logits, dec.sampling, gen)
+        result = self.result
+        out, reason = dec._stop([root], eos, max_new_tokens)
         prefix = len(prompt_ids)
         draft_cache = DraftCache()
-        new_feats, new_tokens = feats, torch.tensor(prompt_ids[1:] + [root], device=self.device)
+        new_feats, new_tokens = feats, torch.tensor(prompt_ids[1:] + [root], device=dec.device)
         step = 0
-        tree_size = 1 if autoregressive else self.tree_settings.total_tokens
+        tree_size = 1 if autoregressive else dec.tree_settings.total_tokens
         while not reason:
-            if prefix + tree_size + 1 > self.max_length:
+            if prefix + tree_size + 1 > dec.max_length:
                 reason = "context_length"
                 break
-            _sync(self.device)
+            _sync(dec.device)
             t0 = time.perf_counter()
             if autoregressive:
                 tree = None
             else:
-                tree = build_tree(self.head, draft_cache, new_feats, new_tokens, root,
-                                  self.tree_settings)
-            _sync(self.device)
+                tree = build_tree(dec.head, draft_cache, new_feats, new_tokens, root,
+                                  dec.tree_settings)
+            _sync(dec.device)
             t1 = time.perf_counter()
-            ctx = self.verify_context(step, tree, prefix) if (self.verify_context and tree) \
+            ctx = dec.verify_context(step, tree, prefix) if (dec.verify_context and tree) \
                 else contextlib.nullcontext()
             with ctx:
                 if autoregressive:
-                    logits, feats = verify.forward_tokens(self.target, self.tap, cache,
-                                                          torch.tensor([root], device=self.device),
+                    logits, feats = verify.forward_tokens(dec.target, dec.tap, cache,
+                                                          torch.tensor([root], device=dec.device),
                                                           prefix)
                     verdict = acceptance.Acceptance([0], acceptance.next_token(
-                        logits[0], self.sampling, gen))
+                        logits[0], dec.sampling, gen))
                 else:
-                    logits, feats = verify.verify_tree(self.target, self.tap, cache, tree, prefix)
-                    verdict = acceptance.accept(tree, logits, self.sampling, gen)
-            _sync(self.device)
+                    logits, feats = verify.verify_tree(dec.target, dec.tap, cache, tree, prefix)
+                    verdict = acceptance.accept(tree, logits, dec.sampling, gen)
+            _sync(dec.device)
             t2 = time.perf_counter()
-            path = torch.tensor(verdict.path, device=self.device)
+            path = torch.tensor(verdict.path, device=dec.device)
             if not autoregressive:
                 verify.compact_cache(cache, prefix, path)
             accepted = [] if tree is None else tree.tokens[path[1:]].tolist()
-            result.steps.append(StepRecord(step, prefix, tree, verdict.path, verdict.bonus,
-                                           t1 - t0, t2 - t1))
+            record = StepRecord(step, prefix, tree, verdict.path, verdict.bonus, t1 - t0, t2 - t1)
+            result.steps.append(record)
             prefix += len(verdict.path)
-            out, reason = self._stop(out + accepted + [verdict.bonus], eos, max_new_tokens)
+            out, reason = dec._stop(out + accepted + [verdict.bonus], eos, max_new_tokens)
             root = verdict.bonus
             new_feats = feats[path]
-            new_tokens = torch.tensor(accepted + [root], device=self.device)
+            new_tokens = torch.tensor(accepted + [root], device=dec.device)
             step += 1
+            result.output_ids = out
+            result.seconds = time.perf_counter() - start
+            yield record
         result.output_ids = out
         result.stop_reason = reason
         result.seconds = time.perf_counter() - start
-        return result

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from capture.eagle.tree import DraftTree
+from eagle.tree import DraftTree
 
 
 def tree_attention_mask(tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:

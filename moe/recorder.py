@@ -1,11 +1,13 @@
-"""Hooks on the target's MoE modules during verification passes only.
+"""Hooks on the target's MoE modules during verification passes only (capture records with
+them; closed-loop replay applies budgets with them).
 
-``VerifyRecorder`` is handed to :class:`~capture.eagle.decoding.EagleDecoder` as its
-``verify_context``: for each verification pass it registers, through the adapter,
+``VerifyRecorder`` is handed to :class:`~eagle.decoding.EagleDecoder` as its ``verify_context``:
+for each verification pass it registers, through the adapter,
 
-* a forward hook on every layer's router: full softmax ``g_t`` (N), natural top-k ``T_k(t)`` and
-  mixing weights ``ḡ``; in MoE-Spec online mode the hook also *replaces* the router's output with
-  the budgeted indices/weights (``replay.budget``), so the experts module runs only those;
+* a forward hook on every layer's router: router scores ``g_t`` (N), natural top-k ``T_k(t)`` and
+  mixing weights ``ḡ``; under an expert budget (MoE-Spec online mode, closed-loop replay) the
+  hook also *replaces* the router's output with the budgeted indices/weights
+  (:class:`policy.budget.Budget`), so the experts module runs only those;
 * a forward hook on every sparse block: its input ``h_t`` and output (the gold ``O*_t`` without a
   budget), optionally each used expert's own output ``E_i(h_t)``;
 
@@ -20,24 +22,15 @@ from dataclasses import dataclass
 
 import torch
 
-from capture.moe_adapter import MoEAdapter
-from replay import budget as budgets
-from replay.coact import CoactStats
-from replay.rankings import keep_mask, runtime_order
-
-
-@dataclass(frozen=True)
-class BudgetSettings:
-    budget: int
-    ranking: str = "router"  # a runtime ranking: router | static | coact
-    coverage: str = "substitution"  # truncation | substitution
-    stats: CoactStats | None = None  # calibration statistics for static and coact
+from moe.adapter import MoEAdapter, MoELayer
+from policy.budget import Budget
+from policy.coverage import experts_used
 
 
 @dataclass
 class LayerRecord:
     layer: int
-    probs: torch.Tensor  # [M, N] float32
+    probs: torch.Tensor  # [M, N] float32 router scores g
     topk_ids: torch.Tensor  # [M, k] natural
     topk_weights: torch.Tensor  # [M, k] natural ḡ
     applied_ids: torch.Tensor | None = None  # under a budget
@@ -50,50 +43,56 @@ class LayerRecord:
     def unique_experts(self) -> int:
         return int(torch.unique(self.topk_ids).numel())
 
+    def loaded(self) -> torch.Tensor:
+        """``[N]`` bool: the experts this pass ran at this layer."""
+        ids, w = (self.topk_ids, self.topk_weights) if self.applied_ids is None else \
+            (self.applied_ids, self.applied_weights)
+        return experts_used(ids, w, self.probs.shape[-1])
+
     @property
     def experts_loaded(self) -> int:
-        if self.applied_ids is None:
-            return self.unique_experts
-        return int(budgets.experts_used(self.applied_ids, self.applied_weights).numel())
+        return int(self.loaded().sum())
 
 
 class VerifyRecorder:
+    """Records every verification pass; ``take()`` hands the recorded passes over."""
+
     def __init__(self, adapter: MoEAdapter, *, store_expert_outputs: bool = False,
-                 budget: BudgetSettings | None = None, record_tensors: bool = True):
+                 budget: Budget | None = None, record_tensors: bool = True):
         self.adapter = adapter
         self.store_expert_outputs = store_expert_outputs
         self.budget = budget
         self.record_tensors = record_tensors
         self.passes: list[tuple[int, list[LayerRecord]]] = []  # (step, per-layer records)
-        self.on_pass = None  # called after each recorded pass (the writer flushes from here)
+
+    def new_prompt(self) -> None:
+        """A new prompt: stateful rankings forget the previous prompt's passes."""
+        if self.budget is not None:
+            self.budget.reset()
 
     def take(self) -> list[tuple[int, list[LayerRecord]]]:
         """Hand over the recorded passes and forget them (bounded memory)."""
         passes, self.passes = self.passes, []
         return passes
 
-    def _router_hook(self, layer, records: dict):
+    def _router_hook(self, layer: MoELayer, records: dict):
         def hook(module, args, out):
             logits, weights, idx = out
-            probs = torch.softmax(logits.float(), dim=-1)
-            rec = LayerRecord(layer.index, probs, idx, weights.float())
+            rec = LayerRecord(layer.index, layer.rule.scores(logits), idx, weights.float())
             records[layer.index] = rec
             if self.budget is None:
                 return None
-            b = self.budget
-            order = runtime_order(b.ranking, probs, idx, weights, layer.index, b.stats)
-            keep = keep_mask(order, b.budget, layer.num_experts)
-            new_idx, new_w = budgets.apply(probs, idx, weights.float(), keep, b.coverage,
-                                           layer.renormalize)
-            rec.applied_ids, rec.applied_weights = new_idx, new_w
-            # Dropped truncation slots (weight 0) point at a shortlisted expert, so the experts
-            # module never runs an expert outside the budget.
-            run_idx = torch.where(new_w == 0, order[0], new_idx)
-            return logits, new_w.to(weights.dtype), run_idx
+            routed = self.budget.route(layer.index, rec.probs, idx, weights, layer.rule)
+            rec.applied_ids, rec.applied_weights = routed.idx, routed.weights
+            # Dropped slots (weight 0) point at a shortlisted expert, so the experts module never
+            # runs an expert outside the budget.
+            run_idx = torch.where(routed.weights == 0, routed.order[0], routed.idx)
+            return logits, routed.weights.to(weights.dtype), run_idx
         return hook
 
-    def _block_hook(self, layer, records: dict):
+    def _block_hook(self, layer: MoELayer, records: dict):
         def hook(module, args, out):
+            out = out[0] if isinstance(out, tuple) else out
             rec = records[layer.index]
             h = args[0].reshape(-1, args[0].shape[-1])
             rec.hidden = h.detach()
@@ -119,6 +118,7 @@ class VerifyRecorder:
         finally:
             for h in hooks:
                 h.remove()
-        self.passes.append((step, [records[layer.index] for layer in self.adapter]))
-        if self.on_pass is not None:
-            self.on_pass()
+        layers = [records[layer.index] for layer in self.adapter]
+        if self.budget is not None:
+            self.budget.observe({r.layer: r.loaded() for r in layers})
+        self.passes.append((step, layers))

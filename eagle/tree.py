@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from capture.eagle.draft_head import DraftHead
+from eagle.draft_head import DraftHead
 
 
 @dataclass(frozen=True)

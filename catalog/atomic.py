@@ -1,0 +1,68 @@
+"""Atomic writes: the one place files and folders are put into place.
+
+Every file is written to a hidden temporary name beside its target (``.<name>.tmp``: pyarrow's
+dataset discovery skips ``.``-files and ``*.parquet`` globs never match it), flushed, then
+renamed over the target, so a reader sees the old file or the new one, never half of one. A
+folder is built in a hidden temporary folder and swapped in the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def temporary_name(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place."""
+    return path.with_name(f".{path.name}.tmp")
+
+
+def write_bytes(path: Path, data: bytes) -> int:
+    tmp = temporary_name(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(data)
+
+
+def write_json(path: Path, obj) -> None:
+    write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_table(path: Path, table: pa.Table) -> int:
+    """One Parquet file, zstd. Dictionary encoding for string columns and statistics for scalar
+    columns only: dictionary-encoding float vectors costs time and space, and their min/max help
+    no query. Returns the bytes written."""
+    tmp = temporary_name(path)
+    scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
+    strings = [f.name for f in table.schema if pa.types.is_string(f.type)]
+    pq.write_table(table, tmp, compression="zstd", use_dictionary=strings,
+                   write_statistics=scalar)
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+@contextmanager
+def folder(out: Path):
+    """Yield a temporary folder beside ``out``; swap it in for ``out`` only if the block
+    succeeds, so a crash or kill never leaves a half-written folder where a complete one was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

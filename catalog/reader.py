@@ -1,0 +1,138 @@
+"""Reading captured tree-layers back: one prompt at a time, columnar, no Python rows.
+
+A *tree-layer* is one verification pass (tree) at one MoE layer: M node rows of ``routing``
+(router scores ``g [M, N]``, natural top-k ids and mixing weights ``[M, k]``) and, where stored,
+of ``moe_io`` (MoE input ``h [M, H]`` and output ``O* [M, H]``). :func:`read_prompt` returns all
+tree-layers of one prompt as flat arrays plus boundaries, so memory is bounded by one prompt and
+callers can batch tree-layers without copying them one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from catalog.runs import CatalogError, Run
+
+ROUTING_COLUMNS = ["prompt_id", "step", "layer", "node", "router_probs", "topk_ids",
+                   "topk_weights"]
+IO_COLUMNS = ["step", "layer", "node", "hidden", "output"]
+_ORDER = [("step", "ascending"), ("layer", "ascending"), ("node", "ascending")]
+
+
+def matrix(column: pa.ChunkedArray, dtype=np.float32) -> np.ndarray:
+    """A list column of equal-length rows as a writable 2-D array ``[rows, width]``."""
+    arr = column.combine_chunks()
+    if arr.null_count:
+        raise ValueError("null rows in a vector column")
+    values = arr.flatten().to_numpy(zero_copy_only=False).astype(dtype)  # a writable copy
+    if len(arr) and values.size % len(arr):
+        raise ValueError("vectors of unequal length")
+    return values.reshape(len(arr), -1)
+
+
+def read_parts(run: Run, table: str, prompt_index: int, columns: list[str]) -> pa.Table:
+    parts = run.parts(table, prompt_index)
+    if not parts:
+        raise CatalogError(f"{run.dir(table)} has no part for prompt {prompt_index}; the trace "
+                           "is incomplete, recapture the run")
+    try:
+        return pa.concat_tables(pq.read_table(p, columns=columns) for p in parts)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CatalogError(f"corrupt {table} part in {run.dir(table)}: {exc}; recapture the "
+                           "run") from exc
+
+
+@dataclass
+class PromptTreeLayers:
+    """Every tree-layer of one prompt, rows sorted by (step, layer, node).
+
+    Tree-layer r spans rows ``bounds[r]:bounds[r + 1]``; ``step[r]`` and ``layer[r]`` name it."""
+
+    prompt_index: int
+    prompt_id: str
+    step: np.ndarray  # [R] int
+    layer: np.ndarray  # [R] int
+    bounds: np.ndarray  # [R + 1] row offsets
+    probs: np.ndarray  # [rows, N] float32
+    topk_ids: np.ndarray  # [rows, k] int64
+    topk_weights: np.ndarray  # [rows, k] float32
+    hidden: np.ndarray | None  # [rows, H] float32
+    output: np.ndarray | None  # [rows, H] float32
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def rows(self, r: int) -> slice:
+        return slice(int(self.bounds[r]), int(self.bounds[r + 1]))
+
+    def select(self, layers) -> list[int]:
+        """Tree-layer numbers whose layer is in ``layers`` (all when None)."""
+        if layers is None:
+            return list(range(len(self)))
+        wanted = set(layers)
+        return [r for r in range(len(self)) if int(self.layer[r]) in wanted]
+
+    def tree_layer(self, r: int) -> TreeLayer:
+        rows = self.rows(r)
+        return TreeLayer(self.prompt_index, self.prompt_id, int(self.step[r]), int(self.layer[r]),
+                         self.probs[rows], self.topk_ids[rows], self.topk_weights[rows],
+                         None if self.hidden is None else self.hidden[rows],
+                         None if self.output is None else self.output[rows])
+
+
+def read_prompt(run: Run, prompt_index: int, *, with_io: bool = True) -> PromptTreeLayers:
+    """Routing (and MoE inputs/outputs) of every tree-layer of one prompt."""
+    routing = read_parts(run, "routing", prompt_index, ROUTING_COLUMNS).sort_by(_ORDER)
+    io = None
+    if with_io:
+        io = read_parts(run, "moe_io", prompt_index, IO_COLUMNS).sort_by(_ORDER)
+        same = io.num_rows == routing.num_rows and all(
+            io[c].equals(routing[c]) for c in ("step", "layer", "node"))
+        if not same:
+            raise CatalogError(f"routing and moe_io of prompt {prompt_index} in run {run.name} "
+                               "disagree in rows; recapture the run")
+    step = routing["step"].to_numpy()
+    layer = routing["layer"].to_numpy()
+    keys = step.astype(np.int64) * 100_000 + layer
+    starts = np.r_[0, np.flatnonzero(np.diff(keys)) + 1] if len(keys) else np.zeros(0, np.int64)
+    try:
+        arrays = dict(probs=matrix(routing["router_probs"]),
+                      topk_ids=matrix(routing["topk_ids"], np.int64),
+                      topk_weights=matrix(routing["topk_weights"]),
+                      hidden=matrix(io["hidden"]) if io is not None else None,
+                      output=matrix(io["output"]) if io is not None else None)
+    except ValueError as exc:
+        raise CatalogError(f"corrupt vectors in prompt {prompt_index} of run {run.name} ({exc}); "
+                           "recapture the run") from exc
+    return PromptTreeLayers(prompt_index, routing["prompt_id"][0].as_py() if len(keys) else "",
+                            step[starts].astype(np.int64), layer[starts].astype(np.int64),
+                            np.r_[starts, len(keys)].astype(np.int64), **arrays)
+
+
+@dataclass
+class TreeLayer:
+    """One tree-layer's rows (views into a :class:`PromptTreeLayers`)."""
+
+    prompt_index: int
+    prompt_id: str
+    step: int
+    layer: int
+    probs: np.ndarray  # [M, N]
+    idx: np.ndarray  # [M, k]
+    weights: np.ndarray  # [M, k]
+    hidden: np.ndarray | None  # [M, H]
+    output: np.ndarray | None  # [M, H]
+
+
+def tree_layers(runs: list[Run], *, layers=None, with_io: bool = True) -> Iterator[TreeLayer]:
+    """Every tree-layer of every complete prompt of ``runs``, one prompt in memory at a time."""
+    for run in runs:
+        for prompt in run.prompt_indices():
+            data = read_prompt(run, prompt, with_io=with_io)
+            for r in data.select(layers):
+                yield data.tree_layer(r)

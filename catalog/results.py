@@ -1,0 +1,192 @@
+"""Where replay results live, so that a finished sweep answers any subset and nothing is stored
+twice.
+
+A *unit* is what makes results comparable: mode, ranking, coverage and the calibration runs
+(name and run id). Its results sit in one folder per captured run::
+
+    <root>/<table>/model=…/bench=…/run=…/config=<unit hash>/_config.json
+    <root>/<table>/model=…/bench=…/run=…/config=<unit hash>/block=<id>/part-<prompt>.parquet
+
+``_config.json`` lists the unit, the captured run's ``run_id`` and the *blocks*: each covers a set
+of layers × budgets (open loop) or budgets (closed loop) and is ``running`` until every prompt
+is written, then ``complete``. A request for some layers × budgets computes only the cells no
+complete block holds, as new blocks, so the same cell is never stored twice and ``--budget 24``
+after a sweep recomputes nothing. Results of an older capture (another ``run_id``) or of an
+interrupted block that is not being resumed are deleted, never reused. A file lock per unit
+folder keeps two replays from writing the same unit at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from catalog import atomic
+from catalog.runs import CatalogError, Run, run_dir
+from catalog.schema import RESULT_CONFIG
+
+RESULT_TABLES = ("replay_open", "replay_closed")
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
+
+
+@dataclass
+class Block:
+    """Cells computed together: ``layers`` (None in closed loop) × ``budgets``."""
+
+    layers: list[int] | None
+    budgets: list[int]
+    status: str = "running"
+    id: str = field(default="")
+
+    def __post_init__(self):
+        self.layers = None if self.layers is None else sorted(int(x) for x in self.layers)
+        self.budgets = sorted(int(b) for b in self.budgets)
+        self.id = self.id or digest([self.layers, self.budgets])
+
+    def cells(self) -> set[tuple[int | None, int]]:
+        return {(layer, b) for layer in (self.layers or [None]) for b in self.budgets}
+
+    def as_dict(self) -> dict:
+        return dict(id=self.id, layers=self.layers, budgets=self.budgets, status=self.status)
+
+
+class UnitResults:
+    """The results of one unit for one captured run (one ``config=<hash>`` folder)."""
+
+    def __init__(self, root: Path, table: str, run: Run, unit: dict):
+        if table not in RESULT_TABLES:
+            raise ValueError(f"unknown result table {table!r}")
+        self.run, self.unit, self.table = run, unit, table
+        self.folder = run_dir(root, table, run.model, run.bench, run.name) / f"config={digest(unit)}"
+        self.lock = FileLock(str(self.folder.parent / f".config={digest(unit)}.lock"))
+
+    # --- state on disk ---------------------------------------------------------------------
+    def _read(self) -> dict | None:
+        path = self.folder / RESULT_CONFIG
+        if not path.is_file():
+            return None
+        try:
+            state = json.loads(path.read_text())
+            blocks = [Block(**b) for b in state["blocks"]]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise CatalogError(f"corrupt replay result config {path}; delete {self.folder} and "
+                               "replay again") from exc
+        return dict(state, blocks=blocks)
+
+    def blocks(self) -> list[Block]:
+        state = self._read()
+        if state is None or state.get("run_id") != self.run.run_id:
+            return []
+        return state["blocks"]
+
+    def complete_blocks(self) -> list[Block]:
+        return [b for b in self.blocks() if b.status == "complete"]
+
+    def _write(self, blocks: list[Block]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(self.folder / RESULT_CONFIG, dict(
+            unit=self.unit, run=self.run.name, run_id=self.run.run_id, table=self.table,
+            blocks=[b.as_dict() for b in blocks]))
+
+    def block_dir(self, block: Block) -> Path:
+        return self.folder / f"block={block.id}"
+
+    # --- planning and writing --------------------------------------------------------------
+    def plan(self, layers: list[int] | None, budgets: list[int]) -> list[Block]:
+        """Blocks still to compute for the cells ``layers × budgets`` (layers None: closed loop).
+
+        Call with :attr:`lock` held. Drops results of an older capture and interrupted blocks
+        that are not resumed; a resumable block keeps its finished prompts."""
+        state = self._read()
+        if state is not None and state.get("run_id") != self.run.run_id:
+            shutil.rmtree(self.folder)  # computed from a capture that no longer exists
+            state = None
+        existing = state["blocks"] if state else []
+        done: set[tuple[int | None, int]] = set()
+        for b in existing:
+            if b.status == "complete":
+                done |= b.cells()
+        by_missing: dict[tuple[int, ...], list[int | None]] = {}
+        for layer in (layers if layers is not None else [None]):
+            missing = tuple(b for b in sorted(set(budgets)) if (layer, b) not in done)
+            if missing:
+                by_missing.setdefault(missing, []).append(layer)
+        todo = [Block(None if layers is None else ls, list(bs)) for bs, ls in by_missing.items()]
+        keep = [b for b in existing if b.status == "complete"]
+        resumed = {b.id for b in todo}
+        for b in existing:
+            if b.status != "complete" and b.id not in resumed:
+                shutil.rmtree(self.block_dir(b), ignore_errors=True)
+        self._write(keep + todo)
+        return todo
+
+    def done_prompts(self, block: Block) -> set[int]:
+        return {int(p.name.split("-")[1].split(".")[0])
+                for p in self.block_dir(block).glob("part-*.parquet")}
+
+    def write_part(self, block: Block, prompt_index: int, table) -> None:
+        folder = self.block_dir(block)
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic.write_table(folder / f"part-{prompt_index:06d}.parquet", table)
+
+    def finish(self, block: Block) -> None:
+        blocks = self.blocks()
+        for b in blocks:
+            if b.id == block.id:
+                b.status = "complete"
+        self._write(blocks)
+
+    def parts(self, layers: list[int] | None = None, budgets: list[int] | None = None) \
+            -> list[Path]:
+        """Files of complete blocks that hold any of the given cells (all when None)."""
+        files = []
+        for b in self.complete_blocks():
+            if layers is not None and b.layers is not None and not set(layers) & set(b.layers):
+                continue
+            if budgets is not None and not set(budgets) & set(b.budgets):
+                continue
+            files += sorted(self.block_dir(b).glob("part-*.parquet"))
+        return files
+
+    @contextmanager
+    def locked(self, timeout: float = 0.5):
+        """Hold the unit's lock for the block, or fail in one clear line when another replay
+        holds it."""
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.lock.acquire(timeout=timeout)
+        except Timeout:
+            raise CatalogError(f"another replay is writing {self.folder}; wait for it to finish "
+                               "or stop it") from None
+        try:
+            yield self
+        finally:
+            self.lock.release()
+
+
+def complete_blocks(root: Path, table: str) -> list[dict]:
+    """(model, bench, run, config, block) of every complete block under ``root``: what readers
+    may treat as final (an interrupted sweep's blocks are left out)."""
+    rows = []
+    for path in sorted(Path(root).glob(f"{table}/model=*/bench=*/run=*/config=*/{RESULT_CONFIG}")):
+        try:
+            state = json.loads(path.read_text())
+            blocks = state["blocks"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            continue  # a torn config is not final; replay reports it when it reads that unit
+        parts = {p.split("=", 1)[0]: p.split("=", 1)[1] for p in path.parent.parts[-4:]}
+        for b in blocks:
+            if isinstance(b, dict) and b.get("status") == "complete":
+                rows.append(dict(model=parts["model"], bench=parts["bench"], run=parts["run"],
+                                 config=parts["config"], block=b.get("id"),
+                                 run_id=state.get("run_id")))
+    return rows

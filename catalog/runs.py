@@ -1,0 +1,178 @@
+"""The run catalog: which captured runs exist under a traces root, what they are for, where their
+files live.
+
+Every stage (capture, replay, analysis, app) finds runs here and nowhere else::
+
+    >>> cat = Catalog("traces")
+    >>> [r.name for r in cat.runs(role="evaluation")]        # complete evaluation runs
+    >>> cat.run_dir("routing", "tiny-olmoe", "mbpp", "demo-eval")
+
+A run's manifest (``runs/model=…/bench=…/run=…/_manifest.json``) says ``status`` (``running``
+until every prompt is written, then ``complete``), its ``role`` (``evaluation`` or
+``calibration``), a ``run_id`` that changes when a run is recaptured from scratch (results
+computed from an older capture are never reused), and the schema version, which is checked on
+every read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from catalog import schema
+from catalog.names import partition_value
+
+
+class CatalogError(RuntimeError):
+    """Missing, corrupt or incompatible traces; the message is one line for the user."""
+
+
+def run_dir(root: Path, table: str, model: str, bench: str, run: str) -> Path:
+    """The one place partition paths are built: ``<root>/<table>/model=…/bench=…/run=…``."""
+    return Path(root) / table / f"model={partition_value(model)}" / f"bench={bench}" / f"run={run}"
+
+
+REQUIRED = ("model", "bench", "run", "status", "role", "settings", "schema_version")
+
+
+def write_manifest(root: Path, manifest: dict) -> Path:
+    """Write a run's manifest (atomically) where the catalog looks for it; checks the required
+    keys. Capture writes its own through this; so do synthetic data sets (tests, benchmarks)."""
+    from catalog import atomic
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise ValueError(f"a manifest needs {', '.join(missing)}")
+    path = run_dir(root, "runs", manifest["model"], manifest["bench"], manifest["run"]) / \
+        schema.MANIFEST
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(path, manifest)
+    return path
+
+
+def read_manifest(path: Path) -> dict:
+    """A run manifest, checked: valid JSON object, this tool's schema version, required keys."""
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CatalogError(f"corrupt manifest {path}; delete that run folder or recapture it") \
+            from exc
+    if not isinstance(manifest, dict):
+        raise CatalogError(f"corrupt manifest {path} (not an object); recapture that run")
+    if manifest.get("schema_version") != schema.SCHEMA_VERSION:
+        raise CatalogError(f"{path} has trace schema version {manifest.get('schema_version')}, "
+                           f"this tool reads {schema.SCHEMA_VERSION}; recapture the run")
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise CatalogError(f"manifest {path} lacks {', '.join(missing)}; recapture that run")
+    return manifest
+
+
+@dataclass(frozen=True)
+class Run:
+    """One captured run: its manifest and the folder of each of its tables."""
+
+    root: Path
+    manifest: dict
+
+    @property
+    def name(self) -> str:
+        return self.manifest["run"]
+
+    @property
+    def model(self) -> str:
+        return self.manifest["model"]
+
+    @property
+    def bench(self) -> str:
+        return self.manifest["bench"]
+
+    @property
+    def role(self) -> str:
+        return self.manifest["role"]
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.get("run_id", "")
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest["status"] == "complete"
+
+    @property
+    def settings(self) -> dict:
+        return self.manifest["settings"]
+
+    @property
+    def ref(self) -> dict:
+        """Name and run id: how results and statistics say which capture they came from."""
+        return dict(run=self.name, run_id=self.run_id)
+
+    def dir(self, table: str) -> Path:
+        return run_dir(self.root, table, self.model, self.bench, self.name)
+
+    def prompt_keys(self) -> set[tuple[str, str]]:
+        """(bench, prompt id) of every prompt the run covers: what calibration must not share."""
+        return {(self.bench, pid) for pid in self.manifest.get("prompt_ids", [])}
+
+    def prompt_indices(self) -> list[int]:
+        """Prompts written completely (their ``sequences`` part exists), in order."""
+        folder = self.dir(schema.COMPLETION_TABLE)
+        return sorted(int(p.name.split("-")[1]) for p in folder.glob("part-*.parquet"))
+
+    def parts(self, table: str, prompt_index: int) -> list[Path]:
+        return sorted(self.dir(table).glob(f"part-{prompt_index:06d}-*.parquet"))
+
+
+class Catalog:
+    """Every run under one traces root."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def manifests(self) -> list[Path]:
+        return sorted(self.root.glob(f"runs/model=*/bench=*/run=*/{schema.MANIFEST}"))
+
+    def all_runs(self) -> list[Run]:
+        """Every run with a manifest, complete or not (manifests are checked)."""
+        return [Run(self.root, read_manifest(p)) for p in self.manifests()]
+
+    def runs(self, *, model: str | None = None, bench: str | None = None,
+             names: list[str] | None = None, roles: tuple[str, ...] | None = None,
+             complete: bool = True) -> list[Run]:
+        """Runs matching every given filter; only complete ones unless ``complete=False``."""
+        found = []
+        for run in self.all_runs():
+            if complete and not run.complete:
+                continue
+            if model and run.model != model:
+                continue
+            if bench and run.bench != bench:
+                continue
+            if names and run.name not in names:
+                continue
+            if roles and run.role not in roles:
+                continue
+            found.append(run)
+        return found
+
+    def run_dir(self, table: str, model: str, bench: str, run: str) -> Path:
+        return run_dir(self.root, table, model, bench, run)
+
+    def calibration_runs(self, names: list[str], model: str,
+                         evaluated: set[tuple[str, str]]) -> list[Run]:
+        """The named complete runs of ``model``, checked to share no prompt with ``evaluated``
+        (bench, prompt id) keys."""
+        found = self.runs(model=model, names=names)
+        missing = set(names) - {r.name for r in found}
+        if missing:
+            raise CatalogError(f"calibration run(s) {', '.join(sorted(missing))} not found "
+                               f"complete under {self.root} for {model}")
+        overlap = evaluated & set().union(*(r.prompt_keys() for r in found))
+        if overlap:
+            bench, pid = sorted(overlap)[0]
+            raise CatalogError(f"calibration and evaluated prompts overlap ({len(overlap)} "
+                               f"prompts, e.g. {bench} {pid}); calibrate on other prompts "
+                               "(another --offset or benchmark)")
+        return found
+

@@ -1,0 +1,85 @@
+"""Routing specs: each supported model family's MoE rules, stated once, explicitly.
+
+transformers 5.x builds every sparse block from a router module returning ``(logits, top-k
+weights, top-k indices)`` and an experts module with fused weights, called as
+``experts(hidden, top_k_index, top_k_weights)``. What differs between families — and what the
+workbench must never guess — is written here, one entry per ``model_type``:
+
+| model_type | scores | top-k | mixing weights | shared | dense layers |
+|---|---|---|---|---|---|
+| ``olmoe`` | softmax | plain | per ``norm_topk_prob`` (raw in OLMoE) | – | – |
+| ``qwen3_moe`` | softmax | plain | per ``norm_topk_prob`` | – | ``mlp_only_layers``, sparse step |
+| ``mixtral`` | softmax | plain | renormalised | – | – |
+
+An unlisted ``model_type`` is refused at load with one line naming the supported ones. At load
+the adapter also checks, on random probes, that every layer's router computes exactly what its
+spec says (:meth:`moe.adapter.MoEAdapter.check_routing`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from policy.routing import RoutingRule
+
+
+class UnsupportedModelError(ValueError):
+    """A model the workbench cannot replay faithfully; the message is one line."""
+
+
+def _no_dense_layers(config) -> set[int]:
+    return set()
+
+
+def _qwen3_dense_layers(config) -> set[int]:
+    """Qwen3-MoE: a layer is dense when listed in ``mlp_only_layers`` or off the sparse step."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    listed = set(getattr(config, "mlp_only_layers", []) or [])
+    return {i for i in range(config.num_hidden_layers) if i in listed or (i + 1) % step != 0}
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    model_type: str
+    score: str  # "softmax" | "sigmoid"
+    mixing: str  # "raw" | "renormalised" | "norm_topk_prob" (the config decides)
+    router: str = "gate"  # attribute of the sparse block holding the router module
+    scaled: bool = False  # mixing weights × config.routed_scaling_factor
+    selection_bias: str | None = None  # router buffer added to scores for selection only
+    group_limited: bool = False  # top-k within config.topk_group of config.n_group groups
+    shared_experts: str | None = None  # attribute of the sparse block, always computed
+    dense_layers: Callable[[object], set[int]] = _no_dense_layers
+
+    def rule(self, config, router: nn.Module) -> RoutingRule:
+        """The routing rule of one layer (its router holds any per-layer selection bias)."""
+        renormalize = {"raw": False, "renormalised": True}.get(
+            self.mixing, bool(getattr(config, "norm_topk_prob", False)))
+        bias = getattr(router, self.selection_bias).detach().float() if self.selection_bias \
+            else None
+        return RoutingRule(
+            top_k=config.num_experts_per_tok, score=self.score, renormalize=renormalize,
+            scale=float(config.routed_scaling_factor) if self.scaled else 1.0,
+            selection_bias=bias,
+            groups=config.n_group if self.group_limited else 1,
+            groups_kept=config.topk_group if self.group_limited else 1)
+
+
+FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
+    FamilySpec("olmoe", score="softmax", mixing="norm_topk_prob"),
+    FamilySpec("qwen3_moe", score="softmax", mixing="norm_topk_prob",
+               dense_layers=_qwen3_dense_layers),
+    FamilySpec("mixtral", score="softmax", mixing="renormalised"),
+)}
+
+
+def spec_for(config) -> FamilySpec:
+    model_type = getattr(config, "model_type", None)
+    try:
+        return FAMILIES[model_type]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} is not supported; supported MoE families: "
+            f"{', '.join(FAMILIES)}") from None

@@ -1,0 +1,61 @@
+"""An expert budget inside verification passes: rank, keep B, cover — for one layer at a time.
+
+This is what MoE-Spec does at run time, and what capture's online mode and closed-loop replay
+both apply in every MoE layer's router:
+
+    routed = budget.route(layer, g, idx, ḡ, rule)     # shortlist + the indices/weights to run
+    ...                                               # the experts module runs routed.idx/weights
+    budget.observe(layers, loaded)                    # after the pass (stateful rankings)
+    budget.reset()                                    # before the next prompt
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from policy.batch import RoutingBatch
+from policy.coverage import Coverage, experts_used, prefix_masks
+from policy.rankings.base import Ranking, RankingError
+from policy.routing import RoutingRule
+
+
+@dataclass
+class Routed:
+    idx: torch.Tensor  # [M, k] experts each token uses
+    weights: torch.Tensor  # [M, k] their weights (0: dropped slot)
+    keep: torch.Tensor  # [N] the shortlist
+    order: torch.Tensor  # [L] the ranking's order
+
+    def loaded(self) -> torch.Tensor:
+        """``[N]`` bool: experts with non-zero weight for some token (what is loaded)."""
+        return experts_used(self.idx, self.weights, self.keep.shape[-1])
+
+
+@dataclass
+class Budget:
+    size: int  # B
+    ranking: Ranking  # fitted, runtime
+    coverage: Coverage
+
+    def __post_init__(self):
+        if not self.ranking.runtime:
+            raise RankingError(f"{self.ranking.name} is not a runtime ranking; it needs expert "
+                               "outputs a verification pass does not have")
+
+    def route(self, layer: int, probs: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+              rule: RoutingRule) -> Routed:
+        batch = RoutingBatch.single(probs, idx, weights.float(), layer, rule)
+        order = self.ranking.order(batch, self.coverage, self.size)
+        keep = prefix_masks(order, [self.size], batch.n)[:, 0]  # [1, N]
+        new_idx, new_w = self.coverage.apply(batch, keep)
+        return Routed(new_idx[0], new_w[0], keep[0], order[0])
+
+    def observe(self, loaded: dict[int, torch.Tensor]) -> None:
+        if loaded:
+            layers = list(loaded)
+            self.ranking.observe(torch.tensor(layers), torch.stack([loaded[i] for i in layers]))
+
+    def reset(self) -> None:
+        self.ranking.reset()

@@ -1,0 +1,88 @@
+"""Calibration statistics: what rankings learn offline from calibration runs.
+
+Per MoE layer ℓ, over every calibration token t and pair of experts (i, j) in its top-k:
+
+    pairs[ℓ, i, j] = #{t : i, j ∈ T_k(t)}                 (diagonal: selection counts c_i)
+    gram[ℓ, i, j]  = Σ_{t : i, j ∈ T_k(t)} ⟨E_i(h_t), E_j(h_t)⟩
+
+``static`` ranks by ``c_i``; ``coact`` uses the mean ``G_ij = gram / pairs`` (0 where a pair never
+fired together). The statistics are sums, so runs can be added in any order and split across
+workers; ``sources`` records which runs (name and run id) they came from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol
+
+import numpy as np
+import torch
+
+
+class ExpertModel(Protocol):
+    """What calibration needs of a model: its MoE layers and every expert's output."""
+
+    moe_layers: list[int]
+    num_experts: int
+
+    def expert_outputs(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """``[M, H] → [M, N, H]`` float32 on the CPU."""
+
+
+@dataclass
+class CalibrationStats:
+    layers: list[int]  # decoder layer of each row
+    gram: torch.Tensor  # [L, N, N] float64
+    pairs: torch.Tensor  # [L, N, N] float64
+    sources: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, layers: list[int], n: int, sources: list[dict] | None = None):
+        shape = (len(layers), n, n)
+        return cls(list(layers), torch.zeros(shape, dtype=torch.float64),
+                   torch.zeros(shape, dtype=torch.float64), list(sources or []))
+
+    @property
+    def num_experts(self) -> int:
+        return self.gram.shape[-1]
+
+    def rows(self, layers: torch.Tensor) -> torch.Tensor:
+        """Row of each decoder layer in ``layers [T]``."""
+        lookup = {layer: i for i, layer in enumerate(self.layers)}
+        try:
+            return torch.tensor([lookup[int(x)] for x in layers.tolist()], dtype=torch.long)
+        except KeyError as exc:
+            raise ValueError(f"no calibration statistics for layer {exc.args[0]}; calibrate on "
+                             "the same model") from None
+
+    def add(self, layer: int, idx: torch.Tensor, topk_outputs: torch.Tensor) -> None:
+        """One batch of calibration tokens: ``idx [M, k]`` selected experts and ``topk_outputs
+        [M, k, H]`` their outputs on those tokens."""
+        i = self.layers.index(layer)
+        n = self.num_experts
+        out = topk_outputs.double()
+        dots = torch.einsum("mah,mbh->mab", out, out)  # [M, k, k]
+        flat = (idx[:, :, None] * n + idx[:, None, :]).reshape(-1)
+        self.gram[i].view(-1).index_add_(0, flat, dots.reshape(-1))
+        self.pairs[i].view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self.pairs.dtype))
+
+    def mean_gram(self, layers: torch.Tensor) -> torch.Tensor:
+        """``G`` for each tree-layer's layer, ``[T, N, N]`` float32."""
+        rows = self.rows(layers)
+        return (self.gram[rows] / self.pairs[rows].clamp_min(1)).float()
+
+    def selection_counts(self, layers: torch.Tensor) -> torch.Tensor:
+        """``c_i``: calibration tokens whose top-k holds expert i, ``[T, N]`` float32."""
+        return self.pairs[self.rows(layers)].diagonal(dim1=-2, dim2=-1).float()
+
+    @classmethod
+    def collect(cls, tree_layers: Iterable, model: ExpertModel, sources: list[dict] | None = None):
+        """Statistics over ``tree_layers`` (each with ``layer``, ``hidden [M, H]`` and ``idx
+        [M, k]``), the expert outputs computed by ``model`` (the target's MoE adapter)."""
+        stats = cls.empty(model.moe_layers, model.num_experts, sources)
+        for tl in tree_layers:
+            idx = torch.as_tensor(np.asarray(tl.idx), dtype=torch.long)
+            outs = model.expert_outputs(tl.layer, torch.as_tensor(np.asarray(tl.hidden)))
+            picked = outs.gather(1, idx[..., None].expand(-1, -1, outs.shape[-1]))
+            stats.add(tl.layer, idx, picked)
+        return stats

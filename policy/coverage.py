@@ -1,0 +1,97 @@
+"""Coverage policies: what a token uses when some of its experts are outside the shortlist S.
+
+For one tree-layer with router scores ``g [M, N]`` and shortlist S (a boolean mask over the N
+experts), DESIGN.md's two policies:
+
+* ``truncation``: ``MoE_S(h_t) = Σ_{i∈T_k(t)∩S} ḡ_i(t) E_i(h_t)`` — the natural top-k and weights,
+  experts outside S contribute nothing (weights are not renormalised; an empty intersection
+  leaves only the residual);
+* ``substitution``: the family's own routing rule applied within S (top-k of S by the selection
+  scores, mixing weights formed as the model forms them: renormalised exactly when the model
+  renormalises, scaled when it scales); needs B ≥ k.
+
+Both are batched: shortlists ``keep [T, *E, N]`` (T tree-layers, any extra dims E such as budgets
+or candidates) give indices and weights ``[T, *E, M, k]``. Shortlists themselves come from a
+ranking's order through :func:`prefix_masks`, the one place they are built.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from policy.batch import RoutingBatch, grow
+
+
+def prefix_masks(order: torch.Tensor, budgets: list[int], n: int) -> torch.Tensor:
+    """Shortlists ``[T, len(budgets), N]``: the first B experts of each selection ``order
+    [T, L]`` (expert ids by priority; experts missing from a shorter order are never kept)."""
+    t, length = order.shape
+    rank = torch.full((t, n), n, dtype=torch.long, device=order.device)
+    rank.scatter_(1, order, torch.arange(length, device=order.device).expand(t, length))
+    return rank[:, None, :] < torch.as_tensor(budgets, device=order.device)[None, :, None]
+
+
+class Coverage(ABC):
+    name: ClassVar[str]
+    summary: ClassVar[str]
+
+    def min_budget(self, k: int) -> int:
+        """The smallest budget the policy accepts for top-k routing."""
+        return 1
+
+    @abstractmethod
+    def apply(self, batch: RoutingBatch, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indices, weights) ``[T, *E, M, k]`` every token uses under shortlists
+        ``keep [T, *E, N]``."""
+
+
+class Truncation(Coverage):
+    name = "truncation"
+    summary = "natural top-k, experts outside the budget dropped (weights not renormalised)"
+
+    def apply(self, batch, keep):
+        lead = keep.shape[:-1]
+        idx = grow(batch.idx, lead)  # [T, *E, M, k]
+        kept = keep[..., None, :].expand(*lead, batch.idx.shape[1], batch.n).gather(-1, idx)
+        return idx, grow(batch.weights, lead) * kept.to(batch.weights.dtype)
+
+
+class Substitution(Coverage):
+    name = "substitution"
+    summary = "the model's own routing rule within the budget (needs B >= k)"
+
+    def min_budget(self, k: int) -> int:
+        return k
+
+    def apply(self, batch, keep):
+        lead = keep.shape[:-1]
+        probs = grow(batch.probs, lead)
+        allowed = keep[..., None, :]  # [T, *E, 1, N]
+        rule = batch.rule
+        if rule.selection_bias is not None and rule.selection_bias.dim() == 3:
+            rule = rule.for_layers(grow(rule.selection_bias, lead))
+        idx, valid = rule.select(probs, allowed)
+        w = rule.mix(probs, idx, valid)
+        real = batch.mask.view(batch.size, *([1] * (len(lead) - 1)), -1, 1)
+        return idx, torch.where(real, w, torch.zeros((), dtype=w.dtype, device=w.device))
+
+
+COVERAGES: dict[str, Coverage] = {c.name: c for c in (Truncation(), Substitution())}
+
+
+def get(name: str) -> Coverage:
+    try:
+        return COVERAGES[name]
+    except KeyError:
+        raise ValueError(f"unknown coverage {name!r}; use one of {', '.join(COVERAGES)}") \
+            from None
+
+
+def experts_used(idx: torch.Tensor, weights: torch.Tensor, n: int) -> torch.Tensor:
+    """Experts with non-zero weight for some token, ``[..., N]`` bool from ``[..., M, k]``: what a
+    budgeted verification pass actually has to load."""
+    counts = torch.zeros(*idx.shape[:-2], n, dtype=torch.int32, device=idx.device)
+    return counts.scatter_add_(-1, idx.flatten(-2), (weights != 0).int().flatten(-2)) > 0

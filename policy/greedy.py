@@ -1,0 +1,32 @@
+"""Greedy minimisation of a quadratic form over the experts left out, batched over tree-layers.
+
+For a symmetric ``Q [N, N]`` and the experts left out D = complement of S, minimise
+``q(D) = Σ_{i,j∈D} Q_ij`` by growing S from ∅: removing c from D lowers q by
+``2 Σ_{j∈D} Q_cj − Q_cc``, so each step adds the c with the largest drop (``tie`` breaks exact
+ties). After the O(N²) row sums each step is O(N) per tree-layer, and the loop runs
+``max_budget`` steps per *batch*, not per tree-layer. Both the truncation oracle
+(Q = A ⊙ Gram of the tree) and coact (Q = A ⊙ calibration G) are this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_quadratic(q: torch.Tensor, tie: torch.Tensor, max_budget: int) -> torch.Tensor:
+    """Order of additions ``[T, min(max_budget, N)]`` for ``q [T, N, N]``, ``tie [T, N]``."""
+    q = q.double()
+    t, n = q.shape[0], q.shape[-1]
+    rows = torch.arange(t, device=q.device)
+    left = torch.ones(t, n, dtype=torch.bool, device=q.device)  # D
+    row = q.sum(-1)  # Σ_{j∈D} Q_cj
+    diag = q.diagonal(dim1=-2, dim2=-1)
+    steps = min(max_budget, n)
+    order = torch.empty(t, steps, dtype=torch.long, device=q.device)
+    for s in range(steps):
+        gain = (2 * row - diag + tie).masked_fill(~left, float("-inf"))
+        c = gain.argmax(-1)
+        order[:, s] = c
+        left[rows, c] = False
+        row -= q[rows, :, c]
+    return order

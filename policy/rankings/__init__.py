@@ -1,0 +1,14 @@
+"""Expert rankings, one module each, behind one registry (:mod:`policy.rankings.base`).
+
+Runtime rankings need only the tree's router scores (and offline calibration statistics): they
+work inside verification passes (capture's online mode, closed-loop replay) as well as in
+open-loop replay. Offline rankings need every expert's output and are upper bounds.
+
+To add one: write ``policy/rankings/<name>.py`` with a ``@register``-ed :class:`Ranking` subclass
+and add ``<name>`` to the import line below.
+"""
+
+from policy.rankings import coact, exact, oracle, previous, router, static  # noqa: F401
+from policy.rankings.base import REGISTRY, Ranking, RankingError, get, help_text, names, register
+
+__all__ = ["REGISTRY", "Ranking", "RankingError", "get", "help_text", "names", "register"]

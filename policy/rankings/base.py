@@ -1,0 +1,99 @@
+"""The ranking protocol and its registry.
+
+A ranking decides which experts a budget keeps for each tree-layer: it returns the experts in the
+order they join the shortlist, so budget B keeps the first B (:func:`policy.coverage.prefix_masks`).
+
+    ranking = get("coact")().fit(calibration)      # offline statistics, if it needs them
+    ranking.reset()                                # a new prompt
+    order = ranking.order(batch, coverage, max_budget)   # [T, L] over T tree-layers at once
+    ranking.observe(layers, loaded)                # after each verification pass (stateful ones)
+
+Class attributes say what a ranking needs; the CLIs derive their choices, help text and error
+messages from them. A new ranking is one module with a ``@register``-ed subclass, plus its name
+in the import line of :mod:`policy.rankings`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from policy.batch import RoutingBatch
+from policy.calibration import CalibrationStats
+from policy.coverage import Coverage, prefix_masks
+
+
+class RankingError(ValueError):
+    """A ranking used where it cannot work; the message is one line for the user."""
+
+
+class Ranking(ABC):
+    name: ClassVar[str]
+    summary: ClassVar[str]  # one line, shown in --help
+    runtime: ClassVar[bool] = True  # needs only what a verification pass has (router scores)
+    needs_calibration: ClassVar[bool] = False  # fit() needs calibration statistics
+    stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
+
+    calibration: CalibrationStats | None = None
+
+    def fit(self, calibration: CalibrationStats | None = None) -> Ranking:
+        if self.needs_calibration and calibration is None:
+            raise RankingError(f"ranking {self.name} needs calibration statistics (--calibration "
+                               "RUN, captured on other prompts)")
+        self.calibration = calibration
+        return self
+
+    def reset(self) -> None:
+        """A new prompt starts: forget what earlier passes did."""
+
+    def observe(self, layers: torch.Tensor, loaded: torch.Tensor) -> None:
+        """After a verification pass: ``loaded [T, N]`` the experts it loaded at ``layers [T]``."""
+
+    @abstractmethod
+    def order(self, batch: RoutingBatch, coverage: Coverage, max_budget: int) -> torch.Tensor:
+        """Expert ids by priority, ``[T, L]`` with ``max_budget ≤ L ≤ N``."""
+
+    def shortlists(self, batch: RoutingBatch, coverage: Coverage, budgets: list[int]):
+        """``(keep [T, len(valid), N], valid budgets)``; nested prefixes of :meth:`order` unless a
+        ranking searches each budget on its own (``exact``)."""
+        order = self.order(batch, coverage, max(budgets))
+        return prefix_masks(order, budgets, batch.n), list(budgets)
+
+    def skipped(self, n: int, budgets: list[int]) -> list[int]:
+        """Budgets this ranking cannot evaluate for N experts (reported, never silent)."""
+        return []
+
+
+REGISTRY: dict[str, type[Ranking]] = {}
+
+
+def register(cls: type[Ranking]) -> type[Ranking]:
+    if cls.name in REGISTRY:
+        raise ValueError(f"ranking {cls.name!r} registered twice")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def names(*, runtime: bool | None = None) -> list[str]:
+    """Registered rankings (runtime ones first), optionally only runtime or only offline."""
+    found = [n for n, c in REGISTRY.items() if runtime is None or c.runtime == runtime]
+    return sorted(found, key=lambda n: (not REGISTRY[n].runtime, n))
+
+
+def get(name: str) -> type[Ranking]:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise RankingError(f"unknown ranking {name!r}; use one of {', '.join(names())}") from None
+
+
+def by_mass(scores: torch.Tensor) -> torch.Tensor:
+    """Expert ids by decreasing score, ties to the lower id: ``[T, N] → [T, N]``."""
+    return torch.argsort(scores, dim=-1, descending=True, stable=True)
+
+
+def help_text(*, runtime: bool | None = None) -> str:
+    """One line per ranking, for --help."""
+    return "; ".join(f"{n}: {REGISTRY[n].summary}" for n in names(runtime=runtime))

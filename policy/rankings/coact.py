@@ -1,0 +1,36 @@
+"""``coact``: a co-activation-aware expert selector that needs no expert outputs at run time.
+
+The oracle picks S to minimise the truncation error Σ_t ||Σ_{i∈D} ḡ_i(t) E_i(h_t)||², D the
+experts left out. Expanding the square,
+
+    err(D) = Σ_{i,j∈D} Σ_t ḡ_i(t) ḡ_j(t) ⟨E_i(h_t), E_j(h_t)⟩.
+
+At verification time the tree's router gives ``A_ij = Σ_t ḡ_i(t) ḡ_j(t)`` exactly — the tree's
+co-activation matrix weighted by mixing weights — but not the expert outputs. coact replaces the
+unknown inner products by their calibration averages ``G_ij`` (:mod:`policy.calibration`) and
+greedily builds S from ∅, each time adding the expert c that most reduces the predicted error
+``Σ_{i,j∈D} A_ij G_ij`` (:func:`policy.greedy.greedy_quadratic`). Relative to router ranking this
+weighs an expert by the size of its outputs, by squared rather than linear mixing weights, and by
+whether its outputs add up with or cancel those of experts it fires with. Ties (experts no tree
+token routes to) fall back to router mass. Cost: O(N²) per added expert, no expert evaluation.
+"""
+
+from __future__ import annotations
+
+from policy.greedy import greedy_quadratic
+from policy.rankings.base import Ranking, register
+
+
+@register
+class Coact(Ranking):
+    name = "coact"
+    summary = "co-activation-aware: mixing weights x calibration expert-output Gram (this project)"
+    needs_calibration = True
+
+    def order(self, batch, coverage, max_budget):
+        w = batch.dense_weights().double()  # [T, M, N]
+        a = w.transpose(1, 2) @ w  # A_ij = Σ_t ḡ_i ḡ_j
+        gram = self.calibration.mean_gram(batch.layers).to(batch.device).double()
+        mass = batch.mass().double()
+        tie = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30) * 1e-12
+        return greedy_quadratic(a * gram, tie, max_budget)

@@ -1,0 +1,14 @@
+"""``router``: MoE-Spec's ranking, by router mass ``s_i = Σ_t g_i(t)`` over the tree's tokens."""
+
+from __future__ import annotations
+
+from policy.rankings.base import Ranking, by_mass, register
+
+
+@register
+class Router(Ranking):
+    name = "router"
+    summary = "router mass summed over the tree's tokens (MoE-Spec)"
+
+    def order(self, batch, coverage, max_budget):
+        return by_mass(batch.mass())

@@ -1,0 +1,15 @@
+"""``static``: an input-independent ranking by calibration selection counts ``c_i`` per layer."""
+
+from __future__ import annotations
+
+from policy.rankings.base import Ranking, by_mass, register
+
+
+@register
+class Static(Ranking):
+    name = "static"
+    summary = "calibration selection counts per layer (input-independent)"
+    needs_calibration = True
+
+    def order(self, batch, coverage, max_budget):
+        return by_mass(self.calibration.selection_counts(batch.layers).to(batch.device))

@@ -1,0 +1,185 @@
+"""The open-loop replay engine: stream a run's tree-layers in batches, score every pending task.
+
+    for each prompt (one in memory at a time), tree-layers in (step, layer) order:
+        fill a batch of up to T tree-layers (T from the memory budget), pad to a common M
+        E = every expert's output for the whole batch       one call per MoE layer present
+        Gram terms q, b, ||O*||²                             one einsum
+        for each task (ranking × coverage × block of layers × budgets):
+            shortlists = ranking over the batch              greedy loops: N steps per batch
+            metrics for all budgets                          one tensor op
+        write each finished prompt's rows per task, columnar
+
+A *task* is one pending block of one result unit (:mod:`catalog.results`); prompts a task already
+wrote (an interrupted replay) are skipped for that task.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import torch
+from tqdm import tqdm
+
+from catalog import schema
+from catalog.reader import read_prompt
+from catalog.results import Block, UnitResults
+from catalog.runs import Run
+from moe.adapter import MoEAdapter
+from policy.coverage import Coverage
+from policy.rankings import Ranking
+from replay import open_loop
+from replay.open_loop import Slice, Stream
+
+WORK_BYTES = 256 * 2**20  # target size of a batch's expert outputs and Gram terms
+
+
+@dataclass
+class Task:
+    unit: UnitResults
+    block: Block
+    ranking: Ranking
+    coverage: Coverage
+    done: set[int] = field(default_factory=set)  # prompts already written
+    stream: Stream = field(default_factory=Stream)
+    rows: dict[int, list[dict]] = field(default_factory=dict)  # prompt -> column blocks
+
+
+def batch_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
+    """Tree-layers per batch so that ``E [T, M, N, H]`` (fp32) and ``q [T, M, N, N]`` (fp64)
+    together stay near ``budget_bytes``."""
+    per_tree_layer = m * n * (4 * h + 8 * n + 8)
+    return max(1, min(1024, budget_bytes // per_tree_layer))
+
+
+def columns(keys: dict, task: Task, budgets: list[int], m: dict) -> dict:
+    """One columnar block of ``replay_open`` rows: the tree-layers of ``keys`` × ``budgets``."""
+    t, nb = len(keys["step"]), len(budgets)
+    rep = lambda a: np.repeat(np.asarray(a), nb)  # noqa: E731
+    cpu = {k: v.detach().cpu().numpy().reshape(-1) for k, v in m.items()}
+    return dict(
+        prompt_index=rep(keys["prompt_index"]).astype(np.int32),
+        prompt_id=list(rep(keys["prompt_id"])),
+        step=rep(keys["step"]).astype(np.int32), layer=rep(keys["layer"]).astype(np.int16),
+        ranking=[task.ranking.name] * (t * nb), coverage=[task.coverage.name] * (t * nb),
+        budget=np.tile(np.asarray(budgets, np.int16), t),
+        rse=cpu["rse"], token_error=cpu["token_error"],
+        mass_excluded=cpu["mass_excluded"].astype(np.float64),
+        experts_loaded=cpu["experts_loaded"].astype(np.int16),
+        unique_experts=rep(keys["unique"]).astype(np.int16))
+
+
+def blocks_to_table(blocks: list[dict], table: str) -> pa.Table:
+    sch = schema.REPLAY_TABLES[table]
+    if not blocks:
+        return sch.empty_table()
+    cols = {name: np.concatenate([np.asarray(b[name], dtype=object if isinstance(b[name], list)
+                                             else None) for b in blocks])
+            for name in sch.names}
+    return pa.Table.from_pydict({k: pa.array(v, type=sch.field(k).type) for k, v in cols.items()},
+                                schema=sch)
+
+
+class OpenLoopEngine:
+    def __init__(self, adapter: MoEAdapter, device: torch.device, *, progress: bool = True,
+                 max_batch: int | None = None):
+        self.adapter = adapter
+        self.device = device
+        self.progress = progress
+        self.max_batch = max_batch
+        self.tree_layers = 0  # processed, for throughput
+        self.seconds = 0.0
+
+    def run(self, run: Run, tasks: list[Task]) -> None:
+        if not tasks:
+            return
+        start = time.perf_counter()
+        for task in tasks:
+            task.done = task.unit.done_prompts(task.block)
+        layers = sorted({x for t in tasks for x in t.block.layers})
+        prompts = [p for p in run.prompt_indices() if any(p not in t.done for t in tasks)]
+        hidden_dtype = run.settings.get("hidden_dtype", "float32")
+        total = len(prompts) * len(layers) * _steps_hint(run)
+        bar = tqdm(total=total or None, desc=f"replay {run.name}", unit="tree-layer",
+                   disable=not self.progress, smoothing=0.1)
+        pending: list[Slice] = []
+        left: dict[int, int] = {}  # prompt -> tree-layers not yet scored
+        size = None
+        for prompt in prompts:
+            data = read_prompt(run, prompt)
+            rows = data.select(layers)
+            left[prompt] = len(rows)
+            if size is None and rows:
+                size = self.max_batch or batch_size(int(np.diff(data.bounds).max()),
+                                                    data.probs.shape[1], data.hidden.shape[1])
+            while rows:
+                room = size - sum(len(s.rows) for s in pending)
+                pending.append(Slice(data, rows[:room]))
+                rows = rows[room:]
+                if sum(len(s.rows) for s in pending) >= size:
+                    self._score(pending, tasks, left, hidden_dtype, run.name, bar)
+                    pending = []
+            if left[prompt] == 0:  # no tree-layers in the requested layers
+                self._flush(prompt, tasks)
+        if pending:
+            self._score(pending, tasks, left, hidden_dtype, run.name, bar)
+        bar.close()
+        for task in tasks:
+            task.unit.finish(task.block)
+        self.seconds += time.perf_counter() - start
+
+    def _score(self, slices: list[Slice], tasks: list[Task], left: dict, hidden_dtype: str,
+               run: str, bar) -> None:
+        batch = open_loop.load_batch(slices, self.adapter, self.device, hidden_dtype, run)
+        keys = dict(
+            prompt_index=np.array([s.data.prompt_index for s in slices for _ in s.rows]),
+            prompt_id=np.array([s.data.prompt_id for s in slices for _ in s.rows], dtype=object),
+            step=np.array([int(s.data.step[r]) for s in slices for r in s.rows]),
+            layer=np.array([int(s.data.layer[r]) for s in slices for r in s.rows]),
+            unique=batch.union().sum(-1).cpu().numpy())
+        prompts_t = torch.as_tensor(keys["prompt_index"], device=self.device)
+        steps_t = torch.as_tensor(keys["step"], device=self.device)
+        for task in tasks:
+            want = np.isin(keys["layer"], task.block.layers) & \
+                ~np.isin(keys["prompt_index"], list(task.done))
+            if not want.any():
+                continue
+            rows = torch.as_tensor(np.flatnonzero(want), device=self.device)
+            sub = batch if bool(want.all()) else batch.take(rows)
+            keep, budgets = open_loop.shortlists(task.ranking, sub, task.coverage,
+                                                 task.block.budgets, prompts_t[rows],
+                                                 steps_t[rows], task.stream)
+            m = open_loop.metrics(sub, keep, task.coverage)
+            sel = {k: v[want] for k, v in keys.items()}
+            for prompt in np.unique(sel["prompt_index"]).tolist():
+                at = sel["prompt_index"] == prompt
+                block = columns({k: v[at] for k, v in sel.items()}, task, budgets,
+                                {k: v[torch.as_tensor(at, device=v.device)] for k, v in m.items()})
+                task.rows.setdefault(prompt, []).append(block)
+        for s in slices:
+            left[s.data.prompt_index] -= len(s.rows)
+            if left[s.data.prompt_index] == 0:
+                self._flush(s.data.prompt_index, tasks)
+        self.tree_layers += batch.size
+        bar.update(batch.size)
+
+    @staticmethod
+    def _flush(prompt: int, tasks: list[Task]) -> None:
+        for task in tasks:
+            if prompt in task.done:
+                continue
+            task.unit.write_part(task.block, prompt,
+                                 blocks_to_table(task.rows.pop(prompt, []), "replay_open"))
+            task.done.add(prompt)
+
+
+def _steps_hint(run: Run) -> int:
+    """Verification passes per prompt, for the progress bar's total (from the trees table)."""
+    import pyarrow.parquet as pq
+    try:
+        return max(1, pq.read_table(run.dir("trees"), columns=["step"]).num_rows //
+                   max(1, len(run.prompt_indices())))
+    except (OSError, pa.ArrowInvalid):
+        return 1

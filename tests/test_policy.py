@@ -1,0 +1,234 @@
+"""Coverage policies, rankings and errors against slow, obviously-correct references.
+
+Synthetic tree-layers (random routing and expert outputs) exercise every formula: the batched
+policies equal a per-token loop, the Gram expansion equals the direct error, a batch of padded
+tree-layers equals each tree-layer alone, and every ranking equals the frozen round-1 replay.
+"""
+
+import math
+
+import pytest
+import torch
+from golden import round1
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policy import coverage, rankings
+from policy.batch import ExpertTerms, RoutingBatch, combine
+from policy.calibration import CalibrationStats
+from policy.coverage import prefix_masks
+from policy.routing import RoutingRule
+
+COVERAGES = list(coverage.COVERAGES)
+
+
+def synthetic(seed: int, m=12, n=8, k=2, h=6, renormalize=True, sharpness=3.0, layer=3):
+    """One tree-layer as a RoutingBatch of size 1 with expert terms, plus its raw tensors."""
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(m, n, generator=g) * sharpness, -1)
+    w, idx = probs.topk(k, -1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    experts = torch.randn(m, n, h, generator=g, dtype=torch.float64).float()
+    batch = RoutingBatch.single(probs, idx, w, layer, RoutingRule(k, renormalize=renormalize))
+    batch.terms = ExpertTerms.from_outputs(experts[None], idx[None], w[None])
+    return batch, experts
+
+
+def loop_reference(batch: RoutingBatch, experts, keep, cov: str) -> torch.Tensor:
+    """DESIGN.md's formulas, one token and one expert at a time, for tree-layer 0."""
+    probs, idx, w, rule = batch.probs[0], batch.idx[0], batch.weights[0], batch.rule
+    out = torch.zeros(probs.shape[0], experts.shape[-1])
+    for t in range(probs.shape[0]):
+        if cov == "truncation":
+            for j in range(batch.k):
+                i = int(idx[t, j])
+                if keep[i]:
+                    out[t] += w[t, j] * experts[t, i]
+        else:
+            allowed = [i for i in range(batch.n) if keep[i]]
+            chosen = sorted(allowed, key=lambda i: -float(probs[t, i]))[:batch.k]
+            total = sum(float(probs[t, i]) for i in chosen)
+            for i in chosen:
+                wi = float(probs[t, i]) / total if rule.renormalize else float(probs[t, i])
+                out[t] += wi * experts[t, i]
+    return out
+
+
+def rse(batch, keep, cov):
+    idx, w = coverage.get(cov).apply(batch, keep)
+    return batch.token_sq_errors(idx, w).sum(-1) / batch.terms.gold_sq.sum(-1)[:, None]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(2, 8), renorm=st.booleans(),
+       cov=st.sampled_from(COVERAGES))
+def test_policies_equal_the_per_token_loop_and_gram_equals_direct_error(seed, budget, renorm, cov):
+    batch, experts = synthetic(seed, renormalize=renorm)
+    keep = prefix_masks(rankings.get("router")().order(batch, None, budget), [budget], batch.n)
+    idx, w = coverage.get(cov).apply(batch, keep)  # [1, 1, M, k]
+    approx = combine(experts[None, None], idx, w)[0, 0]
+    torch.testing.assert_close(approx, loop_reference(batch, experts, keep[0, 0], cov),
+                               rtol=1e-5, atol=1e-5)
+    gold = combine(experts[None], batch.idx, batch.weights)[0]
+    direct = (gold - approx).double().pow(2).sum(-1)
+    torch.testing.assert_close(batch.token_sq_errors(idx, w)[0, 0], direct, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("cov", COVERAGES)
+def test_budget_of_all_experts_is_exact_for_every_ranking(cov):
+    batch, _ = synthetic(3)
+    n = batch.n
+    stats = CalibrationStats.empty([3], n)
+    stats.gram.uniform_(0, 1), stats.pairs.uniform_(1, 2)
+    for name in rankings.names():
+        keep, valid = rankings.get(name)().fit(stats).shortlists(batch, coverage.get(cov), [n])
+        assert valid == [n]
+        assert float(rse(batch, keep, cov)[0, 0]) == pytest.approx(0, abs=1e-10), name
+
+
+@pytest.mark.parametrize("cov", COVERAGES)
+def test_budget_covering_the_union_is_exact_for_oracle_and_exact(cov):
+    for seed in range(5):
+        batch, _ = synthetic(seed, m=4, n=8, k=2, sharpness=6.0)
+        union = int(batch.union().sum())
+        assert union < batch.n
+        order = rankings.get("oracle")().order(batch, coverage.get(cov), union)
+        assert set(order[0].tolist()) == set(batch.union()[0].nonzero().flatten().tolist())
+        for name in ("oracle", "exact"):
+            keep, _ = rankings.get(name)().shortlists(batch, coverage.get(cov), [union])
+            assert float(rse(batch, keep, cov)[0, 0]) == pytest.approx(0, abs=1e-8)
+
+
+def test_exact_never_worse_than_oracle_and_oracle_beats_router_in_aggregate():
+    totals = {"router": 0.0, "oracle": 0.0}
+    for seed in range(30):
+        batch, _ = synthetic(seed, m=16, n=8, k=2, sharpness=1.5)
+        for cov in COVERAGES:
+            budgets = list(range(2, 7))
+            e = {name: rse(batch, rankings.get(name)().shortlists(batch, coverage.get(cov),
+                                                                  budgets)[0], cov)[0]
+                 for name in ("router", "oracle", "exact")}
+            assert (e["exact"] <= e["oracle"] + 1e-9).all()
+            totals["oracle"] += float(e["oracle"].sum())
+            totals["router"] += float(e["router"].sum())
+    assert totals["oracle"] < totals["router"]
+
+
+def test_exact_reports_searches_over_its_limit():
+    exact = rankings.get("exact")()
+    assert math.comb(64, 32) > exact.limit
+    assert exact.skipped(64, [2, 32]) == [32] and exact.skipped(8, list(range(1, 9))) == []
+
+
+def test_truncation_oracle_closed_form_equals_greedy_over_candidates():
+    trunc = coverage.get("truncation")
+    for seed in range(10):
+        batch, _ = synthetic(seed, m=10, n=16, k=4, sharpness=1.0)
+        fast = rankings.get("oracle")().order(batch, trunc, 12)[0].tolist()
+        keep, slow = torch.zeros(batch.n, dtype=torch.bool), []
+        for _ in range(12):  # score every candidate S ∪ {c} directly
+            idx, w = trunc.apply(batch, (keep[None] | torch.eye(batch.n, dtype=torch.bool))[None])
+            err = batch.token_sq_errors(idx, w)[0].sum(-1)
+            err[keep] = float("inf")
+            best = int(torch.argmin(err))
+            slow.append(best)
+            keep[best] = True
+        for b in range(1, 13):  # equal errors at every prefix (orders differ only at exact ties)
+            e = [float(rse(batch, prefix_masks(torch.tensor([o]), [b], batch.n), "truncation"))
+                 for o in (fast, slow)]
+            assert e[0] == pytest.approx(e[1], rel=1e-9, abs=1e-12)
+
+
+def _stack(batches):
+    """Tree-layers of different sizes as one padded batch (what the replay engine builds)."""
+    m = max(b.probs.shape[1] for b in batches)
+    def pad(x, value=0):
+        return torch.cat([x, torch.full((x.shape[0], m - x.shape[1], *x.shape[2:]), value,
+                                        dtype=x.dtype)], 1)
+    terms = [b.terms for b in batches]
+    return RoutingBatch(
+        torch.cat([pad(b.probs) for b in batches]), torch.cat([pad(b.idx) for b in batches]),
+        torch.cat([pad(b.weights) for b in batches]), torch.cat([pad(b.mask, False) for b in batches]),
+        torch.cat([b.layers for b in batches]), batches[0].rule,
+        ExpertTerms(torch.cat([pad(t.q) for t in terms]), torch.cat([pad(t.b) for t in terms]),
+                    torch.cat([pad(t.routed_sq) for t in terms]),
+                    torch.cat([pad(t.gold_sq) for t in terms])))
+
+
+@pytest.mark.parametrize("cov", COVERAGES)
+def test_rankings_equal_the_frozen_round1_replay_batched_and_padded(cov):
+    """Golden: every ranking and budget equals round 1's per-tree-layer code (bit for bit on
+    single tree-layers, ≤ 1e-12 relative when batched with padding)."""
+    parts = [synthetic(seed, m=m, n=8, k=2, renormalize=seed % 2 == 0)
+             for seed, m in ((0, 12), (1, 7), (2, 12), (3, 9))]
+    stats = CalibrationStats.empty([3], 8)
+    for b, e in parts:
+        stats.add(3, b.idx[0], e.gather(1, b.idx[0][..., None].expand(-1, -1, e.shape[-1])))
+    budgets = list(range(2, 9))
+    names = ["router", "static", "coact", "oracle", "exact"]
+    for i, (b, e) in enumerate(parts):
+        ref = round1.rows(b.probs[0], b.idx[0], b.weights[0], e, b.rule.renormalize, names, [cov],
+                          budgets, stats.selection_counts(b.layers)[0], stats.mean_gram(b.layers)[0])
+        batch = _stack([p for p, _ in parts]) if parts[0][0].rule.renormalize == b.rule.renormalize \
+            else None
+        for mode, bt, row in (("single", b, 0), ("batched", batch, i)):
+            if bt is None:
+                continue
+            got = {}
+            for name in names:
+                keep, valid = rankings.get(name)().fit(stats).shortlists(bt, coverage.get(cov),
+                                                                          budgets)
+                for j, v in enumerate(valid):
+                    got[name, v] = float(rse(bt, keep, cov)[row, j])
+            for r in ref:
+                tol = 0 if mode == "single" else 1e-12 * max(r["rse"], 1e-300)
+                assert abs(got[r["ranking"], r["budget"]] - r["rse"]) <= tol, (mode, r)
+
+
+def test_substitution_follows_the_family_rule_sigmoid_bias_groups_scale():
+    """Substitution under a DeepSeek-V3-style rule equals a slow per-token reference: sigmoid
+    scores, selection by biased scores in the best groups, weights from unbiased scores,
+    renormalised and scaled."""
+    g = torch.Generator().manual_seed(0)
+    m, n, k, groups, kept = 6, 16, 4, 4, 2
+    logits = torch.randn(m, n, generator=g)
+    bias = torch.randn(n, generator=g) * 0.1
+    rule = RoutingRule(k, score="sigmoid", renormalize=True, scale=2.5, selection_bias=bias,
+                       groups=groups, groups_kept=kept)
+    scores = rule.scores(logits)
+    idx, w = rule.route(scores)
+    batch = RoutingBatch.single(scores, idx, w, 0, rule)
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[torch.randperm(n, generator=g)[:10]] = True
+    got_idx, got_w = coverage.get("substitution").apply(batch, keep[None, None])
+    for t in range(m):
+        choice = {i: float(scores[t, i] + bias[i]) for i in range(n) if keep[i]}
+        size = n // groups
+        group_score = {gi: sum(sorted([choice[i] for i in range(gi * size, (gi + 1) * size)
+                                       if i in choice], reverse=True)[:2] or [-1e30])
+                       for gi in range(groups)}
+        best_groups = sorted(group_score, key=lambda gi: -group_score[gi])[:kept]
+        allowed = [i for i in choice if i // size in best_groups]
+        chosen = sorted(allowed, key=lambda i: -choice[i])[:k]
+        total = sum(float(scores[t, i]) for i in chosen)
+        expected = {i: 2.5 * float(scores[t, i]) / total for i in chosen}
+        got = {int(i): float(x) for i, x in zip(got_idx[0, 0, t], got_w[0, 0, t]) if x != 0}
+        assert got.keys() == expected.keys()
+        for i in got:
+            assert got[i] == pytest.approx(expected[i], rel=1e-5)
+
+
+def test_previous_ranking_puts_last_pass_experts_first_then_router_mass():
+    batch, _ = synthetic(0, n=8)
+    prev = rankings.get("previous")().fit()
+    mass_order = rankings.get("router")().order(batch, None, 8)[0].tolist()
+    assert prev.order(batch, None, 8)[0].tolist() == mass_order  # nothing observed yet
+    loaded = torch.zeros(1, 8, dtype=torch.bool)
+    loaded[0, [mass_order[-1], mass_order[-3]]] = True
+    prev.observe(batch.layers, loaded)
+    order = prev.order(batch, None, 8)[0].tolist()
+    assert order[:2] == [mass_order[-3], mass_order[-1]]  # cached first, by current mass
+    assert order[2:] == [e for e in mass_order if e not in order[:2]]
+    prev.reset()
+    assert prev.order(batch, None, 8)[0].tolist() == mass_order
