@@ -1,128 +1,180 @@
-"""Replay cost, as ratios measured in one run on the same captured trees.
+"""Replay speed and memory, as ratios measured in one run on this machine.
 
-    python bench/replay_speed.py --traces traces --run RUN [--calibration CAL]
+    python bench/replay_speed.py sweep --traces traces --run demo-eval --calibration demo-cal
+    python bench/replay_speed.py rss --trees 500 2000
+    python bench/replay_speed.py width --shape olmoe
 
-1. Full open-loop sweep (static, router, oracle, coact × truncation and substitution × the
-   budget sweep) vs one all-experts recompute of the same tree-layers (goal ≤ 3×).
-2. Router-ranking selection (scores, shortlist, substitution routing) for all MoE layers of a
-   tree vs the verification forward it would precede (the captured ``verify_seconds``; goal ≤ 3%).
+``sweep``: the full open-loop sweep (static, router, oracle, coact × truncation and substitution
+× the paper's budgets) through the engine, vs one all-experts recompute of the same tree-layers
+(goal ≤ 3×); the same without the oracle; and ``replay --ranking oracle --budget 24`` vs the
+capture's decoding time of the same prompts (Σ ``sequences.wall_seconds``; goal ≤ 2×). Model
+loading is excluded on both sides.
+
+``rss``: peak RSS of ``replay --ranking oracle --budget 24`` (a fresh process each) on synthetic
+runs of N trees × 8 layers of tiny-olmoe (goal ≤ 2 GiB, flat in N).
+
+``width``: tree-layers/s of ``replay --ranking router oracle --budget 24`` on a synthetic run
+with a random-weight model of a real shape (one MoE layer, real widths), vs tiny-olmoe.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import polars as pl
+import pyarrow.parquet as pq
 import torch
 
-from moe import models
+from catalog import Catalog, reader
+from moe import models, shapes
 from moe.adapter import MoEAdapter
-from replay import budget as budgets
-from replay import rankings
-from replay.data import find_runs, iter_tree_layers
-from replay.run import ReplaySettings, calibrate, open_loop_rows, parse_budgets
+from replay.run import ReplayRequest, calibration_stats, parse_budgets, replay
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def olmoe_sized(items, settings, stats, renormalize) -> None:
-    """The same sweep on the same routing, with one OLMoE-1B-7B-sized expert layer (N=64,
-    H=2048, I=1024, random weights): the recompute grows with the experts, the sweep barely."""
-    from transformers import OlmoeConfig
-    from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
-
-    from moe.adapter import MoELayer
-    from replay.data import TreeLayerData
-    torch.manual_seed(0)
-    block = OlmoeSparseMoeBlock(OlmoeConfig(hidden_size=2048, intermediate_size=1024,
-                                            num_experts=64, num_experts_per_tok=8))
-    for p_ in block.parameters():
-        torch.nn.init.normal_(p_, std=0.02)
-    layer = MoELayer(0, block, block.gate, block.experts, 64, 8, renormalize)
-    big = []
+def recompute_seconds(runs, adapter) -> tuple[float, int]:
+    """One all-experts recompute of every tree-layer, one call per tree-layer (round 1's
+    baseline) and per batch of 64 tree-layers of a layer (the engine's); the faster one."""
+    items = list(reader.tree_layers(runs))
+    param = next(adapter.model.parameters())
+    hidden = [torch.from_numpy(tl.hidden).to(param.device, param.dtype) for tl in items]
     with torch.no_grad():
-        for tl in items:
-            h = torch.randn(tl.probs.shape[0], 2048)
-            out = layer.moe_output(h, tl.idx, tl.weights)
-            big.append(TreeLayerData(tl.prompt_index, tl.prompt_id, tl.step, tl.layer, tl.probs,
-                                     tl.idx, tl.weights, h, out))
         t0 = time.perf_counter()
-        for tl in big:
-            layer.all_expert_outputs(tl.hidden)
-        recompute = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for tl in big:
-        open_loop_rows(tl, layer, settings, stats, "float32", "olmoe-sized")
-    sweep = time.perf_counter() - t0
-    print(f"  same sweep at OLMoE-1B-7B expert size ({len(big)} tree-layers): "
-          f"{sweep / recompute:.2f}x one all-experts recompute")
+        for tl, h in zip(items, hidden):
+            adapter.layer(tl.layer).all_expert_outputs(h)
+        single = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for layer in adapter:
+            hs = [h for tl, h in zip(items, hidden) if tl.layer == layer.index]
+            for i in range(0, len(hs), 64):
+                layer.all_expert_outputs(torch.cat(hs[i:i + 64]))
+        batched = time.perf_counter() - t0
+    return min(single, batched), len(items)
+
+
+def timed_replay(cat, runs, adapter, rankings, budgets, stats, cal, device) -> tuple[float, int]:
+    out = Path(tempfile.mkdtemp(prefix="replay-bench-"))
+    try:
+        request = ReplayRequest(tuple(rankings), ("truncation", "substitution"), tuple(budgets))
+        t0 = time.perf_counter()
+        outcome = replay(cat, runs, adapter, request, stats, cal, out, device=device,
+                         progress=False)
+        return time.perf_counter() - t0, outcome.tree_layers
+    finally:
+        shutil.rmtree(out)
+
+
+def sweep(args) -> None:
+    torch.set_num_threads(args.threads)
+    cat = Catalog(args.traces)
+    runs = cat.runs(names=[args.run])
+    loaded = models.load(runs[0].model, device=args.device)
+    adapter = MoEAdapter(loaded.model)
+    stats, cal = calibration_stats(cat, [args.calibration], runs[0].model, runs, adapter, False)
+    budgets = parse_budgets("sweep", adapter.num_experts)
+    base, n = recompute_seconds(runs, adapter)
+    print(f"{runs[0].model}, run {args.run}: {n} tree-layers, {args.threads} torch threads")
+    print(f"  one all-experts recompute: {base:.3f} s")
+    for label, ranks in (("full sweep (static router oracle coact)",
+                          ["static", "router", "oracle", "coact"]),
+                         ("sweep without the oracle (static router coact)",
+                          ["static", "router", "coact"])):
+        sec, tl = timed_replay(cat, runs, adapter, ranks, budgets, stats, cal, loaded.device)
+        print(f"  {label} × 2 policies × {len(budgets)} budgets: {sec:.3f} s = "
+              f"{sec / base:.2f}x the recompute ({tl / sec:.0f} tree-layers/s)")
+    sec, tl = timed_replay(cat, runs, adapter, ["oracle"], [24], None, [], loaded.device)
+    decode = sum(pq.read_table(runs[0].dir("sequences"), columns=["wall_seconds"])
+                 ["wall_seconds"].to_pylist())
+    print(f"  replay --ranking oracle --budget 24 (both policies): {sec:.3f} s "
+          f"({tl / sec:.0f} tree-layers/s) vs capture decoding the same prompts {decode:.3f} s "
+          f"= {sec / decode:.2f}x")
+
+
+def rss(args) -> None:
+    for trees in args.trees:
+        root = Path(tempfile.mkdtemp(prefix="replay-rss-"))
+        try:
+            code = ("import sys; sys.path.insert(0, 'bench'); from synthetic import write_run; "
+                    "from moe import models; from pathlib import Path; "
+                    "m = models.load('tiny-olmoe', device='cpu').model; "
+                    f"write_run(Path('{root}'), 'tiny-olmoe', m, prompts={trees // 50}, "
+                    "trees_per_prompt=50)")
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+            gen = time.perf_counter() - t0
+            before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "replay.cli", "--traces", str(root),
+                            "--ranking", "oracle", "--budget", "24", "--no-progress"],
+                           check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+            sec = time.perf_counter() - t0
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+            note = "" if peak > before else " (not above an earlier child's peak)"
+            size = sum(p.stat().st_size for p in root.rglob("*.parquet")) / 2**30
+            print(f"  {trees} trees × 8 layers ({trees * 8} tree-layers, {size:.2f} GiB of "
+                  f"traces, generated in {gen:.0f} s): replay {sec:.0f} s "
+                  f"({trees * 8 / sec:.0f} tree-layers/s incl. start-up), peak RSS "
+                  f"{peak / 2**20:.2f} GiB{note}")
+        finally:
+            shutil.rmtree(root)
+
+
+def width(args) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from synthetic import write_run
+    torch.set_num_threads(args.threads)
+    for name in ("tiny-olmoe", args.shape):
+        root = Path(tempfile.mkdtemp(prefix="replay-width-"))
+        try:
+            if name.startswith("tiny-"):
+                model_path, model = name, models.load(name, device="cpu").model
+            else:
+                model_path = str(shapes.save_random_model(args.shape, root / "model"))
+                model = models.load(model_path, device="cpu").model
+            write_run(root / "traces", model_path, model, prompts=2,
+                      trees_per_prompt=args.trees // 2)
+            cat = Catalog(root / "traces")
+            adapter = MoEAdapter(model)
+            runs = cat.runs()
+            base, n = recompute_seconds(runs, adapter)
+            sec, tl = timed_replay(cat, runs, adapter, ["router", "oracle"], [24], None, [],
+                                   torch.device("cpu"))
+            print(f"  {name} (hidden {model.config.hidden_size}, {adapter.num_experts} experts, "
+                  f"top-{adapter.top_k}): {tl} tree-layers, router+oracle@24 both policies "
+                  f"{tl / sec:.1f} tree-layers/s = {sec / base:.2f}x one all-experts recompute")
+            del model, adapter
+        finally:
+            shutil.rmtree(root)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--traces", type=Path, default=Path("traces"))
-    p.add_argument("--run", required=True)
-    p.add_argument("--calibration", default=None, help="run for static/coact (else router+oracle)")
+    sub = p.add_subparsers(dest="what", required=True)
+    s = sub.add_parser("sweep")
+    s.add_argument("--traces", type=Path, default=Path("traces"))
+    s.add_argument("--run", default="demo-eval")
+    s.add_argument("--calibration", default="demo-cal")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--threads", type=int, default=2)
+    r = sub.add_parser("rss")
+    r.add_argument("--trees", type=int, nargs="+", default=[500, 2000])
+    w = sub.add_parser("width")
+    w.add_argument("--shape", default="olmoe", choices=list(shapes.REAL_SHAPES))
+    w.add_argument("--trees", type=int, default=8)
+    w.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
-    run = find_runs(args.traces, runs=[args.run])[0]
-    loaded = models.load(run.model)
-    adapter = MoEAdapter(loaded.model)
-    stats = calibrate(find_runs(args.traces, runs=[args.calibration]), adapter) \
-        if args.calibration else None
-    ranks = ("static", "router", "oracle", "coact") if stats else ("router", "oracle")
-    settings = ReplaySettings(ranks, ("truncation", "substitution"),
-                              tuple(parse_budgets("sweep", adapter.num_experts)))
-    items = [tl for prompt in run.prompt_indices() for tl in iter_tree_layers(run, prompt)]
-    hidden_dtype = run.manifest["settings"]["hidden_dtype"]
+    models.quiet_transformers()
+    {"sweep": sweep, "rss": rss, "width": width}[args.what](args)
 
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        for tl in items:
-            adapter.layer(tl.layer).all_expert_outputs(tl.hidden)
-    recompute = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    rows = sum(len(b["budget"]) for tl in items for b in open_loop_rows(
-        tl, adapter.layer(tl.layer), settings, stats, hidden_dtype, run.name))
-    sweep = time.perf_counter() - t0
-    print(f"{len(items)} tree-layers, {rows} result rows ({', '.join(ranks)} x 2 policies x "
-          f"{len(settings.budgets)} budgets)")
-    print(f"full sweep / one all-experts recompute: {sweep / recompute:.2f}x (goal <= 3x)")
-    olmoe_sized(items[:16], settings, stats, adapter.renormalize)
-
-    # selection vs the verification forward, both timed here on the first prompt's trees
-    from transformers import DynamicCache
-
-    from eagle import verify
-    from replay.closed_loop import _prompt_tables, _trees_by_step
-    prompt = run.prompt_indices()[0]
-    seq, trees, nodes = _prompt_tables(run, prompt)
-    by_step = _trees_by_step(nodes, loaded.device)
-    layers = {}
-    for tl in items:
-        if tl.prompt_index == prompt:
-            layers.setdefault(tl.step, []).append(tl)
-    committed = seq["prompt_token_ids"] + seq["output_token_ids"]
-    cache, cached, sel, ver = DynamicCache(config=loaded.model.config), 0, 0.0, 0.0
-    budget = 32 if adapter.num_experts >= 32 else adapter.top_k
-    with torch.no_grad():
-        for t in trees:
-            if t["prefix_len"] > cached:
-                verify.forward_tokens(loaded.model, None, cache, torch.tensor(
-                    committed[cached:t["prefix_len"]], device=loaded.device), cached)
-                cached = t["prefix_len"]
-            t0 = time.perf_counter()
-            verify.verify_tree(loaded.model, None, cache, by_step[t["step"]][0], cached)
-            ver += time.perf_counter() - t0
-            verify.compact_cache(cache, cached, torch.zeros(0, dtype=torch.long))
-            t0 = time.perf_counter()
-            for tl in layers[t["step"]]:
-                order = rankings.runtime_order("router", tl.probs, tl.idx, tl.weights, tl.layer,
-                                               None)
-                keep = rankings.keep_mask(order, budget, adapter.num_experts)
-                budgets.apply(tl.probs, tl.idx, tl.weights, keep, "substitution",
-                              adapter.renormalize)
-            sel += time.perf_counter() - t0
-    print(f"router selection (B={budget}, all layers) / verify forward: {sel / ver:.1%} over "
-          f"{len(trees)} trees (goal <= 3%)")
 
 if __name__ == "__main__":
+    pl.Config.set_tbl_hide_dataframe_shape(True)
     main()

@@ -2,14 +2,15 @@
 
 A *tree-layer* is one verification pass (tree) at one MoE layer: M node rows of ``routing``
 (router scores ``g [M, N]``, natural top-k ids and mixing weights ``[M, k]``) and, where stored,
-of ``moe_io`` (MoE input ``h [M, H]`` and output ``O* [M, H]``). :func:`read_prompt` returns all
-tree-layers of one prompt as flat arrays plus boundaries, so memory is bounded by one prompt and
-callers can batch tree-layers without copying them one by one.
+of ``moe_io`` (MoE input ``h [M, H]`` and output ``O* [M, H]``). :func:`prompt_chunks` returns a
+prompt's tree-layers one written chunk at a time as flat arrays plus boundaries, so memory is
+bounded by one chunk and callers can batch tree-layers without copying them one by one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -25,18 +26,34 @@ _ORDER = [("step", "ascending"), ("layer", "ascending"), ("node", "ascending")]
 
 
 def matrix(column: pa.ChunkedArray, dtype=np.float32) -> np.ndarray:
-    """A list column of equal-length rows as a writable 2-D array ``[rows, width]``."""
+    """A list column of equal-length rows as a writable 2-D array ``[rows, width]``. Float
+    vectors stored as uint16 are bfloat16 bit patterns (catalog.schema) and decode exactly."""
     arr = column.combine_chunks()
     if arr.null_count:
         raise ValueError("null rows in a vector column")
-    values = arr.flatten().to_numpy(zero_copy_only=False).astype(dtype)  # a writable copy
+    flat = arr.flatten().to_numpy(zero_copy_only=False)
+    if flat.dtype == np.uint16 and np.dtype(dtype).kind == "f":
+        values = (flat.astype(np.uint32) << 16).view(np.float32).astype(dtype)
+    else:
+        values = flat.astype(dtype)  # a writable copy
     if len(arr) and values.size % len(arr):
         raise ValueError("vectors of unequal length")
     return values.reshape(len(arr), -1)
 
 
-def read_parts(run: Run, table: str, prompt_index: int, columns: list[str]) -> pa.Table:
-    parts = run.parts(table, prompt_index)
+def bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (round to nearest even), as uint16 bit patterns: the
+    inverse of :func:`matrix`'s decoding."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    nan = np.isnan(values)
+    return np.where(nan, 0x7FC0, rounded >> 16).astype(np.uint16)
+
+
+def read_parts(run: Run, table: str, prompt_index: int, columns: list[str],
+               parts: list[Path] | None = None) -> pa.Table:
+    """Rows of one prompt of one table (all its parts, or the given ones)."""
+    parts = run.parts(table, prompt_index) if parts is None else parts
     if not parts:
         raise CatalogError(f"{run.dir(table)} has no part for prompt {prompt_index}; the trace "
                            "is incomplete, recapture the run")
@@ -87,10 +104,28 @@ class PromptTreeLayers:
 
 def read_prompt(run: Run, prompt_index: int, *, with_io: bool = True) -> PromptTreeLayers:
     """Routing (and MoE inputs/outputs) of every tree-layer of one prompt."""
-    routing = read_parts(run, "routing", prompt_index, ROUTING_COLUMNS).sort_by(_ORDER)
+    return _tree_layers(run, prompt_index, None, with_io)
+
+
+def prompt_chunks(run: Run, prompt_index: int, *, with_io: bool = True) \
+        -> Iterator[PromptTreeLayers]:
+    """One prompt's tree-layers, one written chunk (``chunk_steps`` passes) at a time: memory
+    stays bounded by a chunk however long the generation."""
+    for part in run.parts("routing", prompt_index):
+        yield _tree_layers(run, prompt_index, part.name, with_io)
+
+
+def _tree_layers(run: Run, prompt_index: int, part: str | None, with_io: bool):
+    routing_parts = None if part is None else [run.dir("routing") / part]
+    routing = read_parts(run, "routing", prompt_index, ROUTING_COLUMNS, routing_parts
+                         ).sort_by(_ORDER)
     io = None
     if with_io:
-        io = read_parts(run, "moe_io", prompt_index, IO_COLUMNS).sort_by(_ORDER)
+        io_parts = None if part is None else [run.dir("moe_io") / part]
+        if io_parts and not io_parts[0].is_file():
+            raise CatalogError(f"{run.dir('moe_io')} lacks {part}; the trace is incomplete, "
+                               "recapture the run")
+        io = read_parts(run, "moe_io", prompt_index, IO_COLUMNS, io_parts).sort_by(_ORDER)
         same = io.num_rows == routing.num_rows and all(
             io[c].equals(routing[c]) for c in ("step", "layer", "node"))
         if not same:
@@ -133,6 +168,6 @@ def tree_layers(runs: list[Run], *, layers=None, with_io: bool = True) -> Iterat
     """Every tree-layer of every complete prompt of ``runs``, one prompt in memory at a time."""
     for run in runs:
         for prompt in run.prompt_indices():
-            data = read_prompt(run, prompt, with_io=with_io)
-            for r in data.select(layers):
-                yield data.tree_layer(r)
+            for data in prompt_chunks(run, prompt, with_io=with_io):
+                for r in data.select(layers):
+                    yield data.tree_layer(r)

@@ -1,4 +1,4 @@
-"""A batch of tree-layers: the routing every ranking sees, and the expert terms offline ones use.
+"""A batch of tree-layers: the routing every ranking sees, and the expert outputs offline ones use.
 
 A *tree-layer* is one verification pass at one MoE layer (M tree tokens). Rankings and coverage
 policies work on T of them at once, padded to a common M with a token mask (padding has zero
@@ -10,44 +10,26 @@ scores and zero weights, so every sum over tokens ignores it):
     mask    [T, M]      real tokens
     layers  [T]         decoder layer of each tree-layer
 
-Offline rankings (oracle, exact) and the error metrics need every expert's output; they get it
-as per-token Gram terms (float64), from which any policy's error follows without touching H:
+Offline rankings (oracle, exact) and the error metrics need every expert's output
+``E_t [N, H]`` (:class:`ExpertTerms`). With ``R*_t = Σ_{i∈T_k(t)} ḡ_i E_i(h_t)`` the routed part of
+the gold output and (i, w) the k (expert, weight) pairs a policy gives token t, the error is
 
-    q_t = E_t E_tᵀ [N, N],   b_t = E_t R*_t [N],   ||O*_t − Ô_t||² = ||R*_t||² − 2 wᵀb_t[i] + wᵀ Q_t[i, i] w
+    ||O*_t − Ô_t||² = ||R*_t − Σ_j w_j E_{i_j}(h_t)||²                      (direct, float64)
+                    = ||R*_t||² − 2 wᵀ b_t[i] + wᵀ Q_t[i, i] w                (Gram expansion)
 
-with ``E_t [N, H]`` all experts' outputs on h_t, ``R*_t = Σ_{i∈T_k(t)} ḡ_i E_i(h_t)`` the routed
-part of the gold output, and (i, w) the k (expert, weight) pairs the policy uses for token t.
-Shared experts, where a family has them, are in O* and Ô alike and cancel in the difference.
+with ``Q_t = E_t E_tᵀ [N, N]`` and ``b_t = E_t R*_t [N]``: the direct form scores a few shortlists
+exactly; the Gram form (computed once, lazily, only when a ranking needs it) scores thousands of
+candidate shortlists without touching H. Shared experts, where a family has them, are in O* and
+Ô alike and cancel in the difference; they count in ``||O*_t||²``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from policy.routing import RoutingRule
-
-
-@dataclass
-class ExpertTerms:
-    q: torch.Tensor  # [T, M, N, N] float64
-    b: torch.Tensor  # [T, M, N] float64
-    routed_sq: torch.Tensor  # [T, M] ||R*_t||² float64
-    gold_sq: torch.Tensor  # [T, M] ||O*_t||² float64 (shared experts included)
-
-    @classmethod
-    def from_outputs(cls, experts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                     shared: torch.Tensor | None = None) -> ExpertTerms:
-        """From every expert's output ``experts [T, M, N, H]``, the natural routing and, where the
-        family has them, the shared experts' output ``[T, M, H]``."""
-        routed = combine(experts, idx, weights)  # [T, M, H]
-        e = experts.double()
-        q = torch.einsum("tmnh,tmph->tmnp", e, e)
-        b = torch.einsum("tmnh,tmh->tmn", e, routed.double())
-        routed_sq = routed.double().pow(2).sum(-1)
-        gold_sq = routed_sq if shared is None else (routed + shared).double().pow(2).sum(-1)
-        return cls(q, b, routed_sq, gold_sq)
 
 
 def grow(x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
@@ -55,11 +37,75 @@ def grow(x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:
     return x.view(x.shape[0], *([1] * (len(lead) - 1)), *x.shape[1:]).expand(*lead, *x.shape[1:])
 
 
-def combine(experts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def combine(experts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
     """``Σ_j w_j(t) E_{idx_j(t)}(h_t)``: ``experts [T, M, N, H]``, ``idx, weights [T, M, k]`` →
-    ``[T, M, H]``."""
+    ``[T, M, H]``, computed in ``dtype`` (default: the experts')."""
     picked = experts.gather(-2, idx[..., None].expand(*idx.shape, experts.shape[-1]))
-    return (picked * weights[..., None].to(experts.dtype)).sum(-2)
+    dtype = dtype or experts.dtype
+    return (picked.to(dtype) * weights[..., None].to(dtype)).sum(-2)
+
+
+@dataclass
+class ExpertTerms:
+    """Every expert's output on a batch's tokens, and what errors are computed from.
+
+    The gold output is the model's own sum ``R*`` (accumulated in the experts' dtype, as the
+    model does). A policy's output ``Ô`` is summed exactly (float64). Their difference splits
+    into a tiny per-token constant ``δ = R* − R̂`` (``R̂``: the natural top-k summed exactly) and
+    the part the budget changes, so a token whose experts and weights are unchanged costs
+    nothing and ``||δ||²`` is the error floor every policy shares."""
+
+    experts: torch.Tensor  # [T, M, N, H] as computed (float32), 0 on padding
+    routed: torch.Tensor  # [T, M, H] float64: R*, the model's sum
+    delta: torch.Tensor  # [T, M, H] float64: δ = R* − R̂
+    gold_sq: torch.Tensor  # [T, M] float64: ||O*||² (shared experts included)
+    natural: torch.Tensor  # [T, M, k, k] float64: ⟨ḡ_a E_a, ḡ_b E_b⟩ over each top-k
+    cross: torch.Tensor  # [T, M, k] float64: ⟨δ, ḡ_a E_a⟩
+    _gram: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _experts64: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_outputs(cls, experts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                     shared: torch.Tensor | None = None) -> ExpertTerms:
+        """From every expert's output ``experts [T, M, N, H]``, the natural routing and, where the
+        family has them, the shared experts' output ``[T, M, H]``."""
+        routed = combine(experts, idx, weights).double()
+        y = experts.gather(-2, idx[..., None].expand(*idx.shape, experts.shape[-1])).double() \
+            * weights[..., None].double()  # ḡ_a E_a over each token's top-k: [T, M, k, H]
+        delta = routed - y.sum(-2)
+        gold = routed if shared is None else routed + shared.double()
+        return cls(experts, routed, delta, gold.pow(2).sum(-1),
+                   torch.einsum("tmah,tmbh->tmab", y, y), torch.einsum("tmh,tmah->tma", delta, y))
+
+    @property
+    def routed_sq(self) -> torch.Tensor:
+        return self.routed.pow(2).sum(-1)
+
+    @property
+    def floor(self) -> torch.Tensor:
+        """``||δ||² [T, M]``: the error of a token whose routing the budget leaves unchanged."""
+        return self.delta.pow(2).sum(-1)
+
+    @property
+    def experts64(self) -> torch.Tensor:
+        """The expert outputs in float64, converted once on first use."""
+        if self._experts64 is None:
+            self._experts64 = self.experts.double()
+        return self._experts64
+
+    def gram(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(Q [T, M, N, N], b [T, M, N])`` in float64, computed on first use."""
+        if self._gram is None:
+            e = self.experts64
+            self._gram = (torch.einsum("tmnh,tmph->tmnp", e, e),
+                          torch.einsum("tmnh,tmh->tmn", e, self.routed))
+        return self._gram
+
+    def take(self, rows: torch.Tensor) -> ExpertTerms:
+        gram = None if self._gram is None else (self._gram[0][rows], self._gram[1][rows])
+        return ExpertTerms(self.experts[rows], self.routed[rows], self.delta[rows],
+                           self.gold_sq[rows], self.natural[rows], self.cross[rows], gram)
 
 
 @dataclass
@@ -112,26 +158,44 @@ class RoutingBatch:
 
     def take(self, rows: torch.Tensor) -> RoutingBatch:
         """The tree-layers ``rows`` of this batch (and of its expert terms)."""
-        t = self.terms
-        terms = None if t is None else ExpertTerms(t.q[rows], t.b[rows], t.routed_sq[rows],
-                                                   t.gold_sq[rows])
         rule = self.rule
         if rule.selection_bias is not None and rule.selection_bias.dim() == 3:
             rule = rule.for_layers(rule.selection_bias[rows])
         return RoutingBatch(self.probs[rows], self.idx[rows], self.weights[rows], self.mask[rows],
-                            self.layers[rows], rule, terms)
+                            self.layers[rows], rule,
+                            None if self.terms is None else self.terms.take(rows))
+
+    def sq_errors(self, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``||O*_t − Ô_t||²`` for every token, exactly (float64): ``idx, w [T, *E, M, k]`` →
+        ``[T, *E, M]``. Tokens whose experts and weights equal the natural ones get the floor
+        ``||δ||²``; only the others gather their k expert outputs."""
+        lead, m, k = idx.shape[:-2], idx.shape[-2], idx.shape[-1]
+        t, n, terms = lead[0], self.n, self.terms
+        h = terms.experts.shape[-1]
+        same = ((idx == grow(self.idx, lead)) & (w == grow(self.weights, lead))).all(-1)
+        out = grow(terms.floor, lead).reshape(-1).clone()  # [T·E·M]
+        changed = (~same).reshape(-1).nonzero().squeeze(1)
+        if changed.numel():
+            per_t = out.numel() // t  # E·M
+            token = (changed // per_t) * m + changed % m  # row of [T·M]
+            rows = (token[:, None] * n + idx.reshape(-1, k).index_select(0, changed)).flatten()
+            picked = terms.experts64.reshape(-1, h).index_select(0, rows).view(-1, k, h)
+            weights = w.reshape(-1, k).index_select(0, changed).double()
+            approx = torch.einsum("ckh,ck->ch", picked, weights)
+            gold = terms.routed.reshape(-1, h).index_select(0, token)
+            out[changed] = (gold - approx).pow(2).sum(-1)
+        return out.view(*lead, m)
 
     def token_sq_errors(self, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """``||O*_t − Ô_t||²`` for every token from the Gram terms: ``idx, w [T, *E, M, k]`` →
-        ``[T, *E, M]`` (float64)."""
-        t = self.terms
+        """``||O*_t − Ô_t||²`` from the Gram expansion (any number of candidate shortlists):
+        ``idx, w [T, *E, M, k]`` → ``[T, *E, M]`` (float64)."""
+        q, b_all = self.terms.gram()
         lead = idx.shape[:-2]  # (T, *E)
         n, k = self.n, idx.shape[-1]
-        shape = (*lead, idx.shape[-2])
-        b = grow(t.b, lead).gather(-1, idx)  # [T, *E, M, k]
+        b = grow(b_all, lead).gather(-1, idx)  # [T, *E, M, k]
         pairs = (idx[..., :, None] * n + idx[..., None, :]).flatten(-2)  # [T, *E, M, k*k]
-        qq = grow(t.q.flatten(-2), lead).gather(-1, pairs).unflatten(-1, (k, k))
+        qq = grow(q.flatten(-2), lead).gather(-1, pairs).unflatten(-1, (k, k))
         w = w.double()
-        err = grow(t.routed_sq, lead) - 2 * (w * b).sum(-1) + torch.einsum("...j,...jl,...l->...",
-                                                                      w, qq, w)
-        return err.clamp_min(0).reshape(shape)
+        err = grow(self.terms.routed_sq, lead) - 2 * (w * b).sum(-1) + torch.einsum(
+            "...j,...jl,...l->...", w, qq, w)
+        return err.clamp_min(0)

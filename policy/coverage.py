@@ -47,6 +47,11 @@ class Coverage(ABC):
         """(indices, weights) ``[T, *E, M, k]`` every token uses under shortlists
         ``keep [T, *E, N]``."""
 
+    def sq_errors(self, batch: RoutingBatch, keep: torch.Tensor, idx: torch.Tensor,
+                  w: torch.Tensor) -> torch.Tensor:
+        """``||O*_t − Ô_t||²`` ``[T, *E, M]`` of :meth:`apply`'s (idx, w), exactly (float64)."""
+        return batch.sq_errors(idx, w)
+
 
 class Truncation(Coverage):
     name = "truncation"
@@ -57,6 +62,16 @@ class Truncation(Coverage):
         idx = grow(batch.idx, lead)  # [T, *E, M, k]
         kept = keep[..., None, :].expand(*lead, batch.idx.shape[1], batch.n).gather(-1, idx)
         return idx, grow(batch.weights, lead) * kept.to(batch.weights.dtype)
+
+    def sq_errors(self, batch, keep, idx, w):
+        """Only the dropped slots d change: ``O*_t − Ô_t = δ_t + Σ_{a∈d} ḡ_a E_a``, so the error
+        is ``||δ||² + 2 Σ_{a∈d} ⟨δ, ḡ_a E_a⟩ + dᵀ Y_t d`` with ``Y_t`` the k × k Gram of the
+        ``ḡ_a E_a`` (no H-sized work per budget)."""
+        lead = keep.shape[:-1]
+        terms = batch.terms
+        dropped = ((w == 0) & (grow(batch.weights, lead) != 0)).double()  # [T, *E, M, k]
+        quad = torch.einsum("...a,...ab,...b->...", dropped, grow(terms.natural, lead), dropped)
+        return grow(terms.floor, lead) + 2 * (dropped * grow(terms.cross, lead)).sum(-1) + quad
 
 
 class Substitution(Coverage):

@@ -52,7 +52,11 @@ def parser() -> argparse.ArgumentParser:
                         "learned from; must not share prompts with the evaluated runs")
     p.add_argument("--mode", default="open", choices=("open", "closed"))
     p.add_argument("--out", type=Path, default=None, help="results root (default --traces)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto",
+                   help="auto (CUDA if present), cpu, cuda, cuda:N: where the whole engine runs")
+    p.add_argument("--batch", type=int, default=None, metavar="TREE_LAYERS",
+                   help="tree-layers per batch (default: as many as fit in ~256 MiB of work "
+                        "arrays)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -104,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         coverages = tuple(coverage.COVERAGES) if args.coverage == "both" else (args.coverage,)
         if all(b < coverage.get(c).min_budget(adapter.top_k) for c in coverages for b in budgets):
             raise ReplayError(f"substitution needs a budget ≥ k = {adapter.top_k}")
+        if args.batch is not None and args.batch < 1:
+            raise ReplayError(f"--batch {args.batch} must be at least 1")
         layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
         for layer in layers or ():
             adapter.layer(layer)
@@ -113,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                                            progress=not args.no_progress)
         request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers, args.mode)
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
-                         device=loaded.device, progress=not args.no_progress)
+                         device=loaded.device, progress=not args.no_progress,
+                         max_batch=args.batch)
     except (ReplayError, CatalogError, GoldMismatch, models.ModelError, UnsupportedModelError,
             rankings.RankingError) as exc:
         print(f"replay: error: {exc}", file=sys.stderr)
@@ -133,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
                        tbl_hide_dataframe_shape=True, float_precision=4):
             print(frame)
     folders = sorted({str(u.folder.parent) for u in outcome.units})
+    if outcome.tree_layers:
+        print(f"replayed {outcome.tree_layers} tree-layers in {outcome.seconds:.1f} s "
+              f"({outcome.tree_layers / max(outcome.seconds, 1e-9):.0f} tree-layers/s)")
+    if outcome.trees:
+        print(f"re-verified {outcome.trees} trees in {outcome.seconds:.1f} s")
     print(f"results: {', '.join(folders)}")
     return 0
 

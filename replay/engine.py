@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from catalog import schema
-from catalog.reader import read_prompt
+from catalog.reader import prompt_chunks
 from catalog.results import Block, UnitResults
 from catalog.runs import Run
 from moe.adapter import MoEAdapter
@@ -48,9 +48,9 @@ class Task:
 
 
 def batch_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
-    """Tree-layers per batch so that ``E [T, M, N, H]`` (fp32) and ``q [T, M, N, N]`` (fp64)
-    together stay near ``budget_bytes``."""
-    per_tree_layer = m * n * (4 * h + 8 * n + 8)
+    """Tree-layers per batch so that ``E [T, M, N, H]`` (fp32 and its fp64 copy) and the Gram
+    ``q [T, M, N, N]`` (fp64) together stay near ``budget_bytes``."""
+    per_tree_layer = m * n * (12 * h + 8 * n + 16)
     return max(1, min(1024, budget_bytes // per_tree_layer))
 
 
@@ -105,23 +105,25 @@ class OpenLoopEngine:
         bar = tqdm(total=total or None, desc=f"replay {run.name}", unit="tree-layer",
                    disable=not self.progress, smoothing=0.1)
         pending: list[Slice] = []
-        left: dict[int, int] = {}  # prompt -> tree-layers not yet scored
+        left: dict[int, int] = {}  # prompt -> tree-layers read but not yet scored
         size = None
         for prompt in prompts:
-            data = read_prompt(run, prompt)
-            rows = data.select(layers)
-            left[prompt] = len(rows)
-            if size is None and rows:
-                size = self.max_batch or batch_size(int(np.diff(data.bounds).max()),
-                                                    data.probs.shape[1], data.hidden.shape[1])
-            while rows:
-                room = size - sum(len(s.rows) for s in pending)
-                pending.append(Slice(data, rows[:room]))
-                rows = rows[room:]
-                if sum(len(s.rows) for s in pending) >= size:
-                    self._score(pending, tasks, left, hidden_dtype, run.name, bar)
-                    pending = []
-            if left[prompt] == 0:  # no tree-layers in the requested layers
+            left[prompt] = 1  # held open until the prompt's last chunk is read
+            for data in prompt_chunks(run, prompt):
+                rows = data.select(layers)
+                left[prompt] += len(rows)
+                if size is None and rows:
+                    size = self.max_batch or batch_size(int(np.diff(data.bounds).max()),
+                                                        data.probs.shape[1], data.hidden.shape[1])
+                while rows:
+                    room = size - sum(len(s.rows) for s in pending)
+                    pending.append(Slice(data, rows[:room]))
+                    rows = rows[room:]
+                    if sum(len(s.rows) for s in pending) >= size:
+                        self._score(pending, tasks, left, hidden_dtype, run.name, bar)
+                        pending = []
+            left[prompt] -= 1
+            if left[prompt] == 0:  # every tree-layer of it scored already
                 self._flush(prompt, tasks)
         if pending:
             self._score(pending, tasks, left, hidden_dtype, run.name, bar)

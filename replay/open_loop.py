@@ -92,27 +92,28 @@ def load_batch(slices: list[Slice], adapter: MoEAdapter, device, hidden_dtype: s
 def expert_outputs(adapter: MoEAdapter, hidden: torch.Tensor, layers: torch.Tensor,
                    mask: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``E [T, M, N, H]`` (float32, 0 on padding) and the shared experts' output ``[T, M, H]`` or
-    None, one batched call per distinct layer in the batch."""
+    None: one batched call per distinct layer in the batch, padding included (then zeroed)."""
     param = next(adapter.model.parameters())
     t, m, h = hidden.shape
-    experts = torch.zeros(t, m, adapter.num_experts, h, dtype=torch.float32, device=device)
+    experts = torch.empty(t, m, adapter.num_experts, h, dtype=torch.float32, device=device)
     shared = None
+    real = mask.to(device)[..., None]
     with torch.no_grad():
         for layer in layers.unique().tolist():
             rows = (layers == layer).nonzero().flatten()
-            sel = mask[rows].to(hidden.device)  # real tokens of these tree-layers
-            x = hidden[rows][sel].to(param.device, param.dtype)  # [tokens, H]
+            x = hidden[rows].reshape(-1, h).to(param.device, param.dtype)  # [rows·M, H]
             moe = adapter.layer(layer)
-            out = moe.all_expert_outputs(x).float().to(device)
-            block = torch.zeros(len(rows), m, *out.shape[1:], device=device)
-            block[sel.to(device)] = out
-            experts[rows.to(device)] = block
+            out = moe.all_expert_outputs(x).float().to(device)  # [rows·M, N, H]
+            experts[rows.to(device)] = out.view(len(rows), m, *out.shape[1:])
             so = moe.shared_output(x)
             if so is not None:
-                shared = torch.zeros(t, m, h, device=device) if shared is None else shared
-                sblock = torch.zeros(len(rows), m, h, device=device)
-                sblock[sel.to(device)] = so.float().to(device)
-                shared[rows.to(device)] = sblock
+                if shared is None:
+                    shared = torch.zeros(t, m, h, device=device)
+                shared[rows.to(device)] = so.float().to(device).view(len(rows), m, h)
+    if not bool(mask.all()):  # padding rows of experts with biases are not 0 by themselves
+        experts *= real[..., None]
+        if shared is not None:
+            shared *= real
     return experts, shared
 
 
@@ -145,7 +146,7 @@ def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage) -> dict
     """RSE, mean per-token relative error, mass excluded and experts loaded, ``[T, B]`` each,
     for shortlists ``keep [T, B, N]``."""
     idx, w = coverage.apply(batch, keep)  # [T, B, M, k]
-    sq = batch.token_sq_errors(idx, w)  # [T, B, M]
+    sq = coverage.sq_errors(batch, keep, idx, w)  # [T, B, M], exact
     gold_sq = batch.terms.gold_sq[:, None, :]  # [T, 1, M]
     rse = sq.sum(-1) / gold_sq.sum(-1).clamp_min(1e-30)
     ratio = sq.sqrt() / gold_sq.sqrt().clamp_min(1e-30)

@@ -98,12 +98,13 @@ def unit_key(mode: str, ranking: type[rankings.Ranking], cover: coverage.Coverag
 
 def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: ReplayRequest,
            stats: CalibrationStats | None, calibration: list[Run], out: Path, *,
-           device: torch.device, progress: bool = True) -> ReplayOutcome:
+           device: torch.device, progress: bool = True,
+           max_batch: int | None = None) -> ReplayOutcome:
     table = TABLES[request.mode]
     layers = list(request.layers) if request.layers else [layer.index for layer in adapter]
     outcome = ReplayOutcome()
     start = time.perf_counter()
-    engine = OpenLoopEngine(adapter, device, progress=progress)
+    engine = OpenLoopEngine(adapter, device, progress=progress, max_batch=max_batch)
     for run in runs:
         tasks, closed = [], []
         with ExitStack() as locks:

@@ -2,8 +2,9 @@
 
 Captured tiny-model traces are replayed by the batched engine; round 1's code (tests/golden)
 recomputes every (tree, layer) alone from the same expert outputs. Every ranking, coverage and
-budget must agree to 1e-9 relative (the engine batches and pads, so float sums may associate
-differently; on this machine they agree bit for bit)."""
+budget must agree to 1e-9 relative, above the float64 noise floor of round 1's Gram expansion
+(RSE values within ~1e-13 of 0, and the per-token errors' square roots of them, ~1e-7, are
+noise: the engine sums errors exactly where round 1 cancelled large terms)."""
 
 import duckdb
 import numpy as np
@@ -58,8 +59,9 @@ def test_engine_equals_round1_on_captured_traces(replayed):
                                    stats.mean_gram(layer)[0]):
                 row = index.pop((tl.prompt_index, tl.step, tl.layer, ref["ranking"], cov,
                                  ref["budget"]))
-                for metric in ("rse", "token_error", "mass_excluded"):
-                    assert row[metric] == pytest.approx(ref[metric], rel=1e-9, abs=1e-15), \
+                for metric, floor in (("rse", 1e-13), ("token_error", 1e-7),
+                                       ("mass_excluded", 1e-15)):
+                    assert row[metric] == pytest.approx(ref[metric], rel=1e-9, abs=floor), \
                         (metric, ref)
                 assert row["experts_loaded"] == ref["experts_loaded"]
                 compared += 1

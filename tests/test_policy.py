@@ -151,9 +151,8 @@ def _stack(batches):
         torch.cat([pad(b.probs) for b in batches]), torch.cat([pad(b.idx) for b in batches]),
         torch.cat([pad(b.weights) for b in batches]), torch.cat([pad(b.mask, False) for b in batches]),
         torch.cat([b.layers for b in batches]), batches[0].rule,
-        ExpertTerms(torch.cat([pad(t.q) for t in terms]), torch.cat([pad(t.b) for t in terms]),
-                    torch.cat([pad(t.routed_sq) for t in terms]),
-                    torch.cat([pad(t.gold_sq) for t in terms])))
+        ExpertTerms(*(torch.cat([pad(getattr(t, f)) for t in terms]) for f in
+                      ("experts", "routed", "delta", "gold_sq", "natural", "cross"))))
 
 
 @pytest.mark.parametrize("cov", COVERAGES)
@@ -184,6 +183,41 @@ def test_rankings_equal_the_frozen_round1_replay_batched_and_padded(cov):
             for r in ref:
                 tol = 0 if mode == "single" else 1e-12 * max(r["rse"], 1e-300)
                 assert abs(got[r["ranking"], r["budget"]] - r["rse"]) <= tol, (mode, r)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), renorm=st.booleans(), cov=st.sampled_from(COVERAGES),
+       budget=st.integers(1, 8))
+def test_direct_errors_equal_the_gram_expansion(seed, renorm, cov, budget):
+    batch, _ = synthetic(seed, renormalize=renorm)
+    keep = prefix_masks(torch.randperm(batch.n, generator=torch.Generator().manual_seed(seed))
+                        [None], [max(budget, 2)], batch.n)
+    idx, w = coverage.get(cov).apply(batch, keep)
+    torch.testing.assert_close(batch.sq_errors(idx, w), batch.token_sq_errors(idx, w),
+                               rtol=1e-9, atol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), renorm=st.booleans(), scale=st.sampled_from([1.0, 2.5]),
+       biased=st.booleans(), m=st.integers(1, 14))
+def test_incremental_substitution_oracle_equals_scoring_every_candidate(seed, renorm, scale,
+                                                                        biased, m):
+    """The O(T·M·N) incremental greedy picks what scoring every S ∪ {c} shortlist picks."""
+    from policy.rankings.oracle import candidates_order, substitution_order
+    g = torch.Generator().manual_seed(seed)
+    n, k = 10, 3
+    bias = torch.randn(n, generator=g) * 0.05 if biased else None
+    rule = RoutingRule(k, renormalize=renorm, scale=scale, selection_bias=bias)
+    probs = torch.softmax(torch.randn(2, m, n, generator=g) * 2, -1)
+    idx, w = rule.route(probs)
+    experts = torch.randn(2, m, n, 5, generator=g)
+    batch = RoutingBatch(probs, idx, w, torch.ones(2, m, dtype=torch.bool),
+                         torch.tensor([0, 1]), rule, ExpertTerms.from_outputs(experts, idx, w))
+    sub = coverage.get("substitution")
+    fast, slow = substitution_order(batch, n), candidates_order(batch, sub, n)
+    for b in range(1, n + 1):  # equal errors at every prefix (orders differ only at exact ties)
+        e = [rse(batch, prefix_masks(o, [b], n), "substitution")[:, 0] for o in (fast, slow)]
+        torch.testing.assert_close(e[0], e[1], rtol=1e-9, atol=1e-12)
 
 
 def test_substitution_follows_the_family_rule_sigmoid_bias_groups_scale():
