@@ -1,64 +1,130 @@
-"""Traced vs untraced EAGLE decoding, same prompts, one run (goal: ≤ 1.25×).
+"""Capture cost at real model shapes: traced vs untraced decoding, memory, bytes per tree.
 
-    python bench/capture_overhead.py --model tiny-olmoe --bench mbpp --prompts 8
+    python bench/capture_overhead.py --shape tiny-olmoe --prompts 8
+    python bench/capture_overhead.py --shape olmoe qwen3-moe mixtral --prompts 2
 
-*untraced*: the decoder alone. *traced*: the full capture (hooks on every MoE layer during
-verification passes, tensors to Arrow, Parquet parts written atomically) into a temporary folder.
-Prints the wall-time ratio, bytes per tree and the peak resident memory of this process.
+For each shape (an embedded tiny model, or a random-weight model with a real checkpoint's widths
+and routing and one decoder layer, ``moe.shapes``; never committed), one run each:
+
+* *untraced*: the decoder alone; *traced*: the full capture with the default storage policy
+  and the background writer (goal ≤ 1.25×), model loading excluded on both sides;
+* peak RSS of the capture above the model's own (goal ≤ 1 GiB);
+* bytes per tree and per MoE layer of each table, measured, and projected to the real depth
+  for three storage policies (default ``auto``/bf16/recompute; all layers bf16 recompute; all
+  layers fp32 with stored outputs, round 1's format), with the size of a full MBPP capture
+  (500 prompts) at the measured trees per prompt of this run (real τ differs: see the note).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import resource
 import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from capture.run import CaptureSettings, capture_run
+from capture.storage import StoragePolicy
 from eagle import loading
 from eagle.decoding import EagleDecoder
-from moe import models
+from eagle.fixtures import real_width_pair
+from moe import models, shapes
 from tasks import benchmarks
 
+MBPP_PROMPTS = 500
 
-def untraced(settings: CaptureSettings) -> tuple[float, int]:
-    loaded, head = loading.load_with_draft(settings.model)
+
+def rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def untraced(model: str, draft: str | None, prompts, max_new: int) -> tuple[float, int]:
+    loaded, head = loading.load_with_draft(model, draft, device="cpu", dtype="float32")
     dec = EagleDecoder(loaded.model, head)
     tok = loaded.tokenizer
-    prompts = benchmarks.load(settings.bench, limit=settings.limit)
+    dec.generate(tok(prompts[0].text)["input_ids"], max_new_tokens=4, seed=0)  # warm-up
     t0 = time.perf_counter()
-    trees = 0
-    for i, p in enumerate(prompts):
-        gen = dec.generate(tok(p.text)["input_ids"], max_new_tokens=settings.max_new_tokens,
-                           eos_token_ids={tok.eos_token_id}, seed=settings.seed + i)
-        trees += len(gen.steps)
+    trees = sum(len(dec.generate(tok(p.text)["input_ids"], max_new_tokens=max_new,
+                                 eos_token_ids={tok.eos_token_id}, seed=i).steps)
+                for i, p in enumerate(prompts))
     return time.perf_counter() - t0, trees
+
+
+def table_bytes(root: Path, table: str) -> int:
+    return sum(p.stat().st_size for p in (root / table).rglob("*.parquet"))
+
+
+def projected(shape, per_layer: dict, nodes: int = 63) -> list[tuple[str, float]]:
+    """Bytes per tree at the real depth under three policies, from measured per-layer bytes."""
+    layers = list(range(shape.config["num_hidden_layers"]))
+    hidden = shape.config["hidden_size"]
+    rows = []
+    for label, policy, io_key in (
+            ("default (auto, bf16, recompute)", StoragePolicy(), "bf16"),
+            ("all layers, bf16, recompute", StoragePolicy(layers="all"), "bf16"),
+            ("all layers, fp32, outputs stored", StoragePolicy(layers="all", dtype="float32",
+                                                                output="store"), "fp32")):
+        kept = len(policy.resolve(layers, hidden, nodes)["layers"])
+        rows.append((label, per_layer["routing"] * len(layers) + per_layer[io_key] * kept))
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=models.DEFAULT_MODEL)
-    p.add_argument("--bench", default="mbpp")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--hidden-dtype", default="float32", choices=("float16", "float32"))
+    p.add_argument("--shape", nargs="+", default=["tiny-olmoe"],
+                   help=f"tiny-olmoe or real shapes: {', '.join(shapes.REAL_SHAPES)}")
+    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=24)
     args = p.parse_args()
-    settings = CaptureSettings(model=args.model, bench=args.bench, limit=args.prompts,
-                               max_new_tokens=args.max_new_tokens, hidden_dtype=args.hidden_dtype)
-    untraced(CaptureSettings(model=args.model, bench=args.bench, limit=1, max_new_tokens=8))
-    plain_s, plain_trees = untraced(settings)
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = capture_run(settings, Path(tmp), "bench", progress=False)
-    # capture_run's wall time includes loading the model; time the decode+write part alone
-    traced_s = summary.seconds - summary.load_seconds
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{args.model} / {args.bench}: {args.prompts} prompts, {summary.trees} trees "
-          f"(untraced {plain_trees}), tau {summary.tau:.2f}")
-    print(f"traced / untraced wall time: {traced_s / plain_s:.3f}x "
-          f"(goal <= 1.25x; {traced_s:.1f} s vs {plain_s:.1f} s in this run)")
-    print(f"bytes per tree: {summary.bytes_written / summary.trees / 1024:.0f} KiB "
-          f"({args.hidden_dtype} hidden states); peak RSS {peak:.0f} MiB")
+    models.quiet_transformers()
+    prompts = benchmarks.load("mbpp", limit=args.prompts)
+    for name in args.shape:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            if name in shapes.REAL_SHAPES:
+                model_dir, draft_dir = real_width_pair(name, tmp / "fixture", layers=1)
+                model, draft = str(model_dir), str(draft_dir)
+            else:
+                model, draft = name, None
+            gc.collect()
+            plain_s, plain_trees = untraced(model, draft, prompts, args.max_new_tokens)
+            base = rss_gib()  # the model and decoder are resident; nothing traced yet
+            common = dict(model=model, draft=draft, limit=args.prompts, dtype="float32",
+                          max_new_tokens=args.max_new_tokens, device="cpu")
+            summary = capture_run(CaptureSettings(**common, store_layers="all"), tmp / "t",
+                                  "bf16", progress=False)
+            traced_s = summary.seconds - summary.load_seconds
+            peak = rss_gib()
+            capture_run(CaptureSettings(**common, store_layers="all", hidden_dtype="float32",
+                                        store_output="store"), tmp / "f", "fp32", progress=False)
+            trees = summary.trees
+            layers = len(pq.read_table(next((tmp / "t" / "routing").rglob("*.parquet")),
+                                       columns=["layer"]).column(0).unique())
+            per_layer = {"routing": table_bytes(tmp / "t", "routing") / trees / layers,
+                         "bf16": table_bytes(tmp / "t", "moe_io") / trees / layers,
+                         "fp32": table_bytes(tmp / "f", "moe_io") / trees / layers}
+            print(f"{name}: {args.prompts} prompts, {trees} trees (untraced {plain_trees}), "
+                  f"τ {summary.tau:.2f}")
+            print(f"  traced / untraced wall time: {traced_s / plain_s:.3f}x ({traced_s:.1f} s vs "
+                  f"{plain_s:.1f} s; goal <= 1.25x)")
+            print(f"  capture peak RSS above the model's own: {max(0.0, peak - base):.2f} GiB "
+                  f"(process peak {peak:.2f} GiB; goal <= 1 GiB)")
+            print(f"  measured per tree and MoE layer: routing {per_layer['routing'] / 1024:.0f} "
+                  f"KiB, moe_io bf16 {per_layer['bf16'] / 1024:.0f} KiB, fp32+output "
+                  f"{per_layer['fp32'] / 1024:.0f} KiB")
+            if name in shapes.REAL_SHAPES:
+                shape = shapes.REAL_SHAPES[name]
+                per_prompt = trees / args.prompts
+                for label, size in projected(shape, per_layer):
+                    full = size * per_prompt * MBPP_PROMPTS
+                    print(f"  {shape.checkpoint} ({shape.config['num_hidden_layers']} layers), "
+                          f"{label}: {size / 2**20:.2f} MiB per tree, MBPP "
+                          f"{full / 2**30:.1f} GiB at {per_prompt:.1f} trees per prompt, "
+                          f"{math.ceil(size * 36_000 / 2**30)} GiB at 36k trees")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ def write_run(root: Path, model_name: str, model, *, prompts: int, trees_per_pro
             io.append(pa.Table.from_pydict({
                 **key, "hidden": _lists(h.numpy(), pa.float32()),
                 "output": _lists(out.float().numpy(), pa.float32()),
+                "output_norm": pa.array(out.float().norm(dim=-1).numpy()),
                 "expert_outputs": pa.nulls(rows, pa.list_(pa.float32()))},
                 schema=schema.TABLES["moe_io"]))
         for table, parts in (("routing", routing), ("moe_io", io)):
@@ -79,6 +80,8 @@ def write_run(root: Path, model_name: str, model, *, prompts: int, trees_per_pro
         model=model_name, bench=bench, run=run, role="evaluation", status="complete",
         run_id=uuid.uuid4().hex, schema_version=schema.SCHEMA_VERSION,
         settings=dict(offset=0, hidden_dtype="float32", temperature=0.0, budget=None, depth=7),
+        storage=dict(layers=[layer.index for layer in adapter], passes="all", dtype="float32",
+                     output="store"),
         prompt_ids=[f"s{p}" for p in range(prompts)], num_experts=adapter.num_experts,
         top_k=adapter.top_k, moe_layers=[layer.index for layer in adapter],
         model_location=model_name))

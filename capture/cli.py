@@ -13,6 +13,7 @@ from pathlib import Path
 
 import console
 from capture.run import CaptureSettings, CaptureSummary, capture_run
+from capture.storage import DTYPES, OUTPUTS
 from capture.writer import CaptureError
 from catalog import schema
 from eagle.draft_head import DraftHeadError
@@ -57,6 +58,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, "
                                                     "bfloat16, float16")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch threads of this process (default: torch's choice)")
+    g = p.add_argument_group("scale-out on Ray (pip install -e .[ray])")
+    g.add_argument("--workers", type=int, default=0,
+                   help="capture with N Ray actors on a local cluster started for the run (one "
+                        "per GPU, or per CPU slot with one torch thread each)")
+    g.add_argument("--ray-address", default=None,
+                   help="join an existing Ray cluster (e.g. auto, or ray://host:10001); --out "
+                        "must be on storage every node sees")
     g = p.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
     g.add_argument("--run", default=None,
@@ -64,8 +74,18 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--role", default="evaluation", choices=schema.ROLES,
                    help="what the run is for: replay evaluates evaluation runs and learns "
                         "static/coact statistics from calibration runs")
-    g.add_argument("--hidden-dtype", default=d.hidden_dtype, choices=("float16", "float32"),
-                   help="storage dtype of MoE inputs/outputs")
+    g = p.add_argument_group("storage policy (routing, trees and nodes are always complete)")
+    g.add_argument("--store-layers", default=d.store_layers,
+                   help="MoE layers whose inputs/outputs are kept: auto (the smallest layer "
+                        "stride under ~1.5 MB per tree), all, every:N or a list 0,4,8")
+    g.add_argument("--store-passes", default=d.store_passes,
+                   help="verification passes that keep them: all, every:N or fraction:F "
+                        "(seeded by --seed)")
+    g.add_argument("--hidden-dtype", default=d.hidden_dtype, choices=DTYPES,
+                   help="storage dtype of MoE inputs/outputs (bfloat16 is stored losslessly)")
+    g.add_argument("--store-output", default=d.store_output, choices=OUTPUTS,
+                   help="store the MoE output, or recompute it at replay (per-token output "
+                        "norms are kept to check the model)")
     g.add_argument("--store-expert-outputs", action="store_true",
                    help="also store each used expert's own output E_i(h_t)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -113,13 +133,21 @@ def main(argv: list[str] | None = None) -> int:
         limit=args.limit or None, max_new_tokens=args.max_new_tokens,
         total_tokens=args.total_tokens, depth=args.depth, tree_top_k=args.tree_top_k,
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        hidden_dtype=args.hidden_dtype, store_expert_outputs=args.store_expert_outputs,
+        store_layers=args.store_layers, store_passes=args.store_passes,
+        hidden_dtype=args.hidden_dtype, store_output=args.store_output,
+        store_expert_outputs=args.store_expert_outputs,
         budget=args.budget, ranking=args.ranking, coverage=args.coverage,
         calibration=tuple(args.calibration), device=args.device,
         dtype=args.dtype)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     try:
+        if args.workers < 0:
+            raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
         summary = capture_run(settings, args.out, args.run, role=args.role,
-                              benchmarks_root=args.benchmarks, progress=not args.no_progress)
+                              benchmarks_root=args.benchmarks, progress=not args.no_progress,
+                              workers=args.workers, ray_address=args.ray_address)
     except (models.ModelError, benchmarks.BenchmarkError, CaptureError, DraftHeadError,
             UnsupportedModelError, rankings.RankingError, ValueError) as exc:
         print(f"capture: error: {exc}", file=sys.stderr)

@@ -25,6 +25,8 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
+from capture.background import BackgroundWriter, WriterFailed
+from capture.storage import StorageError, StoragePolicy
 from capture.writer import CaptureError, RunWriter
 from catalog import Catalog, CatalogError, InvalidName, check_name, reader, schema
 from eagle import loading
@@ -55,7 +57,10 @@ class CaptureSettings:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
-    hidden_dtype: str = "float32"
+    store_layers: str = "auto"  # storage policy (capture/storage.py)
+    store_passes: str = "all"
+    hidden_dtype: str = "bfloat16"
+    store_output: str = "recompute"
     store_expert_outputs: bool = False
     budget: int | None = None
     ranking: str = "router"
@@ -64,6 +69,10 @@ class CaptureSettings:
     device: str = "auto"
     dtype: str = "auto"
     chunk_steps: int = 64
+
+    def storage(self) -> StoragePolicy:
+        return StoragePolicy(self.store_layers, self.store_passes, self.hidden_dtype,
+                             self.store_output, self.seed)
 
     def identity(self) -> dict:
         """What makes two captures the same run (device/dtype and chunking included: traces
@@ -91,43 +100,58 @@ def _np(t: torch.Tensor, dtype=np.float32) -> np.ndarray:
     return (t.float() if t.is_floating_point() else t).numpy().astype(dtype, copy=False)
 
 
+def _vectors(t: torch.Tensor, dtype: str) -> pa.ListArray:
+    """``[rows, width]`` tensor as a list column in the storage dtype (bfloat16 as its bits)."""
+    x = _np(t.reshape(t.shape[0], -1))
+    if dtype == "bfloat16":
+        return _lists(reader.bfloat16_bits(x), pa.uint16())
+    if dtype == "float16":
+        return _lists(x.astype(np.float16), pa.float16())
+    return _lists(x, pa.float32())
+
+
 def layer_tables(prompt_index: int, prompt_id: str, step: int, records: list[LayerRecord],
-                 hidden_dtype: str) -> tuple[pa.Table, pa.Table | None]:
-    """``routing`` and ``moe_io`` rows of one verification pass (all layers × nodes)."""
+                 storage: dict) -> tuple[pa.Table, pa.Table | None]:
+    """``routing`` rows of one verification pass (all layers × nodes) and ``moe_io`` rows of
+    the layers whose tensors were recorded (the storage policy's), or None."""
     m = records[0].probs.shape[0]
-    n_layers = len(records)
-    node = np.tile(np.arange(m, dtype=np.int16), n_layers)
-    layer = np.repeat(np.array([r.layer for r in records], dtype=np.int16), m)
-    key = {"prompt_index": pa.array(np.full(m * n_layers, prompt_index, np.int32)),
-           "prompt_id": pa.array([prompt_id] * (m * n_layers)),
-           "step": pa.array(np.full(m * n_layers, step, np.int32)),
-           "layer": pa.array(layer), "node": pa.array(node)}
-    cat = lambda f, dtype=np.float32: np.concatenate([_np(f(r), dtype) for r in records])  # noqa: E731
+
+    def keys(recs):
+        rows = m * len(recs)
+        return {"prompt_index": pa.array(np.full(rows, prompt_index, np.int32)),
+                "prompt_id": pa.array([prompt_id] * rows),
+                "step": pa.array(np.full(rows, step, np.int32)),
+                "layer": pa.array(np.repeat(np.array([r.layer for r in recs], np.int16), m)),
+                "node": pa.array(np.tile(np.arange(m, dtype=np.int16), len(recs)))}
+
+    cat = lambda recs, f, dtype=np.float32: np.concatenate([_np(f(r), dtype) for r in recs])  # noqa: E731
     budgeted = records[0].applied_ids is not None
-    routing = {
-        **key,
-        "router_probs": _lists(cat(lambda r: r.probs), pa.float32()),
-        "topk_ids": _lists(cat(lambda r: r.topk_ids, np.int16), pa.int16()),
-        "topk_weights": _lists(cat(lambda r: r.topk_weights), pa.float32()),
-        "applied_ids": _lists(cat(lambda r: r.applied_ids, np.int16), pa.int16()) if budgeted
-        else pa.nulls(m * n_layers, pa.list_(pa.int16())),
-        "applied_weights": _lists(cat(lambda r: r.applied_weights), pa.float32()) if budgeted
-        else pa.nulls(m * n_layers, pa.list_(pa.float32())),
-    }
-    routing_t = pa.Table.from_pydict(routing, schema=schema.TABLES["routing"])
-    if records[0].hidden is None:
-        return routing_t, None
-    vec = schema.hidden_type(hidden_dtype)
-    npd = np.float16 if hidden_dtype == "float16" else np.float32
-    expert = None
-    if records[0].expert_outputs is not None:
-        expert = _lists(np.concatenate([_np(r.expert_outputs, npd).reshape(m, -1)
-                                        for r in records]), vec)
-    io = {**key,
-          "hidden": _lists(cat(lambda r: r.hidden, npd), vec),
-          "output": _lists(cat(lambda r: r.output, npd), vec),
-          "expert_outputs": expert if expert is not None else pa.nulls(m * n_layers, pa.list_(vec))}
-    return routing_t, pa.Table.from_pydict(io, schema=schema.storage_schema("moe_io", hidden_dtype))
+    rows = m * len(records)
+    routing = pa.Table.from_pydict({
+        **keys(records),
+        "router_probs": _lists(cat(records, lambda r: r.probs), pa.float32()),
+        "topk_ids": _lists(cat(records, lambda r: r.topk_ids, np.int16), pa.int16()),
+        "topk_weights": _lists(cat(records, lambda r: r.topk_weights), pa.float32()),
+        "applied_ids": _lists(cat(records, lambda r: r.applied_ids, np.int16), pa.int16())
+        if budgeted else pa.nulls(rows, pa.list_(pa.int16())),
+        "applied_weights": _lists(cat(records, lambda r: r.applied_weights), pa.float32())
+        if budgeted else pa.nulls(rows, pa.list_(pa.float32())),
+    }, schema=schema.TABLES["routing"])
+    kept = [r for r in records if r.hidden is not None]
+    if not kept:
+        return routing, None
+    dtype = storage["dtype"]
+    vec = pa.list_(schema.hidden_type(dtype))
+    stack = lambda f: torch.cat([f(r) for r in kept])  # noqa: E731
+    output = stack(lambda r: r.output)
+    io = {**keys(kept),
+          "hidden": _vectors(stack(lambda r: r.hidden), dtype),
+          "output": _vectors(output, dtype) if storage["output"] == "store"
+          else pa.nulls(m * len(kept), vec),
+          "output_norm": pa.array(_np(output.float().norm(dim=-1))),
+          "expert_outputs": _vectors(stack(lambda r: r.expert_outputs), dtype)
+          if kept[0].expert_outputs is not None else pa.nulls(m * len(kept), vec)}
+    return routing, pa.Table.from_pydict(io, schema=schema.storage_schema("moe_io", dtype))
 
 
 def step_tables(prompt_index: int, prompt_id: str, gen: Generation, experts: dict,
@@ -171,11 +195,12 @@ def sequence_table(index: int, prompt, ids: list[int], gen: Generation) -> pa.Ta
 
 class PromptChunks:
     """Routing and MoE tensors of one prompt, written every ``chunk_steps`` passes (bounded
-    memory however long a generation runs); keeps per-pass expert counts for ``trees``."""
+    memory however long a generation runs); keeps per-pass expert counts for ``trees``. Runs on
+    the background writer: device-to-host copies and Parquet encoding happen there."""
 
-    def __init__(self, writer: RunWriter, index: int, prompt_id: str, hidden_dtype: str):
+    def __init__(self, writer: RunWriter, index: int, prompt_id: str, storage: dict):
         self.writer, self.index, self.prompt_id = writer, index, prompt_id
-        self.hidden_dtype = hidden_dtype
+        self.storage = storage
         self.chunk = 0
         self.experts: dict[int, tuple[list[int], list[int]]] = {}
 
@@ -186,7 +211,7 @@ class PromptChunks:
         for step, records in passes:
             self.experts[step] = ([r.unique_experts for r in records],
                                   [r.experts_loaded for r in records])
-            r_t, io_t = layer_tables(self.index, self.prompt_id, step, records, self.hidden_dtype)
+            r_t, io_t = layer_tables(self.index, self.prompt_id, step, records, self.storage)
             routing.append(r_t)
             if io_t is not None:
                 io.append(io_t)
@@ -194,6 +219,18 @@ class PromptChunks:
         if io:
             self.writer.write_part("moe_io", self.index, self.chunk, pa.concat_tables(io))
         self.chunk += 1
+
+    def finish(self, prompt, ids: list[int], gen: Generation, budget: Budget | None,
+               manifest: dict | None, done: int) -> None:
+        """``trees`` and ``nodes``, then ``sequences`` (the prompt is complete), then the
+        manifest's progress."""
+        trees, nodes = step_tables(self.index, self.prompt_id, gen, self.experts, budget)
+        self.writer.write_part("trees", self.index, 0, trees)
+        self.writer.write_part("nodes", self.index, 0, nodes)
+        self.writer.write_part("sequences", self.index, 0,
+                               sequence_table(self.index, prompt, ids, gen))
+        if manifest is not None:  # a Ray worker leaves the manifest to the driver
+            self.writer.write_manifest({**manifest, "prompts_done": done})
 
 
 # --- the steps of a run --------------------------------------------------------------------------
@@ -267,32 +304,71 @@ def runs_row(manifest: dict) -> dict:
                 schema_version=schema.SCHEMA_VERSION, status="complete")
 
 
-def capture_prompt(index: int, prompt, tokenizer, decoder: EagleDecoder,
-                   recorder: VerifyRecorder, writer: RunWriter, settings: CaptureSettings,
-                   budget: Budget | None) -> Generation:
-    """Decode one prompt and write all its tables, ``sequences`` last."""
-    ids = tokenizer(prompt.text)["input_ids"]
-    eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    chunks = PromptChunks(writer, index, prompt.prompt_id, settings.hidden_dtype)
-    recorder.new_prompt()
-    session = decoder.stream(ids, max_new_tokens=settings.max_new_tokens, eos_token_ids=eos,
-                             seed=settings.seed + index)
-    for _ in session:
-        if len(recorder.passes) >= settings.chunk_steps:
-            chunks.write(recorder.take())
-    chunks.write(recorder.take())
-    gen = session.result
-    trees, nodes = step_tables(index, prompt.prompt_id, gen, chunks.experts, budget)
-    writer.write_part("trees", index, 0, trees)
-    writer.write_part("nodes", index, 0, nodes)
-    writer.write_part("sequences", index, 0, sequence_table(index, prompt, ids, gen))
-    return gen
+@dataclass
+class Target:
+    """Everything one process needs to capture prompts: the model and its draft head, the MoE
+    layers, the storage policy, the budget (online mode), the recorder and the decoder. A
+    single-process capture builds one; every Ray worker builds its own."""
+
+    settings: CaptureSettings
+    loaded: object
+    head: object
+    adapter: MoEAdapter
+    storage: dict
+    budget: Budget | None
+    recorder: VerifyRecorder
+    decoder: EagleDecoder
+
+    @classmethod
+    def load(cls, settings: CaptureSettings, out: Path, prompts: list,
+             record_tensors: bool = True) -> Target:
+        loaded, head = loading.load_with_draft(settings.model, settings.draft,
+                                               device=settings.device, dtype=settings.dtype)
+        adapter = MoEAdapter(loaded.model)
+        try:
+            storage = settings.storage().resolve(adapter.moe_layers,
+                                                 loaded.model.config.hidden_size,
+                                                 settings.total_tokens)
+        except StorageError as exc:
+            raise CaptureError(str(exc)) from None
+        budget = make_budget(settings, adapter, out, loaded.name, prompts)
+        recorder = VerifyRecorder(adapter, store_expert_outputs=settings.store_expert_outputs,
+                                  budget=budget, record_tensors=record_tensors,
+                                  tensor_layers=storage["layers"])
+        decoder = EagleDecoder(loaded.model, head, verify_context=recorder,
+                               tree=TreeSettings(settings.total_tokens, settings.depth,
+                                                 settings.tree_top_k),
+                               sampling=SamplingSettings(settings.temperature, settings.top_p,
+                                                         settings.top_k))
+        return cls(settings, loaded, head, adapter, storage, budget, recorder, decoder)
+
+    def manifest(self, run: str, role: str, prompts: list) -> dict:
+        return {**run_manifest(self.settings, self.loaded, self.head, self.adapter, run, role,
+                               prompts), "storage": self.storage}
+
+    def capture_prompt(self, index: int, prompt, writer: RunWriter,
+                       background: BackgroundWriter, manifest: dict | None = None,
+                       done: int = 0) -> Generation:
+        """Decode one prompt; its tables are written on the background writer, ``sequences``
+        last (then the manifest's progress, when ``manifest`` is given)."""
+        settings, tokenizer, recorder = self.settings, self.loaded.tokenizer, self.recorder
+        ids = tokenizer(prompt.text)["input_ids"]
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        chunks = PromptChunks(writer, index, prompt.prompt_id, self.storage)
+        policy = settings.storage()
+        recorder.new_prompt(keep_pass=lambda step: policy.keeps_pass(index, step))
+        session = self.decoder.stream(ids, max_new_tokens=settings.max_new_tokens,
+                                      eos_token_ids=eos, seed=settings.seed + index)
+        for _ in session:
+            if len(recorder.passes) >= settings.chunk_steps:
+                background.submit(chunks.write, recorder.take())
+        background.submit(chunks.write, recorder.take())
+        gen = session.result
+        background.submit(chunks.finish, prompt, ids, gen, self.budget, manifest, done)
+        return gen
 
 
-def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
-                role: str = "evaluation", benchmarks_root=None, progress: bool = True,
-                record_tensors: bool = True) -> CaptureSummary:
-    start = time.perf_counter()
+def check_run(run: str | None, role: str, settings: CaptureSettings) -> str:
     run = settings.default_run_name() if run is None else run
     try:
         check_name(run, "--run")
@@ -300,43 +376,61 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
         raise CaptureError(str(exc)) from None
     if role not in schema.ROLES:
         raise CaptureError(f"--role {role!r} is not a role; use one of {', '.join(schema.ROLES)}")
+    return run
+
+
+def write_errors(out: Path):
+    """One line for a failed write (the run keeps its complete prompts)."""
+    def wrap(exc: BaseException) -> CaptureError:
+        cause = exc.__cause__ if isinstance(exc, WriterFailed) else exc
+        reason = getattr(cause, "strerror", None) or cause
+        return CaptureError(f"cannot write to {out}: {reason}; the run keeps its complete "
+                            "prompts: free space or choose another --out, then rerun to resume")
+    return wrap
+
+
+def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
+                role: str = "evaluation", benchmarks_root=None, progress: bool = True,
+                record_tensors: bool = True, workers: int = 0,
+                ray_address: str | None = None) -> CaptureSummary:
+    """Capture every prompt of the benchmark into ``out``/…/run=``run`` (resuming). With
+    ``workers`` or ``ray_address`` the prompts are spread over Ray actors
+    (:mod:`capture.distributed`)."""
+    start = time.perf_counter()
+    run = check_run(run, role, settings)
     prompts = load_prompts(settings, benchmarks_root)
-    loaded, head = loading.load_with_draft(settings.model, settings.draft, device=settings.device,
-                                           dtype=settings.dtype)
+    if workers or ray_address:
+        from capture.distributed import capture_distributed
+        return capture_distributed(settings, out, run, role, prompts, workers=workers,
+                                   ray_address=ray_address, benchmarks_root=benchmarks_root,
+                                   progress=progress, start=start)
+    target = Target.load(settings, out, prompts, record_tensors)
     load_seconds = time.perf_counter() - start
-    adapter = MoEAdapter(loaded.model)
-    budget = make_budget(settings, adapter, out, loaded.name, prompts)
-    recorder = VerifyRecorder(adapter, store_expert_outputs=settings.store_expert_outputs,
-                              budget=budget, record_tensors=record_tensors)
-    decoder = EagleDecoder(loaded.model, head, verify_context=recorder,
-                           tree=TreeSettings(settings.total_tokens, settings.depth,
-                                             settings.tree_top_k),
-                           sampling=SamplingSettings(settings.temperature, settings.top_p,
-                                                     settings.top_k))
-    writer = RunWriter(out, loaded.name, settings.bench, run)
+    writer = RunWriter(out, target.loaded.name, settings.bench, run)
+    background = BackgroundWriter()
     try:
-        manifest, done = writer.start(run_manifest(settings, loaded, head, adapter, run, role,
-                                                   prompts))
+        manifest, done = writer.start(target.manifest(run, role, prompts))
         resumed = len(done)
         trees = accepted = 0
-        bar = tqdm(list(enumerate(prompts)), desc=f"capture {loaded.name}/{settings.bench}",
-                   unit="prompt", disable=not progress)
+        bar = tqdm(list(enumerate(prompts)), desc=f"capture {target.loaded.name}/"
+                   f"{settings.bench}", unit="prompt", disable=not progress)
         for i, prompt in bar:
             index = settings.offset + i
             if index in done:
                 continue
-            gen = capture_prompt(index, prompt, loaded.tokenizer, decoder, recorder, writer,
-                                 settings, budget)
+            done.add(index)
+            gen = target.capture_prompt(index, prompt, writer, background, manifest, len(done))
             trees += len(gen.steps)
             accepted += sum(s.accepted_length for s in gen.steps)
             bar.set_postfix(tau=f"{accepted / max(1, trees):.2f}")
-            done.add(index)
-            writer.write_manifest({**manifest, "prompts_done": len(done)})
+        background.drain()
         writer.finish({**manifest, "prompts_done": len(prompts)}, runs_row(manifest))
-    except OSError as exc:
-        raise CaptureError(f"cannot write to {out}: {exc.strerror or exc}; free space or choose "
-                           "another --out") from exc
-    return summarise(writer, loaded.name, settings.bench, run, resumed,
+    except (OSError, WriterFailed) as exc:
+        raise write_errors(out)(exc) from exc
+    finally:
+        background.close()
+        writer.close()
+    return summarise(writer, target.loaded.name, settings.bench, run, resumed,
                      time.perf_counter() - start, load_seconds)
 
 

@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
+from filelock import FileLock, Timeout
 
 from catalog import atomic, schema
 from catalog.runs import CatalogError, read_manifest, run_dir, write_manifest
@@ -45,9 +46,32 @@ class RunWriter:
         except CatalogError as exc:
             raise CaptureError(f"{exc}; or pick another --run") from exc
 
+    def lock(self) -> None:
+        """Hold the run's lock until :meth:`close`: one capture writes a run at a time (a second
+        one would delete the first one's in-flight files when it cleans up)."""
+        folder = self.table_dir("runs")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CaptureError(f"cannot create {self.root}: {exc.strerror}; choose a writable "
+                               "--out") from exc
+        self._lock = FileLock(str(folder / ".lock"))
+        try:
+            self._lock.acquire(timeout=0)
+        except Timeout:
+            raise CaptureError(f"run {self.run!r} is being written by another capture right now "
+                               f"({folder / '.lock'} is held); wait for it to finish or pass "
+                               "another --run") from None
+
+    def close(self) -> None:
+        lock = getattr(self, "_lock", None)
+        if lock is not None and lock.is_locked:
+            lock.release()
+
     def start(self, manifest: dict) -> tuple[dict, set[int]]:
-        """Create or resume the run; returns (the manifest as stored, prompt indices already
-        complete)."""
+        """Lock, then create or resume the run; returns (the manifest as stored, prompt indices
+        already complete)."""
+        self.lock()
         old = self.read_manifest()
         manifest = as_stored(manifest)  # compare as stored (tuples become lists)
         if old is not None:

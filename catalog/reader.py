@@ -21,7 +21,7 @@ from catalog.runs import CatalogError, Run
 
 ROUTING_COLUMNS = ["prompt_id", "step", "layer", "node", "router_probs", "topk_ids",
                    "topk_weights"]
-IO_COLUMNS = ["step", "layer", "node", "hidden", "output"]
+IO_COLUMNS = ["step", "layer", "node", "hidden", "output", "output_norm"]
 _ORDER = [("step", "ascending"), ("layer", "ascending"), ("node", "ascending")]
 
 
@@ -79,7 +79,8 @@ class PromptTreeLayers:
     topk_ids: np.ndarray  # [rows, k] int64
     topk_weights: np.ndarray  # [rows, k] float32
     hidden: np.ndarray | None  # [rows, H] float32
-    output: np.ndarray | None  # [rows, H] float32
+    output: np.ndarray | None  # [rows, H] float32; None where the storage policy recomputes it
+    output_norm: np.ndarray | None = None  # [rows] ||O*_t||
 
     def __len__(self) -> int:
         return len(self.step)
@@ -102,6 +103,7 @@ class PromptTreeLayers:
                          None if self.output is None else self.output[rows])
 
 
+
 def read_prompt(run: Run, prompt_index: int, *, with_io: bool = True) -> PromptTreeLayers:
     """Routing (and MoE inputs/outputs) of every tree-layer of one prompt."""
     return _tree_layers(run, prompt_index, None, with_io)
@@ -110,9 +112,16 @@ def read_prompt(run: Run, prompt_index: int, *, with_io: bool = True) -> PromptT
 def prompt_chunks(run: Run, prompt_index: int, *, with_io: bool = True) \
         -> Iterator[PromptTreeLayers]:
     """One prompt's tree-layers, one written chunk (``chunk_steps`` passes) at a time: memory
-    stays bounded by a chunk however long the generation."""
+    stays bounded by a chunk however long the generation. With ``with_io``, only the
+    tree-layers whose MoE tensors the storage policy kept."""
     for part in run.parts("routing", prompt_index):
+        if with_io and not (run.dir("moe_io") / part.name).is_file():
+            continue  # no pass of this chunk kept MoE tensors
         yield _tree_layers(run, prompt_index, part.name, with_io)
+
+
+def _keys(table: pa.Table) -> np.ndarray:
+    return table["step"].to_numpy().astype(np.int64) * 100_000 + table["layer"].to_numpy()
 
 
 def _tree_layers(run: Run, prompt_index: int, part: str | None, with_io: bool):
@@ -122,26 +131,27 @@ def _tree_layers(run: Run, prompt_index: int, part: str | None, with_io: bool):
     io = None
     if with_io:
         io_parts = None if part is None else [run.dir("moe_io") / part]
-        if io_parts and not io_parts[0].is_file():
-            raise CatalogError(f"{run.dir('moe_io')} lacks {part}; the trace is incomplete, "
-                               "recapture the run")
         io = read_parts(run, "moe_io", prompt_index, IO_COLUMNS, io_parts).sort_by(_ORDER)
+        routing = routing.filter(pa.array(np.isin(_keys(routing), _keys(io))))
         same = io.num_rows == routing.num_rows and all(
             io[c].equals(routing[c]) for c in ("step", "layer", "node"))
         if not same:
             raise CatalogError(f"routing and moe_io of prompt {prompt_index} in run {run.name} "
                                "disagree in rows; recapture the run")
+    keys = _keys(routing)
     step = routing["step"].to_numpy()
     layer = routing["layer"].to_numpy()
-    keys = step.astype(np.int64) * 100_000 + layer
     starts = np.r_[0, np.flatnonzero(np.diff(keys)) + 1] if len(keys) else np.zeros(0, np.int64)
     try:
+        stored = io is not None and io["output"].null_count < io.num_rows
         arrays = dict(probs=matrix(routing["router_probs"]),
                       topk_ids=matrix(routing["topk_ids"], np.int64),
                       topk_weights=matrix(routing["topk_weights"]),
                       hidden=matrix(io["hidden"]) if io is not None else None,
-                      output=matrix(io["output"]) if io is not None else None)
-    except ValueError as exc:
+                      output=matrix(io["output"]) if stored else None,
+                      output_norm=io["output_norm"].to_numpy(zero_copy_only=False)
+                      .astype(np.float32) if io is not None else None)
+    except (ValueError, pa.ArrowInvalid) as exc:
         raise CatalogError(f"corrupt vectors in prompt {prompt_index} of run {run.name} ({exc}); "
                            "recapture the run") from exc
     return PromptTreeLayers(prompt_index, routing["prompt_id"][0].as_py() if len(keys) else "",

@@ -75,12 +75,16 @@ TABLES: dict[str, pa.Schema] = {
         pa.field("applied_ids", pa.list_(pa.int16())),  # under a budget: experts used; else null
         pa.field("applied_weights", pa.list_(pa.float32())),
     ]),
-    # one row per (tree, MoE layer, node)
+    # one row per (tree, MoE layer, node) the storage policy keeps (capture/storage.py);
+    # vectors are stored in the policy's dtype: float32, float16, or bfloat16 as its uint16 bit
+    # pattern (lossless; catalog.reader decodes all three to float32)
     "moe_io": pa.schema(_KEY + _STEP + [
         pa.field("layer", pa.int16()),
         pa.field("node", pa.int16()),
-        pa.field("hidden", pa.list_(pa.float32())),  # h_t (stored in --hidden-dtype, read as f32)
-        pa.field("output", pa.list_(pa.float32())),  # O*_t as the model computed it
+        pa.field("hidden", pa.list_(pa.float32())),  # h_t
+        pa.field("output", pa.list_(pa.float32())),  # O*_t as the model computed it; null when
+        # the policy recomputes it at replay
+        pa.field("output_norm", pa.float32()),  # ||O*_t|| (always: replay's check of the model)
         pa.field("expert_outputs", pa.list_(pa.float32())),  # optional: E_i(h_t), i∈T_k(t), k×H
     ]),
 }
@@ -133,8 +137,9 @@ RUNS_SCHEMA = pa.schema([
 
 
 def hidden_type(dtype: str) -> pa.DataType:
-    """Storage type of hidden-state vectors: float16 halves the size, float32 is exact."""
-    return {"float16": pa.float16(), "float32": pa.float32()}[dtype]
+    """Storage type of hidden-state vectors: float16 and bfloat16 (its bit pattern as uint16)
+    halve the size, float32 is exact for float32 models."""
+    return {"float16": pa.float16(), "bfloat16": pa.uint16(), "float32": pa.float32()}[dtype]
 
 
 def storage_schema(table: str, hidden_dtype: str = "float32") -> pa.Schema:

@@ -280,6 +280,28 @@ def _read_state(folder: Path) -> dict[str, torch.Tensor]:
                          "model.safetensors")
 
 
+def new_eagle3(target: nn.Module, *, intermediate_size: int, draft_vocab_size: int | None = None,
+               feature_layers: list[int] | None = None) -> Eagle3Draft:
+    """A fresh EAGLE-3 head for ``target`` (linear weights N(0, 0.02)); with a smaller
+    ``draft_vocab_size`` the caller fills the ``d2t``/``t2d`` mapping."""
+    tcfg = target.config
+    cfg = DraftConfig(hidden_size=tcfg.hidden_size, intermediate_size=intermediate_size,
+                      num_attention_heads=tcfg.num_attention_heads,
+                      num_key_value_heads=tcfg.num_attention_heads, vocab_size=tcfg.vocab_size,
+                      draft_vocab_size=draft_vocab_size, rms_norm_eps=1e-6,
+                      rope_theta=getattr(tcfg, "rope_theta", None) or
+                      (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
+                      feature_layers=feature_layers or
+                      default_feature_layers(tcfg.num_hidden_layers),
+                      target_model_type=tcfg.model_type, target_num_layers=tcfg.num_hidden_layers,
+                      architectures=["Eagle3DraftHead"])
+    head = Eagle3Draft(cfg, target.get_input_embeddings())
+    for m in head.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+    return head
+
+
 def load_draft(folder: str | Path, target: nn.Module, eagle_version: int | None = None) -> DraftHead:
     """Load a draft head for ``target`` (a transformers causal LM), refusing any key mismatch
     and any head whose shapes do not fit the target."""

@@ -17,7 +17,7 @@ Notation (DESIGN.md): ``g_t ∈ R^N`` the router scores of token t, ``T_k(t)`` i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -61,20 +61,28 @@ class MoELayer:
         return index, weights
 
     # --- experts -------------------------------------------------------------------------------
-    def all_expert_outputs(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``E_i(h_t)`` for every expert and token in one batched call: ``[T, N, H]``."""
+    def all_expert_outputs(self, hidden: torch.Tensor,
+                           dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``E_i(h_t)`` for every expert and token in one batched call: ``[T, N, H]``; with
+        ``dtype`` (e.g. float32 for a bf16 model) the weights are upcast for the call."""
         ex = self.experts
         transposed = getattr(ex, "is_transposed", False)
         gated = getattr(ex, "has_gate", True)
         bias = getattr(ex, "has_bias", False)
-        w_in = ex.gate_up_proj if gated else ex.up_proj
+
+        def w(param: torch.Tensor) -> torch.Tensor:
+            return param if dtype is None or param.dtype == dtype else param.to(dtype)
+
+        hidden = hidden if dtype is None else hidden.to(dtype)
+        w_in = w(ex.gate_up_proj if gated else ex.up_proj)
         up = torch.matmul(hidden.unsqueeze(0), w_in if transposed else w_in.transpose(1, 2))
         if bias:
-            up = up + (ex.gate_up_proj_bias if gated else ex.up_proj_bias)[:, None, :]
+            up = up + w(ex.gate_up_proj_bias if gated else ex.up_proj_bias)[:, None, :]
         act = ex._apply_gate(up) if gated else ex.act_fn(up)  # the module's own gate: [N, T, I]
-        out = torch.matmul(act, ex.down_proj if transposed else ex.down_proj.transpose(1, 2))
+        down = w(ex.down_proj)
+        out = torch.matmul(act, down if transposed else down.transpose(1, 2))
         if bias:
-            out = out + ex.down_proj_bias[:, None, :]
+            out = out + w(ex.down_proj_bias)[:, None, :]
         return out.transpose(0, 1)
 
     def expert_output(self, expert: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -154,6 +162,7 @@ class MoEAdapter:
             h = torch.randn(tokens, self.model.config.hidden_size, generator=g)
             h = h.to(param.device, param.dtype)
             logits, weights, index = layer.router(h)
+            layer.rule = replace(layer.rule, weight_dtype=weights.dtype)  # as the router returns
             idx, w = layer.rule.route(layer.rule.scores(logits))
             same_sets = torch.equal(idx.sort(-1).values, index.long().sort(-1).values)
             order = idx.argsort(-1)
@@ -198,11 +207,10 @@ class MoEAdapter:
 
     @torch.no_grad()
     def expert_outputs(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Every expert's output on MoE inputs from a trace (any device or dtype), float32 on the
-        CPU: ``[M, H] → [M, N, H]``."""
+        """Every expert's output on MoE inputs from a trace, computed in float32 whatever the
+        model's dtype, on the CPU: ``[M, H] → [M, N, H]``."""
         param = next(self.model.parameters())
-        out = self.layer(layer).all_expert_outputs(hidden.to(param.device, param.dtype))
-        return out.float().cpu()
+        return self.layer(layer).all_expert_outputs(hidden.to(param.device), torch.float32).cpu()
 
     def batch_rule(self, layers: torch.Tensor) -> RoutingRule:
         """One routing rule for a batch of tree-layers at ``layers [T]``: the family's rule, with

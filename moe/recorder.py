@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -58,17 +59,23 @@ class VerifyRecorder:
     """Records every verification pass; ``take()`` hands the recorded passes over."""
 
     def __init__(self, adapter: MoEAdapter, *, store_expert_outputs: bool = False,
-                 budget: Budget | None = None, record_tensors: bool = True):
+                 budget: Budget | None = None, record_tensors: bool = True,
+                 tensor_layers: list[int] | None = None):
         self.adapter = adapter
         self.store_expert_outputs = store_expert_outputs
         self.budget = budget
         self.record_tensors = record_tensors
+        # MoE layers whose input/output are recorded (None: all), and which passes do
+        self.tensor_layers = None if tensor_layers is None else set(tensor_layers)
+        self.keep_pass: Callable[[int], bool] = lambda step: True
         self.passes: list[tuple[int, list[LayerRecord]]] = []  # (step, per-layer records)
 
-    def new_prompt(self) -> None:
-        """A new prompt: stateful rankings forget the previous prompt's passes."""
+    def new_prompt(self, keep_pass: Callable[[int], bool] | None = None) -> None:
+        """A new prompt: stateful rankings forget the previous prompt's passes; ``keep_pass``
+        says which of its passes record MoE tensors."""
         if self.budget is not None:
             self.budget.reset()
+        self.keep_pass = keep_pass or (lambda step: True)
 
     def take(self) -> list[tuple[int, list[LayerRecord]]]:
         """Hand over the recorded passes and forget them (bounded memory)."""
@@ -109,9 +116,10 @@ class VerifyRecorder:
     def __call__(self, step: int, tree, prefix_len: int):
         records: dict[int, LayerRecord] = {}
         hooks = []
+        tensors = self.record_tensors and self.keep_pass(step)
         for layer in self.adapter:
             hooks.append(layer.router.register_forward_hook(self._router_hook(layer, records)))
-            if self.record_tensors:
+            if tensors and (self.tensor_layers is None or layer.index in self.tensor_layers):
                 hooks.append(layer.block.register_forward_hook(self._block_hook(layer, records)))
         try:
             yield self

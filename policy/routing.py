@@ -33,6 +33,8 @@ class RoutingRule:
     selection_bias: torch.Tensor | None = None  # [N], or [T, 1, N] for a batch of layers
     groups: int = 1
     groups_kept: int = 1
+    weight_dtype: torch.dtype | None = None  # the router returns weights in this dtype (bf16
+    # models round them); mix() rounds the same way
 
     def __post_init__(self):
         if self.score not in SCORES:
@@ -76,7 +78,10 @@ class RoutingRule:
             w = w * valid
         if self.renormalize:
             w = w / (w.sum(-1, keepdim=True) + self.renormalize_eps)
-        return w * self.scale if self.scale != 1.0 else w
+        w = w * self.scale if self.scale != 1.0 else w
+        if self.weight_dtype is not None and self.weight_dtype != w.dtype:
+            w = w.to(self.weight_dtype).to(w.dtype)
+        return w
 
     def route(self, g: torch.Tensor, allowed: torch.Tensor | None = None):
         """``(indices, weights)`` of the rule, optionally restricted to ``allowed`` experts."""

@@ -57,6 +57,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, metavar="TREE_LAYERS",
                    help="tree-layers per batch (default: as many as fit in ~256 MiB of work "
                         "arrays)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="fan prompts out to N Ray actors on a local cluster (pip install -e "
+                        ".[ray]); each loads the model once")
+    p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers, args.mode)
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
                          device=loaded.device, progress=not args.no_progress,
-                         max_batch=args.batch)
+                         max_batch=args.batch, workers=args.workers,
+                         ray_address=args.ray_address)
     except (ReplayError, CatalogError, GoldMismatch, models.ModelError, UnsupportedModelError,
             rankings.RankingError) as exc:
         print(f"replay: error: {exc}", file=sys.stderr)
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, skipped in outcome.skipped.items():
         print(f"replay: {name} skipped budgets {', '.join(map(str, skipped))}: C(N, B) exceeds "
               f"its limit of {rankings.get(name).limit} subsets", file=sys.stderr)
+    for note in outcome.notes:
+        print(f"replay: {note}", file=sys.stderr)
     for name in outcome.reused:
         print(f"reused stored results for run {name}", file=sys.stderr)
     frame = summary_frame(outcome, request)

@@ -136,12 +136,14 @@ def replay_prompt(run: Run, prompt: int, adapter: MoEAdapter, tasks: list[Closed
     return rows
 
 
-def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress) -> int:
-    """Every pending prompt of every task; returns the trees re-verified."""
+def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress,
+               prompts: list[int] | None = None, finish: bool = True) -> int:
+    """Every pending prompt (or only ``prompts``) of every task; returns the trees
+    re-verified. With ``finish`` the tasks' blocks are marked complete afterwards."""
     check_replayable(run)
     done = {i: task.unit.done_prompts(task.block) for i, task in enumerate(tasks)}
     verified = 0
-    for prompt in progress(run.prompt_indices()):
+    for prompt in progress(run.prompt_indices() if prompts is None else prompts):
         todo = [i for i in range(len(tasks)) if prompt not in done[i]]
         if not todo:
             continue
@@ -150,6 +152,7 @@ def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress)
             tasks[i].unit.write_part(tasks[i].block, prompt, pa.Table.from_pylist(
                 rows[j], schema=schema.REPLAY_TABLES["replay_closed"]))
         verified += len(rows[0]) // max(1, len(tasks[todo[0]].block.budgets))
-    for task in tasks:
-        task.unit.finish(task.block)
+    if finish:
+        for task in tasks:
+            task.unit.finish(task.block)
     return verified

@@ -92,15 +92,20 @@ class OpenLoopEngine:
         self.tree_layers = 0  # processed, for throughput
         self.seconds = 0.0
 
-    def run(self, run: Run, tasks: list[Task]) -> None:
+    def run(self, run: Run, tasks: list[Task], prompts: list[int] | None = None,
+            finish: bool = True) -> None:
+        """Score every pending prompt (or only ``prompts``) of ``run`` for every task; with
+        ``finish`` mark the tasks' blocks complete afterwards (a Ray driver does that itself)."""
         if not tasks:
             return
         start = time.perf_counter()
         for task in tasks:
             task.done = task.unit.done_prompts(task.block)
         layers = sorted({x for t in tasks for x in t.block.layers})
-        prompts = [p for p in run.prompt_indices() if any(p not in t.done for t in tasks)]
-        hidden_dtype = run.settings.get("hidden_dtype", "float32")
+        prompts = [p for p in (run.prompt_indices() if prompts is None else prompts)
+                   if any(p not in t.done for t in tasks)]
+        tolerance = open_loop.gold_tolerance(run.manifest)
+        self.weight_dtype = open_loop.captured_weight_dtype(run.manifest)
         total = len(prompts) * len(layers) * _steps_hint(run)
         bar = tqdm(total=total or None, desc=f"replay {run.name}", unit="tree-layer",
                    disable=not self.progress, smoothing=0.1)
@@ -120,21 +125,23 @@ class OpenLoopEngine:
                     pending.append(Slice(data, rows[:room]))
                     rows = rows[room:]
                     if sum(len(s.rows) for s in pending) >= size:
-                        self._score(pending, tasks, left, hidden_dtype, run.name, bar)
+                        self._score(pending, tasks, left, tolerance, run.name, bar)
                         pending = []
             left[prompt] -= 1
             if left[prompt] == 0:  # every tree-layer of it scored already
                 self._flush(prompt, tasks)
         if pending:
-            self._score(pending, tasks, left, hidden_dtype, run.name, bar)
+            self._score(pending, tasks, left, tolerance, run.name, bar)
         bar.close()
-        for task in tasks:
-            task.unit.finish(task.block)
+        if finish:
+            for task in tasks:
+                task.unit.finish(task.block)
         self.seconds += time.perf_counter() - start
 
-    def _score(self, slices: list[Slice], tasks: list[Task], left: dict, hidden_dtype: str,
+    def _score(self, slices: list[Slice], tasks: list[Task], left: dict, tolerance: float,
                run: str, bar) -> None:
-        batch = open_loop.load_batch(slices, self.adapter, self.device, hidden_dtype, run)
+        batch = open_loop.load_batch(slices, self.adapter, self.device, tolerance, run,
+                                     self.weight_dtype)
         keys = dict(
             prompt_index=np.array([s.data.prompt_index for s in slices for _ in s.rows]),
             prompt_id=np.array([s.data.prompt_id for s in slices for _ in s.rows], dtype=object),

@@ -24,10 +24,11 @@ from tqdm import tqdm
 
 from catalog import Catalog, CatalogError, Run, reader
 from catalog.results import UnitResults
+from cluster import ClusterError, count_workers, init_ray, worker_options
 from moe.adapter import MoEAdapter
 from policy import coverage, rankings
 from policy.calibration import CalibrationStats
-from replay import closed_loop
+from replay import closed_loop, distributed
 from replay.engine import OpenLoopEngine, Task
 
 # the paper's budget grids (MoE-Spec, Fig. 5) by number of experts
@@ -70,11 +71,36 @@ class ReplayRequest:
     mode: str = "open"
 
 
+def stored_layers(run: Run, layers: list[int]) -> list[int]:
+    """Of ``layers``, those whose MoE tensors the run's storage policy kept (open loop needs
+    them; routing is always complete)."""
+    kept = run.manifest.get("storage", {}).get("layers")
+    return layers if kept is None else [x for x in layers if x in kept]
+
+
+def storage_note(run: Run) -> str | None:
+    """One line saying what a partially stored run lacks, or None."""
+    storage = run.manifest.get("storage")
+    if not storage:
+        return None
+    moe = run.manifest.get("moe_layers", [])
+    parts = []
+    if storage["layers"] != moe:
+        parts.append(f"MoE layers {','.join(map(str, storage['layers']))} of {len(moe)}")
+    if storage["passes"] != "all":
+        parts.append(f"passes {storage['passes']}")
+    if not parts:
+        return None
+    return (f"run {run.name} keeps MoE tensors for {' and '.join(parts)} ({storage['dtype']}); "
+            "open-loop replay covers those, closed loop and routing analyses everything")
+
+
 @dataclass
 class ReplayOutcome:
     units: list[UnitResults] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)  # runs answered entirely from stored results
     skipped: dict[str, list[int]] = field(default_factory=dict)  # ranking -> budgets it cannot do
+    notes: list[str] = field(default_factory=list)  # what partially stored runs lack
     tree_layers: int = 0  # computed now (open loop)
     trees: int = 0  # re-verified now (closed loop)
     seconds: float = 0.0
@@ -99,14 +125,24 @@ def unit_key(mode: str, ranking: type[rankings.Ranking], cover: coverage.Coverag
 def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: ReplayRequest,
            stats: CalibrationStats | None, calibration: list[Run], out: Path, *,
            device: torch.device, progress: bool = True,
-           max_batch: int | None = None) -> ReplayOutcome:
+           max_batch: int | None = None, workers: int = 0,
+           ray_address: str | None = None) -> ReplayOutcome:
+    """Replay ``runs`` for ``request``; with ``workers`` or ``ray_address`` the prompts are
+    spread over Ray actors (:mod:`replay.distributed`), each loading the model once."""
     table = TABLES[request.mode]
     layers = list(request.layers) if request.layers else [layer.index for layer in adapter]
     outcome = ReplayOutcome()
     start = time.perf_counter()
     engine = OpenLoopEngine(adapter, device, progress=progress, max_batch=max_batch)
+    actors = None
     for run in runs:
         tasks, closed = [], []
+        run_layers = stored_layers(run, layers) if request.mode == "open" else layers
+        note = storage_note(run) if request.mode == "open" else None
+        if note:
+            outcome.notes.append(note)
+        if not run_layers:
+            continue
         with ExitStack() as locks:
             for name in request.rankings:
                 cls = rankings.get(name)
@@ -123,13 +159,30 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                                                                  calibration))
                     locks.enter_context(unit.locked())
                     outcome.units.append(unit)
-                    for block in unit.plan(layers if request.mode == "open" else None, budgets):
+                    for block in unit.plan(run_layers if request.mode == "open" else None,
+                                           budgets):
                         if request.mode == "open":
                             tasks.append(Task(unit, block, cls().fit(stats), cover))
                         else:
                             closed.append(closed_loop.ClosedTask(unit, block, cls, cover, stats))
             if not tasks and not closed:
                 outcome.reused.append(run.name)
+                continue
+            if workers or ray_address:
+                ray, actors = actors_for(runs[0].model, str(device), workers, ray_address, actors)
+                specs = [distributed.TaskSpec(table, t.unit.unit, t.block, t.ranking.name,
+                                              t.coverage.name) for t in tasks] + \
+                    [distributed.TaskSpec(table, t.unit.unit, t.block, t.ranking.name,
+                                          t.coverage.name) for t in closed]
+                bar = tqdm(total=len(run.prompt_indices()), desc=f"replay {run.name} "
+                           f"({len(actors)} workers)", unit="prompt", disable=not progress)
+                work = distributed.replay_distributed(ray, actors, out, run, specs, stats,
+                                                      max_batch, bar)
+                bar.close()
+                if request.mode == "open":
+                    outcome.tree_layers += work
+                else:
+                    outcome.trees += work
                 continue
             if request.mode == "open":
                 before = engine.tree_layers
@@ -139,8 +192,23 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                 bar = lambda xs: tqdm(xs, desc=f"replay {run.name}", unit="prompt",  # noqa: E731
                                       disable=not progress)
                 outcome.trees += closed_loop.replay_run(run, adapter, closed, bar)
+    for actor in actors or []:
+        ray.kill(actor)
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def actors_for(model: str, device: str, workers: int, ray_address: str | None, actors):
+    """The Ray module and the replay actors (started once per replay)."""
+    try:
+        ray = init_ray(workers, ray_address)
+    except ClusterError as exc:
+        raise ReplayError(str(exc)) from None
+    if actors is None:
+        n = count_workers(ray, workers, device)
+        cls = ray.remote(**worker_options(device))(distributed.ReplayWorker)
+        actors = [cls.remote(model, device) for _ in range(n)]
+    return ray, actors
 
 
 def summary_frame(outcome: ReplayOutcome, request: ReplayRequest) -> pl.DataFrame | None:

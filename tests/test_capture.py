@@ -65,7 +65,11 @@ def test_every_table_reads_with_plain_duckdb_pyarrow_polars(captured):
     assert manifest["status"] == "complete" and manifest["schema_version"] == schema.SCHEMA_VERSION
 
 
-def test_recorded_gold_output_is_what_the_model_computed(captured):
+def test_recorded_gold_output_is_what_the_model_computed(tmp_path):
+    """Exact storage (float32, outputs stored): inputs, outputs and routing are the model's."""
+    captured = tmp_path
+    assert cli.main([*BASE[:1], "1", *BASE[2:], "--out", str(captured), "--run", "x",
+                     "--hidden-dtype", "float32", "--store-output", "store"]) == 0
     loaded = models.load("tiny-olmoe", device="cpu", dtype="float32")
     adapter = MoEAdapter(loaded.model)
     io = table(captured, "moe_io").filter(ds.field("step") == 1).to_pydict()

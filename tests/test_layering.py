@@ -8,18 +8,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("catalog", "policy", "tasks", "console", "moe", "eagle", "capture", "replay",
-            "analysis", "app", "training")
+PACKAGES = ("catalog", "policy", "tasks", "console", "cluster", "moe", "eagle", "capture",
+            "replay", "analysis", "app", "training")
 # package -> project packages it may import (anything else is a layering violation)
 ALLOWED = {
     "catalog": set(),  # traces on disk: pyarrow only
     "policy": set(),  # expert budgets: torch/numpy only
     "tasks": set(),
     "console": set(),
+    "cluster": set(),  # Ray, optional
     "moe": {"policy", "tasks", "console"},
     "eagle": {"moe"},
-    "capture": {"catalog", "policy", "moe", "eagle", "tasks", "console"},
-    "replay": {"catalog", "policy", "moe", "eagle", "console"},
+    "capture": {"catalog", "policy", "moe", "eagle", "tasks", "console", "cluster"},
+    "replay": {"catalog", "policy", "moe", "eagle", "console", "cluster"},
     "analysis": {"catalog", "moe", "console"},
     "app": {"analysis", "catalog", "console"},
     "training": {"catalog", "moe", "eagle", "tasks", "console"},

@@ -132,18 +132,18 @@ def test_dense_layers_of_qwen3_moe_are_skipped():
         adapter.layer(1)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "granitemoe"])
 def test_unsupported_families_are_refused_in_one_line(model_type):
     """A family without a routing spec is refused at load, naming the supported ones (a random
-    DeepSeek-V3 would otherwise pass silently with its shared experts ignored)."""
+    Qwen2-MoE would otherwise pass with its gated shared expert ignored)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from moe.families import UnsupportedModelError
     cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=64,
-                               moe_intermediate_size=32, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
-                               num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2,
-                               n_group=2, topk_group=1, first_k_dense_replace=0)
+                               moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                               vocab_size=128, num_experts=8, num_local_experts=8,
+                               num_experts_per_tok=2)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with pytest.raises(UnsupportedModelError, match="supported MoE families: olmoe"):

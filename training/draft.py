@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import console
 from catalog import atomic
-from eagle.draft_head import DraftConfig, Eagle3Draft, default_feature_layers, load_draft
+from eagle.draft_head import Eagle3Draft, load_draft, new_eagle3
 from eagle.verify import FeatureTap
 from moe import models
 from tasks import benchmarks
@@ -114,19 +114,8 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
     streams = token_streams(tok, {s: corpus.split(d)[0] for s, d in docs.items()})
     used = draft_vocabulary([response_stream, *streams.values()], tcfg.vocab_size, draft_vocab)
 
-    cfg = DraftConfig(hidden_size=tcfg.hidden_size, intermediate_size=intermediate,
-                      num_attention_heads=tcfg.num_attention_heads,
-                      num_key_value_heads=tcfg.num_attention_heads, vocab_size=tcfg.vocab_size,
-                      draft_vocab_size=draft_vocab, rms_norm_eps=1e-6,
-                      rope_theta=getattr(tcfg, "rope_theta", None) or
-                      (tcfg.rope_parameters or {}).get("rope_theta", 10000.0),
-                      feature_layers=default_feature_layers(tcfg.num_hidden_layers),
-                      target_model_type=tcfg.model_type, target_num_layers=tcfg.num_hidden_layers,
-                      architectures=["Eagle3DraftHead"])
-    head = Eagle3Draft(cfg, target.get_input_embeddings())
-    for m in head.modules():
-        if isinstance(m, torch.nn.Linear):
-            torch.nn.init.normal_(m.weight, std=0.02)
+    head = new_eagle3(target, intermediate_size=intermediate, draft_vocab_size=draft_vocab)
+    cfg = head.config
     head.d2t.copy_(used - torch.arange(draft_vocab))
     head.t2d.zero_()
     head.t2d[used] = True

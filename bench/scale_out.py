@@ -1,0 +1,91 @@
+"""Scale-out on Ray, 2 workers vs 1, on this machine (ratios from one run).
+
+    python bench/scale_out.py --prompts 12 --max-new-tokens 48
+
+A local Ray cluster with 2 CPU slots is started first (not timed); each measurement then
+includes its actors loading the model once (tiny-olmoe, one torch thread per actor):
+
+* capture prompts/s with ``--workers 2`` vs ``--workers 1`` (goal ≥ 1.6×), and whether the
+  2-worker tables equal the 1-worker ones (goal: identical);
+* replay tree-layers/s (router and oracle × both policies × the paper's budgets) with 2 workers
+  vs 1 (goal ≥ 1.6×), and whether the results are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import ray
+
+from capture.run import CaptureSettings, capture_run
+from catalog import Catalog
+from moe import models
+from moe.adapter import MoEAdapter
+from replay.run import ReplayRequest, parse_budgets, replay
+
+TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds"}
+
+
+def same_tables(root: Path, a: str, b: str) -> bool:
+    for name in ("sequences", "trees", "nodes", "routing", "moe_io"):
+        t = [pq.read_table(root / name / "model=tiny-olmoe" / "bench=mbpp" / f"run={r}")
+             for r in (a, b)]
+        keep = [c for c in t[0].column_names if c not in TIMINGS]
+        sort = [(c, "ascending") for c in ("prompt_index", "step", "layer", "node") if c in keep]
+        if not t[0].select(keep).sort_by(sort).equals(t[1].select(keep).sort_by(sort)):
+            return False
+    return True
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    args = p.parse_args()
+    models.quiet_transformers()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    root = Path(tempfile.mkdtemp(prefix="scale-out-"))
+    try:
+        settings = CaptureSettings(limit=args.prompts, max_new_tokens=args.max_new_tokens)
+        rate = {}
+        for workers in (1, 2):
+            t0 = time.perf_counter()
+            s = capture_run(settings, root, f"w{workers}", workers=workers, progress=False)
+            rate[workers] = s.prompts / (time.perf_counter() - t0)
+            print(f"capture, {workers} worker(s): {s.prompts} prompts, {s.trees} trees in "
+                  f"{time.perf_counter() - t0:.1f} s ({rate[workers]:.2f} prompts/s)")
+        print(f"capture prompts/s, 2 workers vs 1: {rate[2] / rate[1]:.2f}x (goal >= 1.6x); "
+              f"tables identical: {same_tables(root, 'w1', 'w2')}")
+
+        cat = Catalog(root)
+        runs = cat.runs(names=["w1"])
+        adapter = MoEAdapter(models.load("tiny-olmoe", device="cpu").model)
+        request = ReplayRequest(("router", "oracle"), ("truncation", "substitution"),
+                                tuple(parse_budgets("sweep", adapter.num_experts)))
+        tl_rate = {}
+        for workers in (1, 2):
+            t0 = time.perf_counter()
+            o = replay(cat, runs, adapter, request, None, [], root / f"r{workers}",
+                       device=adapter.model.device, progress=False, workers=workers)
+            tl_rate[workers] = o.tree_layers / (time.perf_counter() - t0)
+            print(f"replay, {workers} worker(s): {o.tree_layers} tree-layers in "
+                  f"{time.perf_counter() - t0:.1f} s ({tl_rate[workers]:.1f} tree-layers/s)")
+        a, b = (duckdb.sql(f"SELECT * EXCLUDE (config, block) FROM read_parquet('{root}/r{w}/"
+                           "replay_open/**/*.parquet', hive_partitioning=true) ORDER BY ALL").pl()
+                for w in (1, 2))
+        diff = max((a[c] - b[c]).abs().max() for c in ("rse", "token_error"))
+        print(f"replay tree-layers/s, 2 workers vs 1: {tl_rate[2] / tl_rate[1]:.2f}x (goal >= "
+              f"1.6x); results equal: {a.height == b.height} rows, max difference {diff:.1e}")
+    finally:
+        ray.shutdown()
+        shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()

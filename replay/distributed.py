@@ -1,0 +1,80 @@
+"""Replay fanned out on Ray: actors that load the model once take one prompt's tree-layers at a
+time (open loop: the engine's batches of them; closed loop: its trees) and write that prompt's
+parts of every pending block. The driver plans the blocks (under the units' locks), hands
+prompts out from one queue and marks the blocks complete once every prompt is written, so the
+results equal a single-process replay's (stateful rankings restart at each prompt either way).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from catalog.results import Block, UnitResults
+from catalog.runs import Run
+
+
+@dataclass
+class TaskSpec:
+    """A pending block, as data an actor can rebuild the task from."""
+
+    table: str
+    unit: dict
+    block: Block
+    ranking: str
+    coverage: str
+
+
+class ReplayWorker:
+    def __init__(self, model: str, device: str, threads: int = 1):
+        import torch
+
+        from moe import models
+        from moe.adapter import MoEAdapter
+        torch.set_num_threads(threads)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        models.quiet_transformers()
+        loaded = models.load(model, device=device)
+        self.adapter = MoEAdapter(loaded.model)
+        self.device = loaded.device
+
+    def replay(self, out: str, run: Run, specs: list[TaskSpec], stats, prompts: list[int],
+               max_batch: int | None) -> int:
+        """Write ``prompts``' parts of every block; returns tree-layers (open) or trees
+        (closed) replayed."""
+        from policy import coverage, rankings
+        from replay import closed_loop
+        from replay.engine import OpenLoopEngine, Task
+        units = [UnitResults(Path(out), s.table, run, s.unit) for s in specs]
+        if specs[0].table == "replay_open":
+            engine = OpenLoopEngine(self.adapter, self.device, progress=False,
+                                    max_batch=max_batch)
+            engine.run(run, [Task(u, s.block, rankings.get(s.ranking)().fit(stats),
+                                  coverage.get(s.coverage)) for u, s in zip(units, specs)],
+                       prompts, finish=False)
+            return engine.tree_layers
+        tasks = [closed_loop.ClosedTask(u, s.block, rankings.get(s.ranking),
+                                        coverage.get(s.coverage), stats)
+                 for u, s in zip(units, specs)]
+        return closed_loop.replay_run(run, self.adapter, tasks, lambda xs: xs, prompts,
+                                      finish=False)
+
+
+def replay_distributed(ray, actors: list, out: Path, run: Run, specs: list[TaskSpec], stats,
+                       max_batch: int | None, bar) -> int:
+    """Every pending prompt of ``run`` through the actors; returns the work done."""
+    units = [UnitResults(out, s.table, run, s.unit) for s in specs]
+    pending = [p for p in run.prompt_indices()
+               if any(p not in u.done_prompts(s.block) for u, s in zip(units, specs))]
+    stats_ref = ray.put(stats)
+    pool = ray.util.ActorPool(actors)
+    work = 0
+    for done in pool.map_unordered(
+            lambda a, p: a.replay.remote(str(out), run, specs, stats_ref, [p], max_batch),
+            pending):
+        work += done
+        bar.update(1)
+    for unit, spec in zip(units, specs):
+        unit.finish(spec.block)
+    return work
