@@ -56,15 +56,22 @@ class ModelShape:
     head_dim: int
     vocab: int
     bytes_per_param: float = 2.0
+    shared_inter: int = 0  # always-on shared experts' intermediate size per MoE layer (not in B)
+    dense_layers: int = 0  # decoder layers with a dense MLP instead of experts
+    dense_inter: int = 0  # their MLP's intermediate size
 
     @classmethod
     def from_config(cls, cfg, bytes_per_param: float = 2.0) -> "ModelShape":
-        n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts")
+        n = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or \
+            getattr(cfg, "num_local_experts")
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shared = (getattr(cfg, "n_shared_experts", 0) or 0) * inter
+        dense = min(getattr(cfg, "first_k_dense_replace", 0) or 0, cfg.num_hidden_layers)
+        dense += len(getattr(cfg, "mlp_only_layers", []) or [])
         return cls(cfg.num_hidden_layers, cfg.hidden_size, inter, n, cfg.num_experts_per_tok,
                    cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.vocab_size,
-                   bytes_per_param)
+                   bytes_per_param, shared, dense, cfg.intermediate_size if dense else 0)
 
     @property
     def expert_bytes(self) -> float:
@@ -75,13 +82,24 @@ class ModelShape:
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
 
     def layer_terms(self, tokens: int, prefix: int, experts_loaded: float):
-        """(bytes, flops) of one decoder layer."""
-        dense = (self.attention_params + self.num_experts * self.hidden + 2 * self.hidden)
+        """(bytes, flops) of one MoE decoder layer: attention, router, the ``experts_loaded``
+        routed experts' weights and the always-on shared experts."""
+        always = (self.attention_params + self.num_experts * self.hidden + 2 * self.hidden
+                  + 3 * self.hidden * self.shared_inter)
         kv = 2 * prefix * self.kv_heads * self.head_dim * self.bytes_per_param
-        bytes_ = dense * self.bytes_per_param + experts_loaded * self.expert_bytes + kv
+        bytes_ = always * self.bytes_per_param + experts_loaded * self.expert_bytes + kv
         flops = (2 * tokens * self.attention_params + 4 * tokens * (prefix + tokens) * self.hidden
-                 + 2 * tokens * self.top_k * 3 * self.hidden * self.expert_inter)
+                 + 2 * tokens * 3 * self.hidden * (self.top_k * self.expert_inter
+                                                   + self.shared_inter))
         return bytes_, flops
+
+    def dense_layer_terms(self, tokens: int, prefix: int):
+        """(bytes, flops) of one dense decoder layer (attention and a dense MLP)."""
+        kv = 2 * prefix * self.kv_heads * self.head_dim * self.bytes_per_param
+        params = self.attention_params + 3 * self.hidden * self.dense_inter + 2 * self.hidden
+        flops = (2 * tokens * self.attention_params + 4 * tokens * (prefix + tokens) * self.hidden
+                 + 2 * tokens * 3 * self.hidden * self.dense_inter)
+        return params * self.bytes_per_param + kv, flops
 
     def head_terms(self, tokens: int):
         return 2 * self.vocab * self.hidden * self.bytes_per_param, 2 * tokens * self.vocab * self.hidden
@@ -90,12 +108,13 @@ class ModelShape:
 def pass_time(shape: ModelShape, hw: Hardware, tokens: int, prefix: int,
               experts_loaded: float) -> tuple[float, float, float]:
     """(roofline time, memory-only time, compute-only time) of one forward, seconds."""
-    b, f = shape.layer_terms(tokens, prefix, experts_loaded)
-    hb, hf = shape.head_terms(tokens)
-    mem = shape.layers * b / hw.bandwidth + hb / hw.bandwidth
-    comp = shape.layers * f / hw.peak_flops + hf / hw.peak_flops
-    roof = shape.layers * max(b / hw.bandwidth, f / hw.peak_flops) + max(hb / hw.bandwidth,
-                                                                         hf / hw.peak_flops)
+    moe_layers = shape.layers - shape.dense_layers
+    terms = [(moe_layers, *shape.layer_terms(tokens, prefix, experts_loaded)),
+             (shape.dense_layers, *shape.dense_layer_terms(tokens, prefix)),
+             (1, *shape.head_terms(tokens))]
+    mem = sum(n * b / hw.bandwidth for n, b, _ in terms)
+    comp = sum(n * f / hw.peak_flops for n, _, f in terms)
+    roof = sum(n * max(b / hw.bandwidth, f / hw.peak_flops) for n, b, f in terms)
     return roof, mem, comp
 
 

@@ -10,6 +10,12 @@ yet in the cache), the target runs once on the tree tokens with
 
 which reproduces the sequential logits of every root-to-node path. Afterwards only the accepted
 path's cache rows are kept (``compact_cache``), gathered to contiguous slots.
+
+Models that mix sliding-window and full-attention layers (gpt-oss) get one mask per layer type
+(transformers takes a mapping from layer type to mask): a sliding layer's mask also hides keys
+at positions ``≤ q − window`` for a query at position q. Their cache keeps every position in
+every layer (:func:`new_cache`): a rolling sliding-window cache would let the tree's rejected
+tokens evict prefix tokens the next pass still attends to; the mask does the windowing instead.
 """
 
 from __future__ import annotations
@@ -23,13 +29,41 @@ from transformers import DynamicCache
 from eagle.tree import DraftTree
 
 
-def tree_attention_mask(tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> torch.Tensor:
+def new_cache(model: nn.Module) -> DynamicCache:
+    """A cache that keeps every position in every layer (see the module docstring)."""
+    if sliding_window(model) is None:
+        return DynamicCache(config=model.config)
+    return DynamicCache()
+
+
+def sliding_window(model: nn.Module) -> int | None:
+    """The window of a model whose layers mix sliding-window and full attention, else None."""
+    cfg = model.config
+    types = set(getattr(cfg, "layer_types", None) or [])
+    return getattr(cfg, "sliding_window", None) if "sliding_attention" in types else None
+
+
+def tree_attention_mask(tree: DraftTree, prefix_len: int, dtype: torch.dtype,
+                        window: int | None = None):
+    """Additive ``[1, 1, M, P + M]`` mask: prefix and ancestors visible. With ``window``, a
+    mapping {layer type: mask} whose sliding-window mask also hides keys at positions
+    ``≤ position(query) − window``."""
     m = tree.size
-    mask = torch.full((m, prefix_len + m), torch.finfo(dtype).min, dtype=dtype,
-                      device=tree.tokens.device)
-    mask[:, :prefix_len] = 0
-    mask[:, prefix_len:].masked_fill_(tree.ancestors, 0)
-    return mask[None, None]
+    device = tree.tokens.device
+    allowed = torch.zeros(m, prefix_len + m, dtype=torch.bool, device=device)
+    allowed[:, :prefix_len] = True
+    allowed[:, prefix_len:] = tree.ancestors
+
+    def additive(ok):
+        return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(
+            ~ok, torch.finfo(dtype).min)[None, None]
+
+    if window is None:
+        return additive(allowed)
+    query = prefix_len + tree.depth  # [M]
+    key = torch.cat([torch.arange(prefix_len, device=device), prefix_len + tree.depth])
+    recent = key[None, :] > query[:, None] - window
+    return {"full_attention": additive(allowed), "sliding_attention": additive(allowed & recent)}
 
 
 class FeatureTap:
@@ -71,7 +105,7 @@ class FeatureTap:
 @torch.no_grad()
 def prefill(target: nn.Module, tap: FeatureTap, input_ids: torch.Tensor):
     """Run the prompt ``[1, P]``; returns (last logits ``[V]``, features ``[P, F]``, cache)."""
-    cache = DynamicCache(config=target.config)
+    cache = new_cache(target)
     with tap.active():
         out = target(input_ids=input_ids, cache=cache, use_cache=True)
         feats = tap.features()[0]
@@ -83,7 +117,7 @@ def verify_tree(target: nn.Module, tap: FeatureTap | None, cache, tree: DraftTre
     """One target forward over the tree; returns (logits ``[M, V]``, features ``[M, F]`` or
     None without a tap)."""
     dtype = next(target.parameters()).dtype
-    mask = tree_attention_mask(tree, prefix_len, dtype)
+    mask = tree_attention_mask(tree, prefix_len, dtype, sliding_window(target))
     positions = (prefix_len + tree.depth)[None]
     with tap.active() if tap else nullcontext():
         out = target(input_ids=tree.tokens[None], position_ids=positions, attention_mask=mask,

@@ -10,6 +10,20 @@ workbench must never guess — is written here, one entry per ``model_type``:
 | ``olmoe`` | softmax | plain | per ``norm_topk_prob`` (raw in OLMoE) | – | – |
 | ``qwen3_moe`` | softmax | plain | per ``norm_topk_prob`` | – | ``mlp_only_layers``, sparse step |
 | ``mixtral`` | softmax | plain | renormalised | – | – |
+| ``deepseek_v3`` | sigmoid (+ bias to select) | in 4 of 8 groups | per config, × scale | yes | first k |
+| ``gpt_oss`` | softmax (router bias) | plain | renormalised over the top-k | – | – |
+
+DeepSeek-V3: scores ``sigmoid(z)``; selection by ``scores + e_score_correction_bias`` within the
+``topk_group`` of ``n_group`` groups with the best two-expert sums; weights from the unbiased
+scores, renormalised per ``norm_topk_prob``, times ``routed_scaling_factor``; one MLP of
+``n_shared_experts`` always-on shared experts; the first ``first_k_dense_replace`` layers dense.
+gpt-oss: the router has a bias and takes the softmax of the top-k logits, which is the softmax
+over all N renormalised over the top-k.
+
+gpt-oss experts have biases and a clamped SWiGLU with interleaved gate/up columns, declared by
+the experts module itself (``has_bias``, ``is_transposed``, its gate); the adapter reads them
+there. DeepSeek-V3's shared experts are always computed: they belong to the gold output and are
+never counted in a budget B; rankings, coverage and co-activation are over routed experts.
 
 An unlisted ``model_type`` is refused at load with one line naming the supported ones. At load
 the adapter also checks, on random probes, that every layer's router computes exactly what its
@@ -34,6 +48,11 @@ def _no_dense_layers(config) -> set[int]:
     return set()
 
 
+def _first_k_dense(config) -> set[int]:
+    """DeepSeek-V3: the first ``first_k_dense_replace`` layers have a dense MLP."""
+    return set(range(min(config.first_k_dense_replace or 0, config.num_hidden_layers)))
+
+
 def _qwen3_dense_layers(config) -> set[int]:
     """Qwen3-MoE: a layer is dense when listed in ``mlp_only_layers`` or off the sparse step."""
     step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -52,6 +71,7 @@ class FamilySpec:
     group_limited: bool = False  # top-k within config.topk_group of config.n_group groups
     shared_experts: str | None = None  # attribute of the sparse block, always computed
     dense_layers: Callable[[object], set[int]] = _no_dense_layers
+    attention: str = "sdpa"  # the implementation tree verification runs with (4-D masks)
 
     def rule(self, config, router: nn.Module) -> RoutingRule:
         """The routing rule of one layer (its router holds any per-layer selection bias)."""
@@ -62,6 +82,7 @@ class FamilySpec:
         return RoutingRule(
             top_k=config.num_experts_per_tok, score=self.score, renormalize=renormalize,
             scale=float(config.routed_scaling_factor) if self.scaled else 1.0,
+            renormalize_eps=1e-20 if self.model_type == "deepseek_v3" else 0.0,
             selection_bias=bias,
             groups=config.n_group if self.group_limited else 1,
             groups_kept=config.topk_group if self.group_limited else 1)
@@ -72,6 +93,11 @@ FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
     FamilySpec("qwen3_moe", score="softmax", mixing="norm_topk_prob",
                dense_layers=_qwen3_dense_layers),
     FamilySpec("mixtral", score="softmax", mixing="renormalised"),
+    FamilySpec("deepseek_v3", score="sigmoid", mixing="norm_topk_prob", scaled=True,
+               selection_bias="e_score_correction_bias", group_limited=True,
+               shared_experts="shared_experts", dense_layers=_first_k_dense),
+    FamilySpec("gpt_oss", score="softmax", mixing="renormalised", router="router",
+               attention="eager"),  # transformers has no sdpa path for its attention sinks
 )}
 
 

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 import console
 from moe import models
-from moe.adapter import MoEAdapter
-from moe.families import UnsupportedModelError
 from tasks import benchmarks
+
+if TYPE_CHECKING:  # torch and the adapter load after the options are read: --help is instant
+    from moe.adapter import MoEAdapter
 
 PROBE_TOKENS = 63
 
@@ -36,15 +37,41 @@ def parameter_counts(model, adapter: MoEAdapter) -> tuple[int, int]:
     return total, total - inactive
 
 
-@torch.no_grad()
 def probe(loaded: models.LoadedModel, adapter: MoEAdapter, bench: str, root) -> list[int]:
     """Unique experts per MoE layer touched by the first PROBE_TOKENS tokens of one prompt."""
+    import torch
     prompt = benchmarks.load(bench, root=root, limit=1)[0]
     ids = loaded.tokenizer(prompt.text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     ids = ids[:, :PROBE_TOKENS].to(loaded.device)
-    out = loaded.model(input_ids=ids, output_router_logits=True)
-    return [int(torch.unique(logits.topk(layer.top_k, dim=-1).indices).numel())
-            for layer, logits in zip(adapter, out.router_logits)]
+    chosen = {}
+    hooks = [layer.router.register_forward_hook(
+        lambda mod, args, out, i=layer.index: chosen.__setitem__(i, out[2])) for layer in adapter]
+    try:
+        with torch.no_grad():
+            loaded.model(input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [int(torch.unique(chosen[layer.index]).numel()) for layer in adapter]
+
+
+def describe_rule(adapter: MoEAdapter) -> str:
+    """The family's routing in words (moe.families)."""
+    rule = adapter.layers[0].rule
+    parts = [f"{rule.score} scores"]
+    if rule.selection_bias is not None:
+        parts.append("selection bias")
+    if rule.group_limited:
+        parts.append(f"top-k within {rule.groups_kept} of {rule.groups} groups")
+    parts.append("renormalised weights" if rule.renormalize else "raw weights")
+    if rule.scale != 1.0:
+        parts.append(f"× {rule.scale:g}")
+    if adapter.has_shared_experts:
+        parts.append("shared experts (always on, not in a budget)")
+    dense = adapter.num_decoder_layers - len(adapter)
+    if dense:
+        parts.append(f"{dense} dense layer(s)")
+    return ", ".join(parts)
 
 
 def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
@@ -60,7 +87,7 @@ def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
         ("decoder layers", f"{adapter.num_decoder_layers} (MoE: {len(adapter)})"),
         ("hidden size", str(cfg.hidden_size)),
         ("experts N / top-k", f"{adapter.num_experts} / {adapter.top_k}"),
-        ("mixing weights", "renormalised over top-k" if adapter.renormalize else "raw router probs"),
+        ("routing", describe_rule(adapter)),
         ("vocabulary", f"{len(loaded.tokenizer)} tokens"),
     ]
     for key, value in rows:
@@ -70,7 +97,10 @@ def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
 
 def main(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(
-        prog="inspect-model",
+        prog="inspect-model", examples="""
+            inspect-model --model tiny-olmoe
+            inspect-model --model tiny-deepseek-v3 --json
+            inspect-model --model olmoe --device cuda        # a real checkpoint""",
         description="Load a MoE model (alias, hub id or local folder) and print its MoE structure, "
                     "quality record and a live routing probe.")
     p.add_argument("--model", default=models.DEFAULT_MODEL,
@@ -85,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"${benchmarks.ENV_VAR} or ../shared/data/benchmarks)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
+    from moe.adapter import MoEAdapter
+    from moe.families import UnsupportedModelError
     models.quiet_transformers()
     try:
         loaded = models.load(args.model, device=args.device, dtype=args.dtype)

@@ -10,9 +10,14 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch and transformers are imported where a model is loaded, never at import time: every
+# command-line parser reads this registry, and `--help` must not wait for torch.
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EMBEDDED_DIR = REPO_ROOT / "data" / "models"
@@ -46,9 +51,14 @@ ALIASES = {a.name: a for a in (
     # Only an EAGLE-1 head exists for Mixtral.
     Alias("mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", "tiny-mixtral",
           "yuhuili/EAGLE-mixtral-instruct-8x7B"),
+    # No EAGLE-3 head for these is known to load in EAGLE's native layout here: pass --draft.
+    Alias("deepseek-v3", "deepseek-ai/DeepSeek-V3", "tiny-deepseek-v3"),
+    Alias("gpt-oss", "openai/gpt-oss-20b", "tiny-gpt-oss"),
     Alias("tiny-olmoe", None),
     Alias("tiny-qwen3-moe", None),
     Alias("tiny-mixtral", None),
+    Alias("tiny-deepseek-v3", None),
+    Alias("tiny-gpt-oss", None),
 )}
 EMBEDDED = tuple(name for name, a in ALIASES.items() if a.hub_id is None)
 
@@ -124,6 +134,7 @@ def quiet_transformers() -> None:
 
 
 def pick_device(device: str = "auto") -> torch.device:
+    import torch
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -135,17 +146,18 @@ def pick_device(device: str = "auto") -> torch.device:
     return dev
 
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}  # --dtype spelling -> torch dtype name
 
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """auto: bf16 on CUDA, fp32 on CPU."""
+    import torch
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in DTYPES:
         raise ModelError(f"unknown dtype {dtype!r}; use auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    return getattr(torch, DTYPES[dtype])
 
 
 @dataclass
@@ -162,13 +174,17 @@ class LoadedModel:
 
 
 def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
-         attn_implementation: str = "sdpa", experts_implementation: str = "eager") -> LoadedModel:
+         attn_implementation: str | None = None,
+         experts_implementation: str = "eager") -> LoadedModel:
     """Resolve and load model + tokenizer (eval mode) on the chosen device and dtype.
 
-    ``sdpa`` attention accepts the 4-D tree masks of verification; the ``eager`` experts loop is
-    transformers' reference implementation, the one capture hooks into.
+    Attention defaults to the family's (``sdpa``, which accepts the 4-D tree masks of
+    verification, or ``eager`` where transformers has nothing else); the ``eager`` experts loop
+    is transformers' reference implementation, the one capture hooks into.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from moe.families import FAMILIES
 
     source = resolve(model)
     _ensure_available(source)
@@ -176,6 +192,10 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto
     dt = pick_dtype(dtype, dev)
     location = source.location
     try:
+        if attn_implementation is None:
+            model_type = AutoConfig.from_pretrained(location).model_type
+            spec = FAMILIES.get(model_type)
+            attn_implementation = spec.attention if spec else "sdpa"
         tokenizer = AutoTokenizer.from_pretrained(location)
         net = AutoModelForCausalLM.from_pretrained(
             location, dtype=dt, attn_implementation=attn_implementation,

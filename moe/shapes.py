@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 
 @dataclass(frozen=True)
 class RealShape:
@@ -41,20 +39,38 @@ REAL_SHAPES = {s.name: s for s in (
         hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
         num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32, vocab_size=32000,
         max_position_embeddings=32768)),
+    RealShape("deepseek-v3", "deepseek-ai/DeepSeek-V3", "deepseek_v3", dict(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8,
+        topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=3,
+        num_attention_heads=128, num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, head_dim=64,
+        num_hidden_layers=61, vocab_size=129280, max_position_embeddings=163840)),
+    RealShape("gpt-oss", "openai/gpt-oss-20b", "gpt_oss", dict(
+        hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+        num_hidden_layers=24, vocab_size=201088, max_position_embeddings=131072)),
 )}
 
 
 def random_model(name: str, *, layers: int = 1, vocab_size: int = 4096, seed: int = 0,
-                 dtype: torch.dtype = torch.float32):
+                 dtype=None):
     """A random-weight model with the real widths and routing of ``name`` (weights drawn with
     the family's own initialisation), ``layers`` decoder layers and a small vocabulary."""
+    import torch
     from transformers import AutoModelForCausalLM
     shape = REAL_SHAPES[name]
+    extra = {}
+    if shape.model_type == "gpt_oss":  # sliding and full attention alternate
+        extra["layer_types"] = ["sliding_attention", "full_attention"] * layers
+        extra["layer_types"] = extra["layer_types"][:layers]
+    if shape.model_type == "deepseek_v3":  # keep the MoE layers (the real first 3 are dense)
+        extra["first_k_dense_replace"] = 0
     cfg = shape.build_config(num_hidden_layers=layers, vocab_size=vocab_size,
                              tie_word_embeddings=False, pad_token_id=1, eos_token_id=0,
-                             bos_token_id=None)
+                             bos_token_id=None, **extra)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(cfg, dtype=dtype or torch.float32).eval()
 
 
 def save_random_model(name: str, out: Path, *, layers: int = 1, seed: int = 0,

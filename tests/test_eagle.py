@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from eagle import acceptance, loading, verify
 from eagle.acceptance import SamplingSettings
@@ -77,7 +76,7 @@ def test_cache_after_acceptance_equals_fresh_forward(pair):
     leaf = int(tree.depth.argmax())
     path = tree.ancestors[leaf].nonzero().flatten()
     verify.compact_cache(cache, len(ids), path)
-    fresh = DynamicCache(config=loaded.model.config)
+    fresh = verify.new_cache(loaded.model)  # the same kind (full layers for sliding models)
     with torch.no_grad():
         loaded.model(input_ids=torch.tensor([ids + tree.tokens[path].tolist()]), cache=fresh,
                      use_cache=True)

@@ -12,21 +12,64 @@ from training.tiny_moe import SPECS
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def reference_moe(layer, h: torch.Tensor) -> torch.Tensor:
-    """Obviously-correct O*_t = Σ_{i∈T_k(t)} ḡ_i(t) E_i(h_t), one token and expert at a time,
-    straight from the weight tensors (no adapter code)."""
-    w_router = layer.block.gate.weight
-    gate_up, down = layer.block.experts.gate_up_proj, layer.block.experts.down_proj
+def _reference_routing(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(experts, mixing weights) of one token ``x [H]`` in float64, from the family's published
+    rule and the router's weight tensors (no adapter or policy code)."""
+    family = layer.block.__class__.__name__
+    if family == "DeepseekV3MoE":  # sigmoid, bias-corrected group-limited choice, × scale
+        gate = layer.block.gate
+        s = torch.sigmoid(gate.weight.double() @ x)
+        choice = s + gate.e_score_correction_bias.double()
+        groups = choice.view(gate.num_group, -1)
+        best_groups = groups.topk(2, dim=-1).values.sum(-1).topk(gate.topk_group).indices
+        allowed = torch.full_like(groups, float("-inf"))
+        allowed[best_groups] = 0
+        top = (choice + allowed.reshape(-1)).topk(gate.top_k).indices
+        w = s[top] / (s[top].sum() + 1e-20) if gate.norm_topk_prob else s[top]
+        return top, w * gate.routed_scaling_factor
+    if family == "GptOssMLP":  # router bias, softmax over the top-k logits
+        router = layer.block.router
+        z = router.weight.double() @ x + router.bias.double()
+        top = z.topk(router.top_k).indices
+        return top, torch.softmax(z[top], -1)
+    g = torch.softmax(layer.block.gate.weight.double() @ x, dim=-1)
+    top = torch.topk(g, layer.top_k).indices
+    return top, (g[top] / g[top].sum() if layer.renormalize else g[top])
+
+
+def _reference_expert(layer, i: int, x: torch.Tensor) -> torch.Tensor:
+    experts = layer.block.experts
+    if layer.block.__class__.__name__ == "GptOssMLP":  # biases, clamped SwiGLU, interleaved
+        gu = x @ experts.gate_up_proj[i].double() + experts.gate_up_proj_bias[i].double()
+        gate, up = gu[::2].clamp(max=experts.limit), gu[1::2].clamp(-experts.limit, experts.limit)
+        act = (up + 1) * gate * torch.sigmoid(gate * experts.alpha)
+        return act @ experts.down_proj[i].double() + experts.down_proj_bias[i].double()
+    gate_up, down = experts.gate_up_proj[i].double(), experts.down_proj[i].double()
+    gu = gate_up @ x
     inter = down.shape[-1]
+    return down @ (torch.nn.functional.silu(gu[:inter]) * gu[inter:])
+
+
+def _reference_shared(layer, x: torch.Tensor) -> torch.Tensor:
+    if layer.shared is None:
+        return torch.zeros_like(x)
+    mlp = layer.shared
+    act = torch.nn.functional.silu(mlp.gate_proj.weight.double() @ x) * \
+        (mlp.up_proj.weight.double() @ x)
+    return mlp.down_proj.weight.double() @ act
+
+
+def reference_moe(layer, h: torch.Tensor) -> torch.Tensor:
+    """Obviously-correct O*_t = Σ_{i∈T_k(t)} ḡ_i(t) E_i(h_t) (+ shared experts), one token and
+    expert at a time, in float64, straight from the weight tensors (no adapter code)."""
     out = torch.zeros_like(h)
     for t in range(h.shape[0]):
-        g = torch.softmax((w_router @ h[t]).double(), dim=-1)
-        top = torch.topk(g, layer.top_k).indices
-        weights = g[top] / g[top].sum() if layer.renormalize else g[top]
-        for w, i in zip(weights, top):
-            gu = gate_up[i] @ h[t]
-            act = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
-            out[t] += (w * (down[i] @ act).double()).to(h.dtype)
+        x = h[t].double()
+        top, weights = _reference_routing(layer, x)
+        o = _reference_shared(layer, x)
+        for w, i in zip(weights, top.tolist()):
+            o = o + w * _reference_expert(layer, i, x)
+        out[t] = o.to(h.dtype)
     return out
 
 
@@ -34,8 +77,9 @@ def block_io(model, input_ids):
     """(MoE input, MoE output) of every sparse block, captured by hooks during a forward."""
     adapter = MoEAdapter(model)
     seen = {}
-    hooks = [layer.block.register_forward_hook(
-        lambda mod, args, out, i=layer.index: seen.__setitem__(i, (args[0], out)))
+    hooks = [layer.block.register_forward_hook(  # gpt-oss's block returns (output, scores)
+        lambda mod, args, out, i=layer.index: seen.__setitem__(
+            i, (args[0], out[0] if isinstance(out, tuple) else out)))
         for layer in adapter]
     with torch.no_grad():
         model(input_ids=input_ids)
@@ -51,10 +95,13 @@ def real_ids(tokenizer, n=40):
 
 def test_family_settings_match_the_real_checkpoints(embedded):
     adapter = MoEAdapter(embedded.model)
-    expected = {"tiny-olmoe": (64, 8, False), "tiny-qwen3-moe": (128, 8, True),
-                "tiny-mixtral": (8, 2, True)}[embedded.name]
-    assert (adapter.num_experts, adapter.top_k, adapter.renormalize) == expected
-    assert adapter.num_decoder_layers >= 8 and len(adapter) == adapter.num_decoder_layers
+    expected = {"tiny-olmoe": (64, 8, False, 0), "tiny-qwen3-moe": (128, 8, True, 0),
+                "tiny-mixtral": (8, 2, True, 0), "tiny-deepseek-v3": (64, 6, True, 1),
+                "tiny-gpt-oss": (32, 4, True, 0)}[embedded.name]
+    dense = adapter.num_decoder_layers - len(adapter)  # DeepSeek-V3's first_k_dense_replace
+    assert (adapter.num_experts, adapter.top_k, adapter.renormalize, dense) == expected
+    assert adapter.has_shared_experts == (embedded.name == "tiny-deepseek-v3")
+    assert adapter.num_decoder_layers >= 8
     L = adapter.num_decoder_layers
     assert len({2, L // 2, L - 3}) == 3  # EAGLE-3 feature layers stay distinct
 
@@ -73,8 +120,9 @@ def test_recomputed_moe_output_equals_model_block_output(embedded, inputs):
             probs = layer.router_scores(h)
             index, weights = layer.route(h)
             torch.testing.assert_close(layer.rule.mix(probs, index), weights.float(), **TOL)
-            torch.testing.assert_close(layer.moe_output(h, index, layer.rule.mix(probs, index)),
-                                       gold, **TOL)
+            routed = layer.moe_output(h, index, layer.rule.mix(probs, index))
+            shared = layer.shared_output(h)
+            torch.testing.assert_close(routed if shared is None else routed + shared, gold, **TOL)
             torch.testing.assert_close(reference_moe(layer, h[:12]), gold[:12], rtol=1e-4, atol=1e-5)
 
 
@@ -90,14 +138,25 @@ def test_all_experts_output_equals_per_expert_output(embedded):
                 torch.testing.assert_close(all_out[:, i], layer.expert_output(i, h), **TOL)
 
 
+SCORE = {"tiny-deepseek-v3": torch.sigmoid}  # the others: softmax over all N experts
+
+
 def test_router_scores_match_the_models_router_logits(embedded):
     ids = real_ids(embedded.tokenizer, 20)
-    adapter, seen = block_io(embedded.model, ids)
+    adapter = MoEAdapter(embedded.model)
+    logits = {}
+    hooks = [layer.router.register_forward_hook(  # every router returns (logits, weights, ids)
+        lambda mod, args, out, i=layer.index: logits.__setitem__(i, (args[0], out[0])))
+        for layer in adapter]
     with torch.no_grad():
-        out = embedded.model(input_ids=ids, output_router_logits=True)
-    for layer, logits in zip(adapter, out.router_logits):
-        h = seen[layer.index][0].reshape(-1, embedded.model.config.hidden_size)
-        torch.testing.assert_close(layer.router_scores(h), torch.softmax(logits.float(), -1), **TOL)
+        embedded.model(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    score = SCORE.get(embedded.name, lambda z: torch.softmax(z, -1))
+    for layer in adapter:
+        h, z = logits[layer.index]
+        h = h.reshape(-1, embedded.model.config.hidden_size)
+        torch.testing.assert_close(layer.router_scores(h), score(z.float()), **TOL)
 
 
 def _random_model(name, **overrides):

@@ -3,7 +3,7 @@
 import hashlib
 
 from moe import models
-from training import tiny_moe
+from training import cli
 
 
 def _digest(folder):
@@ -13,10 +13,10 @@ def _digest(folder):
 def test_same_seed_same_weights_and_loadable_through_the_registry(tmp_path):
     args = ["--model", "tiny-mixtral", "--steps", "2", "--batch", "2", "--seq-len", "32",
             "--seed", "7"]
-    assert tiny_moe.main([*args, "--out", str(tmp_path / "a")]) == 0
-    assert tiny_moe.main([*args, "--out", str(tmp_path / "b")]) == 0
+    assert cli.train_tiny([*args, "--out", str(tmp_path / "a")]) == 0
+    assert cli.train_tiny([*args, "--out", str(tmp_path / "b")]) == 0
     assert _digest(tmp_path / "a") == _digest(tmp_path / "b")
-    assert tiny_moe.main([*args[:-1], "8", "--out", str(tmp_path / "c")]) == 0
+    assert cli.train_tiny([*args[:-1], "8", "--out", str(tmp_path / "c")]) == 0
     assert _digest(tmp_path / "a") != _digest(tmp_path / "c")
     # only the finished folders are left: no temporary siblings
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c"]

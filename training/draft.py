@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import console
 from catalog import atomic
 from eagle.draft_head import Eagle3Draft, load_draft, new_eagle3
 from eagle.verify import FeatureTap
@@ -37,8 +36,6 @@ from tasks import benchmarks
 from training import corpus
 from training.tiny_moe import MIXTURE, sample_batch, token_streams
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DRAFTS_DIR = REPO_ROOT / "data" / "drafts"
 DECAY = 0.8
 
 
@@ -151,42 +148,3 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
         (tmp / "training.json").write_text(json.dumps(record, indent=2) + "\n")
         load_draft(tmp, target)  # what we wrote must load strictly
     return record
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = console.ArgumentParser(prog="train-draft", description=(
-        "Train an EAGLE-3 draft head for a target model with training-time test, offline, and "
-        "write it in EAGLE's checkpoint layout (config.json + model.safetensors)."))
-    p.add_argument("--model", default=models.DEFAULT_MODEL, help="target: alias, hub id or folder")
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ttt", type=int, default=7, help="unrolled TTT steps (EAGLE-3: 7)")
-    p.add_argument("--draft-vocab", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=512, help="draft MLP width")
-    p.add_argument("--new-tokens", type=int, default=128, help="target response length")
-    p.add_argument("--out", type=Path, default=None, help="default data/drafts/<model>")
-    p.add_argument("--benchmarks", default=None)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    args = p.parse_args(argv)
-    models.quiet_transformers()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        out = args.out or DRAFTS_DIR / models.resolve(args.model).name
-        record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len,
-                       lr=args.lr, seed=args.seed, ttt=args.ttt, draft_vocab=args.draft_vocab,
-                       intermediate=args.intermediate, new_tokens=args.new_tokens, out=out,
-                       benchmarks_root=args.benchmarks)
-    except (models.ModelError, benchmarks.BenchmarkError) as exc:
-        print(f"train-draft: error: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(record, indent=2))
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

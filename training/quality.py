@@ -76,12 +76,23 @@ def routing_stats(model, tokenizer, benchmarks_root=None) -> dict:
             if len(ids) >= WINDOW:
                 windows.append(ids[:WINDOW])
     ids = torch.tensor(windows, device=model.device)
-    out = model(input_ids=ids, output_router_logits=True)
+    routed = {}
+    hooks = [layer.router.register_forward_hook(
+        lambda mod, args, out, i=layer.index: routed.__setitem__(i, (out[0], out[2])))
+        for layer in adapter]
+    try:
+        model(input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
     n, k = adapter.num_experts, adapter.top_k
     per_layer = []
-    for layer, logits in zip(adapter.layers, out.router_logits):
-        probs = torch.softmax(logits.float(), -1).reshape(len(windows), WINDOW, n)
-        top_p, top_i = probs.topk(k, dim=-1)
+    for layer in adapter:
+        logits, chosen = routed[layer.index]
+        scores = layer.rule.scores(logits)  # shares of the router's scores over routed experts
+        probs = (scores / scores.sum(-1, keepdim=True)).reshape(len(windows), WINDOW, n)
+        top_i = chosen.long().reshape(len(windows), WINDOW, k)  # the model's own top-k
+        top_p = probs.gather(-1, top_i)
         counts = torch.bincount(top_i.reshape(-1), minlength=n).double()
         entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
         s = probs.sum(1)  # [W, N] router mass per window

@@ -28,6 +28,10 @@ import torch
 from tqdm import tqdm
 from transformers import (
     AutoTokenizer,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     OlmoeConfig,
@@ -36,10 +40,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-import console
 from catalog import atomic
-from moe import models
-from moe.models import EMBEDDED_DIR
 from training import corpus, quality
 from training.tokenizer import train_tokenizer
 
@@ -51,10 +52,14 @@ COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=8, num_a
 
 @dataclass(frozen=True)
 class TinySpec:
-    """One embedded model: its transformers classes and the family's MoE settings."""
+    """One embedded model: its transformers classes, the family's MoE settings and how the
+    family balances expert load (``aux``: its load-balancing loss; ``bias``: DeepSeek-V3's
+    auxiliary-loss-free update of the selection bias)."""
     model_cls: type
     config_cls: type
     config: dict = field(default_factory=dict)
+    balancing: str = "aux"
+    attn_implementation: str = "sdpa"
 
     def build_config(self, **overrides):
         return self.config_cls(**{**COMMON, **self.config, **overrides})
@@ -73,7 +78,25 @@ SPECS = {
     "tiny-mixtral": TinySpec(MixtralForCausalLM, MixtralConfig, dict(
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,
         router_aux_loss_coef=0.02, router_jitter_noise=0.0)),
+    # DeepSeek-V3's routing at small scale: 64 routed experts in 8 groups, top-6 within the best
+    # 4 groups, sigmoid scores with a selection bias updated aux-loss-free (γ = 1e-3), weights
+    # renormalised × 2.5, one shared expert, the first layer dense, MLA attention.
+    "tiny-deepseek-v3": TinySpec(DeepseekV3ForCausalLM, DeepseekV3Config, dict(
+        num_key_value_heads=4, n_routed_experts=64, n_group=8, topk_group=4,
+        num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=16,
+        intermediate_size=256, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=32, head_dim=16), balancing="bias"),
+    # gpt-oss: router with bias, softmax over the top-4 of 32 experts, experts with biases and a
+    # clamped SwiGLU, attention sinks, sliding-window (32 tokens) and full layers alternating,
+    # the real config's aux coefficient 0.9; transformers runs it with eager attention only.
+    "tiny-gpt-oss": TinySpec(GptOssForCausalLM, GptOssConfig, dict(
+        num_key_value_heads=2, head_dim=32, num_local_experts=32, num_experts_per_tok=4,
+        intermediate_size=32, sliding_window=32,
+        layer_types=["sliding_attention", "full_attention"] * 4, router_aux_loss_coef=0.9),
+        attn_implementation="eager"),
 }
+BIAS_UPDATE = 1e-3  # DeepSeek-V3's bias update speed γ
 
 # Share of training windows drawn from each source (stdlib dominates by size; the benchmark
 # train splits teach the prompt templates capture uses).
@@ -103,6 +126,35 @@ def sample_batch(streams: dict[str, np.ndarray], batch: int, seq: int,
     return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
+class BiasBalancer:
+    """DeepSeek-V3's auxiliary-loss-free balancing: after each step, every layer's selection
+    bias moves by γ towards under-loaded experts, ``b_i += γ·sign(mean load − load_i)``, from the
+    top-k the routers chose in that step (counted by forward hooks)."""
+
+    def __init__(self, model, gamma: float = BIAS_UPDATE):
+        self.gamma = gamma
+        self.counts: dict[torch.nn.Module, torch.Tensor] = {}
+        self.last_cv = 0.0
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.register_forward_hook(self._count)
+
+    def _count(self, module, args, out):
+        idx = out[2]
+        counts = torch.bincount(idx.reshape(-1), minlength=module.num_experts).float()
+        self.counts[module] = self.counts.get(module, 0) + counts
+
+    @torch.no_grad()
+    def step(self) -> None:
+        cvs = []
+        for gate, load in self.counts.items():
+            gate.e_score_correction_bias += self.gamma * torch.sign(load.mean() - load)
+            cvs.append(float(load.std() / load.mean().clamp_min(1e-9)))
+        self.last_cv = float(np.mean(cvs)) if cvs else 0.0
+        self.counts = {}
+
+
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -121,8 +173,10 @@ def train(name: str, *, steps: int, batch: int, seq: int, lr: float, seed: int, 
     streams = token_streams(tokenizer, train_docs)
 
     config = spec.build_config()
+    config._attn_implementation = spec.attn_implementation
     model = spec.model_cls(config)
     model.train()
+    balance = BiasBalancer(model) if spec.balancing == "bias" else None
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -134,13 +188,18 @@ def train(name: str, *, steps: int, batch: int, seq: int, lr: float, seed: int, 
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup)
         ids = sample_batch(streams, batch, seq, rng)
-        outputs = model(input_ids=ids, labels=ids, output_router_logits=True)
+        outputs = model(input_ids=ids, labels=ids, output_router_logits=balance is None)
         opt.zero_grad(set_to_none=True)
         outputs.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if balance is not None:
+            balance.step()
         if step % 20 == 0:
-            bar.set_postfix(loss=f"{outputs.loss.item():.3f}", aux=f"{outputs.aux_loss.item():.3f}")
+            aux = getattr(outputs, "aux_loss", None)
+            bar.set_postfix(loss=f"{outputs.loss.item():.3f}",
+                            **({"aux": f"{aux.item():.3f}"} if aux is not None else
+                               {"load_cv": f"{balance.last_cv:.2f}"}))
     seconds = time.perf_counter() - start
 
     model.eval()
@@ -161,40 +220,10 @@ def save(model, tokenizer, out: Path, training: dict, benchmarks_root=None) -> d
     with atomic.folder(out) as tmp:
         model.to(torch.float16).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        reloaded = type(model).from_pretrained(tmp, dtype=torch.float32)
+        reloaded = type(model).from_pretrained(
+            tmp, dtype=torch.float32, attn_implementation=model.config._attn_implementation)
         reloaded_tok = AutoTokenizer.from_pretrained(tmp)
         record = quality.measure(reloaded, reloaded_tok, benchmarks_root)
         record["training"] = training
         (tmp / quality.FILENAME).write_text(json.dumps(record, indent=2) + "\n")
     return record
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = console.ArgumentParser(
-        prog="train-tiny",
-        description="Train one embedded tiny MoE model on the offline corpus and write it, with "
-                    "its tokenizer and quality record, as a Hugging Face folder.")
-    p.add_argument("--model", required=True, choices=sorted(SPECS), help="which tiny model")
-    p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
-    p.add_argument("--batch", type=int, default=16, help="sequences per step (default 16)")
-    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"output folder (default {EMBEDDED_DIR}/<model>)")
-    p.add_argument("--benchmarks", default=None, help="benchmarks folder (train splits)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    args = p.parse_args(argv)
-    models.quiet_transformers()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    out = args.out or EMBEDDED_DIR / args.model
-    record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len, lr=args.lr,
-                   seed=args.seed, out=out, benchmarks_root=args.benchmarks)
-    print(models.format_quality_record(record))
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,122 @@
+"""``train-tiny`` and ``train-draft``: the parsers, kept apart from the training code so that
+``--help`` appears without importing torch and transformers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import console
+from moe import models
+
+TINY_EXAMPLES = """
+train-tiny --model tiny-olmoe --steps 1500 --seed 0
+train-tiny --model tiny-deepseek-v3 --steps 900 --threads 1 --out /tmp/dsv3
+"""
+DRAFT_EXAMPLES = """
+train-draft --model tiny-olmoe --steps 1200 --seed 0
+train-draft --model tiny-gpt-oss --steps 700 --threads 1 --out /tmp/gptoss-head
+"""
+
+
+def refuse_overwrite(parser, out: Path, force: bool) -> None:
+    """Never replace a folder that holds something (the shipped models included) unless told."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        parser.error(f"--out {out} exists and is not empty (a trained model lives there?); pass "
+                     "--force to replace it, or another --out")
+
+
+def _at_least_one(parser, args, names) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value} must be at least 1")
+
+
+def train_tiny(argv: list[str] | None = None) -> int:
+    p = console.ArgumentParser(
+        prog="train-tiny", examples=TINY_EXAMPLES,
+        description="Train one embedded tiny MoE model on the offline corpus and write it, with "
+                    "its tokenizer and quality record, as a Hugging Face folder.")
+    p.add_argument("--model", required=True, choices=models.EMBEDDED, help="which tiny model")
+    p.add_argument("--steps", type=int, default=1500, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"output folder (default: {models.EMBEDDED_DIR}/<model>)")
+    p.add_argument("--benchmarks", default=None, help="benchmarks folder (train splits)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing, non-empty --out folder (never done otherwise)")
+    args = p.parse_args(argv)
+    _at_least_one(p, args, ("steps", "batch", "seq_len", "threads"))
+    if args.lr <= 0:
+        p.error(f"--lr {args.lr} must be positive")
+    out = args.out or models.EMBEDDED_DIR / args.model
+    refuse_overwrite(p, out, args.force)
+    import torch
+
+    from training.tiny_moe import train
+    models.quiet_transformers()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len, lr=args.lr,
+                   seed=args.seed, out=out, benchmarks_root=args.benchmarks)
+    print(models.format_quality_record(record))
+    print(f"wrote {out}")
+    return 0
+
+
+def train_draft(argv: list[str] | None = None) -> int:
+    p = console.ArgumentParser(
+        prog="train-draft", examples=DRAFT_EXAMPLES,
+        description="Train an EAGLE-3 draft head for a target model with training-time test, "
+                    "offline, and write it in EAGLE's checkpoint layout (config.json + "
+                    "model.safetensors).")
+    p.add_argument("--model", default=models.DEFAULT_MODEL, help="target: alias, hub id or folder")
+    p.add_argument("--steps", type=int, default=1200, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed for weights and data order")
+    p.add_argument("--ttt", type=int, default=7, help="unrolled TTT steps (EAGLE-3: 7)")
+    p.add_argument("--draft-vocab", type=int, default=2048, help="draft vocabulary size")
+    p.add_argument("--intermediate", type=int, default=512, help="draft MLP width")
+    p.add_argument("--new-tokens", type=int, default=128, help="target response length")
+    p.add_argument("--out", type=Path, default=None, help="default: data/drafts/<model>")
+    p.add_argument("--benchmarks", default=None, help="benchmarks folder (train splits)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing, non-empty --out folder (never done otherwise)")
+    args = p.parse_args(argv)
+    _at_least_one(p, args, ("steps", "batch", "seq_len", "ttt", "draft_vocab", "intermediate",
+                            "new_tokens", "threads"))
+    if args.lr <= 0:
+        p.error(f"--lr {args.lr} must be positive")
+    import torch
+
+    from tasks import benchmarks
+    from training.draft import train
+    models.quiet_transformers()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        out = args.out or models.DRAFTS_DIR / models.resolve(args.model).name
+        refuse_overwrite(p, out, args.force)
+        record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len,
+                       lr=args.lr, seed=args.seed, ttt=args.ttt, draft_vocab=args.draft_vocab,
+                       intermediate=args.intermediate, new_tokens=args.new_tokens, out=out,
+                       benchmarks_root=args.benchmarks)
+    except (models.ModelError, benchmarks.BenchmarkError) as exc:
+        print(f"train-draft: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(record, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(train_tiny())
