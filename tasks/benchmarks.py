@@ -36,6 +36,10 @@ class Prompt:
     prompt_id: str
     text: str  # the prompt after the benchmark's template
     reference: str = ""  # reference answer / code / summary where upstream has one
+    tests: tuple[str, ...] = ()  # MBPP asserts; HumanEval's check(candidate) code
+    setup: str = ""  # MBPP test_setup_code
+    entry_point: str = ""  # HumanEval: the function the tests call
+    category: str = ""  # Spec-Bench category
 
 
 def benchmarks_dir(override: str | os.PathLike | None = None) -> Path:
@@ -98,12 +102,14 @@ def _mbpp(root: Path, ids: range) -> Iterator[Prompt]:
     for r in _read_jsonl(root / "mbpp" / "mbpp.jsonl"):
         if r["task_id"] in ids:
             yield Prompt("mbpp", str(r["task_id"]), mbpp_prompt(r["text"], r["test_list"]),
-                         _clean_code(r["code"]))
+                         _clean_code(r["code"]), tests=tuple(r["test_list"]),
+                         setup=r.get("test_setup_code") or "")
 
 
 def _humaneval(root: Path) -> Iterator[Prompt]:
     for r in _read_jsonl(root / "humaneval" / "HumanEval.jsonl.gz"):
-        yield Prompt("humaneval", r["task_id"], r["prompt"], r["canonical_solution"])
+        yield Prompt("humaneval", r["task_id"], r["prompt"], r["canonical_solution"],
+                     tests=(r["test"],), entry_point=r["entry_point"])
 
 
 def _gsm8k(root: Path, split: str) -> Iterator[Prompt]:
@@ -113,7 +119,7 @@ def _gsm8k(root: Path, split: str) -> Iterator[Prompt]:
 
 def _math500(root: Path) -> Iterator[Prompt]:
     for r in _read_jsonl(root / "math500" / "test.jsonl"):
-        yield Prompt("math500", r["unique_id"], math_prompt(r["problem"]), " " + r["solution"])
+        yield Prompt("math500", r["unique_id"], math_prompt(r["problem"]), r["answer"])
 
 
 def _specbench(root: Path, category: str | None) -> Iterator[Prompt]:
@@ -127,7 +133,8 @@ def _specbench(root: Path, category: str | None) -> Iterator[Prompt]:
         else:
             text = turn
         ref = (r.get("reference") or [""])[0] if isinstance(r.get("reference"), list) else ""
-        yield Prompt("cnndm" if category else "specbench", str(r["question_id"]), text, ref)
+        yield Prompt("cnndm" if category else "specbench", str(r["question_id"]), text, ref,
+                     category=r["category"])
 
 
 LOADERS: dict[str, Callable[[Path], Iterator[Prompt]]] = {

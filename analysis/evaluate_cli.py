@@ -1,0 +1,86 @@
+"""``evaluate``: score the outputs of captured runs on their benchmark's task.
+
+    evaluate --traces traces                       # every complete run
+    evaluate --run B16-router --output quality.json
+
+Writes the ``quality`` table (one row per prompt, beside the traces; ``query`` shows it) and
+prints per run the metric with a 95% bootstrap interval; a run captured under a budget is
+compared with its unbudgeted twin (same prompts and decoding): identical outputs, first
+divergence, and the score difference with a paired bootstrap interval. Code runs only in a
+sandboxed subprocess (tasks/sandbox.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import console
+from analysis import quality
+from catalog import Catalog, CatalogError
+from tasks import benchmarks
+
+
+def parser() -> argparse.ArgumentParser:
+    p = console.ArgumentParser(prog="evaluate", description=__doc__.split("\n\n")[2],
+                               examples=__doc__.split("\n\n")[1])
+    p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
+    p.add_argument("--run", nargs="+", default=None, help="only these runs")
+    p.add_argument("--model", default=None, help="only runs of this model")
+    p.add_argument("--bench", default=None, help="only runs of this benchmark")
+    p.add_argument("--benchmarks", default=None, help="benchmarks folder (references, tests)")
+    p.add_argument("--output", type=Path, default=None, help="also write the summary as JSON")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from transformers import AutoTokenizer
+    try:
+        catalog = Catalog(args.traces)
+        everything = catalog.runs()
+        runs = catalog.runs(model=args.model, bench=args.bench, names=args.run)
+        if not runs:
+            raise CatalogError(f"no complete runs match under {args.traces}")
+        # unbudgeted runs first, so twins are scored before the runs compared with them
+        runs.sort(key=lambda r: r.settings.get("budget") is not None)
+        scored: dict[str, dict[int, float | None]] = {}
+        results = {}
+        for run in runs:
+            prompts = {p.prompt_id: p for p in benchmarks.load(run.bench, root=args.benchmarks)}
+            tokenizer = AutoTokenizer.from_pretrained(run.manifest["model_location"])
+            twin = quality.find_twin(run, everything)
+            if twin is not None and twin.name not in scored:
+                scored[twin.name] = {r["prompt_index"]: r["score"] for r in quality.evaluate_run(
+                    twin, tokenizer, prompts).to_pylist()}
+            table = quality.evaluate_run(run, tokenizer, prompts, twin,
+                                         scored.get(twin.name) if twin else None)
+            quality.write(run, table)
+            scored[run.name] = dict(zip(table["prompt_index"].to_pylist(),
+                                        table["score"].to_pylist()))
+            results[run.name] = dict(model=run.model, bench=run.bench,
+                                     **quality.summary(table, seed=args.seed))
+    except (CatalogError, benchmarks.BenchmarkError, OSError) as exc:
+        print(f"evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    for name, r in results.items():
+        mean = "—" if r["mean"] is None else f"{r['mean']:.3f} [{r['ci95'][0]:.3f}, " \
+            f"{r['ci95'][1]:.3f}]"
+        line = f"{name} ({r['model']} / {r['bench']}, {r['prompts']} prompts): {r['metric']} {mean}"
+        if "twin" in r:
+            diff = "—" if r["score_difference"] is None else \
+                f"{r['score_difference']:+.3f} [{r['difference_ci95'][0]:+.3f}, " \
+                f"{r['difference_ci95'][1]:+.3f}]"
+            line += (f"; vs {r['twin']}: identical outputs {r['exact_match']:.0%}, score "
+                     f"difference {diff}")
+        print(line)
+    if args.output:
+        args.output.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
