@@ -39,11 +39,18 @@ class Coactivation:
 
     @property
     def concentration(self) -> float:
-        """``max_{i≠j} C[i, j] / (M·k(k−1)/(N(N−1)))`` (all-pairs counts only)."""
-        if self.convention != "all_pairs":
-            raise ValueError("concentration is defined on all-pairs counts")
+        """How far the strongest pair is above uniform independent routing, in the matrix's
+        own convention: all pairs ``max_{i≠j} C[i, j] / (M·k(k−1)/(N(N−1)))``; adjacent ranks
+        ``max_{a≠b} P(b | a) / (1/(N−1))``."""
         off = self.matrix - np.diag(np.diag(self.matrix))
+        if self.convention == "adjacent":
+            return float(off.max() * (self.num_experts - 1))
         return float(off.max() / self.expected)
+
+    @property
+    def concentration_rule(self) -> str:
+        return ("max P(b|a) / uniform 1/(N−1)" if self.convention == "adjacent"
+                else "max pair count / uniform expectation")
 
 
 def topk_matrix(con: duckdb.DuckDBPyConnection, layer: int, where: str = "") -> np.ndarray:
@@ -72,14 +79,30 @@ def adjacent_rank(topk: np.ndarray, n: int) -> np.ndarray:
 
 def coactivation(con: duckdb.DuckDBPyConnection, layer: int, num_experts: int,
                  convention: str = "all_pairs", where: str = "") -> Coactivation:
-    topk = topk_matrix(con, layer, where)
-    if convention == "all_pairs":
-        matrix = all_pairs(topk, num_experts)
-    elif convention == "adjacent":
-        matrix = adjacent_rank(topk, num_experts)
-    else:
+    """One layer's matrix in either convention, summed from the runs' stored pair counts
+    (:mod:`analysis.summaries`; :func:`all_pairs` and :func:`adjacent_rank` on the raw top-k are
+    the definitions they reproduce)."""
+    if convention not in ("all_pairs", "adjacent"):
         raise ValueError(f"unknown convention {convention!r}; use all_pairs or adjacent")
-    return Coactivation(layer, matrix, topk.shape[0], topk.shape[1], convention)
+    from analysis.routing import require_summaries
+    require_summaries(con)
+    column = "coact_all" if convention == "all_pairs" else "coact_adjacent"
+    cond = f"layer = {int(layer)}" + (f" AND ({where})" if where else "")
+    rows = con.execute(f"SELECT {column}, tokens, selections FROM summary_layers "
+                       f"WHERE {cond}").fetchall()
+    n = num_experts
+    counts = np.zeros(n * n)
+    tokens = selected = 0
+    for values, tok, sel in rows:
+        counts += np.asarray(values, dtype=np.float64)
+        tokens += tok
+        selected += sum(sel)
+    counts = counts.reshape(n, n)
+    top_k = round(selected / tokens) if tokens else 0
+    if convention == "adjacent":
+        per_row = counts.sum(1, keepdims=True)
+        counts = np.divide(counts, per_row, out=np.zeros((n, n)), where=per_row > 0)
+    return Coactivation(layer, counts, int(tokens), int(top_k), convention)
 
 
 def cluster_order(matrix: np.ndarray) -> np.ndarray:

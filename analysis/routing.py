@@ -1,6 +1,8 @@
-"""Routing statistics of captured trees, computed in DuckDB (nothing loaded row by row).
+"""Routing statistics of captured trees, from the per-run summaries (:mod:`analysis.summaries`).
 
-Every function takes a connection from :func:`analysis.sql.connect` and returns a polars frame.
+Every function takes a connection from :func:`analysis.sql.connect` and returns a polars frame;
+it aggregates the small ``summary_tree_layers`` / ``summary_layers`` views in DuckDB (filters on
+model, bench, run, role and layer reach the partitions), never the ``routing`` table itself.
 Per tree (one verification pass) and MoE layer, with ``s_i = Σ_t g_i(t)`` the router mass of
 expert i over the tree's tokens and ``share_i = s_i / Σ_j s_j``:
 
@@ -11,7 +13,7 @@ expert i over the tree's tokens and ``share_i = s_i / Σ_j s_j``:
 * activation growth: unique experts among the first t tree tokens (node order, breadth first),
   ``U(t) = |∪_{node<t} T_k(node)|``, averaged over trees (MoE-Spec Fig. 2b/4a), against MoESD's
   uniform ``N(t) = N·[1 − ((N−k)/N)^t]`` and the marginal-based ``Σ_i 1 − (1 − q_i)^t``, with
-  ``q_i`` the share of tokens whose top-k holds i;
+  ``q_i`` the share of a layer's tokens whose top-k holds i (per layer, then averaged);
 * load balance per layer: coefficient of variation and normalised entropy of expert selection
   counts, and dead experts (never selected).
 """
@@ -22,35 +24,27 @@ import duckdb
 import numpy as np
 import polars as pl
 
-TREE = "model, bench, run, prompt_index, step, layer"
+from catalog import CatalogError
 
-_MASS = f"""
-    SELECT {TREE}, i - 1 AS expert, sum(p) AS mass
-    FROM (SELECT {TREE}, unnest(router_probs) AS p, generate_subscripts(router_probs, 1) AS i
-          FROM routing)
-    GROUP BY ALL
-"""
 
-_RANKED = f"""
-    SELECT *, mass / sum(mass) OVER w AS share,
-           row_number() OVER (PARTITION BY {TREE} ORDER BY mass DESC, expert) AS rank_desc,
-           count(*) OVER w AS n
-    FROM ({_MASS}) WINDOW w AS (PARTITION BY {TREE})
-"""
+def require_summaries(con: duckdb.DuckDBPyConnection) -> None:
+    """Refuse to answer from a partial picture: every complete run must have fresh summaries."""
+    missing = con.execute("SELECT string_agg(run, ', ') FROM _complete_runs "
+                          "WHERE NOT summarised").fetchall()[0][0]
+    if missing:
+        raise CatalogError(f"routing summaries are missing or stale for run(s) {missing}; build "
+                           "them with analysis.summaries.ensure(traces) (report and the "
+                           "dashboard do so themselves)")
 
 
 def heavy_tails(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     """One row per (tree, layer): experts for 50/90/99% of router mass, Gini, top-N/2 share."""
-    return con.sql(f"""
-        WITH r AS ({_RANKED}),
-        c AS (SELECT *, sum(share) OVER (PARTITION BY {TREE} ORDER BY rank_desc) AS cum FROM r)
-        SELECT {TREE}, any_value(n) AS num_experts,
-               min(rank_desc) FILTER (WHERE cum >= 0.5 - 1e-9) AS experts_50,
-               min(rank_desc) FILTER (WHERE cum >= 0.9 - 1e-9) AS experts_90,
-               min(rank_desc) FILTER (WHERE cum >= 0.99 - 1e-9) AS experts_99,
-               sum((2 * (n + 1 - rank_desc) - n - 1) * share) / any_value(n) AS gini,
-               sum(share) FILTER (WHERE rank_desc <= n // 2) AS top_half_share
-        FROM c GROUP BY ALL ORDER BY ALL
+    require_summaries(con)
+    return con.sql("""
+        SELECT t.model, t.bench, t.run, t.prompt_index, t.step, t.layer,
+               l.num_experts, t.experts_50, t.experts_90, t.experts_99, t.gini, t.top_half_share
+        FROM summary_tree_layers t JOIN summary_layers l USING (model, bench, run, layer)
+        ORDER BY ALL
     """).pl()
 
 
@@ -60,53 +54,62 @@ def heavy_tails_summary(tails: pl.DataFrame, by: tuple[str, ...] = ("bench", "la
         .sort(list(by))
 
 
-def coverage_curve(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
-    """Mean fraction of router mass held by the top-B experts of a tree, B = 1..N."""
+def heavy_tails_by_layer(con: duckdb.DuckDBPyConnection,
+                         by: str = "model, bench, layer") -> pl.DataFrame:
+    """:func:`heavy_tails_summary` computed in DuckDB (no per-tree-layer rows leave it)."""
+    require_summaries(con)
     return con.sql(f"""
-        WITH r AS ({_RANKED}),
-        c AS (SELECT *, sum(share) OVER (PARTITION BY {TREE} ORDER BY rank_desc) AS cum FROM r)
-        SELECT {by}, rank_desc AS budget, avg(cum) AS coverage, count(*) AS trees
-        FROM c GROUP BY ALL ORDER BY ALL
+        SELECT {by}, avg(experts_50) AS experts_50, avg(experts_90) AS experts_90,
+               avg(experts_99) AS experts_99, avg(gini) AS gini,
+               avg(top_half_share) AS top_half_share, count(*)::UINTEGER AS trees
+        FROM summary_tree_layers GROUP BY ALL ORDER BY ALL
+    """).pl()
+
+
+def coverage_curve(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
+    """Mean fraction of router mass held by the top-B experts of a tree, B = 1..N:
+    ``Σ coverage_sum[B−1] / Σ tree_layers`` over the selected runs and layers."""
+    require_summaries(con)
+    return con.sql(f"""
+        SELECT {by}, budget, sum(total) / sum(tree_layers) AS coverage,
+               sum(tree_layers)::BIGINT AS trees
+        FROM (SELECT {by}, tree_layers, unnest(coverage_sum) AS total,
+                     generate_subscripts(coverage_sum, 1) AS budget FROM summary_layers)
+        GROUP BY ALL ORDER BY ALL
     """).pl()
 
 
 def activation_growth(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
     """Measured unique experts among the first t tree tokens, mean over tree-layers, with the
-    MoESD uniform and marginal-based expectations for the same t."""
+    MoESD uniform expectation and the expectation under i.i.d. routing with each *layer's* own
+    measured marginals (averaged over layers: pooling marginals across layers would hide the
+    experts a layer never selects)."""
+    require_summaries(con)
     measured = con.sql(f"""
-        WITH first AS (
-            SELECT {TREE}, expert, min(node) AS first_node
-            FROM (SELECT {TREE}, node, unnest(topk_ids) AS expert FROM routing) GROUP BY ALL),
-        new AS (SELECT {TREE}, first_node AS node, count(*) AS new FROM first GROUP BY ALL),
-        sizes AS (SELECT {TREE}, max(node) + 1 AS m FROM routing GROUP BY ALL),
-        grid AS (SELECT {TREE}, unnest(range(m)) AS node FROM sizes),
-        cum AS (SELECT {TREE}, node, sum(coalesce(new, 0)) OVER (
-                    PARTITION BY {TREE} ORDER BY node) AS unique_experts
-                FROM grid LEFT JOIN new USING ({TREE}, node))
-        SELECT {by}, node + 1 AS tokens, avg(unique_experts) AS unique_experts,
-               count(*) AS tree_layers
-        FROM cum GROUP BY ALL ORDER BY ALL
-    """).pl()
-    params = con.sql(f"""
-        SELECT {by}, any_value(len(router_probs)) AS n, any_value(len(topk_ids)) AS k
-        FROM routing GROUP BY ALL
+        SELECT {by}, tokens, sum(total) / sum(count) AS unique_experts,
+               sum(count)::BIGINT AS tree_layers
+        FROM (SELECT {by}, unnest(growth_sum) AS total, unnest(growth_count) AS count,
+                     generate_subscripts(growth_sum, 1) AS tokens FROM summary_layers)
+        GROUP BY ALL ORDER BY ALL
     """).pl()
     marg = con.sql(f"""
-        WITH sel AS (SELECT {by}, unnest(topk_ids) AS expert FROM routing),
-        tok AS (SELECT {by}, count(*) AS tokens FROM routing GROUP BY ALL)
-        SELECT {by}, expert, count(*) / any_value(tok.tokens) AS q
-        FROM sel JOIN tok USING ({by}) GROUP BY ALL
+        WITH tok AS (SELECT {by}, layer, sum(tokens) AS tokens FROM summary_layers GROUP BY ALL)
+        SELECT {by}, layer, expert, sum(c) / any_value(tok.tokens) AS q
+        FROM (SELECT {by}, layer, unnest(selections) AS c,
+                     generate_subscripts(selections, 1) AS expert FROM summary_layers)
+        JOIN tok USING ({by}, layer) GROUP BY ALL ORDER BY ALL
     """).pl()
     keys = [c.strip() for c in by.split(",")]
     rows = []
     for group, frame in measured.group_by(keys, maintain_order=True):
         key = dict(zip(keys, group))
-        p = params.filter(*(pl.col(c) == v for c, v in key.items())).row(0, named=True)
-        q = marg.filter(*(pl.col(c) == v for c, v in key.items()))["q"].to_numpy()
+        mine = marg.filter(*(pl.col(c) == v for c, v in key.items()))
+        q = [g["q"].to_numpy() for _, g in mine.group_by("layer", maintain_order=True)]
+        n, k = len(q[0]), int(round(q[0].sum()))  # per layer Σ_i q_i = k
         t = frame["tokens"].to_numpy()
         rows.append(frame.with_columns(
-            uniform=pl.Series(moesd_uniform(p["n"], p["k"], t)),
-            marginal=pl.Series(moesd_marginal(q, t))))
+            uniform=pl.Series(moesd_uniform(n, k, t)),
+            marginal=pl.Series(np.mean([moesd_marginal(qi, t) for qi in q], axis=0))))
     return pl.concat(rows) if rows else measured
 
 
@@ -123,15 +126,19 @@ def moesd_marginal(q, t) -> np.ndarray:
 
 def load_balance(con: duckdb.DuckDBPyConnection, by: str = "model, bench, layer") -> pl.DataFrame:
     """Per layer: CV and normalised entropy of top-k selection counts, dead experts."""
+    require_summaries(con)
     counts = con.sql(f"""
-        WITH n AS (SELECT {by}, any_value(len(router_probs)) AS n FROM routing GROUP BY ALL),
-        experts AS (SELECT {by}, unnest(range(n)) AS expert FROM n),
-        c AS (SELECT {by}, expert, count(*) AS c
-              FROM (SELECT {by}, unnest(topk_ids) AS expert FROM routing) GROUP BY ALL)
-        SELECT {by}, e.expert, coalesce(c.c, 0) AS selections
-        FROM experts e LEFT JOIN c USING ({by}, expert)
+        SELECT {by}, expert - 1 AS expert, sum(c)::BIGINT AS selections
+        FROM (SELECT {by}, unnest(selections) AS c, generate_subscripts(selections, 1) AS expert
+              FROM summary_layers)
+        GROUP BY ALL
     """).pl()
-    keys = [c.strip() for c in by.split(",")]
+    return balance(counts, [c.strip() for c in by.split(",")])
+
+
+def balance(counts: pl.DataFrame, keys: list[str]) -> pl.DataFrame:
+    """Per ``keys`` group of per-expert ``selections`` c_i: CV = σ(c)/μ(c), normalised entropy
+    −Σ p_i log p_i / log N with p_i = c_i / Σ c, and the experts never selected."""
     return counts.group_by(keys).agg(
         (pl.col("selections").std(ddof=0) / pl.col("selections").mean()).alias("cv"),
         (-(pl.col("selections") / pl.col("selections").sum()).pipe(

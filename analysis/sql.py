@@ -5,8 +5,16 @@
     >>> con.sql("SELECT bench, avg(accepted_length) FROM trees WHERE role = 'evaluation' "
     ...         "GROUP BY bench").pl()
 
-Views read the Parquet files lazily with hive partitioning (``model``, ``bench``, ``run`` and,
-for replay results, ``config`` and ``block`` become columns) and show only what is final: rows of
+The connection is read-only and confined to the traces folder: DuckDB may read files under
+``root`` only (no other file, no network, no extension installs), its configuration is locked,
+and :func:`run_query` — what ``query`` and the dashboard's console run user SQL through —
+refuses every statement that is not a query, so a typed ``COPY``, ``ATTACH``, ``CREATE`` or
+``SET`` can neither write anywhere nor change what other users see.
+
+Routing figures read ``summary_tree_layers`` and ``summary_layers`` (:mod:`analysis.summaries`,
+built once per run by :func:`analysis.summaries.ensure`) instead of scanning ``routing``. Views
+read the Parquet files lazily with hive partitioning (``model``, ``bench``, ``run`` and, for
+replay results, ``config`` and ``block`` become columns) and show only what is final: rows of
 complete runs (with the run's ``role`` as a column) and of complete replay blocks computed from
 the current capture of their run. Running captures and interrupted replays are left out.
 """
@@ -18,20 +26,26 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from catalog import Catalog, partition_value, schema
+from analysis import summaries
+from catalog import Catalog, CatalogError, partition_value, schema
 from catalog.results import RESULT_TABLES, complete_blocks
 
-VIEWS = (*schema.TRACE_TABLES, "runs", *RESULT_TABLES)
+VIEWS = (*schema.TRACE_TABLES, "runs", "quality", *RESULT_TABLES, *summaries.TABLES)
 
 
 def _catalog_tables(root: Path, roles) -> tuple[pa.Table, pa.Table]:
-    """(complete runs with role and run id, complete replay blocks) as small Arrow tables."""
+    """(complete runs with role, run id and whether their routing summaries are fresh,
+    complete replay blocks) as small Arrow tables."""
     runs = Catalog(root).runs(roles=roles)
     run_rows = pa.Table.from_pylist(
         [dict(model=partition_value(r.model), bench=r.bench, run=r.name, role=r.role,
-              run_id=r.run_id) for r in runs],
-        schema=pa.schema([(c, pa.string()) for c in ("model", "bench", "run", "role", "run_id")]))
-    blocks = [dict(b, table=t) for t in RESULT_TABLES for b in complete_blocks(root, t)]
+              run_id=r.run_id, summarised=summaries.is_fresh(root, r)) for r in runs],
+        schema=pa.schema([*((c, pa.string()) for c in ("model", "bench", "run", "role",
+                                                        "run_id")),
+                          ("summarised", pa.bool_())]))
+    prompts = {(partition_value(r.model), r.bench, r.name): r.prompt_indices() for r in runs}
+    blocks = [dict(b, table=t) for t in RESULT_TABLES for b in complete_blocks(root, t)
+              if b.pop("prompts") == prompts.get((b["model"], b["bench"], b["run"]))]
     block_rows = pa.Table.from_pylist(blocks, schema=pa.schema(
         [(c, pa.string()) for c in ("model", "bench", "run", "config", "block", "run_id",
                                     "table")]))
@@ -50,21 +64,65 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
         con.execute(f"CREATE TABLE {name} AS SELECT * FROM _arrow")
         con.unregister("_arrow")
     for name in VIEWS:
-        if not any((root / name).rglob("*.parquet")):
+        folder = root / summaries.FOLDER / name if name in summaries.TABLES else root / name
+        if not any(folder.rglob("*.parquet")):
             continue
-        glob = (root / name).as_posix().replace("'", "''") + "/**/*.parquet"
+        glob = folder.as_posix().replace("'", "''") + "/**/*.parquet"
         scan = f"read_parquet('{glob}', hive_partitioning = true, union_by_name = true)"
         if name in RESULT_TABLES:
             body = (f"SELECT t.* FROM {scan} t SEMI JOIN (SELECT b.* FROM _complete_blocks b "
                     f"JOIN _complete_runs r USING (model, bench, run, run_id) WHERE b.table = "
                     f"'{name}') c USING (model, bench, run, config, block)")
+        elif name in summaries.TABLES:  # fresh summaries of complete runs only
+            body = (f"SELECT t.*, c.role FROM {scan} t JOIN _complete_runs c "
+                    "USING (model, bench, run) WHERE c.summarised")
         elif name == "runs":
             body = f"SELECT t.* FROM {scan} t SEMI JOIN _complete_runs c USING (model, bench, run)"
         else:
             body = (f"SELECT t.*, c.role FROM {scan} t JOIN _complete_runs c "
                     "USING (model, bench, run)")
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
+        try:
+            con.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
+        except duckdb.Error as exc:  # DuckDB reads the files' schemas here
+            first = str(exc).strip().splitlines()[0]
+            raise CatalogError(f"the {name} table cannot be read ({first[:300]}); recapture "
+                               "the affected run") from None
+    lock_down(con, root)
     return con
+
+
+def lock_down(con: duckdb.DuckDBPyConnection, root: Path) -> None:
+    """Files under ``root`` only, no network or extension installs, configuration locked."""
+    folder = str(Path(root).resolve()).replace("'", "''")
+    con.execute(f"SET allowed_directories = ['{folder}']")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET autoinstall_known_extensions = false")
+    con.execute("SET autoload_known_extensions = false")
+    con.execute("SET lock_configuration = true")
+
+
+QUERY_STATEMENTS = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
+
+
+class QueryRefused(ValueError):
+    """SQL that is not a read-only query; the message is one line for the user."""
+
+
+def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> duckdb.DuckDBPyRelation:
+    """Run user SQL: queries only (``SELECT``, ``WITH … SELECT``, ``EXPLAIN``), never a statement
+    that writes a file, attaches a database, or changes views or settings."""
+    statements = con.extract_statements(sql)
+    if not statements:
+        raise QueryRefused("empty query; write a SELECT")
+    refused = [s for s in statements if s.type not in QUERY_STATEMENTS]
+    if refused:
+        kind = refused[0].type.name
+        raise QueryRefused(f"only read-only queries are allowed here (SELECT, WITH … SELECT, "
+                           f"EXPLAIN), not {kind}; the traces are read-only")
+    if len(statements) > 1:
+        raise QueryRefused("one query at a time, please (found "
+                           f"{len(statements)} statements)")
+    return con.sql(sql)
 
 
 def views(con: duckdb.DuckDBPyConnection) -> list[str]:

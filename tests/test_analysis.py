@@ -5,12 +5,30 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import coactivation, cost, moesd, replay_views, routing
+from analysis import coactivation, cost, moesd, replay_views, routing, summaries
 from analysis.sql import connect
 from catalog import schema
 from catalog.runs import write_manifest
 
 N, K, M, LAYERS, TREES = 16, 4, 10, 2, 6
+
+
+def write_routing(root, rows):
+    """``rows`` as one complete run's routing table (m / b / r), its routing summarised."""
+    folder = root / "routing" / "model=m" / "bench=b" / "run=r"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema.TABLES["routing"]),
+                   folder / "part-000000-0000.parquet")
+    for table in ("sequences", "trees", "nodes"):  # present (empty): the run lists prompt 0
+        (root / table / "model=m" / "bench=b" / "run=r").mkdir(parents=True)
+        pq.write_table(schema.TABLES[table].empty_table(),
+                       root / table / "model=m" / "bench=b" / "run=r" / "part-000000-0000.parquet")
+    write_manifest(root, dict(model="m", bench="b", run="r", status="complete",
+                              role="evaluation", settings=dict(total_tokens=M), num_experts=N,
+                              top_k=K, schema_version=schema.SCHEMA_VERSION, prompts_total=1,
+                              prompt_ids=["p0"]))
+    summaries.ensure(root, workers=1)
+    return rows
 
 
 def synthetic_traces(root, seed=0, sharp=2.0):
@@ -28,14 +46,7 @@ def synthetic_traces(root, seed=0, sharp=2.0):
                                  topk_ids=top[node].tolist(),
                                  topk_weights=probs[node, top[node]].astype(np.float32).tolist(),
                                  applied_ids=None, applied_weights=None))
-    folder = root / "routing" / "model=m" / "bench=b" / "run=r"
-    folder.mkdir(parents=True)
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema.TABLES["routing"]),
-                   folder / "part-000000-0000.parquet")
-    write_manifest(root, dict(model="m", bench="b", run="r", status="complete",
-                              role="evaluation", settings={},
-                              schema_version=schema.SCHEMA_VERSION))
-    return rows
+    return write_routing(root, rows)
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +95,27 @@ def test_activation_growth_matches_reference_and_sits_below_uniform(data):
     assert (growth["unique_experts"].to_numpy() <= growth["uniform"].to_numpy() + 1e-9).all()
     np.testing.assert_allclose(growth["uniform"].to_numpy(),
                                [N * (1 - ((N - K) / N) ** t) for t in range(1, M + 1)])
+    # the i.i.d. baseline uses each layer's own marginals (then averages the curves)
+    ref_marg = np.zeros(M)
+    for layer in range(LAYERS):
+        sel = [e for r in rows if r["layer"] == layer for e in r["topk_ids"]]
+        q = np.bincount(sel, minlength=N) / (TREES * M)
+        ref_marg += np.array([(1 - (1 - q) ** t).sum() for t in range(1, M + 1)]) / LAYERS
+    np.testing.assert_allclose(growth["marginal"].to_numpy(), ref_marg, rtol=1e-9)
+
+
+def test_marginal_baseline_respects_experts_a_layer_never_selects(tmp_path):
+    """Two layers that use disjoint halves of the experts: pooled marginals would predict all N
+    experts; per-layer ones cap the curve at N/2."""
+    rows = [dict(prompt_index=0, prompt_id="p0", step=s, layer=layer, node=n,
+                 router_probs=[1 / N] * N,
+                 topk_ids=[(layer * N // 2 + (s * M + n + j) % (N // 2)) for j in range(K)],
+                 topk_weights=[1 / N] * K, applied_ids=None, applied_weights=None)
+            for s in range(20) for layer in range(2) for n in range(M)]
+    write_routing(tmp_path, rows)
+    con = connect(tmp_path)
+    growth = routing.activation_growth(con).sort("tokens")
+    assert growth["marginal"].max() <= N / 2 + 1e-9
 
 
 def test_moesd_uniform_is_exact_for_iid_uniform_routing():
@@ -188,3 +220,19 @@ def test_efficiency_fit_and_regimes():
     assert set(moesd.regime([1, 64, 10_000], N, K, coef)) == {"expert growth",
                                                               "activation saturation",
                                                               "compute-bound"}
+
+
+def test_cost_shapes_from_plain_configs_equal_transformers_configs():
+    """The speedup page reads real shapes without importing transformers: same numbers."""
+    from types import SimpleNamespace
+
+    from analysis.frames import model_shape
+    from moe.models import EMBEDDED, EMBEDDED_DIR
+    from moe.shapes import REAL_SHAPES
+    for s in REAL_SHAPES.values():
+        assert cost.ModelShape.from_config(SimpleNamespace(**s.config)) == \
+            cost.ModelShape.from_config(s.build_config()), s.name
+    from transformers import AutoConfig
+    for name in EMBEDDED:
+        assert model_shape(str(EMBEDDED_DIR / name)) == \
+            cost.ModelShape.from_config(AutoConfig.from_pretrained(EMBEDDED_DIR / name)), name

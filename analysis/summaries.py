@@ -1,0 +1,345 @@
+"""Per-tree-layer routing summaries: computed once per captured run, stored beside the traces.
+
+Every routing figure (heavy tails, coverage, activation growth, load balance, co-activation) is
+an aggregate of small per-tree-layer quantities. Scanning ``routing`` (N router probabilities
+per node, ~9 GB for 576k OLMoE tree-layers) on every dashboard interaction does not scale, so
+each complete run's ``routing`` table is reduced once, in numpy, to two small tables:
+
+``summary_tree_layers`` — one row per (tree, MoE layer), ``s_i = Σ_t g_i(t)`` the router mass,
+``share_(r)`` the shares sorted descending:
+
+    nodes, unique_experts = |∪_t T_k(t)|,
+    experts_q = min{B : Σ_{r≤B} share_(r) ≥ q}  (q = 0.5, 0.9, 0.99),
+    gini = Σ_r (2r − N − 1) x_(r) / (N Σ x)     (x ascending), top_half_share = C(N/2)
+
+``summary_layers`` — one row per MoE layer, sums over the run's tree-layers (so runs pool by
+adding, and every figure is a division):
+
+    coverage_sum[B−1] = Σ C(B),  growth_sum[t−1] = Σ U(t) over tree-layers with ≥ t nodes,
+    growth_count[t−1] = #tree-layers with ≥ t nodes, U(t) = |∪_{node<t} T_k(node)|,
+    selections[i] = #tokens whose top-k holds i, coact_all[i·N+j] = #tokens holding i and j,
+    coact_adjacent[a·N+b] = adjacent-rank pairs (a, b) both ways, tokens, tree_layers
+
+Files live at ``<traces>/summaries/<table>/model=…/bench=…/run=…/part-0.parquet`` with a
+``_summary.json`` stamp naming the run's ``run_id``, prompt set and the SHA-256 of both files: a
+recaptured or extended run is rebuilt, and so is a damaged summary (derived data heals itself);
+an unchanged one never is (:func:`ensure`). Routing parts are reduced in parallel
+processes; a run's two files are swapped in atomically under a file lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from filelock import FileLock
+
+from catalog import Catalog, CatalogError, Run, atomic, partition_value, reader
+
+FOLDER = "summaries"
+TABLES = ("summary_tree_layers", "summary_layers")
+VERSION = 2  # bump when a summary's definition changes: every run is rebuilt
+QUANTILES = (0.5, 0.9, 0.99)
+COLUMNS = ["prompt_index", "step", "layer", "node", "router_probs", "topk_ids"]
+
+
+# --- one routing part --------------------------------------------------------------------------
+@dataclass
+class PartSums:
+    """What one routing part contributes: per-tree-layer rows and per-layer sums."""
+
+    rows: dict[str, np.ndarray]  # summary_tree_layers columns
+    layers: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
+def _lists(column: pa.ChunkedArray, width_hint: int | None = None) -> np.ndarray:
+    """A list column as a ``[rows, width]`` array (zero-copy where the column allows)."""
+    arr = column.combine_chunks()
+    flat = arr.flatten().to_numpy(zero_copy_only=False)
+    return flat.reshape(len(arr), -1 if len(arr) else (width_hint or 0))
+
+
+def _read_checked(path: str, n: int, k: int, max_nodes: int) -> pa.Table:
+    """The part's columns, or :class:`CatalogError` naming the file: unreadable (page
+    checksums), mistyped, or holding values no capture writes."""
+    try:
+        t = pq.read_table(path, columns=COLUMNS, page_checksum_verification=True)
+        reader._expected_types(t, "routing")
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        raise CatalogError(f"{path}: corrupt or unreadable routing part ({reader._reason(exc, path)})"
+                           "; recapture the run") from exc
+    return t
+
+
+def reduce_part(path: str, n: int, k: int, max_nodes: int) -> PartSums:
+    """Summaries of every tree-layer in one routing part (rows of a tree-layer are contiguous
+    or are made so; nodes in increasing order within it)."""
+    t = _read_checked(path, n, k, max_nodes)
+    prompt = t["prompt_index"].to_numpy()
+    step = t["step"].to_numpy()
+    layer = t["layer"].to_numpy()
+    node = t["node"].to_numpy().astype(np.int64)
+    probs = _lists(t["router_probs"], n)  # [R, N] float32
+    ids = _lists(t["topk_ids"], k).astype(np.int64)  # [R, k]
+    if probs.shape[1:] != (n,) or ids.shape[1:] != (k,):
+        raise CatalogError(f"{path}: routing vectors have {probs.shape[1:]} probabilities and "
+                           f"{ids.shape[1:]} ids per node, the run says N={n}, k={k}; recapture "
+                           "the run")
+    problem = None
+    if len(node):  # two passes (min/max, NaN propagates); the full check only to name the fault
+        lo, hi = probs.min(), probs.max()
+        if not (np.isfinite(lo) and np.isfinite(hi) and lo >= -1e-6 and hi <= 1 + 1e-3
+                and ids.min() >= 0 and ids.max() < n):
+            problem = reader.check_values(dict(probs=probs, topk_ids=ids, topk_weights=None))
+    if problem is None and len(node) and (node.min() < 0 or node.max() >= max_nodes):
+        problem = f"node ids outside 0..{max_nodes - 1}"
+    if problem:
+        raise CatalogError(f"{path}: {problem}; the trace is damaged, recapture the run")
+    key = (prompt.astype(np.int64) << 40) | (step.astype(np.int64) << 16) | layer.astype(np.int64)
+    if len(key) > 1 and (np.any(np.diff(key) < 0) or np.any((np.diff(key) == 0)
+                                                              & (np.diff(node) < 0))):
+        order = np.lexsort((node, key))
+        key, node, layer, step, prompt = key[order], node[order], layer[order], step[order], \
+            prompt[order]
+        probs, ids = probs[order], ids[order]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])  # [G]
+    g_of_row = np.cumsum(np.r_[False, key[1:] != key[:-1]])  # [R]
+    nodes = np.diff(np.r_[starts, len(key)])  # [G]
+    g_layer = layer[starts]
+
+    # router mass, shares sorted descending, and what they say
+    if len(starts) and (nodes == nodes[0]).all():  # every tree the same size: one reshape
+        mass = probs.reshape(len(starts), nodes[0], n).sum(1, dtype=np.float64)  # [G, N]
+    else:
+        mass = np.add.reduceat(probs, starts, axis=0, dtype=np.float64)
+    share = mass / np.maximum(mass.sum(1, keepdims=True), 1e-300)
+    desc = -np.sort(-share, axis=1)
+    cum = np.cumsum(desc, axis=1)  # C(B), B = 1..N
+    experts = {q: (cum < q - 1e-9).sum(1) + 1 for q in QUANTILES}
+    r = np.arange(1, n + 1)
+    gini = ((2 * r - n - 1) * desc[:, ::-1]).sum(1) / n  # Σ x = 1
+
+    # the node at which each expert first appears in a tree-layer (nodes increase in a group)
+    codes = (g_of_row[:, None] * n + ids).reshape(-1)
+    first = np.full(len(starts) * n, max_nodes, dtype=np.int64)
+    np.minimum.at(first, codes, np.repeat(node, k))
+    first = first.reshape(len(starts), n)
+    seen = first < max_nodes
+    unique = seen.sum(1)
+
+    rows = dict(prompt_index=prompt[starts].astype(np.int32), step=step[starts].astype(np.int32),
+                layer=g_layer.astype(np.int16), nodes=nodes.astype(np.int16),
+                unique_experts=unique.astype(np.int16),
+                experts_50=experts[0.5].astype(np.int16), experts_90=experts[0.9].astype(np.int16),
+                experts_99=experts[0.99].astype(np.int16), gini=gini.astype(np.float32),
+                top_half_share=cum[:, n // 2 - 1].astype(np.float32))
+    out = PartSums(rows)
+    # per-layer sums, all layers at once: li = the layer's position among this part's layers
+    layers_here, li_g = np.unique(g_layer, return_inverse=True)
+    li_row = li_g[g_of_row]
+    count = len(layers_here)
+    side = max_nodes + 1  # new experts at node f in tree-layers of m nodes: H[li, m, f]
+    hist = np.bincount((np.repeat(li_g * side + nodes, n)[seen.reshape(-1)] * side
+                        + first[seen]), minlength=count * side * side)
+    iu = np.triu_indices(k, 1)
+    by_id = np.sort(ids, axis=1)  # a token's experts are distinct: pairs (i < j) by position
+    base = (li_row * (n * n))[:, None]
+    pairs = np.bincount((base + by_id[:, iu[0]] * n + by_id[:, iu[1]]).reshape(-1),
+                        minlength=count * n * n)
+    adjacent = np.bincount(np.r_[(base + ids[:, :-1] * n + ids[:, 1:]).reshape(-1),
+                                 (base + ids[:, 1:] * n + ids[:, :-1]).reshape(-1)],
+                           minlength=count * n * n)
+    selections = np.bincount((li_row[:, None] * n + ids).reshape(-1), minlength=count * n)
+    tokens = np.bincount(li_row, minlength=count)
+    trees = np.bincount(li_g, minlength=count)
+    for i, lay in enumerate(layers_here.tolist()):
+        out.layers[lay] = dict(
+            tree_layers=np.int64(trees[i]), tokens=np.int64(tokens[i]),
+            coverage_sum=cum[li_g == i].sum(0),
+            new_at=hist[i * side * side:(i + 1) * side * side].reshape(side, side),
+            selections=selections[i * n:(i + 1) * n],
+            pairs=pairs[i * n * n:(i + 1) * n * n],
+            adjacent=adjacent[i * n * n:(i + 1) * n * n])
+    return out
+
+
+def _reduce_part_args(args) -> PartSums:
+    return reduce_part(*args)
+
+
+# --- one run -----------------------------------------------------------------------------------
+def stamp_of(run: Run) -> dict:
+    """What a run's summaries were built from: rebuilt when any of it changes."""
+    return dict(version=VERSION, run_id=run.run_id, prompts=run.prompt_indices())
+
+
+def _folder(root: Path, table: str, run: Run) -> Path:
+    return (Path(root) / FOLDER / table / f"model={partition_value(run.model)}" /
+            f"bench={run.bench}" / f"run={run.name}")
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def is_fresh(root: Path, run: Run) -> bool:
+    """Built from this run as it is now, and neither file damaged since."""
+    stamp = _folder(root, "summary_layers", run) / "_summary.json"
+    try:
+        found = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(found, dict):
+        return False
+    files = found.pop("files", None)
+    return found == stamp_of(run) and files == {
+        t: _digest(_folder(root, t, run) / "part-0.parquet") for t in TABLES}
+
+
+def _finish_layers(sums: dict[int, dict], n: int, max_nodes: int) -> pa.Table:
+    """Per-layer sums → the ``summary_layers`` table (growth sums from the new-expert
+    histograms: Σ_{m≥t} Σ_{f<t} H[m, f] for t = 1..max_nodes)."""
+    out = {c: [] for c in ("layer", "tree_layers", "tokens", "num_experts", "coverage_sum",
+                           "growth_sum", "growth_count", "selections", "coact_all",
+                           "coact_adjacent")}
+    for lay in sorted(sums):
+        s = sums[lay]
+        h = s["new_at"]  # [m, f]
+        cum_f = np.cumsum(h, axis=1)  # Σ_{f≤x}
+        tail_m = np.cumsum(cum_f[::-1], axis=0)[::-1]  # Σ_{m'≥m} Σ_{f≤x}
+        t = np.arange(1, max_nodes + 1)
+        growth_sum = tail_m[t, t - 1].astype(np.float64)
+        counts = s["tree_count_by_nodes"]  # [max_nodes + 1]
+        growth_count = np.cumsum(counts[::-1])[::-1][t]
+        pairs = s["pairs"].reshape(n, n)
+        coact = pairs + pairs.T
+        np.fill_diagonal(coact, s["selections"])  # i with i: tokens selecting i
+        out["layer"].append(lay)
+        out["tree_layers"].append(int(s["tree_layers"]))
+        out["tokens"].append(int(s["tokens"]))
+        out["num_experts"].append(n)
+        out["coverage_sum"].append(s["coverage_sum"].tolist())
+        keep = int(np.flatnonzero(growth_count)[-1]) + 1 if growth_count.any() else 0
+        out["growth_sum"].append(growth_sum[:keep].tolist())
+        out["growth_count"].append(growth_count[:keep].astype(np.int64).tolist())
+        out["selections"].append(s["selections"].astype(np.int64).tolist())
+        out["coact_all"].append(coact.reshape(-1).astype(np.int64).tolist())
+        out["coact_adjacent"].append(s["adjacent"].astype(np.int64).tolist())
+    return pa.table(out, schema=SCHEMAS["summary_layers"])
+
+
+SCHEMAS = {
+    "summary_tree_layers": pa.schema([
+        ("prompt_index", pa.int32()), ("step", pa.int32()), ("layer", pa.int16()),
+        ("nodes", pa.int16()), ("unique_experts", pa.int16()), ("experts_50", pa.int16()),
+        ("experts_90", pa.int16()), ("experts_99", pa.int16()), ("gini", pa.float32()),
+        ("top_half_share", pa.float32())]),
+    "summary_layers": pa.schema([
+        ("layer", pa.int16()), ("tree_layers", pa.int64()), ("tokens", pa.int64()),
+        ("num_experts", pa.int32()), ("coverage_sum", pa.list_(pa.float64())),
+        ("growth_sum", pa.list_(pa.float64())), ("growth_count", pa.list_(pa.int64())),
+        ("selections", pa.list_(pa.int64())), ("coact_all", pa.list_(pa.int64())),
+        ("coact_adjacent", pa.list_(pa.int64()))]),
+}
+
+
+def build_run(root: Path, run: Run, workers: int | None = None) -> int:
+    """Reduce one complete run's routing to its summaries; returns the tree-layers summarised."""
+    n, k = int(run.manifest["num_experts"]), int(run.manifest["top_k"])
+    max_nodes = int(run.settings.get("total_tokens", 63))
+    parts = sorted(str(p) for p in run.dir("routing").glob("part-*.parquet"))
+    jobs = [(p, n, k, max_nodes) for p in parts]
+    workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
+    if workers > 1 and len(jobs) > 1:
+        with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+            results = list(pool.map(_reduce_part_args, jobs, chunksize=max(1, len(jobs) // 64)))
+    else:
+        results = [reduce_part(*j) for j in jobs]
+    rows = {c: np.concatenate([r.rows[c] for r in results]) if results else
+            np.zeros(0, dtype=SCHEMAS["summary_tree_layers"].field(c).type.to_pandas_dtype())
+            for c in SCHEMAS["summary_tree_layers"].names}
+    layers: dict[int, dict] = {}
+    for r in results:
+        for lay, s in r.layers.items():
+            acc = layers.setdefault(lay, {key: np.zeros_like(v) for key, v in s.items()})
+            for key, v in s.items():
+                acc[key] = acc[key] + v
+    for lay, s in layers.items():  # tree-layers by node count, for the growth denominators
+        g = rows["layer"] == lay
+        s["tree_count_by_nodes"] = np.bincount(rows["nodes"][g].astype(np.int64),
+                                               minlength=max_nodes + 1)[:max_nodes + 1]
+    order = np.lexsort((rows["layer"], rows["step"], rows["prompt_index"]))
+    tree_layers = pa.table({c: rows[c][order] for c in rows}, schema=SCHEMAS["summary_tree_layers"])
+    layer_table = _finish_layers(layers, n, max_nodes)
+    files = {}
+    for table, data in (("summary_tree_layers", tree_layers), ("summary_layers", layer_table)):
+        folder = _folder(root, table, run)
+        with atomic.folder(folder) as tmp:
+            atomic.write_table(tmp / "part-0.parquet", data)
+            files[table] = _digest(tmp / "part-0.parquet")
+            if table == "summary_layers":  # the stamp goes last: present = complete
+                atomic.write_json(tmp / "_summary.json", {**stamp_of(run), "files": files})
+    return tree_layers.num_rows
+
+
+@dataclass
+class BuildReport:
+    built: list[str] = field(default_factory=list)  # runs (re)built now
+    fresh: int = 0  # runs already up to date
+    tree_layers: int = 0
+    seconds: float = 0.0
+
+
+def ensure(root: Path, workers: int | None = None, progress=None) -> BuildReport:
+    """Build the summaries of every complete run that lacks fresh ones (new, recaptured or
+    extended runs); drop those of runs that no longer exist. ``progress(run_name)`` is called
+    before each build. Raises :class:`catalog.CatalogError` (one line) if the traces folder
+    cannot be written."""
+    root = Path(root)
+    report = BuildReport()
+    start = time.perf_counter()
+    runs = Catalog(root).runs(complete=True)
+    for run in runs:
+        if is_fresh(root, run):
+            report.fresh += 1
+            continue
+        lock_dir = Path(root) / FOLDER
+        try:
+            lock_dir.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(lock_dir / ".build.lock"), timeout=600):
+                if is_fresh(root, run):  # another process built it meanwhile
+                    report.fresh += 1
+                    continue
+                if progress:
+                    progress(run.name)
+                report.tree_layers += build_run(root, run, workers)
+        except OSError as exc:
+            raise CatalogError(f"cannot write routing summaries under {lock_dir}: "
+                               f"{exc.strerror or exc}; make the traces folder writable") from exc
+        report.built.append(run.name)
+    _drop_orphans(root, runs)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _drop_orphans(root: Path, runs: list[Run]) -> None:
+    """Summaries of runs that are gone (deleted, or no longer complete) are not shown."""
+    import shutil
+    live = {(partition_value(r.model), r.bench, r.name) for r in runs}
+    for table in TABLES:
+        base = Path(root) / FOLDER / table
+        for folder in base.glob("model=*/bench=*/run=*"):
+            key = (folder.parent.parent.name[6:], folder.parent.name[6:], folder.name[4:])
+            if key not in live:
+                shutil.rmtree(folder, ignore_errors=True)

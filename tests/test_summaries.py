@@ -1,0 +1,137 @@
+"""Routing summaries: the figures they give equal the SQL over ``routing`` they replace; they are
+built once per run, rebuilt when the run changes, and damage is one line naming the file."""
+
+import shutil
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import reference_routing as ref  # noqa: I001 - tests/ module
+from polars.testing import assert_frame_equal
+
+from analysis import coactivation, routing, summaries
+from analysis.sql import connect
+from capture import cli as capture_cli
+from catalog import Catalog, CatalogError
+
+CAP = ["--max-new-tokens", "10", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sum")
+    assert capture_cli.main([*CAP, "--limit", "2", "--out", str(root), "--run", "a"]) == 0
+    assert capture_cli.main([*CAP, "--limit", "1", "--offset", "4", "--out", str(root),
+                             "--run", "b", "--bench", "gsm8k"]) == 0
+    assert capture_cli.main([*CAP, "--model", "tiny-mixtral", "--limit", "1", "--out", str(root),
+                             "--run", "c"]) == 0
+    return root
+
+
+def _sorted(frame: pl.DataFrame) -> pl.DataFrame:
+    return frame.sort(frame.columns[:-1])
+
+
+def test_every_routing_figure_equals_sql_over_routing(traces):
+    report = summaries.ensure(traces, workers=2)
+    assert sorted(report.built) == ["a", "b", "c"] and report.tree_layers > 0
+    con = connect(traces)
+    tails = routing.heavy_tails(con)
+    want = ref.heavy_tails(con)
+    assert_frame_equal(tails.select(want.columns).sort(["model", "run", "step", "layer"]),
+                       want.sort(["model", "run", "step", "layer"]), check_dtypes=False,
+                       abs_tol=1e-5)
+    by_layer = routing.heavy_tails_by_layer(con)
+    pooled = routing.heavy_tails_summary(want, ("model", "bench", "layer"))
+    assert_frame_equal(by_layer.sort(["model", "bench", "layer"]),
+                       pooled.sort(["model", "bench", "layer"]), check_dtypes=False,
+                       abs_tol=1e-5)
+    for fn in ("coverage_curve", "activation_growth"):
+        for by in ("model, bench", "model, bench, run, layer"):
+            got, exp = getattr(routing, fn)(con, by), getattr(ref, fn)(con, by)
+            keys = [c.strip() for c in by.split(",")] + ["budget" if "coverage" in fn else "tokens"]
+            assert_frame_equal(got.select(exp.columns).sort(keys), exp.sort(keys),
+                               check_dtypes=False, abs_tol=1e-9, rel_tol=1e-9)
+    assert_frame_equal(routing.load_balance(con).sort(["model", "bench", "layer"]),
+                       ref.load_balance(con).sort(["model", "bench", "layer"]),
+                       check_dtypes=False, abs_tol=1e-12)
+    for model, n in (("tiny-olmoe", 64), ("tiny-mixtral", 8)):
+        for conv in ("all_pairs", "adjacent"):
+            got = coactivation.coactivation(con, 1, n, conv, f"model = '{model}'")
+            topk = coactivation.topk_matrix(con, 1, f"model = '{model}'")
+            exact = coactivation.all_pairs(topk, n) if conv == "all_pairs" else \
+                coactivation.adjacent_rank(topk, n)
+            np.testing.assert_allclose(got.matrix, exact, atol=1e-12)
+            assert (got.tokens, got.top_k) == topk.shape
+
+
+def test_parallel_and_serial_builds_write_the_same_tables(traces, tmp_path):
+    import pyarrow.parquet as pq
+    copy = tmp_path / "copy"
+    shutil.copytree(traces, copy, ignore=shutil.ignore_patterns("summaries"))
+    summaries.ensure(copy, workers=1)
+    summaries.ensure(traces, workers=2)
+    for table in summaries.TABLES:
+        for a in sorted((traces / "summaries" / table).rglob("*.parquet")):
+            b = copy / a.relative_to(traces)
+            assert pq.read_table(a).equals(pq.read_table(b)), a
+
+
+def test_built_once_rebuilt_when_the_run_changes_dropped_when_it_goes(traces, tmp_path):
+    root = tmp_path / "t"
+    shutil.copytree(traces, root, ignore=shutil.ignore_patterns("summaries"))
+    assert summaries.ensure(root).built
+    again = summaries.ensure(root)
+    assert again.built == [] and again.fresh == 3
+    # a recaptured run (new run_id) is stale until rebuilt, and hidden from the views meanwhile
+    run = next(r for r in Catalog(root).runs() if r.name == "b")
+    manifest = dict(run.manifest, run_id="recaptured")
+    from catalog.runs import write_manifest
+    write_manifest(root, manifest)
+    con = connect(root)
+    with pytest.raises(CatalogError, match="stale for run"):
+        routing.coverage_curve(con)
+    assert "b" not in set(con.sql("SELECT run FROM summary_layers").pl()["run"])
+    assert summaries.ensure(root).built == ["b"]
+    routing.coverage_curve(connect(root))
+    # a deleted run's summaries go
+    for table in ("runs", "sequences", "trees", "nodes", "routing", "moe_io"):
+        shutil.rmtree(run.root / table / "model=tiny-olmoe" / "bench=gsm8k", ignore_errors=True)
+    summaries.ensure(root)
+    assert not list((root / "summaries").rglob("run=b"))
+
+
+def test_damaged_routing_is_one_line_naming_the_file(traces, tmp_path):
+    root = tmp_path / "t"
+    shutil.copytree(traces, root, ignore=shutil.ignore_patterns("summaries"))
+    part = sorted((root / "routing").rglob("run=a/part-*.parquet"))[0]
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = b"\xff" * 64
+    part.write_bytes(bytes(data))
+    with pytest.raises(CatalogError) as err:
+        summaries.ensure(root, workers=1)
+    assert str(part) in str(err.value) and "\n" not in str(err.value)
+    assert not list((root / "summaries").rglob("run=a/*.parquet"))
+
+
+@pytest.mark.parametrize("damage", ["retype", "flip", "delete"])
+def test_a_damaged_summary_is_rebuilt_not_read(traces, tmp_path, damage):
+    root = tmp_path / "t"
+    shutil.copytree(traces, root)
+    part = sorted((root / "summaries" / "summary_layers").rglob("run=a/part-0.parquet"))[0]
+    pristine = pq.read_table(part)
+    if damage == "retype":  # a list column stored as strings: readable, wrong type
+        name = "selections"
+        pq.write_table(pristine.set_column(pristine.schema.get_field_index(name), name, pa.array(
+            [str(v) for v in pristine[name].to_pylist()])), part)
+    elif damage == "flip":
+        data = bytearray(part.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        part.write_bytes(bytes(data))
+    else:
+        part.unlink()
+    assert summaries.ensure(root, workers=1).built == ["a"]
+    assert pq.read_table(part).equals(pristine)
+    routing.coverage_curve(connect(root))
