@@ -13,7 +13,6 @@ loads new experts), *activation saturation* (all experts loaded, memory still do
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -21,15 +20,20 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-import torch
 
 import console
 from analysis.routing import moesd_uniform
 
 
-@torch.no_grad()
 def time_forward(model, batch: int, gamma: int, prefix: int, repeats: int, vocab: int,
                  seed: int = 0) -> float:
+    import torch
+    with torch.no_grad():
+        return _time_forward(model, batch, gamma, prefix, repeats, vocab, seed)
+
+
+def _time_forward(model, batch, gamma, prefix, repeats, vocab, seed) -> float:
+    import torch
     from transformers import DynamicCache
     dev = next(model.parameters()).device
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -91,40 +95,57 @@ def regime(tokens, n: int, k: int, coef: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from catalog import partition_value
     from moe import models
-    from moe.adapter import MoEAdapter
     p = console.ArgumentParser(
-        prog="profile-target",
+        prog="profile-target", examples="""
+            profile-target --model tiny-olmoe --batches 1,2 --gammas 1,4,16
+            profile-target --model olmoe --device cuda --repeats 5      # on the GPU you study""",
         description="Time the target's forward at batch sizes b and gamma tokens per sequence on "
-                    "this device and store the points for MoESD's efficiency eta(b, gamma).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=models.DEFAULT_MODEL)
-    p.add_argument("--batches", default="1,2,4,8")
-    p.add_argument("--gammas", default="1,2,4,8,16,32,64")
+                    "this device and store the points for MoESD's efficiency eta(b, gamma).")
+    p.add_argument("--model", default=models.DEFAULT_MODEL, help="alias, hub id or folder")
+    p.add_argument("--batches", default="1,2,4,8", help="batch sizes b, comma-separated")
+    p.add_argument("--gammas", default="1,2,4,8,16,32,64",
+                   help="tokens per sequence gamma, comma-separated (1 is always added)")
     p.add_argument("--prefix", type=int, default=128, help="cached tokens before the pass")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--out", type=Path, default=Path("traces"))
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per point (median)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, "
+                                                   "bfloat16, float16")
+    p.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
     args = p.parse_args(argv)
+    from catalog import atomic, partition_value
+    from moe.adapter import MoEAdapter
+    from moe.families import UnsupportedModelError
     models.quiet_transformers()
     try:
-        loaded = models.load(args.model, device=args.device, dtype=args.dtype)
         batches = [int(x) for x in args.batches.split(",")]
         gammas = sorted({1, *(int(x) for x in args.gammas.split(","))})
-    except (models.ModelError, ValueError) as exc:
+        if min(batches) < 1 or min(gammas) < 1 or args.prefix < 1 or args.repeats < 1:
+            raise ValueError("--batches, --gammas, --prefix and --repeats must all be ≥ 1")
+    except ValueError as exc:
+        msg = str(exc) if "must" in str(exc) else \
+            f"cannot read --batches/--gammas ({exc}); use comma-separated whole numbers ≥ 1"
+        print(f"profile-target: error: {msg}", file=sys.stderr)
+        return 2
+    try:
+        loaded = models.load(args.model, device=args.device, dtype=args.dtype)
+        adapter = MoEAdapter(loaded.model)
+    except (models.ModelError, UnsupportedModelError) as exc:
         print(f"profile-target: error: {exc}", file=sys.stderr)
         return 2
-    adapter = MoEAdapter(loaded.model)
     points = profile(loaded.model, batches, gammas, args.prefix, args.repeats)
     folder = (args.out / "profile" / f"model={partition_value(loaded.name)}" /
               f"device={loaded.device.type}")
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / ".part-0.parquet.tmp"
-    points.with_columns(prefix=pl.lit(args.prefix), num_experts=pl.lit(adapter.num_experts),
-                        top_k=pl.lit(adapter.top_k)).write_parquet(tmp)
-    tmp.replace(folder / "part-0.parquet")
+    table = points.with_columns(prefix=pl.lit(args.prefix),
+                                num_experts=pl.lit(adapter.num_experts),
+                                top_k=pl.lit(adapter.top_k)).to_arrow()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic.write_table(folder / "part-0.parquet", table)
+    except OSError as exc:
+        print(f"profile-target: error: cannot write to {args.out}: {exc.strerror or exc}; "
+              "choose a writable --out", file=sys.stderr)
+        return 2
     eff = efficiency(points)
     coef = fit(points, adapter.num_experts, adapter.top_k)
     with pl.Config(tbl_rows=100):

@@ -7,29 +7,29 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import duckdb
 
 import console
-from analysis.sql import connect, views
+from analysis.sql import QueryRefused, connect, run_query, views
+from catalog import CatalogError, atomic
 
 FORMATS = ("table", "csv", "json", "parquet")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(
-        prog="query",
+        prog="query", examples=__doc__.split("\n\n")[1],
         description="Run SQL over every trace table (sequences, trees, nodes, routing, moe_io, "
                     "runs) and replay result (replay_open, replay_closed) as named DuckDB views; "
-                    "hive partitions (model, bench, run, config) are columns.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "hive partitions (model, bench, run, config) are columns. Read-only: "
+                    "queries (SELECT, WITH, EXPLAIN) only.")
     p.add_argument("sql", nargs="?", help="the query")
     p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
     p.add_argument("--schema", action="store_true", help="list the views and their columns")
-    p.add_argument("--format", default="table", choices=FORMATS)
+    p.add_argument("--format", default="table", choices=FORMATS, help="output format")
     p.add_argument("--out", type=Path, default=None, help="write here instead of stdout "
                                                           "(required for parquet)")
     p.add_argument("--max-rows", type=int, default=40, help="rows shown by --format table")
@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"query: error: no traces folder at {args.traces}; run `capture` first or pass "
               "--traces", file=sys.stderr)
         return 2
-    con = connect(args.traces)
+    try:
+        con = connect(args.traces)
+    except CatalogError as exc:
+        print(f"query: error: {exc}", file=sys.stderr)
+        return 2
     names = views(con)
     if args.schema:
         if not names:
@@ -50,20 +54,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.sql:
         print("query: error: give a SQL query or --schema", file=sys.stderr)
         return 2
+    if args.format == "parquet" and not args.out:
+        print("query: error: --format parquet needs --out FILE", file=sys.stderr)
+        return 2
     try:
-        rel = con.sql(args.sql)
-        if rel is None:
-            return 0
-        if args.format == "parquet":
-            if not args.out:
-                print("query: error: --format parquet needs --out FILE", file=sys.stderr)
-                return 2
-            rel.write_parquet(str(args.out))
+        rel = run_query(con, args.sql)
+        if args.format == "parquet":  # written by Python (DuckDB writes no file), atomically
+            atomic.write_table(args.out, rel.to_arrow_table())
             return 0
         df = rel.pl()
+    except QueryRefused as exc:
+        print(f"query: error: {exc}", file=sys.stderr)
+        return 2
     except duckdb.Error as exc:
         first = str(exc).strip().splitlines()[0]
         print(f"query: error: {first} (views: {', '.join(names) or 'none'})", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"query: error: cannot write {args.out}: {exc.strerror or exc}; choose a writable "
+              "--out", file=sys.stderr)
         return 2
     if args.format == "csv":
         text = df.write_csv()
@@ -75,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
                        tbl_hide_dataframe_shape=False):
             text = str(df)
     if args.out:
-        args.out.write_text(text)
+        try:
+            atomic.write_bytes(args.out, text.encode("utf-8"))
+        except OSError as exc:
+            print(f"query: error: cannot write {args.out}: {exc.strerror or exc}; choose a "
+                  "writable --out", file=sys.stderr)
+            return 2
     else:
         print(text)
     return 0

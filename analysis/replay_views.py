@@ -1,12 +1,13 @@
 """Views over replay results: error vs budget, matched-error budgets, oracle gap, closed loop.
 
 * ``error_vs_budget``: mean RSE (and token error, mass excluded) per ranking × coverage × budget
-  (MoE-Spec Fig. 5).
+  (MoE-Spec Fig. 5), with a normal 95% interval of the mean over tree-layers.
 * ``budget_at``: the budget a ranking needs to reach a target RSE, linearly interpolated on its
   (decreasing) sweep.
 * ``oracle_gap``: for each router budget B, the budget the oracle needs for the router's RSE at B,
   and the share of experts it saves, ``(B − B_oracle) / B`` (paper: ~25%) (Fig. 6).
-* ``closed_loop``: accepted length under budget, path-unchanged rate, top-1 agreement, KL.
+* ``closed_loop``: accepted length under budget (with a 95% interval over trees), the captured
+  accepted length of the same trees, path-unchanged rate, top-1 agreement, KL.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import polars as pl
 
 def error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
     return con.sql(f"""
-        SELECT {by}, ranking, coverage, budget, avg(rse) AS rse, avg(token_error) AS token_error,
-               avg(mass_excluded) AS mass_excluded, avg(experts_loaded) AS experts_loaded,
-               count(*) AS tree_layers
+        SELECT {by}, ranking, coverage, budget, avg(rse) AS rse,
+               greatest(avg(rse) - 1.96 * coalesce(stddev_samp(rse), 0) / sqrt(count(*)), 0)
+                   AS rse_lo,
+               avg(rse) + 1.96 * coalesce(stddev_samp(rse), 0) / sqrt(count(*)) AS rse_hi,
+               avg(token_error) AS token_error, avg(mass_excluded) AS mass_excluded,
+               avg(experts_loaded) AS experts_loaded, count(*) AS tree_layers
         FROM replay_open GROUP BY ALL ORDER BY ALL
     """).pl()
 
@@ -64,6 +68,10 @@ def oracle_gap(curves: pl.DataFrame) -> pl.DataFrame:
 def closed_loop(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
     return con.sql(f"""
         SELECT {by}, ranking, coverage, budget, avg(accepted_length) AS tau,
+               avg(accepted_length) - 1.96 * coalesce(stddev_samp(accepted_length), 0)
+                   / sqrt(count(*)) AS tau_lo,
+               avg(accepted_length) + 1.96 * coalesce(stddev_samp(accepted_length), 0)
+                   / sqrt(count(*)) AS tau_hi,
                avg(captured_accepted_length) AS tau_captured,
                avg(path_unchanged::DOUBLE) AS path_unchanged, avg(top1_agreement) AS top1,
                avg(mean_kl) AS kl, avg(list_avg(experts_loaded)) AS experts_loaded,

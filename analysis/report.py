@@ -6,16 +6,27 @@
 from __future__ import annotations
 
 import sys
+from html import escape
 from pathlib import Path
 
+import duckdb
 import plotly.io as pio
 import polars as pl
 
 import console
-from analysis import coactivation, cost, figures, replay_views
-from analysis.frames import all_frames, calibration_frame, efficiency_frame, speedup_frame
+from analysis import coactivation, cost, figures, replay_views, summaries
+from analysis.frames import (
+    all_frames,
+    calibration_frame,
+    efficiency_frame,
+    frontier_frame,
+    model_shape,
+    routing_statistics,
+    speedup_frame,
+)
 from analysis.sql import connect, views
 from catalog import Catalog, CatalogError, atomic, partition_value
+from moe import shapes
 
 
 def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
@@ -41,9 +52,16 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
             figs.append(figures.oracle_gap(replay_views.oracle_gap(curves)))
     if "closed" in frames and pick("closed").height:
         figs.append(figures.closed_loop(pick("closed")))
-    sp = speedup_frame(con, model, bench, manifest, list(cost.PROFILES.values()))
-    if sp is not None:
-        figs.append(figures.speedup(sp))
+    stats = routing_statistics(con, model, bench)
+    captured_shape = model_shape(manifest["model_location"])
+    if stats is not None and captured_shape is not None:
+        for name, target in [("the captured shape", captured_shape), *(
+                (f"{s.checkpoint}", cost.ModelShape.from_config(s.build_config()))
+                for s in shapes.REAL_SHAPES.values())]:
+            sp = speedup_frame(stats, target, list(cost.PROFILES.values()),
+                               manifest["settings"].get("depth", 7))
+            figs.append(figures.speedup(sp, f"Projected speedup on {name} "
+                                            f"(τ from {stats['tau_source']})"))
     fitted = calibration_frame(con, model, bench, manifest)
     if fitted is not None:
         frame, cal = fitted
@@ -54,12 +72,72 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
     eta = efficiency_frame(root, model)
     if eta is not None:
         figs.append(figures.efficiency(eta))
+    shape = model_shape(manifest["model_location"])
+    front = frontier_frame(con, model, bench, shape, cost.PROFILES["H100-SXM"]) if shape else None
+    if front is not None:
+        flat = front["quality"].drop_nulls().n_unique() <= 1
+        figs.append(figures.frontier(front, "agreement" if flat else "quality"))
     return figs
+
+
+def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[tuple[str, str]]:
+    """The figures a reader wants first: τ, unique experts, gap closed, projected speedup."""
+    part = partition_value(model)
+    row = con.execute(f"""SELECT avg(accepted_length), avg(list_avg(unique_experts)),
+                          count(*), count(DISTINCT run) FROM trees WHERE model = '{part}'
+                          AND bench = '{bench}' AND budget IS NULL""").fetchall()[0]
+    n = runs[0].manifest["num_experts"]
+    out = [("mean accepted length τ", f"{row[0]:.2f}" if row[0] else "—"),
+           ("unique experts per layer per tree", f"{row[1]:.1f} of {n}" if row[1] else "—"),
+           ("verification trees", f"{row[2]} in {row[3]} run(s)")]
+    curves = frames.get("errors")
+    if curves is not None:
+        c = curves.filter((pl.col("model") == part) & (pl.col("bench") == bench))
+        mid = sorted(set(c["budget"]))[len(set(c["budget"])) // 2] if c.height else -1
+        pick = {r: c.filter((pl.col("ranking") == r) & (pl.col("budget") == mid)
+                            & (pl.col("coverage") == "truncation"))["rse"]
+                for r in ("router", "oracle", "coact")}
+        if all(v.len() for v in pick.values()) and pick["router"][0] > pick["oracle"][0]:
+            gap = (pick["router"][0] - pick["coact"][0]) / (pick["router"][0] - pick["oracle"][0])
+            out.append((f"router→oracle gap coact closes (truncation, B = {mid})", f"{gap:.0%}"))
+    stats = routing_statistics(con, model, bench)
+    shape = model_shape(runs[0].manifest["model_location"])
+    real = shapes.REAL_SHAPES.get(next((a for a in ("olmoe", "qwen3-moe", "mixtral",
+                                                   "deepseek-v3", "gpt-oss")
+                                        if a in model), ""))
+    if stats is not None and shape is not None:
+        target = cost.ModelShape.from_config(real.build_config()) if real else shape
+        sp = speedup_frame(stats, target, [cost.PROFILES["H100-SXM"]])
+        measured = sp.filter((pl.col("tau_source") != "unbudgeted capture")
+                             | (pl.col("budget") == n))  # never a τ the budget did not see
+        best = measured.sort("speedup").tail(1).row(0, named=True)
+        where = real.checkpoint if real else "the captured shape"
+        out.append((f"best projected speedup over AR on H100 ({where})",
+                    f"{best['speedup']:.2f}× at B = {best['budget']}"))
+    return out
+
+
+def settings_table(runs: list) -> str:
+    rows = []
+    for r in runs:
+        s = r.settings
+        rows.append(f"<tr><td>{escape(r.name)}</td><td>{r.role}</td><td>"
+                    f"{r.manifest.get('prompts_total')}</td><td>{s.get('max_new_tokens')}</td><td>{s.get('total_tokens')}/"
+                    f"{s.get('depth')}/{s.get('tree_top_k')}</td><td>{s.get('temperature')}</td>"
+                    f"<td>{s.get('budget') or '—'}</td><td>{escape(r.manifest.get('dtype', ''))}"
+                    f"</td><td>{escape(str(r.manifest.get('storage', {}).get('dtype', '')))}</td>"
+                    "</tr>")
+    return ("<table border='1' cellpadding='4' style='border-collapse:collapse'><tr><th>run</th>"
+            "<th>role</th><th>prompts</th><th>new tokens</th><th>tree (nodes/depth/top-k)</th>"
+            "<th>T</th><th>budget</th><th>model dtype</th><th>stored as</th></tr>" +
+            "".join(rows) + "</table>")
 
 
 def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation",)) \
         -> list[Path]:
-    """One HTML file per dataset (model × benchmark) of the complete runs in ``roles``."""
+    """One HTML file per dataset (model × benchmark) of the complete runs in ``roles``: key
+    numbers, run settings, a table of contents, then every figure."""
+    summaries.ensure(traces)  # routing summaries of new or changed runs, once
     con = connect(traces, roles=roles)
     if "trees" not in views(con):
         raise FileNotFoundError(f"no complete {'/'.join(roles)} traces under {traces}; run "
@@ -67,17 +145,27 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
     frames = all_frames(con)
     written = []
     out.mkdir(parents=True, exist_ok=True)
-    for run in Catalog(traces).runs(roles=roles):
+    runs = Catalog(traces).runs(roles=roles)
+    for run in runs:
         path = out / f"{partition_value(run.model)}_{run.bench}.html"
         if path in written:
             continue
+        mine = [r for r in runs if r.model == run.model and r.bench == run.bench]
         figs = dataset_figures(con, frames, run.model, run.bench, run.manifest, traces)
-        parts = [pio.to_html(f, include_plotlyjs=(i == 0), full_html=False)
-                 for i, f in enumerate(figs)]
+        toc, parts = [], []
+        for i, f in enumerate(figs):
+            title = f.layout.title.text or f"figure {i + 1}"
+            toc.append(f"<li><a href='#fig{i}'>{escape(title)}</a></li>")
+            parts.append(f"<div id='fig{i}'>" + pio.to_html(
+                f, include_plotlyjs=(i == 0), full_html=False) + "</div>")
+        numbers = "".join(f"<tr><th align='left'>{escape(k)}</th><td>{escape(v)}</td></tr>"
+                          for k, v in key_numbers(con, frames, run.model, run.bench, mine))
         html = (f"<html><head><meta charset='utf-8'><title>MoE-Spec workbench: {run.model} / "
                 f"{run.bench}</title></head><body style='font-family:sans-serif;max-width:1200px;"
-                f"margin:auto'><h1>{run.model} / {run.bench}</h1>" + "".join(parts) +
-                "</body></html>")
+                f"margin:auto'><h1>{escape(run.model)} / {escape(run.bench)}</h1>"
+                f"<h2>Key numbers</h2><table cellpadding='4'>{numbers}</table>"
+                f"<h2>Runs</h2>{settings_table(mine)}<h2>Figures</h2><ol>{''.join(toc)}</ol>"
+                + "".join(parts) + "</body></html>")
         atomic.write_bytes(path, html.encode("utf-8"))
         written.append(path)
     return written
@@ -85,14 +173,30 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
 
 def main(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(prog="report", description="Write one self-contained HTML report "
-                                "per captured dataset (model × benchmark) with every figure.")
-    p.add_argument("--traces", type=Path, default=Path("traces"))
-    p.add_argument("--out", type=Path, default=Path("reports"))
+                                "per captured dataset (model × benchmark) with every figure.",
+                               examples="""
+                                   report --traces traces --out reports
+                                   report --traces traces --role calibration""")
+    p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
+    p.add_argument("--out", type=Path, default=Path("reports"), help="folder for the HTML files")
+    p.add_argument("--role", default="evaluation", choices=("evaluation", "calibration", "all"),
+                   help="which runs the figures draw (calibration runs are never pooled into "
+                        "evaluation figures unless asked)")
     args = p.parse_args(argv)
+    roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
     try:
-        written = write_report(args.traces, args.out)
+        written = write_report(args.traces, args.out, roles)
     except (FileNotFoundError, CatalogError) as exc:
         print(f"report: error: {exc}", file=sys.stderr)
+        return 2
+    except duckdb.Error as exc:
+        first = str(exc).strip().splitlines()[0]
+        print(f"report: error: a trace table could not be read ({first[:200]}); recapture the "
+              "affected run", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"report: error: cannot write to {args.out}: {exc.strerror or exc}; choose a "
+              "writable --out", file=sys.stderr)
         return 2
     for path in written:
         print(f"wrote {path}")

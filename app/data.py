@@ -1,8 +1,12 @@
-"""Data access for the dashboard: one cached DuckDB connection, results cached per dataset version.
+"""Data access for the dashboard: a DuckDB connection per browser session, results cached per
+dataset version.
 
 The *version* of a traces folder is a digest of its manifests and Parquet files (names, sizes,
-modification times). Cached connections and frames are keyed by it, so a new capture or replay
-shows up on the next interaction without restarting the app.
+modification times). Connections and frames are keyed by it, so a new capture or replay shows up
+on the next interaction without restarting the app. Each session has its own read-only
+connection (:func:`analysis.sql.connect`), and SQL typed in the console runs through
+:func:`analysis.sql.run_query` (queries only): nothing one visitor types changes what another
+sees.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ from pathlib import Path
 import polars as pl
 import streamlit as st
 
-from analysis.frames import ANALYSES
-from analysis.sql import connect, views
+from analysis import summaries
+from analysis.frames import ANALYSES, NEEDS
+from analysis.sql import connect, run_query, views
 from catalog import Catalog, CatalogError
 
 
@@ -33,11 +38,17 @@ def dataset_version(root: Path) -> str:
 EVALUATION = ("evaluation",)
 
 
-@st.cache_resource(show_spinner=False)
 def connection(root: str, version: str, roles: tuple[str, ...] | None = EVALUATION):
-    """Views over complete runs of ``roles`` (analysis pages: evaluation runs only, so
-    calibration runs are never pooled into a figure; None: every role)."""
-    return connect(root, roles=roles)
+    """This session's connection with views over complete runs of ``roles`` (analysis pages:
+    evaluation runs only, so calibration runs are never pooled into a figure; None: every
+    role)."""
+    store = st.session_state.setdefault("_connections", {})
+    key = (root, version, roles)
+    if key not in store:
+        for old in [k for k in store if k[:2] != key[:2]]:
+            store.pop(old).close()  # the data changed: drop this session's old connections
+        store[key] = connect(root, roles=roles)
+    return store[key]
 
 
 @dataclass
@@ -58,10 +69,43 @@ class Dataset:
         Streamlit runs sessions on; cursors are, and see the same views)."""
         return connection(str(self.root), self.version).cursor()
 
+    def con_for(self, roles: tuple[str, ...]):
+        """A cursor over complete runs of ``roles``."""
+        roles = None if set(roles) >= {"evaluation", "calibration"} else tuple(roles)
+        return connection(str(self.root), self.version, roles).cursor()
+
     @property
     def all_con(self):
         """A cursor over every complete run, calibration included (``role`` is a column)."""
         return connection(str(self.root), self.version, None).cursor()
+
+
+def _storage(manifest: dict) -> str:
+    s = manifest.get("storage")
+    if not s:
+        return "—"
+    layers = s["layers"]
+    every = layers == manifest.get("moe_layers")
+    return (f"{'all' if every else len(layers)} MoE layer(s), passes {s['passes']}, "
+            f"{s['dtype']}, output {'stored' if s['output'] == 'store' else 'recomputed'}")
+
+
+@st.cache_resource(show_spinner=False)
+def tokenizer(location: str):
+    """The run's tokenizer (to show token text), or None when it cannot be loaded. A local
+    ``tokenizer.json`` loads with the ``tokenizers`` library (instant); only a hub id needs
+    transformers."""
+    folder = Path(location)
+    try:
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+            return Tokenizer.from_file(str(folder / "tokenizer.json"))
+        if folder.is_dir():
+            return None  # a local model without a fast tokenizer: token ids are shown
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(location)
+    except Exception:  # noqa: BLE001 - any failure to load: show token ids
+        return None
 
 
 def load(root: Path) -> tuple[Dataset | None, str | None]:
@@ -73,6 +117,7 @@ def load(root: Path) -> tuple[Dataset | None, str | None]:
     except CatalogError as exc:
         return None, f"{exc}."
     rows = [dict(model=r.model, bench=r.bench, run=r.name, role=r.role, status=r.manifest["status"],
+                 storage=_storage(r.manifest),
                  prompts=r.manifest.get("prompts_total"), num_experts=r.manifest["num_experts"],
                  top_k=r.manifest["top_k"], moe_layers=r.manifest["moe_layers"],
                  model_location=r.manifest["model_location"], draft=r.manifest.get("draft"),
@@ -81,6 +126,11 @@ def load(root: Path) -> tuple[Dataset | None, str | None]:
     if not complete:
         return None, "No complete capture yet." + (
             f" {len(rows)} run(s) still running or interrupted." if rows else "")
+    try:
+        with st.spinner("Summarising the routing of new runs (once per run)…"):
+            summaries.ensure(root)
+    except CatalogError as exc:
+        return None, f"{exc}."
     version = dataset_version(root)
     try:
         con = connection(str(root), version, None).cursor()
@@ -90,6 +140,18 @@ def load(root: Path) -> tuple[Dataset | None, str | None]:
         return None, f"A trace table could not be read ({type(exc).__name__}: " \
                      f"{str(exc).splitlines()[0]}); recapture the affected run."
     return Dataset(root, version, pl.DataFrame(complete), names), None
+
+
+def current(root: Path) -> tuple[Dataset | None, str | None]:
+    """The session's dataset, reloaded whenever the traces folder's version changes (a page
+    script calls this on every rerun, so a capture that lands while the app is open shows up on
+    the next interaction)."""
+    held = st.session_state.get("dataset")
+    if held is not None and held.root == root and held.version == dataset_version(root):
+        return held, None
+    dataset, problem = load(root)
+    st.session_state["dataset"] = dataset
+    return dataset, problem
 
 
 @st.cache_data(show_spinner=False)
@@ -102,12 +164,32 @@ def overview(root: str, version: str) -> pl.DataFrame:
 
 
 @st.cache_data(show_spinner=False)
-def frame(name: str, root: str, version: str) -> pl.DataFrame:
+def frame(name: str, root: str, version: str,
+          roles: tuple[str, ...] = EVALUATION) -> pl.DataFrame:
     """One of :data:`analysis.frames.ANALYSES` (tails, coverage, growth, balance, errors,
-    closed), over evaluation runs, cached per dataset version."""
-    return ANALYSES[name](connection(root, version).cursor())
+    closed) over runs of ``roles``, cached per dataset version."""
+    roles_key = None if set(roles) >= {"evaluation", "calibration"} else tuple(roles)
+    con = connection(root, version, roles_key).cursor()
+    needs = NEEDS.get(name, "routing")
+    if needs not in views(con):
+        return pl.DataFrame()
+    return ANALYSES[name](con)
 
 
-@st.cache_data(show_spinner=False)
+def prompt_rows(root: Path, model: str, bench: str, run: str, table: str, prompt: int,
+                columns: list[str], **equal) -> pl.DataFrame:
+    """One prompt's rows of a trace table, read from that prompt's own part files (never a scan
+    over the run), filtered by ``column=value`` pairs."""
+    from catalog import reader
+    found = Catalog(root).runs(model=model, bench=bench, names=[run], roles=None)
+    if not found:
+        raise CatalogError(f"run {run} of {model} / {bench} is gone; reload the page")
+    frame = pl.from_arrow(reader.read_parts(found[0], table, prompt, columns))
+    for column, value in equal.items():
+        frame = frame.filter(pl.col(column) == value)
+    return frame
+
+
 def query(root: str, version: str, sql: str) -> pl.DataFrame:
-    return connection(root, version, None).cursor().sql(sql).pl()
+    """User SQL, read-only (raises :class:`analysis.sql.QueryRefused` for anything else)."""
+    return run_query(connection(root, version, None).cursor(), sql).pl()

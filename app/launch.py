@@ -1,25 +1,48 @@
-"""``workbench-app``: start the dashboard on a traces folder."""
+"""``workbench-app``: start the dashboard on a traces folder.
+
+    workbench-app --traces traces                      # http://127.0.0.1:8501, this machine only
+    workbench-app --traces traces --host 0.0.0.0       # reachable from the network
+    workbench-app --traces traces -- --theme.base dark # anything after -- goes to Streamlit
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import console
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = console.ArgumentParser(prog="workbench-app", description="Start the Streamlit dashboard "
-                                "over a traces folder (captures and replay results).")
+def parser() -> argparse.ArgumentParser:
+    p = console.ArgumentParser(
+        prog="workbench-app",
+        description="Start the Streamlit dashboard over a traces folder (captures and replay "
+                    "results). Binds to 127.0.0.1 unless --host says otherwise.",
+        examples=__doc__.split("\n\n", 1)[1])
     p.add_argument("--traces", default="traces", help="traces root (default traces/)")
-    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--headless", action="store_true", help="do not open a browser")
+    p.add_argument("streamlit_args", nargs="*", help="options passed to `streamlit run` (after --)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
+    if not 1 <= args.port <= 65535:
+        p.error(f"--port {args.port} is not a port; use 1..65535")
+    if not Path(args.traces).is_dir():
+        print(f"workbench-app: note: no traces folder at {args.traces} yet; the dashboard shows "
+              "how to create one", file=sys.stderr)
     from streamlit.web import cli as stcli
     script = Path(__file__).with_name("main.py")
     sys.argv = ["streamlit", "run", str(script), "--server.port", str(args.port),
-                "--server.headless", str(args.headless).lower(),
-                "--browser.gatherUsageStats", "false", "--", "--traces", args.traces]
+                "--server.address", args.host, "--server.headless", str(args.headless).lower(),
+                "--browser.gatherUsageStats", "false", *args.streamlit_args, "--",
+                "--traces", args.traces]
     return stcli.main()
 
 

@@ -1,6 +1,9 @@
 """The MoE-Spec workbench dashboard (Streamlit).
 
     workbench-app --traces traces          # or: streamlit run app/main.py -- --traces traces
+
+Every page (app/pages/<name>.py, drawn by app/views.py) has its own URL, e.g.
+``http://127.0.0.1:8501/coverage``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import streamlit as st
 if __package__ in (None, ""):  # run as a script by `streamlit run`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app import data, pages  # noqa: E402
+from app import data, views  # noqa: E402
 
 
 def traces_root() -> Path:
@@ -27,11 +30,15 @@ def traces_root() -> Path:
 
 st.set_page_config(page_title="MoE-Spec workbench", layout="wide")
 root = traces_root()
-dataset, problem = data.load(root)
+st.session_state["root"] = root
+dataset, problem = data.current(root)
 if dataset is None:
-    pages.no_data(root, problem)
+    views.no_data(root, problem)
     st.stop()
-st.sidebar.title("MoE-Spec workbench")
-page = st.sidebar.radio("Page", list(pages.PAGES), key="page")
+here = Path(__file__).resolve().parent
+pages = [st.Page(str(here / "pages" / f"{name}.py"), title=title,
+                 url_path=name.replace("_", "-"), default=name == "overview")
+         for name, (title, _) in views.PAGES.items()]
+page = st.navigation(pages)
 st.sidebar.caption(f"{dataset.runs.height} runs under `{root}`")
-pages.PAGES[page](dataset)
+page.run()

@@ -3,7 +3,7 @@
 A synthetic run looks to replay exactly like a capture: per tree (M nodes) and MoE layer, the
 model's own router and experts are run on random MoE inputs, so routing is the model's and the
 gold output passes replay's check. Only the tables replay reads are written (``routing``,
-``moe_io``, ``sequences``, a minimal ``trees``) plus a complete manifest.
+``moe_io``, ``sequences``, minimal ``trees`` and ``nodes``) plus a complete manifest.
 """
 
 from __future__ import annotations
@@ -72,7 +72,12 @@ def write_run(root: Path, model_name: str, model, *, prompts: int, trees_per_pro
                                          steps=trees_per_prompt)],
                                    schema=pa.schema([schema.TABLES["sequences"].field(c) for c in
                                                      ("prompt_index", "prompt_id", "steps")]))
-        for table, t in (("trees", trees), ("sequences", seq)):
+        nodes = pa.Table.from_pylist([dict(prompt_index=p, prompt_id=f"s{p}", step=s, node=j)
+                                      for s in range(trees_per_prompt) for j in range(nodes)],
+                                     schema=pa.schema([schema.TABLES["nodes"].field(c) for c in
+                                                       ("prompt_index", "prompt_id", "step",
+                                                        "node")]))
+        for table, t in (("trees", trees), ("nodes", nodes), ("sequences", seq)):
             folder = run_dir(root, table, model_name, bench, run)
             folder.mkdir(parents=True, exist_ok=True)
             atomic.write_table(folder / f"part-{p:06d}-0000.parquet", t)

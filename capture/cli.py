@@ -1,37 +1,42 @@
 """``capture``: run EAGLE decoding over a benchmark and record every verification pass.
 
-    capture --model tiny-olmoe --bench mbpp --limit 8
-    capture --model olmoe --bench gsm8k --draft path/to/eagle3-head     # on a GPU machine
-    capture --budget 32 --ranking router --coverage substitution       # MoE-Spec online mode
+The parser imports nothing heavy (torch and transformers load once a run starts), so ``--help``
+appears at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 import console
-from capture.run import CaptureSettings, CaptureSummary, capture_run
+from capture.settings import CaptureError, CaptureSettings
 from capture.storage import DTYPES, OUTPUTS
-from capture.writer import CaptureError
-from catalog import schema
-from eagle.draft_head import DraftHeadError
+from catalog import ROLES
 from moe import models
-from moe.families import UnsupportedModelError
-from policy import coverage, rankings
+from policy import index
 from tasks import benchmarks
+
+EXAMPLES = """
+capture --model tiny-olmoe --bench mbpp --limit 8
+capture --model tiny-olmoe --bench gsm8k --role calibration --run cal
+capture --budget 32 --ranking router --coverage substitution     # MoE-Spec online mode
+capture --model olmoe --bench mbpp --chat-template                # a real checkpoint, on a GPU
+capture --config run.toml --output summary.json
+"""
 
 
 def parser() -> argparse.ArgumentParser:
     d = CaptureSettings()
     p = console.ArgumentParser(
-        prog="capture",
+        prog="capture", examples=EXAMPLES,
         description="Run real EAGLE tree drafting and verification on a Hugging Face MoE model "
                     "over a benchmark and write, per verification pass, tree node and MoE layer, "
                     "router probabilities, top-k and mixing weights, MoE input and output to "
-                    "hive-partitioned Parquet. Interrupted runs resume where they stopped.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "hive-partitioned Parquet. Interrupted runs resume where they stopped.")
+    p.add_config_option()
     g = p.add_argument_group("what to run")
     g.add_argument("--model", default=d.model,
                    help=f"alias ({', '.join(models.ALIASES)}), hub id or local folder")
@@ -43,7 +48,11 @@ def parser() -> argparse.ArgumentParser:
                         "../shared/data/benchmarks)")
     g.add_argument("--offset", type=int, default=d.offset, help="first prompt")
     g.add_argument("--limit", type=int, default=d.limit, help="number of prompts (0: all)")
-    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="tokens generated per prompt")
+    g.add_argument("--chat-template", action="store_true",
+                   help="wrap each prompt in the tokenizer's chat template as one user turn "
+                        "(instruction-tuned targets; their EAGLE heads were trained so)")
     g = p.add_argument_group("draft tree (EAGLE-2)")
     g.add_argument("--total-tokens", type=int, default=d.total_tokens,
                    help="tokens per verification tree, root included")
@@ -51,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--tree-top-k", type=int, default=d.tree_top_k, help="beams and children")
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass")
     g.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
     g.add_argument("--seed", type=int, default=d.seed, help="prompt i uses seed + i")
     g = p.add_argument_group("device")
@@ -71,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
     g.add_argument("--run", default=None,
                    help="run name (default: derived from the settings, so reruns resume)")
-    g.add_argument("--role", default="evaluation", choices=schema.ROLES,
+    g.add_argument("--role", default="evaluation", choices=ROLES,
                    help="what the run is for: replay evaluates evaluation runs and learns "
                         "static/coact statistics from calibration runs")
     g = p.add_argument_group("storage policy (routing, trees and nodes are always complete)")
@@ -89,18 +98,20 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--store-expert-outputs", action="store_true",
                    help="also store each used expert's own output E_i(h_t)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_output_option()
     g = p.add_argument_group("MoE-Spec online mode (budget inside verification passes only)")
     g.add_argument("--budget", type=int, default=None, help="experts per layer per tree")
-    g.add_argument("--ranking", default=d.ranking, choices=rankings.names(runtime=True),
-                   help=rankings.help_text(runtime=True))
-    g.add_argument("--coverage", default=d.coverage, choices=list(coverage.COVERAGES))
+    g.add_argument("--ranking", default=d.ranking, choices=index.ranking_names(runtime=True),
+                   help=index.ranking_help(runtime=True))
+    g.add_argument("--coverage", default=d.coverage, choices=list(index.COVERAGES),
+                   help=index.coverage_help())
     g.add_argument("--calibration", nargs="+", default=[],
                    help="captured runs under --out that static counts / coact statistics are "
                         "learned from (other prompts)")
     return p
 
 
-def print_summary(s: CaptureSummary) -> None:
+def print_summary(s) -> None:
     from rich.console import Console
     from rich.table import Table
     t = Table(title=f"capture {s.model} / {s.bench} / run={s.run}", show_header=False)
@@ -119,16 +130,17 @@ def print_summary(s: CaptureSummary) -> None:
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)
-    root = s.root.as_posix()
-    print("look at it:\n  duckdb -c \"SELECT bench, count(*) AS trees, avg(accepted_length) AS tau "
-          f"FROM read_parquet('{root}/trees/**/*.parquet', hive_partitioning=true) "
-          "GROUP BY bench\"")
+    print("look at it:\n"
+          f"  query --traces {s.root.as_posix()} \"SELECT model, bench, run, count(*) AS trees, "
+          "avg(accepted_length) AS tau FROM trees GROUP BY ALL\"\n"
+          f"  replay --traces {s.root.as_posix()} --ranking router oracle --budget 8,16,24,32")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    models.quiet_transformers()
-    settings = CaptureSettings(
+def settings_from(args) -> CaptureSettings:
+    """The capture settings the options describe (checked: one line for anything invalid)."""
+    if args.limit is not None and args.limit < 0:
+        raise CaptureError(f"--limit {args.limit} is out of range: it must be 0 (all) or more")
+    return CaptureSettings(
         model=args.model, bench=args.bench, draft=args.draft, offset=args.offset,
         limit=args.limit or None, max_new_tokens=args.max_new_tokens,
         total_tokens=args.total_tokens, depth=args.depth, tree_top_k=args.tree_top_k,
@@ -137,25 +149,50 @@ def main(argv: list[str] | None = None) -> int:
         hidden_dtype=args.hidden_dtype, store_output=args.store_output,
         store_expert_outputs=args.store_expert_outputs,
         budget=args.budget, ranking=args.ranking, coverage=args.coverage,
-        calibration=tuple(args.calibration), device=args.device,
-        dtype=args.dtype)
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
+        calibration=tuple(args.calibration), device=args.device, dtype=args.dtype,
+        chat_template=args.chat_template)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
+        settings = settings_from(args)
         if args.workers < 0:
             raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
+        if args.threads is not None and args.threads < 1:
+            raise CaptureError(f"--threads {args.threads} must be at least 1")
+    except CaptureError as exc:
+        print(f"capture: error: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    from capture.run import capture_run
+    from eagle.draft_head import DraftHeadError
+    from moe.families import UnsupportedModelError
+    from policy.rankings import RankingError
+    models.quiet_transformers()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
         summary = capture_run(settings, args.out, args.run, role=args.role,
                               benchmarks_root=args.benchmarks, progress=not args.no_progress,
                               workers=args.workers, ray_address=args.ray_address)
     except (models.ModelError, benchmarks.BenchmarkError, CaptureError, DraftHeadError,
-            UnsupportedModelError, rankings.RankingError, ValueError) as exc:
+            UnsupportedModelError, RankingError, ValueError) as exc:
         print(f"capture: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("capture: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
     print_summary(summary)
+    try:
+        console.write_json(args.output, {"tool": "capture", **dataclasses.asdict(summary),
+                                         "role": args.role,
+                                         "settings": dataclasses.asdict(settings)})
+    except OSError as exc:
+        print(f"capture: error: cannot write --output {args.output}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

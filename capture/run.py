@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -26,64 +24,20 @@ import torch
 from tqdm import tqdm
 
 from capture.background import BackgroundWriter, WriterFailed
-from capture.storage import StorageError, StoragePolicy
-from capture.writer import CaptureError, RunWriter
+from capture.settings import CaptureError, CaptureSettings
+from capture.storage import StorageError
+from capture.writer import RunWriter
 from catalog import Catalog, CatalogError, InvalidName, check_name, reader, schema
 from eagle import loading
 from eagle.acceptance import SamplingSettings
 from eagle.decoding import EagleDecoder, Generation
-from eagle.tree import TreeSettings
-from moe import models
+from eagle.settings import TreeSettings
 from moe.adapter import MoEAdapter
 from moe.recorder import LayerRecord, VerifyRecorder
 from policy import coverage, rankings
 from policy.budget import Budget
 from policy.calibration import CalibrationStats
 from tasks import benchmarks
-
-
-@dataclass(frozen=True)
-class CaptureSettings:
-    model: str = models.DEFAULT_MODEL
-    bench: str = "mbpp"
-    draft: str | None = None
-    offset: int = 0
-    limit: int | None = 8
-    max_new_tokens: int = 64
-    total_tokens: int = 63
-    depth: int = 7
-    tree_top_k: int = 10
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    store_layers: str = "auto"  # storage policy (capture/storage.py)
-    store_passes: str = "all"
-    hidden_dtype: str = "bfloat16"
-    store_output: str = "recompute"
-    store_expert_outputs: bool = False
-    budget: int | None = None
-    ranking: str = "router"
-    coverage: str = "substitution"
-    calibration: tuple[str, ...] = ()  # runs under the same --out for static / coact
-    device: str = "auto"
-    dtype: str = "auto"
-    chunk_steps: int = 64
-
-    def storage(self) -> StoragePolicy:
-        return StoragePolicy(self.store_layers, self.store_passes, self.hidden_dtype,
-                             self.store_output, self.seed)
-
-    def identity(self) -> dict:
-        """What makes two captures the same run (device/dtype and chunking included: traces
-        from different numerics are different data)."""
-        return dataclasses.asdict(self)
-
-    def default_run_name(self) -> str:
-        """Readable and unique per settings: a short digest of everything that matters."""
-        digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
-        kind = f"B{self.budget}-{self.ranking}-{self.coverage}" if self.budget else "eagle"
-        return f"{kind}-T{self.temperature:g}-{digest[:8]}"
 
 
 # --- the tables of one prompt ------------------------------------------------------------------
@@ -216,8 +170,11 @@ class PromptChunks:
             if io_t is not None:
                 io.append(io_t)
         self.writer.write_part("routing", self.index, self.chunk, pa.concat_tables(routing))
-        if io:
-            self.writer.write_part("moe_io", self.index, self.chunk, pa.concat_tables(io))
+        # every chunk has a moe_io part (empty where the policy kept no pass), so a missing one
+        # is always damage, never the policy
+        io_table = pa.concat_tables(io) if io else \
+            schema.storage_schema("moe_io", self.storage["dtype"]).empty_table()
+        self.writer.write_part("moe_io", self.index, self.chunk, io_table)
         self.chunk += 1
 
     def finish(self, prompt, ids: list[int], gen: Generation, budget: Budget | None,
@@ -352,7 +309,7 @@ class Target:
         """Decode one prompt; its tables are written on the background writer, ``sequences``
         last (then the manifest's progress, when ``manifest`` is given)."""
         settings, tokenizer, recorder = self.settings, self.loaded.tokenizer, self.recorder
-        ids = tokenizer(prompt.text)["input_ids"]
+        ids = prompt_ids(tokenizer, prompt.text, settings.chat_template)
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         chunks = PromptChunks(writer, index, prompt.prompt_id, self.storage)
         policy = settings.storage()
@@ -366,6 +323,19 @@ class Target:
         gen = session.result
         background.submit(chunks.finish, prompt, ids, gen, self.budget, manifest, done)
         return gen
+
+
+def prompt_ids(tokenizer, text: str, chat_template: bool = False) -> list[int]:
+    """A prompt's token ids; with ``chat_template`` the tokenizer's template wraps it as one user
+    turn followed by the assistant's generation prompt."""
+    if not chat_template:
+        return tokenizer(text)["input_ids"]
+    if not getattr(tokenizer, "chat_template", None):
+        raise CaptureError("--chat-template: this tokenizer has no chat template (a base model); "
+                           "drop the option")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def check_run(run: str | None, role: str, settings: CaptureSettings) -> str:
@@ -405,6 +375,7 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
                                    ray_address=ray_address, benchmarks_root=benchmarks_root,
                                    progress=progress, start=start)
     target = Target.load(settings, out, prompts, record_tensors)
+    prompt_ids(target.loaded.tokenizer, prompts[0].text, settings.chat_template)  # before writing
     load_seconds = time.perf_counter() - start
     writer = RunWriter(out, target.loaded.name, settings.bench, run)
     background = BackgroundWriter()

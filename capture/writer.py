@@ -18,12 +18,9 @@ from pathlib import Path
 import pyarrow as pa
 from filelock import FileLock, Timeout
 
+from capture.settings import CaptureError  # noqa: F401 - re-exported
 from catalog import atomic, schema
 from catalog.runs import CatalogError, read_manifest, run_dir, write_manifest
-
-
-class CaptureError(RuntimeError):
-    """A run that cannot be written or resumed; the message is one line for the user."""
 
 
 class RunWriter:

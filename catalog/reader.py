@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from catalog import schema
 from catalog.runs import CatalogError, Run
 
 ROUTING_COLUMNS = ["prompt_id", "step", "layer", "node", "router_probs", "topk_ids",
@@ -41,6 +42,30 @@ def matrix(column: pa.ChunkedArray, dtype=np.float32) -> np.ndarray:
     return values.reshape(len(arr), -1)
 
 
+ABSURD = 1e6  # no MoE input or output of a working model is this large
+
+
+def check_values(arrays: dict, probs_type=None) -> str | None:
+    """What is wrong with a chunk's numbers (non-finite, out of range, absurd), or None."""
+    n = arrays["probs"].shape[1] if arrays["probs"].size else 0
+
+    def bad(name, values, low, high):
+        if values is None or values.size == 0:
+            return None
+        finite = np.isfinite(values)
+        wrong = ~finite | (values < low) | (values > high)
+        if wrong.any():
+            return f"{name} holds non-finite or out-of-range values (e.g. {values[wrong][0]!r})"
+        return None
+
+    return (bad("router_probs", arrays["probs"], -1e-6, 1 + 1e-3)
+            or bad("topk_ids", arrays["topk_ids"], 0, n - 1)
+            or bad("topk_weights", arrays["topk_weights"], -1e-6, ABSURD)
+            or bad("hidden", arrays.get("hidden"), -ABSURD, ABSURD)
+            or bad("output", arrays.get("output"), -ABSURD, ABSURD)
+            or bad("output_norm", arrays.get("output_norm"), 0, ABSURD))
+
+
 def bfloat16_bits(values: np.ndarray) -> np.ndarray:
     """float32 values rounded to bfloat16 (round to nearest even), as uint16 bit patterns: the
     inverse of :func:`matrix`'s decoding."""
@@ -57,11 +82,34 @@ def read_parts(run: Run, table: str, prompt_index: int, columns: list[str],
     if not parts:
         raise CatalogError(f"{run.dir(table)} has no part for prompt {prompt_index}; the trace "
                            "is incomplete, recapture the run")
-    try:
-        return pa.concat_tables(pq.read_table(p, columns=columns) for p in parts)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise CatalogError(f"corrupt {table} part in {run.dir(table)}: {exc}; recapture the "
-                           "run") from exc
+    tables = []
+    for path in parts:
+        try:
+            t = pq.read_table(path, columns=columns, page_checksum_verification=True)
+            tables.append(_expected_types(t, table))
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise CatalogError(f"{path}: corrupt or unreadable {table} part "
+                               f"({_reason(exc, path)}); recapture the run") from exc
+    return pa.concat_tables(tables)
+
+
+VECTOR_TYPES = {pa.float32(), pa.float16(), pa.uint16()}  # storage dtypes (catalog.schema)
+
+
+def _expected_types(t: pa.Table, table: str) -> pa.Table:
+    """Refuse columns whose type is not the schema's (vectors: any storage dtype)."""
+    expected = schema.TABLES[table]
+    for name in t.column_names:
+        want, got = expected.field(name).type, t.schema.field(name).type
+        if got == want:
+            continue
+        if pa.types.is_list(want) and pa.types.is_list(got) and table == "moe_io" \
+                and got.value_type in VECTOR_TYPES:
+            continue
+        if pa.types.is_null(got):
+            continue
+        raise ValueError(f"column {name} is {got}, the schema says {want}")
+    return t
 
 
 @dataclass
@@ -104,6 +152,14 @@ class PromptTreeLayers:
 
 
 
+def _reason(exc: Exception, path) -> str:
+    """The reader's complaint in a few words: first line, the (already named) path cut out."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    first = first.replace(f"'{path}'", "the file").replace(str(path), "the file")
+    return first[:120]
+
+
 def read_prompt(run: Run, prompt_index: int, *, with_io: bool = True) -> PromptTreeLayers:
     """Routing (and MoE inputs/outputs) of every tree-layer of one prompt."""
     return _tree_layers(run, prompt_index, None, with_io)
@@ -115,8 +171,18 @@ def prompt_chunks(run: Run, prompt_index: int, *, with_io: bool = True) \
     stays bounded by a chunk however long the generation. With ``with_io``, only the
     tree-layers whose MoE tensors the storage policy kept."""
     for part in run.parts("routing", prompt_index):
-        if with_io and not (run.dir("moe_io") / part.name).is_file():
-            continue  # no pass of this chunk kept MoE tensors
+        if with_io:
+            io_part = run.dir("moe_io") / part.name
+            if not io_part.is_file():
+                raise CatalogError(f"{io_part} is missing (every routing part has its moe_io "
+                                   "part); the trace was damaged, recapture the run")
+            try:
+                empty = pq.ParquetFile(io_part).metadata.num_rows == 0
+            except (pa.ArrowException, OSError) as exc:
+                raise CatalogError(f"{io_part}: corrupt or unreadable moe_io part "
+                                   f"({_reason(exc, io_part)}); recapture the run") from exc
+            if empty:
+                continue  # the storage policy kept no pass of this chunk
         yield _tree_layers(run, prompt_index, part.name, with_io)
 
 
@@ -154,6 +220,13 @@ def _tree_layers(run: Run, prompt_index: int, part: str | None, with_io: bool):
     except (ValueError, pa.ArrowInvalid) as exc:
         raise CatalogError(f"corrupt vectors in prompt {prompt_index} of run {run.name} ({exc}); "
                            "recapture the run") from exc
+    where = run.dir("routing") / part if part else run.dir("routing")
+    problem = check_values(arrays, routing.column("router_probs").type.value_type)
+    if problem:
+        table = "moe_io" if problem.split()[0] in ("hidden", "output", "output_norm") \
+            else "routing"
+        where = (run.dir(table) / part) if part else run.dir(table)
+        raise CatalogError(f"{where}: {problem}; the trace is corrupt, recapture the run")
     return PromptTreeLayers(prompt_index, routing["prompt_id"][0].as_py() if len(keys) else "",
                             step[starts].astype(np.int64), layer[starts].astype(np.int64),
                             np.r_[starts, len(keys)].astype(np.int64), **arrays)

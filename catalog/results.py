@@ -46,6 +46,7 @@ class Block:
     budgets: list[int]
     status: str = "running"
     id: str = field(default="")
+    prompts: list[int] | None = None  # the run's complete prompts when the block finished
 
     def __post_init__(self):
         self.layers = None if self.layers is None else sorted(int(x) for x in self.layers)
@@ -56,7 +57,8 @@ class Block:
         return {(layer, b) for layer in (self.layers or [None]) for b in self.budgets}
 
     def as_dict(self) -> dict:
-        return dict(id=self.id, layers=self.layers, budgets=self.budgets, status=self.status)
+        return dict(id=self.id, layers=self.layers, budgets=self.budgets, status=self.status,
+                    prompts=self.prompts)
 
 
 class UnitResults:
@@ -89,7 +91,8 @@ class UnitResults:
         return state["blocks"]
 
     def complete_blocks(self) -> list[Block]:
-        return [b for b in self.blocks() if b.status == "complete"]
+        current = self.run.prompt_indices()
+        return [b for b in self.blocks() if b.status == "complete" and b.prompts == current]
 
     def _write(self, blocks: list[Block]) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -111,6 +114,10 @@ class UnitResults:
             shutil.rmtree(self.folder)  # computed from a capture that no longer exists
             state = None
         existing = state["blocks"] if state else []
+        current = self.run.prompt_indices()
+        for b in existing:  # the run's prompts changed since (parts deleted or restored)
+            if b.status == "complete" and b.prompts != current:
+                b.status = "stale"
         done: set[tuple[int | None, int]] = set()
         for b in existing:
             if b.status == "complete":
@@ -139,10 +146,12 @@ class UnitResults:
         atomic.write_table(folder / f"part-{prompt_index:06d}.parquet", table)
 
     def finish(self, block: Block) -> None:
+        """Mark ``block`` complete over the run's current prompts."""
         blocks = self.blocks()
         for b in blocks:
             if b.id == block.id:
                 b.status = "complete"
+                b.prompts = self.run.prompt_indices()
         self._write(blocks)
 
     def parts(self, layers: list[int] | None = None, budgets: list[int] | None = None) \
@@ -188,5 +197,5 @@ def complete_blocks(root: Path, table: str) -> list[dict]:
             if isinstance(b, dict) and b.get("status") == "complete":
                 rows.append(dict(model=parts["model"], bench=parts["bench"], run=parts["run"],
                                  config=parts["config"], block=b.get("id"),
-                                 run_id=state.get("run_id")))
+                                 run_id=state.get("run_id"), prompts=b.get("prompts")))
     return rows

@@ -118,10 +118,39 @@ class Run:
     def prompt_indices(self) -> list[int]:
         """Prompts written completely (their ``sequences`` part exists), in order."""
         folder = self.dir(schema.COMPLETION_TABLE)
-        return sorted(int(p.name.split("-")[1]) for p in folder.glob("part-*.parquet"))
+        return sorted(prompt_of_part(p) for p in folder.glob("part-*.parquet"))
 
     def parts(self, table: str, prompt_index: int) -> list[Path]:
         return sorted(self.dir(table).glob(f"part-{prompt_index:06d}-*.parquet"))
+
+    def expected_prompts(self) -> list[int]:
+        offset = self.settings.get("offset", 0)
+        return list(range(offset, offset + len(self.manifest.get("prompt_ids", []))))
+
+    def check(self) -> Run:
+        """A complete run must hold every prompt it lists in every table that is always
+        complete; raise one line naming the folder that lacks one."""
+        if not self.complete:
+            return self
+        expected = self.expected_prompts()
+        for table in ("sequences", "trees", "nodes", "routing"):
+            present = {prompt_of_part(p) for p in self.dir(table).glob("part-*.parquet")}
+            missing = sorted(set(expected) - present)
+            if missing:
+                raise CatalogError(f"{self.dir(table)} lacks prompt {missing[0]} of complete run "
+                                   f"{self.name} ({len(missing)} missing); the trace was damaged, "
+                                   "recapture the run")
+        return self
+
+
+def prompt_of_part(path: Path) -> int:
+    """The prompt index in a part's name (``part-<prompt>-<chunk>.parquet``); a file named
+    otherwise is not one capture writes."""
+    try:
+        return int(path.name.split("-")[1])
+    except (IndexError, ValueError):
+        raise CatalogError(f"{path} is not a part capture writes (part-<prompt>-<chunk>.parquet)"
+                           "; remove it or recapture the run") from None
 
 
 class Catalog:
@@ -153,7 +182,7 @@ class Catalog:
                 continue
             if roles and run.role not in roles:
                 continue
-            found.append(run)
+            found.append(run.check())
         return found
 
     def run_dir(self, table: str, model: str, bench: str, run: str) -> Path:

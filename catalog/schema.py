@@ -89,6 +89,19 @@ TABLES: dict[str, pa.Schema] = {
     ]),
 }
 TRACE_TABLES = tuple(TABLES)  # written per prompt; "sequences" must stay the last one written
+
+# Task quality of a run's outputs (analysis/quality.py, the `evaluate` command), one row per
+# prompt, partitioned like the traces: quality/model=…/bench=…/run=…/part-0.parquet
+QUALITY = pa.schema(_KEY + [
+    pa.field("metric", pa.string()),  # accuracy | pass@1 | rougeL | output_words
+    pa.field("score", pa.float64()),  # null where there is nothing to score against
+    pa.field("answer", pa.string()),  # what was extracted, or why it failed
+    pa.field("output_tokens", pa.int32()),
+    pa.field("twin_run", pa.string()),  # the unbudgeted run with the same prompts, if any
+    pa.field("exact_match", pa.bool_()),  # output identical to the twin's
+    pa.field("first_divergence", pa.int32()),  # first differing output token; -1: identical
+    pa.field("twin_score", pa.float64()),
+])
 COMPLETION_TABLE = "sequences"
 
 _REPLAY_KEY = _KEY + _STEP + [pa.field("ranking", pa.string()), pa.field("coverage", pa.string()),

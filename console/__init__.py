@@ -1,12 +1,112 @@
-"""Command-line conventions shared by every tool: bad arguments are one line, not a usage dump."""
+"""Command-line conventions shared by every tool.
+
+* bad arguments are one line (``prog: error: message (see prog --help)``), not a usage dump;
+* ``--help`` ends with an *examples* section and shows each default once;
+* ``--config run.toml`` (where a tool offers it) holds options whose keys mirror the flags
+  (``max_new_tokens = 16`` or ``max-new-tokens = 16``); flags on the command line win;
+* ``--output summary.json`` (where offered) writes the one-screen summary as JSON.
+
+This module imports the standard library only: ``--help`` must appear at once.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown once (never for flags, empty values or help that already names one), and
+    the description / examples kept as written."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text or action.default in (None, False, [], (), argparse.SUPPRESS)
+                or isinstance(action, argparse._StoreConstAction)):
+            return text
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with errors as ``prog: error: message (see prog --help)`` on one line."""
+    """argparse with the conventions above. ``examples`` are command lines, one per line (a
+    ``# comment`` after a command is kept)."""
+
+    def __init__(self, *args, examples: str | None = None, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        if examples:
+            lines = [line.strip() for line in examples.strip().splitlines()]
+            kwargs["epilog"] = "examples:\n" + "\n".join(f"  {line}" for line in lines if line)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    # --- --config ------------------------------------------------------------------------
+    def add_config_option(self) -> None:
+        self.add_argument("--config", type=Path, default=None, metavar="FILE.toml",
+                          help="read options from a TOML file whose keys mirror the flags "
+                               "(max_new_tokens = 16); flags given here win")
+
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        if any(a.dest == "config" for a in self._actions) and "-h" not in argv \
+                and "--help" not in argv:
+            argv = self._config_argv(argv) + argv
+        return super().parse_args(argv, namespace)
+
+    def _config_argv(self, argv: list[str]) -> list[str]:
+        """The config file's options as command-line tokens (so argparse checks them exactly as
+        it checks flags, and later flags override them)."""
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config", type=Path, default=None)
+        known, _ = pre.parse_known_args(argv)
+        if known.config is None:
+            return []
+        try:
+            table = tomllib.loads(known.config.read_text(encoding="utf-8"))
+        except OSError as exc:
+            self.error(f"cannot read --config {known.config}: {exc.strerror or exc}")
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            self.error(f"--config {known.config} is not valid TOML: {exc}")
+        flags = {a.dest: a for a in self._actions if a.option_strings and a.dest != "help"}
+        tokens: list[str] = []
+        for key, value in table.items():
+            action = flags.get(str(key).replace("-", "_"))
+            if action is None or action.dest == "config":
+                self.error(f"--config {known.config}: unknown key {key!r}; keys are the long "
+                           f"options without dashes: {', '.join(sorted(flags))}")
+            flag = max(action.option_strings, key=len)
+            if action.nargs == 0:  # a switch: true turns it on, false leaves the default
+                if not isinstance(value, bool):
+                    self.error(f"--config {known.config}: {key} takes true or false")
+                tokens += [flag] if value else []
+            elif isinstance(value, list):
+                tokens += [flag, *map(str, value)]
+            elif isinstance(value, (dict,)):
+                self.error(f"--config {known.config}: {key} must be a value, not a table")
+            else:
+                tokens += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+        return tokens
+
+    # --- --output ------------------------------------------------------------------------
+    def add_output_option(self) -> None:
+        self.add_argument("--output", type=Path, default=None, metavar="FILE.json",
+                          help="also write the summary as JSON (machine-readable)")
+
+
+def write_json(path: Path | None, payload: dict) -> None:
+    """Write ``payload`` as JSON atomically (a reader never sees half a file); no-op for None."""
+    if path is None:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+    os.replace(tmp, path)

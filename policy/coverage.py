@@ -36,7 +36,6 @@ def prefix_masks(order: torch.Tensor, budgets: list[int], n: int) -> torch.Tenso
 
 class Coverage(ABC):
     name: ClassVar[str]
-    summary: ClassVar[str]
 
     def min_budget(self, k: int) -> int:
         """The smallest budget the policy accepts for top-k routing."""
@@ -55,7 +54,6 @@ class Coverage(ABC):
 
 class Truncation(Coverage):
     name = "truncation"
-    summary = "natural top-k, experts outside the budget dropped (weights not renormalised)"
 
     def apply(self, batch, keep):
         lead = keep.shape[:-1]
@@ -76,7 +74,6 @@ class Truncation(Coverage):
 
 class Substitution(Coverage):
     name = "substitution"
-    summary = "the model's own routing rule within the budget (needs B >= k)"
 
     def min_budget(self, k: int) -> int:
         return k

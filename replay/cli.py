@@ -1,8 +1,7 @@
 """``replay``: re-run captured MoE layers under expert budgets and record what they cost.
 
-    replay --ranking oracle --budget 24
-    replay --ranking static router oracle coact --coverage both --budget sweep --calibration RUN
-    replay --mode closed --ranking router --budget 16,32,48
+The parser imports nothing heavy (torch, transformers and the catalog load once a replay
+starts), so ``--help`` appears at once.
 """
 
 from __future__ import annotations
@@ -12,25 +11,28 @@ import sys
 from pathlib import Path
 
 import console
-from catalog import ROLES, Catalog, CatalogError
-from moe import models
-from moe.adapter import MoEAdapter
-from moe.families import UnsupportedModelError
-from policy import coverage, rankings
-from replay.open_loop import GoldMismatch
-from replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay, summary_frame
+from catalog import ROLES
+from policy import index
+
+EXAMPLES = """
+replay --ranking oracle --budget 24
+replay --ranking router oracle --budget 8:56:8 --coverage substitution
+replay --ranking static router oracle coact --budget sweep --calibration cal
+replay --mode closed --ranking router --budget 16,32,48
+replay --config sweep.toml --output summary.json
+"""
 
 
 def parser() -> argparse.ArgumentParser:
     p = console.ArgumentParser(
-        prog="replay",
+        prog="replay", examples=EXAMPLES,
         description="Replay captured verification trees under expert budgets. Open loop: every "
                     "MoE layer of every tree is recomputed from its captured input under each "
                     "ranking, coverage policy and budget, and the reconstruction error recorded. "
                     "Closed loop: each tree is re-verified through the whole target with the "
                     "budget in every MoE layer. Results go to Parquet beside the traces; cells "
-                    "already replayed are reused, never stored twice.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "already replayed are reused, never stored twice.")
+    p.add_config_option()
     p.add_argument("--traces", type=Path, default=Path("traces"), help="captured traces root")
     p.add_argument("--model", default=None,
                    help="only runs of this model (default: the model of the runs found)")
@@ -40,17 +42,20 @@ def parser() -> argparse.ArgumentParser:
                    help="which runs to evaluate (calibration runs are never evaluated by "
                         "accident)")
     p.add_argument("--ranking", nargs="+", default=["router", "oracle"],
-                   choices=rankings.names(),
+                   choices=index.ranking_names(),
                    help="rankings to compare (closed loop: runtime ones only): "
-                        + rankings.help_text())
-    p.add_argument("--coverage", default="both", choices=(*coverage.COVERAGES, "both"))
+                        + index.ranking_help())
+    p.add_argument("--coverage", default="both", choices=(*index.COVERAGES, "both"),
+                   help=index.coverage_help() + "; both: one result per policy")
     p.add_argument("--budget", default="24",
                    help="24, a list 8,16,32, a range 8:56:8 or sweep (the paper's grid for N)")
     p.add_argument("--layers", default=None, help="comma-separated decoder layers (default all)")
     p.add_argument("--calibration", nargs="+", default=[],
                    help="runs (under --traces) that static counts and coact statistics are "
                         "learned from; must not share prompts with the evaluated runs")
-    p.add_argument("--mode", default="open", choices=("open", "closed"))
+    p.add_argument("--mode", default="open", choices=("open", "closed"),
+                   help="open: per-layer reconstruction error; closed: re-verify every tree "
+                        "with the budget in all layers (acceptance under budget)")
     p.add_argument("--out", type=Path, default=None, help="results root (default --traces)")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA if present), cpu, cuda, cuda:N: where the whole engine runs")
@@ -61,11 +66,13 @@ def parser() -> argparse.ArgumentParser:
                    help="fan prompts out to N Ray actors on a local cluster (pip install -e "
                         ".[ray]); each loads the model once")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_output_option()
     return p
 
 
-def select_runs(catalog: Catalog, args) -> list:
+def select_runs(catalog, args) -> list:
+    from replay.run import ReplayError
     runs = catalog.runs(model=args.model, bench=args.bench, names=args.run)
     runs = [r for r in runs if r.name not in args.calibration]
     other = [r for r in runs if r.role != args.role]
@@ -80,6 +87,11 @@ def select_runs(catalog: Catalog, args) -> list:
     if len(names) > 1:
         raise ReplayError(f"runs of several models found ({', '.join(sorted(names))}); pick one "
                           "with --model")
+    empty = [r for r in runs if not r.prompt_indices()]
+    if empty:
+        raise ReplayError(f"run {empty[0].name} says complete but has no complete prompt (its "
+                          f"sequences table is missing or empty under {empty[0].dir('sequences')})"
+                          "; recapture it")
     if any(r.settings.get("budget") is not None for r in runs):
         raise ReplayError("replay needs plain EAGLE captures; some selected runs were captured "
                           "under a budget (pick runs with --run)")
@@ -88,6 +100,13 @@ def select_runs(catalog: Catalog, args) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from catalog import Catalog, CatalogError
+    from moe import models
+    from moe.adapter import MoEAdapter
+    from moe.families import UnsupportedModelError
+    from policy import coverage, rankings
+    from replay.open_loop import GoldMismatch
+    from replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay, summary_frame
     models.quiet_transformers()
     try:
         catalog = Catalog(args.traces)
@@ -114,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ReplayError(f"substitution needs a budget ≥ k = {adapter.top_k}")
         if args.batch is not None and args.batch < 1:
             raise ReplayError(f"--batch {args.batch} must be at least 1")
-        layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+        try:
+            layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+        except ValueError:
+            raise ReplayError(f"cannot read --layers {args.layers!r}; use decoder layer numbers "
+                              "like 0,4,7") from None
         for layer in layers or ():
             adapter.layer(layer)
         stats, cal = None, []
@@ -132,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyError as exc:
         print(f"replay: error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        where = getattr(exc, "filename", None) or args.out or args.traces
+        print(f"replay: error: cannot write results to {where}: {exc.strerror or exc}; choose a "
+              "writable --out", file=sys.stderr)
         return 2
     for name, skipped in outcome.skipped.items():
         print(f"replay: {name} skipped budgets {', '.join(map(str, skipped))}: C(N, B) exceeds "
@@ -153,6 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     if outcome.trees:
         print(f"re-verified {outcome.trees} trees in {outcome.seconds:.1f} s")
     print(f"results: {', '.join(folders)}")
+    payload = {"tool": "replay", "mode": args.mode, "traces": str(args.traces),
+               "model": runs[0].model, "runs": [r.name for r in runs],
+               "calibration": list(args.calibration), "rankings": list(args.ranking),
+               "coverages": list(coverages), "budgets": list(budgets),
+               "tree_layers": outcome.tree_layers, "trees": outcome.trees,
+               "seconds": outcome.seconds, "results": folders,
+               "reused": list(outcome.reused), "notes": list(outcome.notes),
+               "skipped": {k: list(v) for k, v in outcome.skipped.items()},
+               "summary": frame.to_dicts() if frame is not None else []}
+    try:
+        console.write_json(args.output, payload)
+    except OSError as exc:
+        print(f"replay: error: cannot write --output {args.output}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

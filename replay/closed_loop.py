@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from transformers import DynamicCache
 
 from catalog import schema
 from catalog.results import Block, UnitResults
@@ -96,7 +95,7 @@ def replay_prompt(run: Run, prompt: int, adapter: MoEAdapter, tasks: list[Closed
     seq, trees, nodes = _prompt_tables(run, prompt)
     by_step = _trees_by_step(nodes, dev)
     committed = seq["prompt_token_ids"] + seq["output_token_ids"]
-    cache = DynamicCache(config=model.config)
+    cache = verify.new_cache(model)
     cached = 0
     pid = run.manifest["prompt_ids"][prompt - run.settings["offset"]]
     rows: dict[int, list[dict]] = {i: [] for i in range(len(tasks))}

@@ -49,7 +49,10 @@ def parse_budgets(spec: str, n: int) -> list[int]:
         return list(range(step, n, step))
     try:
         if ":" in spec:
-            lo, hi, *st = (int(x) for x in spec.split(":"))
+            parts = [int(x) for x in spec.split(":")]
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] < 1):
+                raise ValueError(spec)
+            lo, hi, *st = parts
             values = list(range(lo, hi + 1, st[0] if st else 1))
         else:
             values = [int(x) for x in spec.split(",")]

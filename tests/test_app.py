@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app import pages
+from app.views import PAGES
 from capture import cli as capture_cli
 from replay import cli as replay_cli
 
@@ -33,8 +33,11 @@ def app_on(root, monkeypatch) -> AppTest:
     return at
 
 
+NAMES = {title: name for name, (title, _) in PAGES.items()}
+
+
 def goto(at: AppTest, page: str) -> AppTest:
-    at.sidebar.radio(key="page").set_value(page).run()
+    at.switch_page(f"pages/{NAMES[page]}.py").run()
     assert not at.exception, [e.message for e in at.exception]
     return at
 
@@ -43,10 +46,15 @@ def chart_json(at: AppTest) -> list[str]:
     return [c.proto.spec for c in at.get("plotly_chart")]
 
 
-@pytest.mark.parametrize("page", list(pages.PAGES))
+@pytest.mark.parametrize("page", list(NAMES))
 def test_every_page_renders_without_exception(traces, monkeypatch, page):
+    import json
+
+    from figcheck import problems
     at = goto(app_on(traces, monkeypatch), page)
     assert at.get("plotly_chart") or at.dataframe or at.metric, page
+    found = [p for spec in chart_json(at) for p in problems(json.loads(spec))]
+    assert not found, found
 
 
 def test_selectors_change_the_output(traces, monkeypatch):
@@ -69,12 +77,15 @@ def test_selectors_change_the_output(traces, monkeypatch):
     assert [m.value for m in at.markdown] != text
 
     at = goto(at, "Speedup projection")
-    at.selectbox(key="speed_hw").set_value("H200").run()
+    at.multiselect(key="speed_hw").set_value(["H200"]).run()
     at.select_slider(key="speed_b").set_value(16).run()
     assert at.metric[0].label == "projected speedup at B=16 on H200"
     value = at.metric[0].value
     at.select_slider(key="speed_b").set_value(64).run()
     assert at.metric[0].value != value
+    before = chart_json(at)
+    at.selectbox(key="speed_target").set_value("Qwen/Qwen3-30B-A3B").run()
+    assert chart_json(at) != before  # another target shape, another projection
 
     at = goto(at, "SQL console")
     first = at.dataframe[0].value

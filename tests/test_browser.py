@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from app import pages
+from app.views import PAGES
 from capture import cli as capture_cli
+from replay import cli as replay_cli
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -34,8 +35,16 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("browser")
-    assert capture_cli.main(["--limit", "2", "--max-new-tokens", "10", "--out", str(root),
-                             "--no-progress"]) == 0
+    assert capture_cli.main(["--limit", "2", "--max-new-tokens", "16", "--out", str(root),
+                             "--no-progress", "--run", "eval"]) == 0
+    assert capture_cli.main(["--limit", "2", "--offset", "100", "--max-new-tokens", "16",
+                             "--out", str(root), "--no-progress", "--run", "cal", "--role",
+                             "calibration"]) == 0
+    assert replay_cli.main(["--traces", str(root), "--calibration", "cal", "--ranking", "router",
+                            "oracle", "coact", "--budget", "sweep", "--no-progress"]) == 0
+    assert replay_cli.main(["--traces", str(root), "--mode", "closed", "--ranking", "router",
+                            "--coverage", "substitution", "--budget", "sweep",
+                            "--no-progress"]) == 0
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "app.launch", "--traces", str(root), "--port",
                              str(port), "--headless"], stdout=subprocess.DEVNULL,
@@ -72,13 +81,17 @@ def browser():
 
 
 def wait_idle(driver, timeout=60):
-    """Until Streamlit has finished running the script (no running indicator, content shown)."""
+    """Until Streamlit has finished running the script: the app reports ``notRunning`` (after
+    having run) and shows content, three checks in a row."""
     from selenium.webdriver.common.by import By
     deadline = time.time() + timeout
+    calm = 0
     while time.time() < deadline:
-        running = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stStatusWidget"]')
+        app = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stApp"]')
+        state = app[0].get_attribute("data-test-script-state") if app else None
         main = driver.find_elements(By.CSS_SELECTOR, '[data-testid="stMainBlockContainer"]')
-        if main and not running and main[0].text.strip():
+        calm = calm + 1 if state == "notRunning" and main and main[0].text.strip() else 0
+        if calm >= 3:
             return
         time.sleep(0.25)
     raise AssertionError("page did not finish rendering")
@@ -93,17 +106,17 @@ def test_every_page_in_headless_chromium(server, browser, tmp_path):
     wait_idle(browser)
     first = time.perf_counter() - start
     print(f"first page rendered in {first:.2f} s")
-    for name in pages.PAGES:
-        labels = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stSidebar"] label')
-        target = [el for el in labels if el.text.strip() == name]
-        assert target, f"no sidebar entry {name!r}"
-        target[0].click()
+    for page, (title, _) in PAGES.items():
+        # every page has its own URL (the default page lives at the root)
+        browser.get(server if page == "overview" else f"{server}/{page.replace('_', '-')}")
         time.sleep(0.5)
         wait_idle(browser)
         errors = browser.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]')
-        assert not errors, f"{name}: {errors[0].text[:300]}"
+        assert not errors, f"{title}: {errors[0].text[:300]}"
+        assert "Page not found" not in browser.find_element(By.TAG_NAME, "body").text, title
         headers = [h.text for h in browser.find_elements(
             By.CSS_SELECTOR, '[data-testid="stMainBlockContainer"] h2')]
-        assert name in headers, (name, headers)
-        browser.save_screenshot(str(shots / f"{name.lower().replace(' ', '-')}.png"))
-    assert len(list(shots.glob("*.png"))) >= len(pages.PAGES)
+        assert title in headers, (title, headers)
+        time.sleep(1.0)  # let plotly finish drawing before the screenshot
+        browser.save_screenshot(str(shots / f"{page.replace('_', '-')}.png"))
+    assert len(list(shots.glob("*.png"))) >= len(PAGES)

@@ -21,7 +21,7 @@ ALLOWED = {
     "eagle": {"moe"},
     "capture": {"catalog", "policy", "moe", "eagle", "tasks", "console", "cluster"},
     "replay": {"catalog", "policy", "moe", "eagle", "console", "cluster"},
-    "analysis": {"catalog", "moe", "console"},
+    "analysis": {"catalog", "moe", "tasks", "console"},
     "app": {"analysis", "catalog", "console"},
     "training": {"catalog", "moe", "eagle", "tasks", "console"},
 }

@@ -35,3 +35,24 @@ def test_profile_target_stores_points_and_fits(tmp_path, capsys):
                              "part-0.parquet")
     assert points.height == 4 and (points["seconds"] > 0).all()
     assert "fit: T =" in capsys.readouterr().out
+
+
+def test_every_report_figure_has_a_title_and_axis_titles(tmp_path, monkeypatch):
+    import json
+
+    from figcheck import problems
+    traces = tmp_path / "traces"
+    assert capture_cli.main(["--limit", "2", "--max-new-tokens", "12", "--out", str(traces),
+                             "--no-progress"]) == 0
+    assert replay_cli.main(["--traces", str(traces), "--ranking", "router", "oracle",
+                            "--budget", "16,32", "--no-progress"]) == 0
+    assert replay_cli.main(["--traces", str(traces), "--mode", "closed", "--ranking", "router",
+                            "--budget", "16,64", "--coverage", "substitution",
+                            "--no-progress"]) == 0
+    seen = []
+    to_html = report.pio.to_html
+    monkeypatch.setattr(report.pio, "to_html", lambda f, **kw: seen.append(f) or to_html(f, **kw))
+    assert report.main(["--traces", str(traces), "--out", str(tmp_path / "r")]) == 0
+    assert len(seen) >= 10
+    found = [p for f in seen for p in problems(json.loads(f.to_json()))]
+    assert not found, found

@@ -1,0 +1,290 @@
+"""Hostile input: corrupt traces, read-only SQL, stale and partial results, bad options.
+
+Every case ends in the exact result or one clear line naming the problem, with exit code 2:
+never a traceback, a NaN, or exit 0 with wrong data."""
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from capture import cli as capture_cli
+
+CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress"]
+QUERY = "SELECT count(*) AS trees, round(avg(accepted_length), 6) AS tau FROM trees"
+
+
+def run(module, *args, timeout=300):
+    """``python -m module args`` or, for ``module:function`` (a console script), that function
+    called with the args."""
+    if ":" in module:
+        mod, func = module.split(":")
+        cmd = ["-c", f"import sys; from {mod} import {func}; sys.exit({func}(sys.argv[1:]))"]
+    else:
+        cmd = ["-m", module]
+    return subprocess.run([sys.executable, *cmd, *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def one_line_error(r, *words):
+    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A small capture, its replay results, query output and report, computed once."""
+    root = tmp_path_factory.mktemp("pristine")
+    traces = root / "traces"
+    assert capture_cli.main([*CAP, "--limit", "2", "--out", str(traces), "--run", "r"]) == 0
+    r = run("replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
+            "16", "--no-progress", "--out", root / "results")
+    assert r.returncode == 0, r.stderr
+    q = run("analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
+    assert q.returncode == 0
+    return traces, results_of(root / "results"), q.stdout
+
+
+def results_of(folder):
+    t = pq.read_table(folder / "replay_open").to_pandas()
+    return t.sort_values(["prompt_index", "step", "layer", "coverage"]).reset_index(drop=True)[
+        ["prompt_index", "step", "layer", "coverage", "rse", "token_error"]]
+
+
+# --- 1. silent NaN -------------------------------------------------------------------------------
+def test_absurd_values_in_a_trace_are_caught_naming_the_file(pristine, tmp_path):
+    traces = tmp_path / "t"
+    shutil.copytree(pristine[0], traces)
+    part = sorted((traces / "moe_io").rglob("part-000000-*.parquet"))[0]
+    t = pq.read_table(part)
+    from catalog.reader import bfloat16_bits, matrix
+    hidden = matrix(t["hidden"]) * 1e25  # what flipped exponent bits look like
+    from capture.run import _lists
+    t = t.set_column(t.schema.get_field_index("hidden"), "hidden",
+                     _lists(bfloat16_bits(hidden), pa.uint16()))
+    pq.write_table(t, part)
+    r = run("replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
+    one_line_error(r, part.name, "non-finite or out-of-range")
+
+
+# --- 2. SQL is read-only and confined to the traces ----------------------------------------------
+@pytest.mark.parametrize("sql,words", [
+    ("SELECT * FROM read_text('/etc/passwd')", ["Permission"]),
+    ("COPY (SELECT 1) TO '/tmp/moespec-evil.csv'", ["only read-only queries", "COPY"]),
+    ("COPY (SELECT 1) TO 'TRACES/inside.csv'", ["only read-only queries"]),
+    ("ATTACH '/tmp/moespec-evil.db'", ["only read-only queries"]),
+    ("INSTALL httpfs", ["only read-only queries"]),
+    ("CREATE OR REPLACE VIEW trees AS SELECT 1", ["only read-only queries"]),
+    ("SET enable_external_access = true", ["only read-only queries"]),
+    ("SELECT 1; DROP VIEW trees", ["only read-only queries"]),
+])
+def test_query_refuses_anything_but_a_read_only_query(pristine, sql, words):
+    traces = pristine[0]
+    r = run("analysis.query_cli", sql.replace("TRACES", str(traces)), "--traces", traces)
+    one_line_error(r, *words)
+    assert not (traces / "inside.csv").exists()
+    assert run("analysis.query_cli", QUERY, "--traces", traces, "--format", "csv").stdout == \
+        pristine[2]
+
+
+def test_the_app_console_is_read_only_and_per_session(pristine, monkeypatch):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+    app = str(Path(__file__).resolve().parent.parent / "app" / "main.py")
+    monkeypatch.setattr(sys, "argv", ["main.py", "--traces", str(pristine[0])])
+    a = AppTest.from_file(app, default_timeout=180)
+    a.run()
+    a.switch_page("pages/sql_console.py").run()
+    a.text_area(key="sql_τ and experts by benchmark").set_value(
+        "CREATE OR REPLACE VIEW trees AS SELECT 42 AS evil").run()
+    assert a.error and "only read-only queries" in a.error[0].value
+    b = AppTest.from_file(app, default_timeout=180)  # another visitor
+    b.run()
+    b.switch_page("pages/sql_console.py").run()
+    b.text_area(key="sql_τ and experts by benchmark").set_value(
+        "SELECT count(*) AS n FROM trees").run()
+    assert not b.error and int(b.dataframe[0].value["n"][0]) > 1
+
+
+def test_the_app_binds_to_localhost_by_default():
+    from app.launch import parser
+    assert parser().parse_args([]).host == "127.0.0.1"
+
+
+# --- 4. never destroy data -----------------------------------------------------------------------
+def test_training_refuses_a_non_empty_folder_without_force(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "keep.txt").write_text("precious")
+    r = run("training.cli:train_tiny", "--model", "tiny-olmoe", "--out", tmp_path / "model")
+    one_line_error(r, "exists and is not empty", "--force")
+    assert (tmp_path / "model" / "keep.txt").read_text() == "precious"
+    r = run("training.cli:train_tiny", "--model", "tiny-olmoe")  # the shipped model's folder
+    one_line_error(r, "exists and is not empty")
+
+
+# --- 5. stale results ----------------------------------------------------------------------------
+def test_results_follow_the_runs_prompts(pristine, tmp_path):
+    traces = tmp_path / "t"
+    shutil.copytree(pristine[0], traces)
+    seq = traces / "sequences" / "model=tiny-olmoe" / "bench=mbpp" / "run=r"
+    moved = tmp_path / "seq"
+    shutil.move(seq, moved)
+    r = run("replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
+    one_line_error(r, "lacks prompt 0", "sequences")
+    shutil.move(moved, seq)
+    r = run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+            "--no-progress")
+    assert r.returncode == 0 and "reused" not in r.stderr
+    assert results_of(traces).equals(pristine[1])
+
+
+# --- 6. partial results are not final ------------------------------------------------------------
+def test_running_captures_and_interrupted_replays_are_not_shown(pristine, tmp_path):
+    traces = tmp_path / "t"
+    shutil.copytree(pristine[0], traces)
+    manifest_path = next(traces.glob("runs/**/_manifest.json"))
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "status": "running"}))
+    r = run("analysis.query_cli", "SELECT count(*) AS n FROM trees", "--traces", traces,
+            "--format", "csv")
+    assert r.returncode == 0 and r.stdout.splitlines()[1] == "0"  # the running run is excluded
+    manifest_path.write_text(json.dumps(manifest))
+    assert run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+               "--no-progress").returncode == 0
+    for config in traces.glob("replay_open/**/_config.json"):
+        state = json.loads(config.read_text())
+        state["blocks"][0]["status"] = "running"  # as if killed mid-sweep
+        config.write_text(json.dumps(state))
+    q = run("analysis.query_cli", "SELECT count(*) AS n FROM replay_open", "--traces", traces,
+            "--format", "csv")
+    assert q.returncode != 0 or q.stdout.splitlines()[1] == "0"
+
+
+# --- the also-fix list ---------------------------------------------------------------------------
+@pytest.mark.parametrize("module,args,words", [
+    ("capture.cli", ["--max-new-tokens", "0"], ["--max-new-tokens 0", "at least 1"]),
+    ("capture.cli", ["--limit", "-1"], ["--limit -1"]),
+    ("capture.cli", ["--offset", "-1"], ["--offset -1"]),
+    ("capture.cli", ["--temperature", "-0.5"], ["--temperature"]),
+    ("replay.cli", ["--budget", "8:16:8:99"], ["cannot read --budget"]),
+    ("replay.cli", ["--layers", "a,b"], ["cannot read --layers"]),
+    ("replay.cli", ["--batch", "0"], ["--batch 0"]),
+    ("analysis.moesd", ["--batches", "0"], ["must all be"]),
+    ("analysis.moesd", ["--batches", "x"], ["cannot read --batches"]),
+    ("app.launch", ["--port", "99999"], ["not a port"]),
+    ("training.cli:train_draft", ["--batch", "0"], ["--batch 0"]),
+])
+def test_bad_options_are_one_line(pristine, module, args, words):
+    traces = pristine[0]
+    extra = {"capture.cli": [*CAP[:4], "--out", traces.parent / "x"],
+             "replay.cli": ["--traces", traces, "--no-progress"]}.get(module, [])
+    one_line_error(run(module, *extra, *args, timeout=120), *words)
+
+
+def test_unwritable_outputs_are_one_line(pristine, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    traces = pristine[0]
+    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "24",
+                       "--out", blocker / "out", "--no-progress"), "cannot write")
+    one_line_error(run("analysis.report", "--traces", traces, "--out", blocker / "r"),
+                   "cannot write")
+    one_line_error(run("analysis.query_cli", QUERY, "--traces", traces, "--out",
+                       blocker / "q.csv", "--format", "csv"), "cannot write")
+
+
+def test_a_traces_path_with_an_apostrophe_works(pristine, tmp_path):
+    odd = tmp_path / "it's traces"
+    shutil.copytree(pristine[0], odd)
+    r = run("analysis.query_cli", QUERY, "--traces", odd, "--format", "csv")
+    assert r.returncode == 0 and r.stdout == pristine[2]
+
+
+@pytest.mark.parametrize("content", ["[]", "{}", '{"schema_version": 2}', "not json"])
+def test_broken_manifests_are_one_line(pristine, tmp_path, content):
+    traces = tmp_path / "t"
+    shutil.copytree(pristine[0], traces)
+    next(traces.glob("runs/**/_manifest.json")).write_text(content)
+    one_line_error(run("replay.cli", "--traces", traces, "--no-progress"), "_manifest.json")
+    one_line_error(run("analysis.query_cli", QUERY, "--traces", traces), "_manifest.json")
+
+
+def test_a_torn_result_config_is_one_line(pristine, tmp_path):
+    traces = tmp_path / "t"
+    shutil.copytree(pristine[0], traces)
+    assert run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+               "--no-progress").returncode == 0
+    next(traces.glob("replay_open/**/_config.json")).write_text('{"blocks": [')
+    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+                       "--no-progress"), "corrupt replay result config")
+
+
+# --- the corruption property ---------------------------------------------------------------------
+def corrupt(traces, kind: str, pick: int, rng: random.Random) -> str:
+    """Damage one file of the traces; returns what was done (for the failure message)."""
+    files = sorted(p for p in traces.rglob("*") if p.is_file() and (
+        p.suffix == ".parquet" or p.name == "_manifest.json"))
+    path = files[pick % len(files)]
+    data = path.read_bytes()
+    if kind == "truncate":
+        path.write_bytes(data[:rng.randrange(len(data))])
+    elif kind == "flip":
+        b = bytearray(data)
+        for _ in range(8):
+            i = rng.randrange(len(b))
+            b[i] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(b))
+    elif kind == "delete":
+        path.unlink()
+    elif kind == "retype" and path.suffix == ".parquet":
+        t = pq.read_table(path)
+        names = [f.name for f in t.schema if f.name not in ("prompt_id",)]
+        name = names[pick % len(names)]
+        t = t.set_column(t.schema.get_field_index(name), name,
+                         pa.array([str(v) for v in t[name].to_pylist()]))
+        pq.write_table(t, path)
+    return f"{kind} {path.relative_to(traces)}"
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(["truncate", "flip", "delete", "retype"]),
+       pick=st.integers(0, 10_000), seed=st.integers(0, 10_000))
+def test_any_corruption_gives_the_exact_result_or_one_line(pristine, tmp_path_factory, kind,
+                                                           pick, seed):
+    traces_src, expected, query_out = pristine
+    root = tmp_path_factory.mktemp("corrupt")
+    traces = root / "traces"
+    shutil.copytree(traces_src, traces)
+    what = corrupt(traces, kind, pick, random.Random(seed))
+    r = run("replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
+            "16", "--no-progress", "--out", root / "results")
+    if r.returncode == 0:
+        got = results_of(root / "results")
+        assert got.equals(expected), what  # exit 0 means the exact result
+        assert np.isfinite(got[["rse", "token_error"]].to_numpy()).all(), what
+    else:
+        one_line_error(r)
+    q = run("analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
+    if q.returncode == 0:
+        assert q.stdout == query_out, what
+    else:
+        one_line_error(q)
+    rep = run("analysis.report", "--traces", traces, "--out", root / "report")
+    if rep.returncode == 0:
+        html = next((root / "report").glob("*.html")).read_text()
+        assert "NaN" not in html.split("<script")[0], what
+    else:
+        one_line_error(rep)
