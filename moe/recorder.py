@@ -104,13 +104,18 @@ class VerifyRecorder:
             h = args[0].reshape(-1, args[0].shape[-1])
             rec.hidden = h.detach()
             rec.output = out.reshape(-1, out.shape[-1]).detach()
-            if self.store_expert_outputs:
+            if self.store_expert_outputs or self._learns_from_outputs:
                 idx = rec.applied_ids if rec.applied_ids is not None else rec.topk_ids
                 with torch.no_grad():
                     outs = layer.all_expert_outputs(h)  # [M, N, H]
                 rec.expert_outputs = outs.gather(
                     1, idx[..., None].expand(-1, -1, outs.shape[-1]).long()).detach()
         return hook
+
+    @property
+    def _learns_from_outputs(self) -> bool:
+        """The budget's ranking refines itself from the outputs of the experts a pass ran."""
+        return self.budget is not None and self.budget.ranking.observes_outputs
 
     @contextmanager
     def __call__(self, step: int, tree, prefix_len: int):
@@ -119,7 +124,8 @@ class VerifyRecorder:
         tensors = self.record_tensors and self.keep_pass(step)
         for layer in self.adapter:
             hooks.append(layer.router.register_forward_hook(self._router_hook(layer, records)))
-            if tensors and (self.tensor_layers is None or layer.index in self.tensor_layers):
+            if self._learns_from_outputs or (tensors and (
+                    self.tensor_layers is None or layer.index in self.tensor_layers)):
                 hooks.append(layer.block.register_forward_hook(self._block_hook(layer, records)))
         try:
             yield self
@@ -128,5 +134,7 @@ class VerifyRecorder:
                 h.remove()
         layers = [records[layer.index] for layer in self.adapter]
         if self.budget is not None:
-            self.budget.observe({r.layer: r.loaded() for r in layers})
+            executed = {r.layer: (r.applied_ids, r.applied_weights, r.expert_outputs)
+                        for r in layers} if self._learns_from_outputs else None
+            self.budget.observe({r.layer: r.loaded() for r in layers}, executed)
         self.passes.append((step, layers))

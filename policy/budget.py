@@ -5,7 +5,7 @@ both apply in every MoE layer's router:
 
     routed = budget.route(layer, g, idx, ḡ, rule)     # shortlist + the indices/weights to run
     ...                                               # the experts module runs routed.idx/weights
-    budget.observe(layers, loaded)                    # after the pass (stateful rankings)
+    budget.observe(loaded, executed)                  # after the pass (stateful rankings)
     budget.reset()                                    # before the next prompt
 """
 
@@ -52,10 +52,18 @@ class Budget:
         new_idx, new_w = self.coverage.apply(batch, keep)
         return Routed(new_idx[0], new_w[0], keep[0], order[0])
 
-    def observe(self, loaded: dict[int, torch.Tensor]) -> None:
+    def observe(self, loaded: dict[int, torch.Tensor],
+                executed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+                ) -> None:
+        """After a pass: ``loaded[layer] [N]`` the experts it ran and, for rankings that learn
+        from them, ``executed[layer] = (idx, weights [M, k], outputs [M, k, H])``."""
         if loaded:
             layers = list(loaded)
             self.ranking.observe(torch.tensor(layers), torch.stack([loaded[i] for i in layers]))
+        if executed and self.ranking.observes_outputs:
+            layers = list(executed)
+            idx, w, out = (torch.stack([executed[i][j] for i in layers]) for j in range(3))
+            self.ranking.observe_outputs(torch.tensor(layers, device=idx.device), idx, w, out)
 
     def reset(self) -> None:
         self.ranking.reset()

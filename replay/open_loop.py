@@ -18,7 +18,8 @@ budgets × policies of a batch come out of a few tensor ops.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import copy
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -180,26 +181,47 @@ def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage) -> dict
 
 @dataclass
 class Stream:
-    """Where a stateful ranking is in the captured passes (batches arrive in prompt, step order)."""
+    """Where a stateful ranking is in the captured passes (batches arrive in prompt, step order),
+    and, for rankings that learn from executed experts, their one instance per budget."""
 
     prompt: int | None = None
+    per_budget: dict[int, Ranking] = field(default_factory=dict)
 
 
 def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budgets: list[int],
                prompts: torch.Tensor, steps: torch.Tensor, stream: Stream):
     """A ranking's shortlists for the batch. A stateful ranking sees the passes in order: one
     call per (prompt, step), after observing what the previous captured pass loaded (in open
-    loop: the union of its natural top-k, what the unbudgeted capture loaded)."""
+    loop: the union of its natural top-k, what the unbudgeted capture loaded). A ranking that
+    learns from executed experts keeps one instance per budget B and observes, after each pass,
+    the outputs of exactly the experts the budgeted pass ran (coverage applied at B)."""
     if not ranking.stateful:
         return ranking.shortlists(batch, coverage, budgets)
     keep = torch.zeros(batch.size, len(budgets), batch.n, dtype=torch.bool, device=batch.device)
     union = batch.union()
+    for b in budgets if ranking.observes_outputs else []:
+        stream.per_budget.setdefault(b, copy.deepcopy(ranking))
     for prompt, step in sorted(set(zip(prompts.tolist(), steps.tolist()))):
-        if prompt != stream.prompt:
-            ranking.reset()
-            stream.prompt = prompt
+        new_prompt = prompt != stream.prompt
+        stream.prompt = prompt
         rows = ((prompts == prompt) & (steps == step)).nonzero().flatten()
-        masks, valid = ranking.shortlists(batch.take(rows), coverage, budgets)
-        keep[rows] = masks
-        ranking.observe(batch.layers[rows], union[rows])
+        part = batch.take(rows)
+        if not ranking.observes_outputs:
+            if new_prompt:
+                ranking.reset()
+            keep[rows] = ranking.shortlists(part, coverage, budgets)[0]
+            ranking.observe(part.layers, union[rows])
+            continue
+        for j, b in enumerate(budgets):
+            own = stream.per_budget[b]
+            if new_prompt:
+                own.reset()
+            masks = own.shortlists(part, coverage, [b])[0]  # [R, 1, N]
+            keep[rows, j] = masks[:, 0]
+            idx, w = coverage.apply(part, masks)  # what the pass under B ran: [R, 1, M, k]
+            idx, w = idx[:, 0], w[:, 0] * part.mask[..., None]
+            outputs = part.terms.experts.gather(
+                2, idx[..., None].expand(*idx.shape, part.terms.experts.shape[-1]))
+            own.observe(part.layers, experts_used(idx, w, batch.n))
+            own.observe_outputs(part.layers, idx, w, outputs)
     return keep, budgets

@@ -194,7 +194,7 @@ def test_unwritable_output_is_one_line(tmp_path):
 def test_online_static_and_coact_rankings_use_disjoint_calibration(captured, tmp_path):
     assert cli.main([*BASE[:1], "1", *BASE[2:], "--offset", "100", "--out", str(captured),
                      "--run", "cal"]) == 0
-    for ranking in ("static", "coact"):
+    for ranking in ("static", "coact", "coact-online"):
         assert cli.main([*BASE, "--out", str(captured), "--run", f"online-{ranking}",
                          "--budget", "16", "--ranking", ranking, "--calibration", "cal"]) == 0
         trees = pq.read_table(captured / "trees" / "model=tiny-olmoe" / "bench=mbpp" /

@@ -266,3 +266,70 @@ def test_previous_ranking_puts_last_pass_experts_first_then_router_mass():
     assert order[2:] == [e for e in mass_order if e not in order[:2]]
     prev.reset()
     assert prev.order(batch, None, 8)[0].tolist() == mass_order
+
+
+def _calibration(batch, experts, layer=3):
+    stats = CalibrationStats.empty([layer], batch.n)
+    idx = batch.idx[0]
+    stats.add(layer, idx, experts.gather(1, idx[..., None].expand(-1, -1, experts.shape[-1])))
+    return stats
+
+
+def test_coact_online_starts_as_coact_and_learns_only_from_executed_experts():
+    batch, experts = synthetic(1, n=8, k=2)
+    cal_batch, cal_experts = synthetic(2, n=8, k=2)
+    stats = _calibration(cal_batch, cal_experts)
+    online = rankings.get("coact-online")().fit(stats)
+    coact = rankings.get("coact")().fit(stats)
+    assert torch.equal(online.order(batch, None, 8), coact.order(batch, None, 8))
+    assert torch.allclose(online.mean_gram(batch), coact.mean_gram(batch))
+    # one finished pass that ran each token's first expert only (second slot dropped)
+    w = batch.weights.clone()
+    w[..., 1] = 0
+    outs = experts.gather(1, batch.idx[0][..., None].expand(-1, -1, experts.shape[-1]))[None]
+    online.observe_outputs(batch.layers, batch.idx, w, outs)
+    g = online.mean_gram(batch)[0]
+    cal = stats.mean_gram(batch.layers)[0].double()
+    kappa = stats.pairs[0].clamp(max=online.prior)
+    for i in range(8):
+        for j in range(8):
+            ran = [t for t in range(batch.idx.shape[1])
+                   if int(batch.idx[0, t, 0]) == i and i == j]  # only diagonal pairs executed
+            total = sum(float(experts[t, i].double() @ experts[t, i].double()) for t in ran)
+            want = (kappa[i, j] * cal[i, j] + total) / max(float(kappa[i, j]) + len(ran), 1)
+            assert float(g[i, j]) == pytest.approx(float(want), rel=1e-9, abs=1e-12)
+    online.reset()
+    assert torch.allclose(online.mean_gram(batch), coact.mean_gram(batch))
+
+
+def test_coact_online_in_open_loop_learns_only_from_earlier_passes_and_its_own_budget():
+    """Two passes of one prompt: pass 0's shortlists ignore every expert output (nothing ran
+    before it); pass 1's depend on pass 0's outputs of the experts budget B ran, and on nothing
+    else: not on pass 1's own outputs, not on experts B dropped."""
+    from replay.open_loop import Stream, shortlists
+    first, e0 = synthetic(5, n=8, k=2)
+    second, e1 = synthetic(6, n=8, k=2)
+    stats = _calibration(*synthetic(7, n=8, k=2))
+
+    def run(e0, e1, budgets=(3, 5)):
+        batch = RoutingBatch(torch.cat([first.probs, second.probs]),
+                             torch.cat([first.idx, second.idx]),
+                             torch.cat([first.weights, second.weights]),
+                             torch.ones(2, first.probs.shape[1], dtype=torch.bool),
+                             torch.tensor([3, 3]), first.rule)
+        batch.terms = ExpertTerms.from_outputs(torch.stack([e0, e1]), batch.idx, batch.weights)
+        ranking = rankings.get("coact-online")().fit(stats)
+        keep, _ = shortlists(ranking, batch, coverage.get("truncation"), list(budgets),
+                             torch.tensor([0, 0]), torch.tensor([0, 1]), Stream())
+        return keep
+
+    base = run(e0, e1)
+    coact = rankings.get("coact")().fit(stats)
+    assert torch.equal(base[0], prefix_masks(coact.order(first, None, 5), [3, 5], 8)[0])
+    assert torch.equal(run(e0, e1 * 3.0), base)  # the current pass's outputs are never used
+    kept3 = base[0, 0]
+    dropped = [i for i in range(8) if not kept3[i]]
+    e0_dropped = e0.clone()
+    e0_dropped[:, dropped] *= 50.0  # experts budget 3 did not run at pass 0
+    assert torch.equal(run(e0_dropped, e1, budgets=(3,))[1, 0], run(e0, e1, budgets=(3,))[1, 0])
+    assert not torch.equal(run(e0 * torch.linspace(0.1, 5, 8)[None, :, None], e1)[1], base[1])

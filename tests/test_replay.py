@@ -62,9 +62,10 @@ def test_sweep_orders_oracle_below_router_and_covers_the_grid(traces, tmp_path):
 
 def test_closed_loop_with_all_experts_reproduces_captured_acceptance(traces, tmp_path):
     assert cli.main(["--traces", str(traces), "--run", "eval", "--mode", "closed", "--ranking",
-                     "router", "--budget", "64,16", "--coverage", "substitution",
-                     "--no-progress", "--out", str(tmp_path)]) == 0
+                     "router", "coact-online", "--calibration", "cal", "--budget", "64,16",
+                     "--coverage", "substitution", "--no-progress", "--out", str(tmp_path)]) == 0
     df = results(tmp_path, "replay_closed")
+    assert set(df["ranking"]) == {"router", "coact-online"}
     full = df.filter(df["budget"] == 64)
     assert (full["accepted_length"] == full["captured_accepted_length"]).all()
     assert full["path_unchanged"].all() and full["top1_agreement"].min() == 1.0
@@ -104,7 +105,7 @@ def test_missing_traces_and_corrupt_parts_are_one_line(traces, tmp_path):
     part = next((copy / "routing").rglob("run=eval/part-000000-*.parquet"))
     part.write_bytes(part.read_bytes()[:100])
     r = run_cli("--traces", str(copy), "--run", "eval", "--no-progress")
-    assert r.returncode == 2 and "corrupt routing part" in r.stderr, r.stderr
+    assert r.returncode == 2 and "corrupt or unreadable routing part" in r.stderr, r.stderr
     assert pq.ParquetFile(next((copy / "trees").rglob("*.parquet"))).metadata.num_rows > 0
 
 

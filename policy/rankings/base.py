@@ -7,6 +7,7 @@ order they join the shortlist, so budget B keeps the first B (:func:`policy.cove
     ranking.reset()                                # a new prompt
     order = ranking.order(batch, coverage, max_budget)   # [T, L] over T tree-layers at once
     ranking.observe(layers, loaded)                # after each verification pass (stateful ones)
+    ranking.observe_outputs(layers, idx, w, out)   # ... and what it executed (observes_outputs)
 
 Class attributes say what a ranking needs; the CLIs derive their choices, help text and error
 messages from them. A new ranking is one module with a ``@register``-ed subclass, plus its name
@@ -20,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from policy import index
 from policy.batch import RoutingBatch
 from policy.calibration import CalibrationStats
 from policy.coverage import Coverage, prefix_masks
@@ -31,10 +33,10 @@ class RankingError(ValueError):
 
 class Ranking(ABC):
     name: ClassVar[str]
-    summary: ClassVar[str]  # one line, shown in --help
     runtime: ClassVar[bool] = True  # needs only what a verification pass has (router scores)
     needs_calibration: ClassVar[bool] = False  # fit() needs calibration statistics
     stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
+    observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget)
 
     calibration: CalibrationStats | None = None
 
@@ -50,6 +52,13 @@ class Ranking(ABC):
 
     def observe(self, layers: torch.Tensor, loaded: torch.Tensor) -> None:
         """After a verification pass: ``loaded [T, N]`` the experts it loaded at ``layers [T]``."""
+
+    def observe_outputs(self, layers: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                        outputs: torch.Tensor) -> None:
+        """After a verification pass, what it executed: ``idx, weights [T, M, k]`` each token's
+        experts at ``layers [T]`` (weight 0: not run) and ``outputs [T, M, k, H]`` their outputs.
+        Only rankings with ``observes_outputs`` are called; what a pass executes depends on the
+        budget, so callers keep one instance per budget."""
 
     @abstractmethod
     def order(self, batch: RoutingBatch, coverage: Coverage, max_budget: int) -> torch.Tensor:
@@ -82,11 +91,23 @@ def names(*, runtime: bool | None = None) -> list[str]:
     return sorted(found, key=lambda n: (not REGISTRY[n].runtime, n))
 
 
+def summary(name: str) -> str:
+    """The ranking's one-line description (kept in :mod:`policy.index` for instant --help)."""
+    return index.RANKINGS[name].summary
+
+
 def get(name: str) -> type[Ranking]:
     try:
         return REGISTRY[name]
     except KeyError:
         raise RankingError(f"unknown ranking {name!r}; use one of {', '.join(names())}") from None
+
+
+def mass_tiebreak(batch: RoutingBatch) -> torch.Tensor:
+    """``10⁻¹² · s_i / Σ s``, ``[T, N]`` float64: added to a score, it orders experts the score
+    cannot tell apart (no tree token routes to them) by router mass, and changes nothing else."""
+    mass = batch.mass().double()
+    return mass / mass.sum(-1, keepdim=True).clamp_min(1e-30) * 1e-12
 
 
 def by_mass(scores: torch.Tensor) -> torch.Tensor:
@@ -96,4 +117,4 @@ def by_mass(scores: torch.Tensor) -> torch.Tensor:
 
 def help_text(*, runtime: bool | None = None) -> str:
     """One line per ranking, for --help."""
-    return "; ".join(f"{n}: {REGISTRY[n].summary}" for n in names(runtime=runtime))
+    return index.ranking_help(runtime=runtime)

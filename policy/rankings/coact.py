@@ -18,19 +18,19 @@ token routes to) fall back to router mass. Cost: O(N²) per added expert, no exp
 from __future__ import annotations
 
 from policy.greedy import greedy_quadratic
-from policy.rankings.base import Ranking, register
+from policy.rankings.base import Ranking, mass_tiebreak, register
 
 
 @register
 class Coact(Ranking):
     name = "coact"
-    summary = "co-activation-aware: mixing weights x calibration expert-output Gram (this project)"
     needs_calibration = True
 
     def order(self, batch, coverage, max_budget):
         w = batch.dense_weights().double()  # [T, M, N]
         a = w.transpose(1, 2) @ w  # A_ij = Σ_t ḡ_i ḡ_j
-        gram = self.calibration.mean_gram(batch.layers).to(batch.device).double()
-        mass = batch.mass().double()
-        tie = mass / mass.sum(-1, keepdim=True).clamp_min(1e-30) * 1e-12
-        return greedy_quadratic(a * gram, tie, max_budget)
+        return greedy_quadratic(a * self.mean_gram(batch), mass_tiebreak(batch), max_budget)
+
+    def mean_gram(self, batch):
+        """``G [T, N, N]`` float64 for the batch's layers: the calibration means."""
+        return self.calibration.mean_gram(batch.layers).to(batch.device).double()

@@ -20,8 +20,7 @@ EXACT_LIMIT = 5000
 @register
 class Exact(Ranking):
     name = "exact"
-    summary = f"exhaustive search over all B-subsets where C(N, B) <= {EXACT_LIMIT} (offline only)"
-    runtime = False
+    runtime = False  # as listed in policy.index
     limit = EXACT_LIMIT
 
     def order(self, batch, coverage, max_budget):

@@ -36,8 +36,7 @@ from policy.rankings.base import Ranking, RankingError, register
 @register
 class Oracle(Ranking):
     name = "oracle"
-    summary = "greedy reconstruction with every expert's output (upper bound, offline only)"
-    runtime = False
+    runtime = False  # as listed in policy.index
 
     def order(self, batch, coverage, max_budget):
         if batch.terms is None:

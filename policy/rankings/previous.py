@@ -15,7 +15,6 @@ from policy.rankings.base import Ranking, by_mass, register
 @register
 class Previous(Ranking):
     name = "previous"
-    summary = "experts loaded by the previous pass at the layer first, then router mass"
     stateful = True
 
     def __init__(self):

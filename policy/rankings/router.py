@@ -8,7 +8,6 @@ from policy.rankings.base import Ranking, by_mass, register
 @register
 class Router(Ranking):
     name = "router"
-    summary = "router mass summed over the tree's tokens (MoE-Spec)"
 
     def order(self, batch, coverage, max_budget):
         return by_mass(batch.mass())

@@ -8,7 +8,6 @@ from policy.rankings.base import Ranking, by_mass, register
 @register
 class Static(Ranking):
     name = "static"
-    summary = "calibration selection counts per layer (input-independent)"
     needs_calibration = True
 
     def order(self, batch, coverage, max_budget):

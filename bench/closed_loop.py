@@ -1,0 +1,150 @@
+"""Closed loop is the judge: acceptance under a budget per ranking, with 95% bootstrap intervals
+over trees, and the online mode's output agreement with the unbudgeted run.
+
+    python bench/cross_domain.py --traces /tmp/xdomain         # first: the runs this reuses
+    python bench/closed_loop.py --traces /tmp/xdomain --benches gsm8k mbpp --output closed.json
+
+Per model and benchmark it re-verifies every tree of the evaluation run ``eval-<bench>`` (from
+``bench/cross_domain.py``) under each ranking × coverage × budget, calibrated on the mixed-domain
+calibration runs (``cal-*`` of every benchmark, none sharing a prompt with the evaluation run),
+and reports the mean and a percentile-bootstrap 95% interval (2000 resamples of trees, seeded) of
+
+    accepted length (drafts + bonus) · path unchanged · top-1 agreement over nodes · KL(p ‖ p^B)
+
+Then it captures the same prompts in MoE-Spec's online mode (``capture --budget B --ranking R``)
+and reports output agreement with the unbudgeted run: the share of prompts whose output is
+identical and the mean first divergence (output tokens before the first change; a prompt that
+never diverges counts its full length).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from capture import cli as capture_cli  # noqa: E402
+from replay import cli as replay_cli  # noqa: E402
+
+BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
+METRICS = ("accepted_length", "path_unchanged", "top1_agreement", "mean_kl")
+
+
+def run_exists(root: Path, model: str, name: str) -> bool:
+    return any((root / "runs" / f"model={model}").glob(f"bench=*/run={name}/part-0.parquet"))
+
+
+def calibration_runs(root: Path, model: str) -> list[str]:
+    """Every complete calibration run of ``bench/cross_domain.py`` (the mixed-domain source)."""
+    return sorted(p.parent.name.removeprefix("run=") for p in
+                  (root / "runs" / f"model={model}").glob("bench=*/run=cal-*/part-0.parquet"))
+
+
+def bootstrap(values: np.ndarray, rng: np.random.Generator, draws: int = 2000):
+    """Mean and the 2.5/97.5 percentiles of the mean over ``draws`` resamples of trees."""
+    picks = rng.integers(0, len(values), size=(draws, len(values)))
+    means = values[picks].mean(1)
+    return float(values.mean()), float(np.percentile(means, 2.5)), \
+        float(np.percentile(means, 97.5))
+
+
+def closed_table(root: Path, model: str, bench: str, args) -> list[dict]:
+    out = root / "results" / "closed"
+    assert replay_cli.main(["--traces", str(root), "--model", model, "--bench", bench,
+                            "--run", f"eval-{bench}", "--mode", "closed", "--ranking",
+                            *args.rankings, "--calibration", *calibration_runs(root, model),
+                            "--coverage", "both", "--budget", args.budgets, "--out", str(out),
+                            "--no-progress"]) == 0
+    df = pl.read_parquet(f"{out}/replay_closed/model={model}/bench={bench}/**/*.parquet",
+                         hive_partitioning=True)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for (ranking, coverage, budget), g in sorted(df.group_by("ranking", "coverage", "budget"),
+                                                 key=lambda x: (x[0][1], x[0][2], x[0][0])):
+        row = dict(model=model, bench=bench, ranking=ranking, coverage=coverage,
+                   budget=int(budget), trees=g.height,
+                   captured_accepted_length=float(g["captured_accepted_length"].mean()))
+        for m in METRICS:
+            row[m] = bootstrap(g[m].cast(pl.Float64).to_numpy(), rng)
+        rows.append(row)
+    return rows
+
+
+def online_table(root: Path, model: str, bench: str, args) -> list[dict]:
+    rows = []
+    for ranking in args.rankings:
+        for budget in args.budgets.split(","):
+            name = f"online-{bench}-{ranking}-{budget}"
+            if not run_exists(root, model, name):
+                assert capture_cli.main([
+                    "--model", model, "--bench", bench, "--limit", str(args.eval_prompts),
+                    "--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed),
+                    "--out", str(root), "--run", name, "--no-progress", "--budget", budget,
+                    "--ranking", ranking, "--coverage", args.online_coverage,
+                    "--calibration", *calibration_runs(root, model)]) == 0
+            seq = pl.read_parquet(f"{root}/sequences/model={model}/bench={bench}/run={name}/"
+                                  "*.parquet")
+            length = seq["output_token_ids"].list.len()
+            first = pl.when(seq["first_divergence"] < 0).then(length) \
+                .otherwise(seq["first_divergence"])
+            rows.append(dict(model=model, bench=bench, ranking=ranking, budget=int(budget),
+                             coverage=args.online_coverage, prompts=seq.height,
+                             twin=seq["twin_run"][0],
+                             exact_match=float(seq["exact_match"].mean()),
+                             first_divergence=float(seq.select(first.mean()).item()),
+                             output_tokens=float(length.mean())))
+    return rows
+
+
+def print_closed(rows: list[dict]) -> None:
+    print(f"\n{'model':<15}{'bench':<8}{'coverage':<13}{'B':>3} {'ranking':<13}"
+          f"{'accepted':>20}{'path same':>20}{'top-1':>20}{'KL (nats)':>24}")
+    for r in rows:
+        cells = "".join(f"{r[m][0]:8.3f} [{r[m][1]:.3f},{r[m][2]:.3f}]".rjust(20 if m !=
+                        "mean_kl" else 24) for m in METRICS)
+        print(f"{r['model']:<15}{r['bench']:<8}{r['coverage']:<13}{r['budget']:>3} "
+              f"{r['ranking']:<13}{cells}")
+
+
+def print_online(rows: list[dict]) -> None:
+    print(f"\n{'model':<15}{'bench':<8}{'B':>3} {'ranking':<13}{'identical':>10}"
+          f"{'first divergence':>18}{'of tokens':>10}")
+    for r in rows:
+        print(f"{r['model']:<15}{r['bench']:<8}{r['budget']:>3} {r['ranking']:<13}"
+              f"{100 * r['exact_match']:9.0f}%{r['first_divergence']:18.1f}"
+              f"{r['output_tokens']:10.1f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", type=Path, default=Path("traces-xdomain"))
+    p.add_argument("--models", nargs="+", default=["tiny-olmoe", "tiny-qwen3-moe"])
+    p.add_argument("--benches", nargs="+", default=["gsm8k", "mbpp"])
+    p.add_argument("--rankings", nargs="+", default=["router", "coact", "coact-online"])
+    p.add_argument("--budgets", default="8,16,24,32")
+    p.add_argument("--online-coverage", default="substitution")
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", type=Path, default=None)
+    args = p.parse_args()
+    closed, online = [], []
+    for model in args.models:
+        root = args.traces / model
+        for bench in args.benches:
+            closed += closed_table(root, model, bench, args)
+            online += online_table(root, model, bench, args)
+    print_closed(closed)
+    print_online(online)
+    if args.output:
+        args.output.write_text(json.dumps(dict(closed=closed, online=online), indent=1))
+
+
+if __name__ == "__main__":
+    main()
