@@ -6,6 +6,10 @@
   (decreasing) sweep.
 * ``oracle_gap``: for each router budget B, the budget the oracle needs for the router's RSE at B,
   and the share of experts it saves, ``(B − B_oracle) / B`` (paper: ~25%) (Fig. 6).
+* ``ablation``: coact's gain split into its parts, router → sqmass (squared mixing mass) →
+  coact-diag (× calibration output energy G_ii) → coact (+ co-activation, off-diagonal G_ij), as
+  the share of the router→oracle gap each closes: ``(RSE_router − RSE_X) / (RSE_router −
+  RSE_oracle)`` per coverage × budget.
 * ``closed_loop``: accepted length under budget (with a 95% interval over trees), the captured
   accepted length of the same trees, path-unchanged rate, top-1 agreement, KL.
 """
@@ -63,6 +67,25 @@ def oracle_gap(curves: pl.DataFrame) -> pl.DataFrame:
         experts_saved=pl.col("reference_budget") - pl.col("budget_needed"),
         saved_share=(pl.col("reference_budget") - pl.col("budget_needed"))
         / pl.col("reference_budget"))
+
+
+ABLATION_NOTE = ("Share of the router→oracle gap (mean RSE) each ranking closes: sqmass = squared "
+                 "mixing mass, coact-diag = × calibration output energy G_ii, coact = + "
+                 "co-activation (off-diagonal G).")
+ABLATION = ("sqmass", "coact-diag", "coact", "coact-online", "learned")
+
+
+def ablation(curves: pl.DataFrame) -> pl.DataFrame:
+    """Gap closed by each ablation step present (one column each), per coverage × budget, from
+    :func:`error_vs_budget` rows of one dataset; empty without router and oracle."""
+    steps = [s for s in ABLATION if s in set(curves["ranking"])]
+    if not {"router", "oracle"} <= set(curves["ranking"]) or not steps:
+        return pl.DataFrame()
+    wide = curves.pivot(on="ranking", index=["coverage", "budget"], values="rse",
+                        aggregate_function="mean").sort("coverage", "budget")
+    gap = pl.col("router") - pl.col("oracle")
+    return wide.select("coverage", "budget", *[
+        pl.when(gap > 0).then((pl.col("router") - pl.col(s)) / gap).alias(s) for s in steps])
 
 
 def closed_loop(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:

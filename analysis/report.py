@@ -117,6 +117,26 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
     return out
 
 
+def ablation_table(frames: dict, model: str, bench: str) -> str:
+    """Where the replay holds router, oracle and ablation steps: the share of the router→oracle
+    gap each step closes (``replay_views.ablation``), as an HTML table."""
+    curves = frames.get("errors")
+    if curves is None:
+        return ""
+    gaps = replay_views.ablation(curves.filter((pl.col("model") == partition_value(model))
+                                               & (pl.col("bench") == bench)))
+    if gaps.is_empty():
+        return ""
+    steps = gaps.columns[2:]
+    head = "".join(f"<th>{escape(s)}</th>" for s in ["coverage", "B", *steps])
+    rows = "".join("<tr>" + f"<td>{r['coverage']}</td><td>{r['budget']}</td>" + "".join(
+        f"<td align='right'>{'—' if r[s] is None else f'{r[s]:.0%}'}</td>" for s in steps)
+        + "</tr>" for r in gaps.iter_rows(named=True))
+    return (f"<h2>Where coact's gain comes from</h2><p>{escape(replay_views.ABLATION_NOTE)}</p>"
+            "<table border='1' cellpadding='4' style='border-collapse:collapse'>"
+            f"<tr>{head}</tr>{rows}</table>")
+
+
 def settings_table(runs: list) -> str:
     rows = []
     for r in runs:
@@ -160,11 +180,12 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
                 f, include_plotlyjs=(i == 0), full_html=False) + "</div>")
         numbers = "".join(f"<tr><th align='left'>{escape(k)}</th><td>{escape(v)}</td></tr>"
                           for k, v in key_numbers(con, frames, run.model, run.bench, mine))
+        steps = ablation_table(frames, run.model, run.bench)
         html = (f"<html><head><meta charset='utf-8'><title>MoE-Spec workbench: {run.model} / "
                 f"{run.bench}</title></head><body style='font-family:sans-serif;max-width:1200px;"
                 f"margin:auto'><h1>{escape(run.model)} / {escape(run.bench)}</h1>"
                 f"<h2>Key numbers</h2><table cellpadding='4'>{numbers}</table>"
-                f"<h2>Runs</h2>{settings_table(mine)}<h2>Figures</h2><ol>{''.join(toc)}</ol>"
+                f"<h2>Runs</h2>{settings_table(mine)}{steps}<h2>Figures</h2><ol>{''.join(toc)}</ol>"
                 + "".join(parts) + "</body></html>")
         atomic.write_bytes(path, html.encode("utf-8"))
         written.append(path)

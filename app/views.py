@@ -222,6 +222,13 @@ def replay() -> None:
                 if gap["saved_share"].is_nan().any():
                     st.caption("Bars marked \"beyond the sweep\": at those budgets the oracle "
                                "reaches the router's error only outside the budgets replayed.")
+            steps = replay_views.ablation(curves)
+            if not steps.is_empty():
+                st.subheader("Where coact's gain comes from")
+                st.caption(replay_views.ABLATION_NOTE)
+                st.dataframe(steps, hide_index=True, column_config={
+                    c: st.column_config.NumberColumn(c, format="percent")
+                    for c in steps.columns[2:]})
     if "replay_closed" in ds.views:
         cl = _pick(data.frame("closed", str(ds.root), ds.version, roles), *picked)
         if cl.height:

@@ -8,6 +8,10 @@ Per MoE layer ℓ, over every calibration token t and pair of experts (i, j) in 
 ``static`` ranks by ``c_i``; ``coact`` uses the mean ``G_ij = gram / pairs`` (0 where a pair never
 fired together). The statistics are sums, so runs can be added in any order and split across
 workers; ``sources`` records which runs (name and run id) they came from.
+
+``learned`` also needs *examples*: calibration tree-layers with the truncation oracle's order
+(collected on request, at most ``max_examples``, the first ones in run order), and ``fitted``
+caches what rankings fit on the statistics, so one calibration is fitted once.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from typing import Iterable, Protocol
 
 import numpy as np
 import torch
+
+from policy.greedy import oracle_order
 
 
 class ExpertModel(Protocol):
@@ -29,12 +35,39 @@ class ExpertModel(Protocol):
         """``[M, H] → [M, N, H]`` float32 on the CPU."""
 
 
+MAX_EXAMPLES = 4096  # calibration tree-layers the learned ranking trains on
+
+
+def examples_for(rankings: list[str] | tuple[str, ...]) -> int:
+    """How many examples a calibration for these rankings collects (0 unless one learns)."""
+    return MAX_EXAMPLES if "learned" in rankings else 0
+
+
+@dataclass
+class Example:
+    """One calibration tree-layer's routing and the oracle's order of its experts."""
+
+    layer: int
+    probs: torch.Tensor  # [M, N]
+    idx: torch.Tensor  # [M, k]
+    weights: torch.Tensor  # [M, k]
+    order: torch.Tensor  # [N] the truncation oracle's greedy order
+
+    def batch(self):
+        from policy.batch import RoutingBatch
+        from policy.routing import RoutingRule
+        return RoutingBatch.single(self.probs, self.idx, self.weights, self.layer,
+                                   RoutingRule(self.idx.shape[-1]))
+
+
 @dataclass
 class CalibrationStats:
     layers: list[int]  # decoder layer of each row
     gram: torch.Tensor  # [L, N, N] float64
     pairs: torch.Tensor  # [L, N, N] float64
     sources: list[dict] = field(default_factory=list)
+    examples: list[Example] = field(default_factory=list)
+    fitted: dict = field(default_factory=dict)  # ranking name -> what it fitted
 
     @classmethod
     def empty(cls, layers: list[int], n: int, sources: list[dict] | None = None):
@@ -66,6 +99,17 @@ class CalibrationStats:
         self.gram[i].view(-1).index_add_(0, flat, dots.reshape(-1))
         self.pairs[i].view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self.pairs.dtype))
 
+    @classmethod
+    def merge(cls, parts: list[CalibrationStats], max_examples: int = 0) -> CalibrationStats:
+        """The statistics of several runs together (sums add); examples are drawn evenly, the
+        first ``max_examples // len(parts)`` of each, so no run dominates a mixed calibration."""
+        first = parts[0]
+        out = cls(list(first.layers), sum(p.gram for p in parts), sum(p.pairs for p in parts),
+                  [src for p in parts for src in p.sources])
+        share = max_examples // len(parts) if max_examples else 0
+        out.examples = [ex for p in parts for ex in p.examples[:share]]
+        return out
+
     def mean_gram(self, layers: torch.Tensor) -> torch.Tensor:
         """``G`` for each tree-layer's layer, ``[T, N, N]`` float32."""
         rows = self.rows(layers)
@@ -76,13 +120,21 @@ class CalibrationStats:
         return self.pairs[self.rows(layers)].diagonal(dim1=-2, dim2=-1).float()
 
     @classmethod
-    def collect(cls, tree_layers: Iterable, model: ExpertModel, sources: list[dict] | None = None):
-        """Statistics over ``tree_layers`` (each with ``layer``, ``hidden [M, H]`` and ``idx
-        [M, k]``), the expert outputs computed by ``model`` (the target's MoE adapter)."""
+    def collect(cls, tree_layers: Iterable, model: ExpertModel, sources: list[dict] | None = None,
+                max_examples: int = 0):
+        """Statistics over ``tree_layers`` (each with ``layer``, ``hidden [M, H]``, ``idx``,
+        ``weights [M, k]`` and ``probs [M, N]``), the expert outputs computed by ``model`` (the
+        target's MoE adapter); the first ``max_examples`` also become examples (:class:`Example`)."""
         stats = cls.empty(model.moe_layers, model.num_experts, sources)
         for tl in tree_layers:
             idx = torch.as_tensor(np.asarray(tl.idx), dtype=torch.long)
             outs = model.expert_outputs(tl.layer, torch.as_tensor(np.asarray(tl.hidden)))
             picked = outs.gather(1, idx[..., None].expand(-1, -1, outs.shape[-1]))
             stats.add(tl.layer, idx, picked)
+            if len(stats.examples) < max_examples:
+                w = torch.as_tensor(np.asarray(tl.weights), dtype=torch.float32)
+                dense = torch.zeros(outs.shape[:2]).scatter(-1, idx, w)
+                stats.examples.append(Example(
+                    tl.layer, torch.as_tensor(np.asarray(tl.probs), dtype=torch.float32), idx, w,
+                    oracle_order(dense, outs).to(torch.int16)))
         return stats

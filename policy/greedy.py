@@ -30,3 +30,12 @@ def greedy_quadratic(q: torch.Tensor, tie: torch.Tensor, max_budget: int) -> tor
         left[rows, c] = False
         row -= q[rows, :, c]
     return order
+
+
+def oracle_order(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """The truncation oracle's greedy order of one tree-layer, ``[N]``: ``weights [M, N]`` dense
+    mixing weights ḡ, ``outputs [M, N, H]`` every expert's output."""
+    y = weights.double()[..., None] * outputs.double()  # ḡ_i E_i: [M, N, H]
+    q = torch.einsum("mih,mjh->ij", y, y)
+    tie = weights.double().sum(0) * 1e-12
+    return greedy_quadratic(q[None], tie[None], q.shape[-1])[0]

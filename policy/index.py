@@ -26,6 +26,8 @@ RANKINGS: dict[str, Entry] = {
                               "without co-activation: ablation)"),
     "coact-online": Entry(True, "coact with G refined from the outputs of experts the prompt's "
                                 "earlier passes executed"),
+    "learned": Entry(True, "gradient-boosted score per expert from router and calibration "
+                           "features, trained to reproduce the oracle's order"),
     "previous": Entry(True, "experts loaded by the previous pass at the layer first, then "
                             "router mass"),
     "oracle": Entry(False, "greedy reconstruction with every expert's output (upper bound, "

@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         stats, cal = None, []
         if args.calibration:
             stats, cal = calibration_stats(catalog, args.calibration, model, runs, adapter,
-                                           progress=not args.no_progress)
+                                           progress=not args.no_progress,
+                                           rankings_used=tuple(args.ranking))
         request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers, args.mode)
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
                          device=loaded.device, progress=not args.no_progress,

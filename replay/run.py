@@ -27,7 +27,7 @@ from catalog.results import UnitResults
 from cluster import ClusterError, count_workers, init_ray, worker_options
 from moe.adapter import MoEAdapter
 from policy import coverage, rankings
-from policy.calibration import CalibrationStats
+from policy.calibration import CalibrationStats, examples_for
 from replay import closed_loop, distributed
 from replay.engine import OpenLoopEngine, Task
 
@@ -109,13 +109,35 @@ class ReplayOutcome:
     seconds: float = 0.0
 
 
+_COLLECTED: dict[tuple, CalibrationStats] = {}  # (run id, model, examples) -> statistics
+
+
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
-                      adapter: MoEAdapter, progress: bool) -> tuple[CalibrationStats, list[Run]]:
-    """Statistics from the named calibration runs (never sharing a prompt with ``evaluated``)."""
+                      adapter: MoEAdapter, progress: bool, rankings_used: tuple[str, ...] = ()
+                      ) -> tuple[CalibrationStats, list[Run]]:
+    """Statistics from the named calibration runs (never sharing a prompt with ``evaluated``).
+
+    Each complete run is collected once per process (a complete run never changes: a recapture
+    has a new run id) and runs are merged, so a study replaying many evaluation runs against
+    many calibration choices collects each calibration run once, and a ranking that fits on
+    the statistics (``learned``) fits once per choice."""
     cal = catalog.calibration_runs(names, model, set().union(*(r.prompt_keys() for r in evaluated)))
-    layers = tqdm(reader.tree_layers(cal), desc="calibration", unit="tree-layer",
-                  disable=not progress)
-    return CalibrationStats.collect(layers, adapter, sources=[r.ref for r in cal]), cal
+    examples = examples_for(rankings_used)
+    parts = []
+    for run in cal:
+        key = (run.run_id, run.name, model, examples)
+        if key not in _COLLECTED:
+            layers = tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",
+                          unit="tree-layer", disable=not progress)
+            _COLLECTED[key] = CalibrationStats.collect(layers, adapter, sources=[run.ref],
+                                                       max_examples=examples)
+        parts.append(_COLLECTED[key])
+    if len(parts) == 1:
+        return parts[0], cal
+    key = tuple(sorted((r.run_id, r.name) for r in cal)) + (model, examples)
+    if key not in _COLLECTED:
+        _COLLECTED[key] = CalibrationStats.merge(parts, examples)
+    return _COLLECTED[key], cal
 
 
 def unit_key(mode: str, ranking: type[rankings.Ranking], cover: coverage.Coverage,
@@ -162,6 +184,9 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                                                                  calibration))
                     locks.enter_context(unit.locked())
                     outcome.units.append(unit)
+                    if cls.artifact:  # what the ranking learned, beside its results
+                        unit.folder.mkdir(parents=True, exist_ok=True)
+                        cls().fit(stats).save(unit.folder / cls.artifact)
                     for block in unit.plan(run_layers if request.mode == "open" else None,
                                            budgets):
                         if request.mode == "open":

@@ -13,7 +13,7 @@ $bin/inspect-model --model "$MODEL"
 $bin/capture --model "$MODEL" --bench mbpp --limit 4 --max-new-tokens 48 --out "$TRACES" --run demo-eval
 $bin/capture --model "$MODEL" --bench mbpp --offset 200 --limit 8 --max-new-tokens 48 --out "$TRACES" --run demo-cal --role calibration
 $bin/replay --traces "$TRACES" --model "$MODEL" --run demo-eval --calibration demo-cal \
-  --ranking static router oracle coact --coverage both --budget sweep
+  --ranking static router oracle sqmass coact-diag coact --coverage both --budget sweep
 $bin/replay --traces "$TRACES" --model "$MODEL" --run demo-eval --mode closed --ranking router \
   --coverage substitution --budget sweep
 $bin/report --traces "$TRACES" --out reports

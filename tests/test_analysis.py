@@ -1,6 +1,7 @@
 """Analyses against slow, obviously-correct references on synthetic routing tables."""
 
 import numpy as np
+import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -172,7 +173,6 @@ def test_budget_at_interpolates_and_oracle_gap():
     assert replay_views.budget_at([8, 16, 24], [0.4, 0.2, 0.1], 0.3) == pytest.approx(12)
     assert replay_views.budget_at([8, 16], [0.4, 0.2], 0.5) == 8
     assert np.isnan(replay_views.budget_at([8, 16], [0.4, 0.2], 0.1))
-    import polars as pl
     curves = pl.DataFrame(dict(coverage=["t"] * 6, ranking=["router"] * 3 + ["oracle"] * 3,
                                budget=[8, 16, 24] * 2, rse=[0.4, 0.2, 0.1, 0.2, 0.1, 0.05]))
     gap = replay_views.oracle_gap(curves).sort("reference_budget")
@@ -204,7 +204,6 @@ def test_cost_model_roofline_and_calibration_recover_parameters():
 
 
 def test_efficiency_fit_and_regimes():
-    import polars as pl
     rows = []
     for b in (1, 2, 4):
         for g in (1, 2, 4, 8, 16):
@@ -236,3 +235,20 @@ def test_cost_shapes_from_plain_configs_equal_transformers_configs():
     for name in EMBEDDED:
         assert model_shape(str(EMBEDDED_DIR / name)) == \
             cost.ModelShape.from_config(AutoConfig.from_pretrained(EMBEDDED_DIR / name)), name
+
+
+def test_ablation_is_the_share_of_the_router_oracle_gap_each_step_closes():
+    from analysis.replay_views import ablation
+    rows = []
+    for cov in ("truncation", "substitution"):
+        for b, router, oracle, sq, coact in ((8, 1.0, 0.2, 0.8, 0.3), (16, 0.5, 0.5, 0.5, 0.5)):
+            rows += [dict(ranking=r, coverage=cov, budget=b, rse=v) for r, v in
+                     (("router", router), ("oracle", oracle), ("sqmass", sq), ("coact", coact))]
+    got = ablation(pl.DataFrame(rows))
+    assert got.columns == ["coverage", "budget", "sqmass", "coact"]
+    row = got.filter((pl.col("coverage") == "truncation") & (pl.col("budget") == 8)).row(
+        0, named=True)
+    assert row["sqmass"] == pytest.approx(0.25) and row["coact"] == pytest.approx(0.875)
+    no_gap = got.filter(pl.col("budget") == 16)
+    assert no_gap["sqmass"].is_null().all()  # router already at the oracle: nothing to close
+    assert ablation(pl.DataFrame(rows).filter(pl.col("ranking") != "oracle")).is_empty()

@@ -79,8 +79,7 @@ def test_policies_equal_the_per_token_loop_and_gram_equals_direct_error(seed, bu
 def test_budget_of_all_experts_is_exact_for_every_ranking(cov):
     batch, _ = synthetic(3)
     n = batch.n
-    stats = CalibrationStats.empty([3], n)
-    stats.gram.uniform_(0, 1), stats.pairs.uniform_(1, 2)
+    stats = _synthetic_calibration(4, 50, n=n, examples=50)[0]  # learned trains on examples
     for name in rankings.names():
         keep, valid = rankings.get(name)().fit(stats).shortlists(batch, coverage.get(cov), [n])
         assert valid == [n]
@@ -333,3 +332,71 @@ def test_coact_online_in_open_loop_learns_only_from_earlier_passes_and_its_own_b
     e0_dropped[:, dropped] *= 50.0  # experts budget 3 did not run at pass 0
     assert torch.equal(run(e0_dropped, e1, budgets=(3,))[1, 0], run(e0, e1, budgets=(3,))[1, 0])
     assert not torch.equal(run(e0 * torch.linspace(0.1, 5, 8)[None, :, None], e1)[1], base[1])
+
+
+def _synthetic_calibration(seed: int, count: int, n=8, k=2, m=12, h=6, examples=0):
+    """Tree-layers whose experts differ in output size (which router mass cannot see), and the
+    calibration statistics collected from them through the real ``collect``."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 3.0, n)[torch.randperm(n, generator=torch.Generator()
+                                                       .manual_seed(99))]
+    weights = torch.randn(n, h, h, generator=torch.Generator().manual_seed(98)) * scale[:, None,
+                                                                                         None]
+    model = SimpleNamespace(moe_layers=[3], num_experts=n, expert_outputs=lambda layer, x:
+                            torch.einsum("mh,nhd->mnd", x, weights))
+    tls = []
+    for _ in range(count):
+        probs = torch.softmax(torch.randn(m, n, generator=g) * 2.0, -1)
+        w, idx = probs.topk(k, -1)
+        tls.append(SimpleNamespace(layer=3, probs=probs, idx=idx, weights=w,
+                                   hidden=torch.randn(m, h, generator=g)))
+    return CalibrationStats.collect(tls, model, max_examples=examples), tls, model
+
+
+def _truncation_error(tl, model, order, budget):
+    keep = torch.zeros(tl.probs.shape[-1], dtype=torch.bool)
+    keep[order[:budget]] = True
+    outs = model.expert_outputs(3, tl.hidden)
+    dropped = (~keep[tl.idx]).float() * tl.weights  # ḡ of dropped slots
+    miss = (dropped[..., None] * outs.gather(1, tl.idx[..., None].expand(-1, -1, outs.shape[-1])))
+    return float(miss.sum(1).pow(2).sum())
+
+
+def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
+    from policy.greedy import oracle_order
+    from policy.rankings.learned import Learned
+    stats, tls, model = _synthetic_calibration(0, 300, examples=300)
+    assert len(stats.examples) == 300
+    ex = stats.examples[0]
+    dense = torch.zeros(12, 8).scatter(-1, ex.idx, ex.weights)
+    assert torch.equal(ex.order.long(), oracle_order(dense, model.expert_outputs(3, tls[0].hidden)))
+    learned = rankings.get("learned")().fit(stats)
+    assert stats.fitted["learned"] is learned.model  # fitted once per calibration
+    assert rankings.get("learned")().fit(stats).model is learned.model
+    _, held_out, _ = _synthetic_calibration(1, 60)
+    errors = {"learned": 0.0, "router": 0.0}
+    router = rankings.get("router")()
+    for tl in held_out:
+        batch = RoutingBatch.single(tl.probs, tl.idx, tl.weights, 3, RoutingRule(2))
+        errors["learned"] += _truncation_error(tl, model, learned.order(batch, None, 8)[0], 4)
+        errors["router"] += _truncation_error(tl, model, router.order(batch, None, 8)[0], 4)
+    assert errors["learned"] < 0.9 * errors["router"], errors
+    learned.save(tmp_path / "learned.skops")
+    again = Learned.load(tmp_path / "learned.skops", stats)
+    assert torch.equal(again.order(batch, None, 8), learned.order(batch, None, 8))
+    (tmp_path / "bad.skops").write_bytes(b"not a zip")
+    with pytest.raises(rankings.RankingError, match="not a saved learned ranking"):
+        Learned.load(tmp_path / "bad.skops", stats)
+    with pytest.raises(rankings.RankingError, match="calibration examples"):
+        rankings.get("learned")().fit(_synthetic_calibration(2, 5)[0])
+
+
+def test_merged_calibrations_equal_one_collected_over_all_runs():
+    a, tls_a, model = _synthetic_calibration(10, 30, examples=30)
+    b, tls_b, _ = _synthetic_calibration(11, 20, examples=20)
+    together = CalibrationStats.collect(tls_a + tls_b, model)
+    merged = CalibrationStats.merge([a, b], max_examples=20)
+    assert torch.allclose(merged.gram, together.gram) and torch.equal(merged.pairs, together.pairs)
+    assert [e.order.tolist() for e in merged.examples] == \
+        [e.order.tolist() for e in a.examples[:10] + b.examples[:10]]  # evenly from each run

@@ -35,11 +35,12 @@ def results(root, table):
 
 def test_full_budget_is_exact_for_every_ranking_and_results_are_reused(traces, tmp_path, capsys):
     args = ["--traces", str(traces), "--run", "eval", "--calibration", "cal", "--ranking",
-            "static", "router", "oracle", "coact", "--budget", "64", "--no-progress",
+            "static", "router", "oracle", "coact", "learned", "--budget", "64", "--no-progress",
             "--out", str(tmp_path)]
     assert cli.main(args) == 0
     df = results(tmp_path, "replay_open")
-    assert set(df["ranking"]) == {"static", "router", "oracle", "coact"}
+    assert set(df["ranking"]) == {"static", "router", "oracle", "coact", "learned"}
+    assert len(list(tmp_path.glob("replay_open/**/config=*/learned.skops"))) == 2  # one per coverage
     assert df["rse"].max() < 1e-10 and df["mass_excluded"].max() == 0
     assert set(df["model"]) == {"tiny-olmoe"} and set(df["run"]) == {"eval"}
     capsys.readouterr()

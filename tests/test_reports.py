@@ -44,7 +44,7 @@ def test_every_report_figure_has_a_title_and_axis_titles(tmp_path, monkeypatch):
     traces = tmp_path / "traces"
     assert capture_cli.main(["--limit", "2", "--max-new-tokens", "12", "--out", str(traces),
                              "--no-progress"]) == 0
-    assert replay_cli.main(["--traces", str(traces), "--ranking", "router", "oracle",
+    assert replay_cli.main(["--traces", str(traces), "--ranking", "router", "oracle", "sqmass",
                             "--budget", "16,32", "--no-progress"]) == 0
     assert replay_cli.main(["--traces", str(traces), "--mode", "closed", "--ranking", "router",
                             "--budget", "16,64", "--coverage", "substitution",
@@ -56,3 +56,5 @@ def test_every_report_figure_has_a_title_and_axis_titles(tmp_path, monkeypatch):
     assert len(seen) >= 10
     found = [p for f in seen for p in problems(json.loads(f.to_json()))]
     assert not found, found
+    html = next((tmp_path / "r").glob("*.html")).read_text()
+    assert "Where coact's gain comes from" in html and "<th>sqmass</th>" in html

@@ -8,7 +8,18 @@ To add one: write ``policy/rankings/<name>.py`` with a ``@register``-ed :class:`
 and add ``<name>`` to the import line below.
 """
 
-from policy.rankings import coact, coact_diag, coact_online, exact, oracle, previous, router, sqmass, static  # noqa: F401
+from policy.rankings import (  # noqa: F401 - each module registers its ranking
+    coact,
+    coact_diag,
+    coact_online,
+    exact,
+    learned,
+    oracle,
+    previous,
+    router,
+    sqmass,
+    static,
+)
 from policy.rankings.base import REGISTRY, Ranking, RankingError, get, help_text, names, register
 
 __all__ = ["REGISTRY", "Ranking", "RankingError", "get", "help_text", "names", "register"]

@@ -37,6 +37,7 @@ class Ranking(ABC):
     needs_calibration: ClassVar[bool] = False  # fit() needs calibration statistics
     stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
     observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget)
+    artifact: ClassVar[str | None] = None  # file name of what fit() learns, saved by save()
 
     calibration: CalibrationStats | None = None
 
@@ -46,6 +47,10 @@ class Ranking(ABC):
                                "RUN, captured on other prompts)")
         self.calibration = calibration
         return self
+
+    def save(self, path) -> None:
+        """Write what :meth:`fit` learned to ``path`` (rankings with an ``artifact`` only)."""
+        raise NotImplementedError(f"ranking {self.name} learns nothing to save")
 
     def reset(self) -> None:
         """A new prompt starts: forget what earlier passes did."""
