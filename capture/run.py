@@ -36,7 +36,7 @@ from moe.adapter import MoEAdapter
 from moe.recorder import LayerRecord, VerifyRecorder
 from policy import coverage, rankings
 from policy.budget import Budget
-from policy.calibration import CalibrationStats, examples_for
+from policy.calibration import CalibrationStats, collect_runs, examples_for
 from tasks import benchmarks
 
 
@@ -228,9 +228,8 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
                                             {(settings.bench, p.prompt_id) for p in prompts})
     except CatalogError as exc:
         raise CaptureError(str(exc)) from exc
-    return CalibrationStats.collect(reader.tree_layers(cal), adapter,
-                                    sources=[r.ref for r in cal],
-                                    max_examples=examples_for([settings.ranking]))
+    return collect_runs(cal, lambda run: reader.tree_layers([run]), adapter,
+                        examples_for([settings.ranking]))
 
 
 def run_manifest(settings: CaptureSettings, loaded, head, adapter: MoEAdapter, run: str,

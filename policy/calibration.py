@@ -17,7 +17,7 @@ caches what rankings fit on the statistics, so one calibration is fitted once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import numpy as np
 import torch
@@ -138,3 +138,32 @@ class CalibrationStats:
                     tl.layer, torch.as_tensor(np.asarray(tl.probs), dtype=torch.float32), idx, w,
                     oracle_order(dense, outs).to(torch.int16)))
         return stats
+
+
+_COLLECTED: dict[tuple, CalibrationStats] = {}
+
+
+def collect_runs(runs: list, read: Callable[[object], Iterable], model: ExpertModel,
+                 max_examples: int = 0) -> CalibrationStats:
+    """Statistics over complete calibration ``runs`` (objects with ``run_id``, ``name`` and
+    ``ref``), each run's tree-layers read by ``read(run)``.
+
+    Each run is collected once per process (a complete run never changes: a recapture has a new
+    run id) and runs are merged, so a study that replays or captures against many calibration
+    choices collects each run once, and a ranking that fits on the statistics (``learned``)
+    fits once per choice."""
+    shape = (tuple(model.moe_layers), model.num_experts, max_examples)
+    parts = []
+    for run in runs:
+        key = (run.run_id, run.name, *shape)
+        if key not in _COLLECTED:
+            _COLLECTED[key] = CalibrationStats.collect(read(run), model, sources=[run.ref],
+                                                       max_examples=max_examples)
+        parts.append(_COLLECTED[key])
+    if len(parts) == 1:
+        return parts[0]
+    key = (tuple(sorted((r.run_id, r.name) for r in runs)), *shape)
+    if key not in _COLLECTED:
+        _COLLECTED[key] = CalibrationStats.merge(parts, max_examples)
+    return _COLLECTED[key]
+

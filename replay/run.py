@@ -27,7 +27,7 @@ from catalog.results import UnitResults
 from cluster import ClusterError, count_workers, init_ray, worker_options
 from moe.adapter import MoEAdapter
 from policy import coverage, rankings
-from policy.calibration import CalibrationStats, examples_for
+from policy.calibration import CalibrationStats, collect_runs, examples_for
 from replay import closed_loop, distributed
 from replay.engine import OpenLoopEngine, Task
 
@@ -109,35 +109,15 @@ class ReplayOutcome:
     seconds: float = 0.0
 
 
-_COLLECTED: dict[tuple, CalibrationStats] = {}  # (run id, model, examples) -> statistics
-
-
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
                       adapter: MoEAdapter, progress: bool, rankings_used: tuple[str, ...] = ()
                       ) -> tuple[CalibrationStats, list[Run]]:
-    """Statistics from the named calibration runs (never sharing a prompt with ``evaluated``).
-
-    Each complete run is collected once per process (a complete run never changes: a recapture
-    has a new run id) and runs are merged, so a study replaying many evaluation runs against
-    many calibration choices collects each calibration run once, and a ranking that fits on
-    the statistics (``learned``) fits once per choice."""
+    """Statistics from the named calibration runs (never sharing a prompt with ``evaluated``),
+    each run collected once per process (:func:`policy.calibration.collect_runs`)."""
     cal = catalog.calibration_runs(names, model, set().union(*(r.prompt_keys() for r in evaluated)))
-    examples = examples_for(rankings_used)
-    parts = []
-    for run in cal:
-        key = (run.run_id, run.name, model, examples)
-        if key not in _COLLECTED:
-            layers = tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",
-                          unit="tree-layer", disable=not progress)
-            _COLLECTED[key] = CalibrationStats.collect(layers, adapter, sources=[run.ref],
-                                                       max_examples=examples)
-        parts.append(_COLLECTED[key])
-    if len(parts) == 1:
-        return parts[0], cal
-    key = tuple(sorted((r.run_id, r.name) for r in cal)) + (model, examples)
-    if key not in _COLLECTED:
-        _COLLECTED[key] = CalibrationStats.merge(parts, examples)
-    return _COLLECTED[key], cal
+    read = lambda run: tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",  # noqa: E731
+                            unit="tree-layer", disable=not progress)
+    return collect_runs(cal, read, adapter, examples_for(rankings_used)), cal
 
 
 def unit_key(mode: str, ranking: type[rankings.Ranking], cover: coverage.Coverage,
