@@ -76,10 +76,23 @@ def closed_table(root: Path, model: str, bench: str, args) -> list[dict]:
     return rows
 
 
+def outputs(root: Path, model: str, bench: str, run: str) -> dict[int, list[int]]:
+    seq = pl.read_parquet(f"{root}/sequences/model={model}/bench={bench}/run={run}/*.parquet")
+    return dict(zip(seq["prompt_index"].to_list(), seq["output_token_ids"].to_list()))
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first output token where ``a`` and ``b`` differ; None if identical."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
 def online_table(root: Path, model: str, bench: str, args) -> list[dict]:
     rows = []
     for ranking in args.rankings:
-        for budget in args.budgets.split(","):
+        for budget in args.online_budgets.split(","):
             name = f"online-{bench}-{ranking}-{budget}"
             if not run_exists(root, model, name):
                 assert capture_cli.main([
@@ -88,17 +101,16 @@ def online_table(root: Path, model: str, bench: str, args) -> list[dict]:
                     "--out", str(root), "--run", name, "--no-progress", "--budget", budget,
                     "--ranking", ranking, "--coverage", args.online_coverage,
                     "--calibration", *calibration_runs(root, model)]) == 0
-            seq = pl.read_parquet(f"{root}/sequences/model={model}/bench={bench}/run={name}/"
-                                  "*.parquet")
-            length = seq["output_token_ids"].list.len()
-            first = pl.when(seq["first_divergence"] < 0).then(length) \
-                .otherwise(seq["first_divergence"])
+            ours, twin = outputs(root, model, bench, name), outputs(root, model, bench,
+                                                                    f"eval-{bench}")
+            first = [first_divergence(ours[p], twin[p]) for p in sorted(twin)]
             rows.append(dict(model=model, bench=bench, ranking=ranking, budget=int(budget),
-                             coverage=args.online_coverage, prompts=seq.height,
-                             twin=seq["twin_run"][0],
-                             exact_match=float(seq["exact_match"].mean()),
-                             first_divergence=float(seq.select(first.mean()).item()),
-                             output_tokens=float(length.mean())))
+                             coverage=args.online_coverage, prompts=len(first),
+                             exact_match=float(np.mean([f is None for f in first])),
+                             first_divergence=float(np.mean([
+                                 len(twin[p]) if f is None else f
+                                 for p, f in zip(sorted(twin), first)])),
+                             output_tokens=float(np.mean([len(t) for t in twin.values()]))))
     return rows
 
 
@@ -126,9 +138,11 @@ def main() -> None:
     p.add_argument("--traces", type=Path, default=Path("traces-xdomain"))
     p.add_argument("--models", nargs="+", default=["tiny-olmoe", "tiny-qwen3-moe"])
     p.add_argument("--benches", nargs="+", default=["gsm8k", "mbpp"])
-    p.add_argument("--rankings", nargs="+", default=["router", "coact", "coact-online"])
+    p.add_argument("--rankings", nargs="+",
+                   default=["router", "sqmass", "coact", "coact-online", "learned"])
     p.add_argument("--budgets", default="8,16,24,32")
     p.add_argument("--online-coverage", default="substitution")
+    p.add_argument("--online-budgets", default="16,32")
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
