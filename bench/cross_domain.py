@@ -36,6 +36,7 @@ from replay import cli as replay_cli  # noqa: E402
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 BUDGETS = (8, 16, 24, 32)
 BASE = ("router", "oracle", "sqmass")  # need no calibration: replayed once per evaluation run
+ABLATION_ONLY = {"coact-diag"}  # replayed for the diagonal, all and others only (the ablation)
 
 
 def capture_all(root: Path, model: str, args) -> None:
@@ -64,7 +65,9 @@ def replay_all(root: Path, model: str, args) -> None:
             if source not in ("all", "others") and not args.full_matrix \
                     and source not in (bench, *args.sources):
                 continue
-            assert replay_cli.main([*common, "--ranking", *args.rankings, "--calibration", *runs,
+            ranks = [r for r in args.rankings if r not in ABLATION_ONLY
+                     or source in (bench, "all", "others")]
+            assert replay_cli.main([*common, "--ranking", *ranks, "--calibration", *runs,
                                     "--out", str(root / "results" / f"cal={source}")]) == 0
 
 
@@ -146,7 +149,8 @@ def main() -> None:
     p.add_argument("--traces", type=Path, default=Path("traces-xdomain"))
     p.add_argument("--models", nargs="+", default=["tiny-olmoe", "tiny-qwen3-moe"])
     p.add_argument("--benches", nargs="+", default=list(BENCHES))
-    p.add_argument("--rankings", nargs="+", default=["coact-diag", "coact"],
+    p.add_argument("--rankings", nargs="+",
+                   default=["coact-diag", "coact", "coact-online", "learned"],
                    help="calibrated rankings replayed per calibration source")
     p.add_argument("--sources", nargs="*", default=[],
                    help="calibration benchmarks beyond the diagonal and 'all' (default: every "

@@ -6,8 +6,9 @@ Per MoE layer ℓ, over every calibration token t and pair of experts (i, j) in 
     gram[ℓ, i, j]  = Σ_{t : i, j ∈ T_k(t)} ⟨E_i(h_t), E_j(h_t)⟩
 
 ``static`` ranks by ``c_i``; ``coact`` uses the mean ``G_ij = gram / pairs`` (0 where a pair never
-fired together). The statistics are sums, so runs can be added in any order and split across
-workers; ``sources`` records which runs (name and run id) they came from.
+fired together; an expert never selected gets its layer's mean energy as ``G_ii``). The
+statistics are sums, so runs can be added in any order and split across workers; ``sources``
+records which runs (name and run id) they came from.
 
 ``learned`` also needs *examples*: calibration tree-layers with the truncation oracle's order
 (collected on request, at most ``max_examples``, the first ones in run order), and ``fitted``
@@ -35,6 +36,7 @@ class ExpertModel(Protocol):
         """``[M, H] → [M, N, H]`` float32 on the CPU."""
 
 
+MEANS_VERSION = 2  # 2: an expert calibration never selected gets its layer's mean energy
 MAX_EXAMPLES = 4096  # calibration tree-layers the learned ranking trains on
 
 
@@ -68,6 +70,7 @@ class CalibrationStats:
     sources: list[dict] = field(default_factory=list)
     examples: list[Example] = field(default_factory=list)
     fitted: dict = field(default_factory=dict)  # ranking name -> what it fitted
+    _means: torch.Tensor | None = field(default=None, repr=False)  # layer_means(), once
 
     @classmethod
     def empty(cls, layers: list[int], n: int, sources: list[dict] | None = None):
@@ -93,6 +96,7 @@ class CalibrationStats:
         [M, k, H]`` their outputs on those tokens."""
         i = self.layers.index(layer)
         n = self.num_experts
+        self._means = None
         out = topk_outputs.double()
         dots = torch.einsum("mah,mbh->mab", out, out)  # [M, k, k]
         flat = (idx[:, :, None] * n + idx[:, None, :]).reshape(-1)
@@ -111,9 +115,23 @@ class CalibrationStats:
         return out
 
     def mean_gram(self, layers: torch.Tensor) -> torch.Tensor:
-        """``G`` for each tree-layer's layer, ``[T, N, N]`` float32."""
-        rows = self.rows(layers)
-        return (self.gram[rows] / self.pairs[rows].clamp_min(1)).float()
+        """``G`` for each tree-layer's layer, ``[T, N, N]`` float32 (see :meth:`layer_means`)."""
+        return self.layer_means()[self.rows(layers)]
+
+    def layer_means(self) -> torch.Tensor:
+        """``G [L, N, N]`` float32: ``gram / pairs`` where a pair fired together, 0 for pairs
+        never seen together, and for an expert calibration never selected (``c_i = 0``) the
+        layer's mean output energy ``mean_{j: c_j > 0} G_jj`` as ``G_ii``: unseen means unknown,
+        not silent (with 0 an expert the calibration domain never used would be ranked last
+        wherever another domain routes to it)."""
+        if self._means is None:
+            means = self.gram / self.pairs.clamp_min(1)
+            diag = means.diagonal(dim1=-2, dim2=-1)  # a view: edits write into ``means``
+            seen = self.pairs.diagonal(dim1=-2, dim2=-1) > 0
+            prior = (diag * seen).sum(-1) / seen.sum(-1).clamp_min(1)  # [L]
+            diag.copy_(torch.where(seen, diag, prior[:, None]))
+            self._means = means.float()
+        return self._means
 
     def selection_counts(self, layers: torch.Tensor) -> torch.Tensor:
         """``c_i``: calibration tokens whose top-k holds expert i, ``[T, N]`` float32."""

@@ -27,7 +27,7 @@ from catalog.results import UnitResults
 from cluster import ClusterError, count_workers, init_ray, worker_options
 from moe.adapter import MoEAdapter
 from policy import coverage, rankings
-from policy.calibration import CalibrationStats, collect_runs, examples_for
+from policy.calibration import MEANS_VERSION, CalibrationStats, collect_runs, examples_for
 from replay import closed_loop, distributed
 from replay.engine import OpenLoopEngine, Task
 
@@ -122,9 +122,13 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
 
 def unit_key(mode: str, ranking: type[rankings.Ranking], cover: coverage.Coverage,
              calibration: list[Run]) -> dict:
-    """What makes results comparable; calibration only where the ranking uses it."""
-    cal = sorted([r.name, r.run_id] for r in calibration) if ranking.needs_calibration else []
-    return dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=cal)
+    """What makes results comparable; calibration only where the ranking uses it, with the
+    version of how statistics become means (results of an older definition are not reused)."""
+    if not ranking.needs_calibration:
+        return dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=[])
+    cal = sorted([r.name, r.run_id] for r in calibration)
+    return dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=cal,
+                means=MEANS_VERSION)
 
 
 def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: ReplayRequest,

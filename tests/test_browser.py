@@ -41,7 +41,8 @@ def server(tmp_path_factory):
                              "--out", str(root), "--no-progress", "--run", "cal", "--role",
                              "calibration"]) == 0
     assert replay_cli.main(["--traces", str(root), "--calibration", "cal", "--ranking", "router",
-                            "oracle", "coact", "--budget", "sweep", "--no-progress"]) == 0
+                            "oracle", "sqmass", "coact", "--budget", "sweep",
+                            "--no-progress"]) == 0
     assert replay_cli.main(["--traces", str(root), "--mode", "closed", "--ranking", "router",
                             "--coverage", "substitution", "--budget", "sweep",
                             "--no-progress"]) == 0

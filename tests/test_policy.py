@@ -400,3 +400,27 @@ def test_merged_calibrations_equal_one_collected_over_all_runs():
     assert torch.allclose(merged.gram, together.gram) and torch.equal(merged.pairs, together.pairs)
     assert [e.order.tolist() for e in merged.examples] == \
         [e.order.tolist() for e in a.examples[:10] + b.examples[:10]]  # evenly from each run
+
+
+def test_an_expert_calibration_never_selected_gets_the_layers_mean_energy_not_zero():
+    batch, experts = synthetic(12, n=8, k=2)
+    stats = _calibration(batch, experts)
+    seen = stats.pairs[0].diagonal() > 0
+    assert not seen.all(), "the synthetic calibration should leave some expert unselected"
+    g = stats.mean_gram(batch.layers)[0].double()
+    plain = stats.gram[0] / stats.pairs[0].clamp_min(1)
+    prior = plain.diagonal()[seen].mean()
+    for i in range(8):
+        want = plain[i, i] if seen[i] else prior
+        assert float(g[i, i]) == pytest.approx(float(want), rel=1e-6)
+    off = ~torch.eye(8, dtype=torch.bool)
+    assert torch.allclose(g[off], plain[off].float().double())  # unseen pairs stay 0
+    # an expert the calibration never saw but this tree routes to heavily is not ranked last
+    unseen = int((~seen).nonzero()[0])
+    probs = batch.probs[0].clone()
+    probs[:, unseen] += 5.0
+    probs = probs / probs.sum(-1, keepdim=True)
+    w, idx = probs.topk(2, -1)
+    tree = RoutingBatch.single(probs, idx, w / w.sum(-1, keepdim=True), 3, batch.rule)
+    order = rankings.get("coact")().fit(stats).order(tree, None, 8)[0].tolist()
+    assert order.index(unseen) < 3, order
