@@ -18,8 +18,8 @@ CAP = ["--model", "tiny-olmoe", "--max-new-tokens", "10", "--no-progress"]
 def traces(tmp_path_factory):
     root = tmp_path_factory.mktemp("app")
     assert capture_cli.main([*CAP, "--limit", "2", "--out", str(root), "--run", "a"]) == 0
-    assert replay_cli.main(["--traces", str(root), "--ranking", "router", "oracle", "--budget",
-                            "16,32,48", "--no-progress"]) == 0
+    assert replay_cli.main(["--traces", str(root), "--ranking", "router", "oracle", "sqmass",
+                            "--budget", "16,32,48", "--no-progress"]) == 0
     assert replay_cli.main(["--traces", str(root), "--mode", "closed", "--ranking", "router",
                             "--budget", "16,64", "--coverage", "substitution",
                             "--no-progress"]) == 0
@@ -93,6 +93,8 @@ def test_selectors_change_the_output(traces, monkeypatch):
     assert list(at.dataframe[0].value.columns) != list(first.columns)
 
     at = goto(at, "Replay results")
+    assert any(h.value == "Where coact's gain comes from" for h in at.subheader)
+    assert any("sqmass" in d.value.columns for d in at.dataframe)  # the ablation table
     before = chart_json(at)
     at.multiselect(key="replay_rank").set_value(["router"]).run()
     assert chart_json(at) != before
