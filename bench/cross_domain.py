@@ -58,16 +58,18 @@ def replay_all(root: Path, model: str, args) -> None:
         # mixed-domain calibration that has never seen the evaluated benchmark
         sources["others"] = [f"cal-{b}" for b in args.benches if b != bench]
         common = ["--traces", str(root), "--model", model, "--bench", bench, "--run",
-                  f"eval-{bench}", "--budget", budgets, "--coverage", "both", "--no-progress"]
-        assert replay_cli.main([*common, "--ranking", *BASE, "--out",
+                  f"eval-{bench}", "--budget", budgets, "--no-progress"]
+        assert replay_cli.main([*common, "--coverage", "both", "--ranking", *BASE, "--out",
                                 str(root / "results" / "base")]) == 0
         for source, runs in sources.items():
             if source not in ("all", "others") and not args.full_matrix \
                     and source not in (bench, *args.sources):
                 continue
-            ranks = [r for r in args.rankings if r not in ABLATION_ONLY
-                     or source in (bench, "all", "others")]
-            assert replay_cli.main([*common, "--ranking", *ranks, "--calibration", *runs,
+            core = source in (bench, "all", "others")
+            ranks = [r for r in args.rankings if r not in ABLATION_ONLY or core]
+            cover = "both" if core or not args.off_diagonal_truncation_only else "truncation"
+            assert replay_cli.main([*common, "--coverage", cover, "--ranking", *ranks,
+                                    "--calibration", *runs,
                                     "--out", str(root / "results" / f"cal={source}")]) == 0
 
 
@@ -155,6 +157,9 @@ def main() -> None:
     p.add_argument("--sources", nargs="*", default=[],
                    help="calibration benchmarks beyond the diagonal and 'all' (default: every "
                         "benchmark, the full matrix)")
+    p.add_argument("--off-diagonal-truncation-only", action="store_true",
+                   help="replay single-benchmark off-diagonal cells under truncation only "
+                        "(both policies on the diagonal, all and others): half the time")
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--cal-prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=32)
