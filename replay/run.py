@@ -168,9 +168,11 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                                                                  calibration))
                     locks.enter_context(unit.locked())
                     outcome.units.append(unit)
-                    if cls.artifact:  # what the ranking learned, beside its results
+                    saved = unit.folder / cls.artifact if cls.artifact else None
+                    if saved and not saved.exists():  # what it learned, beside its results
+                        # (a unit names its calibration runs, so a saved model is this one)
                         unit.folder.mkdir(parents=True, exist_ok=True)
-                        cls().fit(stats).save(unit.folder / cls.artifact)
+                        cls().fit(stats).save(saved)
                     for block in unit.plan(run_layers if request.mode == "open" else None,
                                            budgets):
                         if request.mode == "open":
