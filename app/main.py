@@ -2,8 +2,9 @@
 
     workbench-app --traces traces          # or: streamlit run app/main.py -- --traces traces
 
-Every page (app/pages/<name>.py, drawn by app/views.py) has its own URL, e.g.
-``http://127.0.0.1:8501/coverage``.
+Every page (app/screens/<name>.py, drawn by app/views.py) has its own URL, e.g.
+``http://127.0.0.1:8501/coverage``. The folder is not called ``pages/``: Streamlit would treat
+that name as its older multipage layout and run a deep-linked page without this script.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ if dataset is None:
     views.no_data(root, problem)
     st.stop()
 here = Path(__file__).resolve().parent
-pages = [st.Page(str(here / "pages" / f"{name}.py"), title=title,
+pages = [st.Page(str(here / "screens" / f"{name}.py"), title=title,
                  url_path=name.replace("_", "-"), default=name == "overview")
          for name, (title, _) in views.PAGES.items()]
 page = st.navigation(pages)

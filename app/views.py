@@ -1,7 +1,7 @@
 """The dashboard's pages: selectors, then an analysis frame, then a figure. No computation of
 their own beyond wiring (all numbers come from :mod:`analysis` through :mod:`app.data`).
 
-Each page is one function here; ``app/pages/<name>.py`` calls it, so every page has its own URL
+Each page is one function here; ``app/screens/<name>.py`` calls it, so every page has its own URL
 (``/coverage``, ``/tree-viewer``, …) that can be linked. Analysis pages draw evaluation runs by
 default; a sidebar selector switches the role.
 """
@@ -438,7 +438,7 @@ def no_data(root, message: str) -> None:
         "This page updates when the data appears.".replace("{root}", str(root)))
 
 
-# page file name (app/pages/<name>.py) -> (title, function)
+# page file name (app/screens/<name>.py) -> (title, function)
 PAGES = {
     "overview": ("Runs overview", overview),
     "heavy_tails": ("Heavy tails", heavy_tails),

@@ -194,7 +194,7 @@ assert not at.exception, [e.message for e in at.exception]
 for name, (title, _) in PAGES.items():
     if name == "overview":
         continue
-    t0 = time.perf_counter(); at.switch_page(f"pages/{name}.py").run()
+    t0 = time.perf_counter(); at.switch_page(f"screens/{name}.py").run()
     timings[title] = time.perf_counter() - t0
     assert not at.exception, (title, [e.message for e in at.exception])
 print(json.dumps(dict(timings=timings,

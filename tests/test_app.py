@@ -37,7 +37,7 @@ NAMES = {title: name for name, (title, _) in PAGES.items()}
 
 
 def goto(at: AppTest, page: str) -> AppTest:
-    at.switch_page(f"pages/{NAMES[page]}.py").run()
+    at.switch_page(f"screens/{NAMES[page]}.py").run()
     assert not at.exception, [e.message for e in at.exception]
     return at
 
