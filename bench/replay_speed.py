@@ -13,8 +13,9 @@ loading is excluded on both sides.
 ``rss``: peak RSS of ``replay --ranking oracle --budget 24`` (a fresh process each) on synthetic
 runs of N trees × 8 layers of tiny-olmoe (goal ≤ 2 GiB, flat in N).
 
-``width``: tree-layers/s of ``replay --ranking router oracle --budget 24`` on a synthetic run
-with a random-weight model of a real shape (one MoE layer, real widths), vs tiny-olmoe.
+``width``: tree-layers/s of ``replay --ranking router oracle --budget 24`` and of the full sweep
+on a synthetic run with a random-weight model of a real shape (one MoE layer, real widths, a
+synthetic calibration run for static and coact), vs tiny-olmoe.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ def recompute_seconds(runs, adapter) -> tuple[float, int]:
     return min(single, batched), len(items)
 
 
+def gram_seconds(runs, adapter) -> float:
+    """The float64 Gram ``Q_t = E_t E_tᵀ`` of every tree-layer (what the exact substitution oracle
+    needs, however it is organised), in batches of 64 tree-layers: a floor under the full sweep."""
+    items = list(reader.tree_layers(runs))
+    param = next(adapter.model.parameters())
+    with torch.no_grad():
+        outs = [adapter.layer(tl.layer).all_expert_outputs(
+            torch.from_numpy(tl.hidden).to(param.device, param.dtype), torch.float32)
+            for tl in items]
+        t0 = time.perf_counter()
+        for i in range(0, len(outs), 64):
+            e = torch.cat(outs[i:i + 64]).double()  # [tokens, N, H]
+            torch.bmm(e, e.transpose(1, 2))
+        return time.perf_counter() - t0
+
+
 def timed_replay(cat, runs, adapter, rankings, budgets, stats, cal, device) -> tuple[float, int]:
     out = Path(tempfile.mkdtemp(prefix="replay-bench-"))
     try:
@@ -83,6 +100,9 @@ def sweep(args) -> None:
     base, n = recompute_seconds(runs, adapter)
     print(f"{runs[0].model}, run {args.run}: {n} tree-layers, {args.threads} torch threads")
     print(f"  one all-experts recompute: {base:.3f} s")
+    gram = gram_seconds(runs, adapter)
+    print(f"  float64 Gram of every tree-layer alone (the substitution oracle's floor): "
+          f"{gram:.3f} s = {gram / base:.2f}x the recompute")
     for label, ranks in (("full sweep (static router oracle coact)",
                           ["static", "router", "oracle", "coact"]),
                          ("sweep without the oracle (static router coact)",
@@ -141,15 +161,26 @@ def width(args) -> None:
                 model = models.load(model_path, device="cpu").model
             write_run(root / "traces", model_path, model, prompts=2,
                       trees_per_prompt=args.trees // 2)
+            write_run(root / "traces", model_path, model, prompts=2,
+                      trees_per_prompt=args.trees // 2, run="cal", bench="synthetic-cal",
+                      seed=1, role="calibration")
             cat = Catalog(root / "traces")
             adapter = MoEAdapter(model)
-            runs = cat.runs()
+            runs = cat.runs(names=["synthetic"])
             base, n = recompute_seconds(runs, adapter)
+            head = (f"  {name} (hidden {model.config.hidden_size}, {adapter.num_experts} "
+                    f"experts, top-{adapter.top_k}): {n} tree-layers,")
             sec, tl = timed_replay(cat, runs, adapter, ["router", "oracle"], [24], None, [],
                                    torch.device("cpu"))
-            print(f"  {name} (hidden {model.config.hidden_size}, {adapter.num_experts} experts, "
-                  f"top-{adapter.top_k}): {tl} tree-layers, router+oracle@24 both policies "
-                  f"{tl / sec:.1f} tree-layers/s = {sec / base:.2f}x one all-experts recompute")
+            print(f"{head} router+oracle@24 both policies {tl / sec:.1f} tree-layers/s = "
+                  f"{sec / base:.2f}x one all-experts recompute")
+            stats, cal = calibration_stats(cat, ["cal"], model_path, runs, adapter, False)
+            budgets = parse_budgets("sweep", adapter.num_experts)
+            sec, tl = timed_replay(cat, runs, adapter, ["static", "router", "oracle", "coact"],
+                                   budgets, stats, cal, torch.device("cpu"))
+            print(f"{head} full sweep (static router oracle coact × 2 policies × "
+                  f"{len(budgets)} budgets) {tl / sec:.1f} tree-layers/s = {sec / base:.2f}x "
+                  f"one all-experts recompute")
             del model, adapter
         finally:
             shutil.rmtree(root)

@@ -29,7 +29,7 @@ def _lists(matrix: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
 @torch.no_grad()
 def write_run(root: Path, model_name: str, model, *, prompts: int, trees_per_prompt: int,
               nodes: int = 63, run: str = "synthetic", bench: str = "synthetic",
-              seed: int = 0) -> None:
+              seed: int = 0, role: str = "evaluation") -> None:
     """``prompts × trees_per_prompt`` trees of ``nodes`` tokens at every MoE layer."""
     adapter = MoEAdapter(model)
     g = torch.Generator().manual_seed(seed)
@@ -72,17 +72,18 @@ def write_run(root: Path, model_name: str, model, *, prompts: int, trees_per_pro
                                          steps=trees_per_prompt)],
                                    schema=pa.schema([schema.TABLES["sequences"].field(c) for c in
                                                      ("prompt_index", "prompt_id", "steps")]))
-        nodes = pa.Table.from_pylist([dict(prompt_index=p, prompt_id=f"s{p}", step=s, node=j)
-                                      for s in range(trees_per_prompt) for j in range(nodes)],
-                                     schema=pa.schema([schema.TABLES["nodes"].field(c) for c in
-                                                       ("prompt_index", "prompt_id", "step",
-                                                        "node")]))
-        for table, t in (("trees", trees), ("nodes", nodes), ("sequences", seq)):
+        node_rows = pa.Table.from_pylist([dict(prompt_index=p, prompt_id=f"s{p}", step=s,
+                                               node=j)
+                                          for s in range(trees_per_prompt) for j in range(nodes)],
+                                         schema=pa.schema([schema.TABLES["nodes"].field(c)
+                                                           for c in ("prompt_index", "prompt_id",
+                                                                     "step", "node")]))
+        for table, t in (("trees", trees), ("nodes", node_rows), ("sequences", seq)):
             folder = run_dir(root, table, model_name, bench, run)
             folder.mkdir(parents=True, exist_ok=True)
             atomic.write_table(folder / f"part-{p:06d}-0000.parquet", t)
     write_manifest(root, dict(
-        model=model_name, bench=bench, run=run, role="evaluation", status="complete",
+        model=model_name, bench=bench, run=run, role=role, status="complete",
         run_id=uuid.uuid4().hex, schema_version=schema.SCHEMA_VERSION,
         settings=dict(offset=0, hidden_dtype="float32", temperature=0.0, budget=None, depth=7),
         storage=dict(layers=[layer.index for layer in adapter], passes="all", dtype="float32",

@@ -69,7 +69,8 @@ def capture_distributed(settings, out: Path, run: str, role: str, prompts: list,
     actor = ray.remote(**worker_options(settings.device))(CaptureWorker)
     actors = [actor.remote(settings, str(out), run, role, prompts) for _ in range(n)]
     try:
-        manifest_fields = ray.get(actors[0].manifest.remote())
+        # every actor's model loaded before prompts are handed out
+        manifest_fields = ray.get([a.manifest.remote() for a in actors])[0]
     except ray.exceptions.RayTaskError as exc:  # the model, draft or budget could not load
         raise CaptureError(str(exc.cause) if exc.cause else str(exc)) from None
     load_seconds = time.perf_counter() - start

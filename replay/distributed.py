@@ -39,10 +39,14 @@ class ReplayWorker:
         self.adapter = MoEAdapter(loaded.model)
         self.device = loaded.device
 
+    def ready(self) -> bool:
+        """Returns once the actor is constructed (its model loaded)."""
+        return True
+
     def replay(self, out: str, run: Run, specs: list[TaskSpec], stats, prompts: list[int],
-               max_batch: int | None) -> int:
-        """Write ``prompts``' parts of every block; returns tree-layers (open) or trees
-        (closed) replayed."""
+               max_batch: int | None) -> tuple[list[int], int]:
+        """Write ``prompts``' parts of every block; returns the prompts and the tree-layers
+        (open) or trees (closed) replayed."""
         from policy import coverage, rankings
         from replay import closed_loop
         from replay.engine import OpenLoopEngine, Task
@@ -53,12 +57,20 @@ class ReplayWorker:
             engine.run(run, [Task(u, s.block, rankings.get(s.ranking)().fit(stats),
                                   coverage.get(s.coverage)) for u, s in zip(units, specs)],
                        prompts, finish=False)
-            return engine.tree_layers
+            return prompts, engine.tree_layers
         tasks = [closed_loop.ClosedTask(u, s.block, rankings.get(s.ranking),
                                         coverage.get(s.coverage), stats)
                  for u, s in zip(units, specs)]
-        return closed_loop.replay_run(run, self.adapter, tasks, lambda xs: xs, prompts,
-                                      finish=False)
+        return prompts, closed_loop.replay_run(run, self.adapter, tasks, lambda xs: xs,
+                                               prompts, finish=False)
+
+
+def prompt_chunks(prompts: list[int], actors: int, per_actor: int = 4) -> list[list[int]]:
+    """``prompts`` in order, cut into calls of a few prompts each (fewer round trips and engine
+    set-ups than one per call), about ``per_actor`` calls per actor so that the last calls still
+    balance the actors' load."""
+    size = max(1, len(prompts) // (per_actor * max(1, actors)))
+    return [prompts[i:i + size] for i in range(0, len(prompts), size)]
 
 
 def replay_distributed(ray, actors: list, out: Path, run: Run, specs: list[TaskSpec], stats,
@@ -70,11 +82,11 @@ def replay_distributed(ray, actors: list, out: Path, run: Run, specs: list[TaskS
     stats_ref = ray.put(stats)
     pool = ray.util.ActorPool(actors)
     work = 0
-    for done in pool.map_unordered(
-            lambda a, p: a.replay.remote(str(out), run, specs, stats_ref, [p], max_batch),
-            pending):
+    for chunk, done in pool.map_unordered(
+            lambda a, c: a.replay.remote(str(out), run, specs, stats_ref, c, max_batch),
+            prompt_chunks(pending, len(actors))):
         work += done
-        bar.update(1)
+        bar.update(len(chunk))
     for unit, spec in zip(units, specs):
         unit.finish(spec.block)
     return work

@@ -107,6 +107,7 @@ class ReplayOutcome:
     tree_layers: int = 0  # computed now (open loop)
     trees: int = 0  # re-verified now (closed loop)
     seconds: float = 0.0
+    start_seconds: float = 0.0  # of which: starting Ray actors and loading their models
 
 
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
@@ -183,7 +184,10 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                 outcome.reused.append(run.name)
                 continue
             if workers or ray_address:
-                ray, actors = actors_for(runs[0].model, str(device), workers, ray_address, actors)
+                if actors is None:
+                    t0 = time.perf_counter()
+                    ray, actors = actors_for(runs[0].model, str(device), workers, ray_address)
+                    outcome.start_seconds = time.perf_counter() - t0
                 specs = [distributed.TaskSpec(table, t.unit.unit, t.block, t.ranking.name,
                                               t.coverage.name) for t in tasks] + \
                     [distributed.TaskSpec(table, t.unit.unit, t.block, t.ranking.name,
@@ -212,16 +216,23 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
     return outcome
 
 
-def actors_for(model: str, device: str, workers: int, ray_address: str | None, actors):
-    """The Ray module and the replay actors (started once per replay)."""
+def actors_for(model: str, device: str, workers: int, ray_address: str | None):
+    """The Ray module and the replay actors (started once per replay), each with its model
+    loaded: a model that cannot load fails here, in one line, before any work is handed out."""
     try:
         ray = init_ray(workers, ray_address)
     except ClusterError as exc:
         raise ReplayError(str(exc)) from None
-    if actors is None:
-        n = count_workers(ray, workers, device)
-        cls = ray.remote(**worker_options(device))(distributed.ReplayWorker)
-        actors = [cls.remote(model, device) for _ in range(n)]
+    n = count_workers(ray, workers, device)
+    cls = ray.remote(**worker_options(device))(distributed.ReplayWorker)
+    actors = [cls.remote(model, device) for _ in range(n)]
+    try:
+        ray.get([a.ready.remote() for a in actors])
+    except ray.exceptions.RayActorError as exc:
+        for a in actors:
+            ray.kill(a)
+        raise ReplayError(f"a replay worker could not load {model} ({exc}); check --model") \
+            from None
     return ray, actors
 
 

@@ -7,6 +7,8 @@ import duckdb
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from capture import cli as capture_cli
 from replay import cli
@@ -134,3 +136,13 @@ def test_replay_streams_chunks_and_equals_an_unchunked_capture(traces, tmp_path)
     for col in ("rse", "token_error"):
         diff = (c.sort(keys)[col] - a.sort(keys)[col]).abs().max()
         assert diff < 1e-12, col
+
+
+@given(st.lists(st.integers(0, 10_000), unique=True, max_size=200), st.integers(1, 16))
+def test_distributed_prompt_chunks_cover_every_prompt_once_in_order(prompts, actors):
+    from replay.distributed import prompt_chunks
+    chunks = prompt_chunks(prompts, actors)
+    assert [p for c in chunks for p in c] == prompts
+    assert all(chunks)
+    if len(prompts) >= 4 * actors:  # enough calls for every actor to balance the tail
+        assert len(chunks) >= 4 * actors
