@@ -166,6 +166,34 @@ class UnitResults:
             files += sorted(self.block_dir(b).glob("part-*.parquet"))
         return files
 
+    def drop_superseded(self, identity: tuple[str, ...]) -> list[Path]:
+        """Delete this run's result units that agree with this one on the ``identity`` keys but
+        not on the whole key (an older definition of the ranking or of its statistics): never
+        reused, and readers must not see them beside this unit's rows. A unit another replay
+        holds is left alone. Returns the folders deleted."""
+        dropped = []
+        for path in sorted(self.folder.parent.glob(f"config=*/{RESULT_CONFIG}")):
+            if path.parent == self.folder:
+                continue
+            try:
+                other = json.loads(path.read_text())["unit"]
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                continue  # a torn or foreign config: reported when its own unit is read
+            if not isinstance(other, dict) or other == self.unit or \
+                    any(other.get(k) != self.unit.get(k) for k in identity):
+                continue
+            lock = FileLock(str(path.parent.parent / f".{path.parent.name}.lock"))
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue
+            try:
+                shutil.rmtree(path.parent, ignore_errors=True)
+                dropped.append(path.parent)
+            finally:
+                lock.release()
+        return dropped
+
     @contextmanager
     def locked(self, timeout: float = 0.5):
         """Hold the unit's lock for the block, or fail in one clear line when another replay

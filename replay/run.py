@@ -121,15 +121,20 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     return collect_runs(cal, read, adapter, examples_for(rankings_used)), cal
 
 
+UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration")  # the rest of a key is versions
+
+
 def unit_key(mode: str, ranking: type[rankings.Ranking], cover: coverage.Coverage,
              calibration: list[Run]) -> dict:
     """What makes results comparable; calibration only where the ranking uses it, with the
     version of how statistics become means (results of an older definition are not reused)."""
-    if not ranking.needs_calibration:
-        return dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=[])
-    cal = sorted([r.name, r.run_id] for r in calibration)
-    return dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=cal,
-                means=MEANS_VERSION)
+    key = dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=[])
+    if ranking.version != 1:  # (version 1 is left out: keys of unchanged rankings stay as they were)
+        key["version"] = ranking.version
+    if ranking.needs_calibration:
+        key.update(calibration=sorted([r.name, r.run_id] for r in calibration),
+                   means=MEANS_VERSION)
+    return key
 
 
 def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: ReplayRequest,
@@ -168,6 +173,7 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                     unit = UnitResults(out, table, run, unit_key(request.mode, cls, cover,
                                                                  calibration))
                     locks.enter_context(unit.locked())
+                    unit.drop_superseded(UNIT_IDENTITY)
                     outcome.units.append(unit)
                     saved = unit.folder / cls.artifact if cls.artifact else None
                     if saved and not saved.exists():  # what it learned, beside its results

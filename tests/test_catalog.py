@@ -152,3 +152,21 @@ def test_previous_ranking_online_open_and_closed_loop(traces, tmp_path):
     full = closed.filter(closed["budget"] == 64)
     assert (full["accepted_length"] == full["captured_accepted_length"]).all()
     assert closed.filter(closed["budget"] == 16)["experts_loaded"].list.max().max() <= 16
+
+
+def test_results_of_an_older_ranking_definition_are_dropped_not_shown_twice(traces, tmp_path,
+                                                                              monkeypatch):
+    from policy.rankings.oracle import Oracle
+    root = tmp_path / "t"
+    shutil.copytree(traces, root)
+    assert replay(root, "--ranking", "oracle", "router", "--budget", "16") == 0
+    first = stored(root)
+    monkeypatch.setattr(Oracle, "version", Oracle.version + 1)  # a redefined oracle
+    assert replay(root, "--ranking", "oracle", "router", "--budget", "16") == 0
+    con = connect(root)
+    rows = con.execute("SELECT ranking, count(*) FROM replay_open GROUP BY ranking "
+                       "ORDER BY ranking").fetchall()
+    per_ranking = first.height // 2
+    assert rows == [("oracle", per_ranking), ("router", per_ranking)]  # not twice
+    configs = {p.parent.name for p in root.glob("replay_open/**/config=*/block=*")}
+    assert len(configs) == 4  # oracle and router × two policies: the old oracle units are gone

@@ -38,6 +38,8 @@ class Ranking(ABC):
     stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
     observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget)
     artifact: ClassVar[str | None] = None  # file name of what fit() learns, saved by save()
+    version: ClassVar[int] = 1  # raised when what order()/shortlists() return changes, so that
+    # stored results of the older definition are never reused
 
     calibration: CalibrationStats | None = None
 

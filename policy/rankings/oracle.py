@@ -45,6 +45,7 @@ from policy.rankings.base import Ranking, RankingError, by_mass, register
 class Oracle(Ranking):
     name = "oracle"
     runtime = False  # as listed in policy.index
+    version = 2  # 2: substitution takes the best of three candidates (module docstring)
 
     def shortlists(self, batch, coverage, budgets):
         keep, valid = super().shortlists(batch, coverage, budgets)  # the greedy's prefixes
