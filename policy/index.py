@@ -30,8 +30,8 @@ RANKINGS: dict[str, Entry] = {
                            "features, trained to reproduce the oracle's order"),
     "previous": Entry(True, "experts loaded by the previous pass at the layer first, then "
                             "router mass"),
-    "oracle": Entry(False, "greedy reconstruction with every expert's output (upper bound, "
-                           "offline only)"),
+    "oracle": Entry(False, "greedy reconstruction with every expert's output (offline "
+                           "reference; under substitution the best of it and router's prefix)"),
     "exact": Entry(False, "exhaustive search over all B-subsets while C(N, B) is small "
                           "(offline only)"),
 }
