@@ -77,6 +77,8 @@ def mean_rse(root: Path, model: str) -> pl.DataFrame:
     """Mean RSE per (evaluation bench, calibration source, ranking, coverage, budget)."""
     frames = []
     for folder in sorted((root / "results").iterdir()):
+        if not (folder / "replay_open" / f"model={model}").is_dir():
+            continue  # closed-loop results (bench/closed_loop.py) live beside these
         source = folder.name.removeprefix("cal=") if folder.name != "base" else None
         df = pl.read_parquet(f"{folder}/replay_open/model={model}/**/*.parquet",
                              hive_partitioning=True)
