@@ -150,11 +150,11 @@ class CalibrationStats:
             picked = outs.gather(1, idx[..., None].expand(-1, -1, outs.shape[-1]))
             stats.add(tl.layer, idx, picked)
             if len(stats.examples) < max_examples:
-                w = torch.as_tensor(np.asarray(tl.weights), dtype=torch.float32)
-                dense = torch.zeros(outs.shape[:2]).scatter(-1, idx, w)
+                # copies: a view would keep the whole chunk it was read from alive
+                w = torch.tensor(np.asarray(tl.weights), dtype=torch.float32)
                 stats.examples.append(Example(
-                    tl.layer, torch.as_tensor(np.asarray(tl.probs), dtype=torch.float32), idx, w,
-                    oracle_order(dense, outs).to(torch.int16)))
+                    tl.layer, torch.tensor(np.asarray(tl.probs), dtype=torch.float32), idx, w,
+                    oracle_order(idx, w, picked, outs.shape[1]).to(torch.int16)))
         return stats
 
 

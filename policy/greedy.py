@@ -32,10 +32,16 @@ def greedy_quadratic(q: torch.Tensor, tie: torch.Tensor, max_budget: int) -> tor
     return order
 
 
-def oracle_order(weights: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
-    """The truncation oracle's greedy order of one tree-layer, ``[N]``: ``weights [M, N]`` dense
-    mixing weights ḡ, ``outputs [M, N, H]`` every expert's output."""
-    y = weights.double()[..., None] * outputs.double()  # ḡ_i E_i: [M, N, H]
-    q = torch.einsum("mih,mjh->ij", y, y)
-    tie = weights.double().sum(0) * 1e-12
-    return greedy_quadratic(q[None], tie[None], q.shape[-1])[0]
+def oracle_order(idx: torch.Tensor, weights: torch.Tensor, picked: torch.Tensor,
+                 n: int) -> torch.Tensor:
+    """The truncation oracle's greedy order of one tree-layer, ``[N]``, from each token's top-k
+    ``idx, weights [M, k]`` and those experts' outputs ``picked [M, k, H]``: ``Q_ij = Σ_t
+    ⟨ḡ_i E_i, ḡ_j E_j⟩`` over tokens whose top-k holds both (k² dot products per token,
+    scattered; never an ``[M, N, H]`` temporary), ties by router mass."""
+    y = weights.double()[..., None] * picked.double()  # ḡ_a E_a: [M, k, H]
+    dots = torch.einsum("mah,mbh->mab", y, y)  # [M, k, k]
+    flat = (idx[..., :, None] * n + idx[..., None, :]).reshape(-1)
+    q = torch.zeros(n * n, dtype=torch.float64).scatter_add_(0, flat, dots.reshape(-1))
+    tie = torch.zeros(n, dtype=torch.float64).scatter_add_(
+        0, idx.reshape(-1), weights.double().reshape(-1)) * 1e-12
+    return greedy_quadratic(q.view(1, n, n), tie[None], n)[0]

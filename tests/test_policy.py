@@ -372,13 +372,16 @@ def _truncation_error(tl, model, order, budget):
 
 
 def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
-    from policy.greedy import oracle_order
+    from policy.greedy import greedy_quadratic
     from policy.rankings.learned import Learned
     stats, tls, model = _synthetic_calibration(0, 300, examples=300)
     assert len(stats.examples) == 300
     ex = stats.examples[0]
-    dense = torch.zeros(12, 8).scatter(-1, ex.idx, ex.weights)
-    assert torch.equal(ex.order.long(), oracle_order(dense, model.expert_outputs(3, tls[0].hidden)))
+    dense = torch.zeros(12, 8).scatter(-1, ex.idx, ex.weights)  # the slow, dense reference
+    y = dense.double()[..., None] * model.expert_outputs(3, tls[0].hidden).double()
+    q = torch.einsum("mih,mjh->ij", y, y)
+    assert torch.equal(ex.order.long(),
+                       greedy_quadratic(q[None], dense.double().sum(0)[None] * 1e-12, 8)[0])
     learned = rankings.get("learned")().fit(stats)
     assert stats.fitted["learned"] is learned.model  # fitted once per calibration
     assert rankings.get("learned")().fit(stats).model is learned.model
