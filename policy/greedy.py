@@ -32,16 +32,24 @@ def greedy_quadratic(q: torch.Tensor, tie: torch.Tensor, max_budget: int) -> tor
     return order
 
 
+def pair_sums(idx: torch.Tensor, dots: torch.Tensor, n: int) -> torch.Tensor:
+    """``Q [T, N, N]`` float64 with ``Q_ij = Σ_t dots_t[a, b]`` over the slots a, b of tokens whose
+    top-k ``idx [T, M, k]`` holds i at a and j at b (``dots [T, M, k, k]``): the k² products of
+    each token scattered, never an ``[M, N, ·]`` temporary."""
+    t = idx.shape[0]
+    flat = (idx[..., :, None] * n + idx[..., None, :]).reshape(t, -1)
+    return torch.zeros(t, n * n, dtype=torch.float64, device=idx.device).scatter_add_(
+        1, flat, dots.double().reshape(t, -1)).view(t, n, n)
+
+
 def oracle_order(idx: torch.Tensor, weights: torch.Tensor, picked: torch.Tensor,
                  n: int) -> torch.Tensor:
     """The truncation oracle's greedy order of one tree-layer, ``[N]``, from each token's top-k
     ``idx, weights [M, k]`` and those experts' outputs ``picked [M, k, H]``: ``Q_ij = Σ_t
-    ⟨ḡ_i E_i, ḡ_j E_j⟩`` over tokens whose top-k holds both (k² dot products per token,
-    scattered; never an ``[M, N, H]`` temporary), ties by router mass."""
+    ⟨ḡ_i E_i, ḡ_j E_j⟩`` over tokens whose top-k holds both (:func:`pair_sums`), ties by
+    router mass."""
     y = weights.double()[..., None] * picked.double()  # ḡ_a E_a: [M, k, H]
-    dots = torch.einsum("mah,mbh->mab", y, y)  # [M, k, k]
-    flat = (idx[..., :, None] * n + idx[..., None, :]).reshape(-1)
-    q = torch.zeros(n * n, dtype=torch.float64).scatter_add_(0, flat, dots.reshape(-1))
+    q = pair_sums(idx[None], torch.einsum("mah,mbh->mab", y, y)[None], n)
     tie = torch.zeros(n, dtype=torch.float64).scatter_add_(
         0, idx.reshape(-1), weights.double().reshape(-1)) * 1e-12
-    return greedy_quadratic(q.view(1, n, n), tie[None], n)[0]
+    return greedy_quadratic(q, tie[None], n)[0]

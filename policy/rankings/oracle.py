@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from policy.coverage import Truncation, prefix_masks
-from policy.greedy import greedy_quadratic
+from policy.coverage import COVERAGES, Truncation, prefix_masks
+from policy.greedy import greedy_quadratic, pair_sums
 from policy.rankings.base import Ranking, RankingError, by_mass, register
 
 
@@ -52,10 +52,9 @@ class Oracle(Ranking):
         if isinstance(coverage, Truncation):
             return keep, valid
         n, most = batch.n, max(budgets)
-        zeros = torch.zeros(batch.size, n, dtype=torch.float64, device=batch.device)
         candidates = torch.stack([  # [C, T, B, N]
             keep,
-            prefix_masks(greedy_quadratic(truncation_matrix(batch), zeros, most), budgets, n),
+            prefix_masks(self.order(batch, COVERAGES["truncation"], most), budgets, n),
             prefix_masks(by_mass(batch.mass()), budgets, n)])
         err = torch.stack([coverage.sq_errors(batch, c, *coverage.apply(batch, c)).sum(-1)
                            for c in candidates])  # [C, T, B]: Σ_t ||O*_t − Ô_t||², exact
@@ -77,11 +76,7 @@ class Oracle(Ranking):
 def truncation_matrix(batch) -> torch.Tensor:
     """``A [T, N, N]``: ``A_ij = Σ_t ⟨ḡ_i E_i(h_t), ḡ_j E_j(h_t)⟩`` over tokens whose top-k holds
     both (k² dot products per token, scattered)."""
-    t, n = batch.size, batch.n
-    dots = batch.terms.natural  # [T, M, k, k]
-    flat = (batch.idx[..., :, None] * n + batch.idx[..., None, :]).reshape(t, -1)
-    return torch.zeros(t, n * n, dtype=torch.float64, device=batch.device).scatter_add_(
-        1, flat, dots.reshape(t, -1)).view(t, n, n)
+    return pair_sums(batch.idx, batch.terms.natural, batch.n)
 
 
 def candidates_order(batch, coverage, max_budget) -> torch.Tensor:
