@@ -61,6 +61,11 @@ class Block:
                     prompts=self.prompts)
 
 
+def unit_lock(folder: Path) -> FileLock:
+    """The lock of the unit in ``folder`` (``…/config=<hash>``), kept beside it."""
+    return FileLock(str(folder.parent / f".{folder.name}.lock"))
+
+
 class UnitResults:
     """The results of one unit for one captured run (one ``config=<hash>`` folder)."""
 
@@ -69,7 +74,7 @@ class UnitResults:
             raise ValueError(f"unknown result table {table!r}")
         self.run, self.unit, self.table = run, unit, table
         self.folder = run_dir(root, table, run.model, run.bench, run.name) / f"config={digest(unit)}"
-        self.lock = FileLock(str(self.folder.parent / f".config={digest(unit)}.lock"))
+        self.lock = unit_lock(self.folder)
 
     # --- state on disk ---------------------------------------------------------------------
     def _read(self) -> dict | None:
@@ -182,7 +187,7 @@ class UnitResults:
             if not isinstance(other, dict) or other == self.unit or \
                     any(other.get(k) != self.unit.get(k) for k in identity):
                 continue
-            lock = FileLock(str(path.parent.parent / f".{path.parent.name}.lock"))
+            lock = unit_lock(path.parent)
             try:
                 lock.acquire(timeout=0)
             except Timeout:
