@@ -155,8 +155,6 @@ def settings_from(args) -> CaptureSettings:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from console.memory import return_large_blocks
-    return_large_blocks()  # a long stream of tree-layers must not fragment the heap
     try:
         settings = settings_from(args)
         if args.workers < 0:

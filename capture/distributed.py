@@ -34,8 +34,6 @@ class CaptureWorker:
 
         from capture.run import Target
         torch.set_num_threads(threads)
-        from console.memory import return_large_blocks
-        return_large_blocks()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.target = Target.load(settings, Path(out), prompts)
         self.writer = RunWriter(out, self.target.loaded.name, settings.bench, run)

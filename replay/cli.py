@@ -100,8 +100,6 @@ def select_runs(catalog, args) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from console.memory import return_large_blocks
-    return_large_blocks()  # a long stream of tree-layers must not fragment the heap
     from catalog import Catalog, CatalogError
     from moe import models
     from moe.adapter import MoEAdapter

@@ -33,8 +33,6 @@ class ReplayWorker:
         from moe import models
         from moe.adapter import MoEAdapter
         torch.set_num_threads(threads)
-        from console.memory import return_large_blocks
-        return_large_blocks()
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         models.quiet_transformers()
         loaded = models.load(model, device=device)

@@ -289,11 +289,3 @@ def test_any_corruption_gives_the_exact_result_or_one_line(pristine, tmp_path_fa
     else:
         one_line_error(rep)
 
-
-def test_large_blocks_go_back_to_the_os_on_linux():
-    """capture and replay fix glibc's mmap threshold (console.memory): without it a closed-loop
-    replay with the learned ranking on tiny-qwen3-moe grew to 24 GiB of fragmented heap."""
-    import sys
-
-    from console.memory import return_large_blocks
-    assert return_large_blocks() is sys.platform.startswith("linux")

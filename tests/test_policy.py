@@ -376,6 +376,9 @@ def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
     from policy.rankings.learned import Learned
     stats, tls, model = _synthetic_calibration(0, 300, examples=300)
     assert len(stats.examples) == 300
+    for field in ("probs", "idx", "weights", "order"):  # packed: one block per field, not
+        # 300 small tensors pinning the freed expert outputs between them
+        assert len({getattr(e, field).untyped_storage().data_ptr() for e in stats.examples}) == 1
     ex = stats.examples[0]
     dense = torch.zeros(12, 8).scatter(-1, ex.idx, ex.weights)  # the slow, dense reference
     y = dense.double()[..., None] * model.expert_outputs(3, tls[0].hidden).double()
