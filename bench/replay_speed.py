@@ -41,10 +41,9 @@ from replay.run import ReplayRequest, calibration_stats, parse_budgets, replay
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def recompute_seconds(runs, adapter) -> tuple[float, int]:
-    """One all-experts recompute of every tree-layer, one call per tree-layer (round 1's
-    baseline) and per batch of 64 tree-layers of a layer (the engine's); the faster one."""
-    items = list(reader.tree_layers(runs))
+def recompute_seconds(items, adapter) -> float:
+    """One all-experts recompute of the tree-layers ``items``, one call per tree-layer (round
+    1's baseline) and per batch of 64 tree-layers of a layer (the engine's); the faster one."""
     param = next(adapter.model.parameters())
     hidden = [torch.from_numpy(tl.hidden).to(param.device, param.dtype) for tl in items]
     with torch.no_grad():
@@ -58,13 +57,12 @@ def recompute_seconds(runs, adapter) -> tuple[float, int]:
             for i in range(0, len(hs), 64):
                 layer.all_expert_outputs(torch.cat(hs[i:i + 64]))
         batched = time.perf_counter() - t0
-    return min(single, batched), len(items)
+    return min(single, batched)
 
 
-def gram_seconds(runs, adapter) -> float:
+def gram_seconds(items, adapter) -> float:
     """The float64 Gram ``Q_t = E_t E_tᵀ`` of every tree-layer (what the exact substitution oracle
     needs, however it is organised), in batches of 64 tree-layers: a floor under the full sweep."""
-    items = list(reader.tree_layers(runs))
     param = next(adapter.model.parameters())
     with torch.no_grad():
         outs = [adapter.layer(tl.layer).all_expert_outputs(
@@ -97,10 +95,12 @@ def sweep(args) -> None:
     adapter = MoEAdapter(loaded.model)
     stats, cal = calibration_stats(cat, [args.calibration], runs[0].model, runs, adapter, False)
     budgets = parse_budgets("sweep", adapter.num_experts)
-    base, n = recompute_seconds(runs, adapter)
-    print(f"{runs[0].model}, run {args.run}: {n} tree-layers, {args.threads} torch threads")
+    items = list(reader.tree_layers(runs))  # read once, for both reference timings
+    base = recompute_seconds(items, adapter)
+    print(f"{runs[0].model}, run {args.run}: {len(items)} tree-layers, {args.threads} torch "
+          "threads")
     print(f"  one all-experts recompute: {base:.3f} s")
-    gram = gram_seconds(runs, adapter)
+    gram = gram_seconds(items, adapter)
     print(f"  float64 Gram of every tree-layer alone (the substitution oracle's floor): "
           f"{gram:.3f} s = {gram / base:.2f}x the recompute")
     for label, ranks in (("full sweep (static router oracle coact)",
@@ -167,7 +167,8 @@ def width(args) -> None:
             cat = Catalog(root / "traces")
             adapter = MoEAdapter(model)
             runs = cat.runs(names=["synthetic"])
-            base, n = recompute_seconds(runs, adapter)
+            items = list(reader.tree_layers(runs))
+            base, n = recompute_seconds(items, adapter), len(items)
             head = (f"  {name} (hidden {model.config.hidden_size}, {adapter.num_experts} "
                     f"experts, top-{adapter.top_k}): {n} tree-layers,")
             sec, tl = timed_replay(cat, runs, adapter, ["router", "oracle"], [24], None, [],

@@ -44,6 +44,20 @@ def same_tables(root: Path, a: str, b: str) -> bool:
     return True
 
 
+def rates(label: str, count: int, unit: str, wall: float, start_up: float) -> tuple:
+    """(end to end, after start-up) throughput of ``count`` items in ``wall`` seconds, printed."""
+    both = count / wall, count / (wall - start_up)
+    print(f"{label} {count} {unit} in {wall:.1f} s ({both[0]:.2f} {unit}/s; start-up "
+          f"{start_up:.1f} s, {both[1]:.2f} {unit}/s after it)")
+    return both
+
+
+def speedups(rate: dict) -> str:
+    """2 workers vs 1, end to end and after start-up."""
+    return (f"{rate[2][0] / rate[1][0]:.2f}x end to end, "
+            f"{rate[2][1] / rate[1][1]:.2f}x after start-up")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=40)
@@ -54,18 +68,13 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="scale-out-"))
     try:
         settings = CaptureSettings(limit=args.prompts, max_new_tokens=args.max_new_tokens)
-        rate, steady = {}, {}
+        rate = {}
         for workers in (1, 2):
             t0 = time.perf_counter()
             s = capture_run(settings, root, f"w{workers}", workers=workers, progress=False)
-            wall = time.perf_counter() - t0
-            rate[workers] = s.prompts / wall
-            steady[workers] = s.prompts / (wall - s.load_seconds)
-            print(f"capture, {workers} worker(s): {s.prompts} prompts, {s.trees} trees in "
-                  f"{wall:.1f} s ({rate[workers]:.2f} prompts/s; start-up {s.load_seconds:.1f} s,"
-                  f" {steady[workers]:.2f} prompts/s after it)")
-        print(f"capture prompts/s, 2 workers vs 1: {rate[2] / rate[1]:.2f}x end to end, "
-              f"{steady[2] / steady[1]:.2f}x after start-up (goal >= 1.6x); "
+            rate[workers] = rates(f"capture, {workers} worker(s): {s.trees} trees,", s.prompts,
+                                  "prompts", time.perf_counter() - t0, s.load_seconds)
+        print(f"capture prompts/s, 2 workers vs 1: {speedups(rate)} (goal >= 1.6x); "
               f"tables identical: {same_tables(root, 'w1', 'w2')}")
 
         cat = Catalog(root)
@@ -73,24 +82,19 @@ def main() -> None:
         adapter = MoEAdapter(models.load("tiny-olmoe", device="cpu").model)
         request = ReplayRequest(("router", "oracle"), ("truncation", "substitution"),
                                 tuple(parse_budgets("sweep", adapter.num_experts)))
-        tl_rate, tl_steady = {}, {}
+        tl_rate = {}
         for workers in (1, 2):
             t0 = time.perf_counter()
             o = replay(cat, runs, adapter, request, None, [], root / f"r{workers}",
                        device=adapter.model.device, progress=False, workers=workers)
-            wall = time.perf_counter() - t0
-            tl_rate[workers] = o.tree_layers / wall
-            tl_steady[workers] = o.tree_layers / (wall - o.start_seconds)
-            print(f"replay, {workers} worker(s): {o.tree_layers} tree-layers in {wall:.1f} s "
-                  f"({tl_rate[workers]:.1f} tree-layers/s; start-up {o.start_seconds:.1f} s, "
-                  f"{tl_steady[workers]:.1f} tree-layers/s after it)")
+            tl_rate[workers] = rates(f"replay, {workers} worker(s):", o.tree_layers,
+                                     "tree-layers", time.perf_counter() - t0, o.start_seconds)
         a, b = (duckdb.sql(f"SELECT * EXCLUDE (config, block) FROM read_parquet('{root}/r{w}/"
                            "replay_open/**/*.parquet', hive_partitioning=true) ORDER BY ALL").pl()
                 for w in (1, 2))
         diff = max((a[c] - b[c]).abs().max() for c in ("rse", "token_error"))
-        print(f"replay tree-layers/s, 2 workers vs 1: {tl_rate[2] / tl_rate[1]:.2f}x end to end, "
-              f"{tl_steady[2] / tl_steady[1]:.2f}x after start-up (goal >= 1.6x); results equal: "
-              f"{a.height == b.height} rows, max difference {diff:.1e}")
+        print(f"replay tree-layers/s, 2 workers vs 1: {speedups(tl_rate)} (goal >= 1.6x); "
+              f"results equal: {a.height == b.height} rows, max difference {diff:.1e}")
     finally:
         ray.shutdown()
         shutil.rmtree(root)
