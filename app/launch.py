@@ -39,8 +39,10 @@ def main(argv: list[str] | None = None) -> int:
               "how to create one", file=sys.stderr)
     from streamlit.web import cli as stcli
     script = Path(__file__).with_name("main.py")
+    # without a terminal Streamlit's first-run e-mail prompt would wait forever on stdin
+    headless = args.headless or not sys.stdin.isatty()
     sys.argv = ["streamlit", "run", str(script), "--server.port", str(args.port),
-                "--server.address", args.host, "--server.headless", str(args.headless).lower(),
+                "--server.address", args.host, "--server.headless", str(headless).lower(),
                 "--browser.gatherUsageStats", "false", *args.streamlit_args, "--",
                 "--traces", args.traces]
     return stcli.main()
