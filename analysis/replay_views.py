@@ -71,7 +71,8 @@ def oracle_gap(curves: pl.DataFrame) -> pl.DataFrame:
 
 ABLATION_NOTE = ("Share of the router→oracle gap (mean RSE) each ranking closes: sqmass = squared "
                  "mixing mass, coact-diag = × calibration output energy G_ii, coact = + "
-                 "co-activation (off-diagonal G).")
+                 "co-activation (off-diagonal G); under substitution coact also picks, per "
+                 "budget, the prefix with the lowest predicted substitution error.")
 ABLATION = ("sqmass", "coact-diag", "coact", "coact-online", "learned")
 
 

@@ -93,7 +93,7 @@ class VerifyRecorder:
             rec.applied_ids, rec.applied_weights = routed.idx, routed.weights
             # Dropped slots (weight 0) point at a shortlisted expert, so the experts module never
             # runs an expert outside the budget.
-            run_idx = torch.where(routed.weights == 0, routed.order[0], routed.idx)
+            run_idx = torch.where(routed.weights == 0, routed.anchor(), routed.idx)
             return logits, routed.weights.to(weights.dtype), run_idx
         return hook
 

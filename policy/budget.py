@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from policy.batch import RoutingBatch
-from policy.coverage import Coverage, experts_used, prefix_masks
+from policy.coverage import Coverage, experts_used
 from policy.rankings.base import Ranking, RankingError
 from policy.routing import RoutingRule
 
@@ -26,7 +26,10 @@ class Routed:
     idx: torch.Tensor  # [M, k] experts each token uses
     weights: torch.Tensor  # [M, k] their weights (0: dropped slot)
     keep: torch.Tensor  # [N] the shortlist
-    order: torch.Tensor  # [L] the ranking's order
+
+    def anchor(self) -> int:
+        """A shortlisted expert (the lowest id): what a dropped slot may point at."""
+        return int(self.keep.int().argmax())
 
     def loaded(self) -> torch.Tensor:
         """``[N]`` bool: experts with non-zero weight for some token (what is loaded)."""
@@ -47,10 +50,9 @@ class Budget:
     def route(self, layer: int, probs: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
               rule: RoutingRule) -> Routed:
         batch = RoutingBatch.single(probs, idx, weights.float(), layer, rule)
-        order = self.ranking.order(batch, self.coverage, self.size)
-        keep = prefix_masks(order, [self.size], batch.n)[:, 0]  # [1, N]
+        keep = self.ranking.shortlists(batch, self.coverage, [self.size])[0][:, 0]  # [1, N]
         new_idx, new_w = self.coverage.apply(batch, keep)
-        return Routed(new_idx[0], new_w[0], keep[0], order[0])
+        return Routed(new_idx[0], new_w[0], keep[0])
 
     def observe(self, loaded: dict[int, torch.Tensor],
                 executed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

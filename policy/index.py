@@ -20,7 +20,7 @@ RANKINGS: dict[str, Entry] = {
     "router": Entry(True, "router mass summed over the tree's tokens (MoE-Spec)"),
     "static": Entry(True, "calibration selection counts per layer (input-independent)"),
     "coact": Entry(True, "co-activation-aware: mixing weights x calibration expert-output Gram "
-                         "(this project)"),
+                         "(this project; under substitution, predicted substitution error)"),
     "sqmass": Entry(True, "squared mixing mass sum_t g_i(t)^2 (coact with G = I: ablation)"),
     "coact-diag": Entry(True, "squared mixing mass x calibration output energy G_ii (coact "
                               "without co-activation: ablation)"),
@@ -31,7 +31,7 @@ RANKINGS: dict[str, Entry] = {
     "previous": Entry(True, "experts loaded by the previous pass at the layer first, then "
                             "router mass"),
     "oracle": Entry(False, "greedy reconstruction with every expert's output (offline "
-                           "reference; under substitution the best of it and router's prefix)"),
+                           "reference; under substitution the best of it, router's and sqmass's prefix)"),
     "exact": Entry(False, "exhaustive search over all B-subsets while C(N, B) is small "
                           "(offline only)"),
 }

@@ -17,7 +17,7 @@ from policy import coverage, rankings
 from policy.batch import ExpertTerms, RoutingBatch, combine
 from policy.calibration import CalibrationStats
 from policy.coverage import prefix_masks
-from policy.rankings.base import by_mass
+from policy.rankings.base import by_mass, by_squared_mass
 from policy.routing import RoutingRule
 
 COVERAGES = list(coverage.COVERAGES)
@@ -158,8 +158,9 @@ def _stack(batches):
 @pytest.mark.parametrize("cov", COVERAGES)
 def test_rankings_equal_the_frozen_round1_replay_batched_and_padded(cov):
     """Golden: every ranking and budget equals round 1's per-tree-layer code (bit for bit on
-    single tree-layers, ≤ 1e-12 relative when batched with padding); the substitution oracle,
-    redefined since, is at least as good as round 1's and as router ranking."""
+    single tree-layers, ≤ 1e-12 relative when batched with padding). Redefined since, under
+    substitution: the oracle is at least as good as round 1's and as router ranking; coact keeps,
+    per budget, round 1's prefix, router ranking's or squared mass's."""
     parts = [synthetic(seed, m=m, n=8, k=2, renormalize=seed % 2 == 0)
              for seed, m in ((0, 12), (1, 7), (2, 12), (3, 9))]
     stats = CalibrationStats.empty([3], 8)
@@ -189,6 +190,12 @@ def test_rankings_equal_the_frozen_round1_replay_batched_and_padded(cov):
                     bound = min(r["rse"], router[r["budget"]])
                     assert got["oracle", r["budget"]] <= bound * (1 + 1e-12) + 1e-300, (mode, r)
                     continue
+                if r["ranking"] == "coact" and cov == "substitution":
+                    sq = rse(bt, prefix_masks(by_squared_mass(bt), [r["budget"]], 8), cov)
+                    allowed = [r["rse"], router[r["budget"]], float(sq[row, 0])]
+                    assert min(abs(got["coact", r["budget"]] - a) for a in allowed) \
+                        <= 1e-12 * max(r["rse"], 1e-300), (mode, r)
+                    continue
                 assert abs(got[r["ranking"], r["budget"]] - r["rse"]) <= tol, (mode, r)
 
 
@@ -210,7 +217,8 @@ def test_direct_errors_equal_the_gram_expansion(seed, renorm, cov, budget):
 def test_incremental_substitution_oracle_equals_scoring_every_candidate(seed, renorm, scale,
                                                                         biased, m):
     """The O(T·M·N) incremental greedy picks what scoring every S ∪ {c} shortlist picks."""
-    from policy.rankings.oracle import candidates_order, substitution_order
+    from policy.rankings.oracle import candidates_order
+    from policy.substitution import ExactGram, greedy_order
     g = torch.Generator().manual_seed(seed)
     n, k = 10, 3
     bias = torch.randn(n, generator=g) * 0.05 if biased else None
@@ -221,7 +229,7 @@ def test_incremental_substitution_oracle_equals_scoring_every_candidate(seed, re
     batch = RoutingBatch(probs, idx, w, torch.ones(2, m, dtype=torch.bool),
                          torch.tensor([0, 1]), rule, ExpertTerms.from_outputs(experts, idx, w))
     sub = coverage.get("substitution")
-    fast, slow = substitution_order(batch, n), candidates_order(batch, sub, n)
+    fast, slow = greedy_order(batch, ExactGram(batch), n), candidates_order(batch, sub, n)
     for b in range(1, n + 1):  # equal errors at every prefix (orders differ only at exact ties)
         e = [rse(batch, prefix_masks(o, [b], n), "substitution")[:, 0] for o in (fast, slow)]
         torch.testing.assert_close(e[0], e[1], rtol=1e-9, atol=1e-12)
@@ -442,23 +450,89 @@ def test_an_expert_calibration_never_selected_gets_the_layers_mean_energy_not_ze
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), renorm=st.booleans())
-def test_substitution_oracle_is_never_worse_than_router_or_its_greedy(seed, renorm):
+def test_substitution_oracle_is_never_worse_than_router_sqmass_or_its_greedy(seed, renorm):
     """Greedy from ∅ alone is not an upper bound under substitution (seed 1 below: 2.2× router's
     error at B = 10); the oracle takes the exact best of its candidates per budget."""
-    from policy.rankings.oracle import substitution_order
+    from policy.substitution import ExactGram, greedy_order
     batch, _ = synthetic(seed, m=24, n=16, k=4, renormalize=renorm)
     budgets = list(range(4, 17))
     keep, _ = rankings.get("oracle")().shortlists(batch, coverage.get("substitution"), budgets)
     oracle = rse(batch, keep, "substitution")[0]
-    for order in (substitution_order(batch, 16), by_mass(batch.mass())):
+    for order in (greedy_order(batch, ExactGram(batch), 16), by_mass(batch.mass()),
+                  by_squared_mass(batch)):
         other = rse(batch, prefix_masks(order, budgets, 16), "substitution")[0]
         assert (oracle <= other * (1 + 1e-12) + 1e-300).all()
 
 
 def test_the_substitution_greedy_alone_can_lose_to_router_ranking():
-    from policy.rankings.oracle import substitution_order
+    from policy.substitution import ExactGram, greedy_order
     batch, _ = synthetic(1, m=24, n=16, k=4, renormalize=True)
     b10 = [10]
-    greedy = rse(batch, prefix_masks(substitution_order(batch, 16), b10, 16), "substitution")
+    greedy = rse(batch, prefix_masks(greedy_order(batch, ExactGram(batch), 16), b10, 16),
+                 "substitution")
     router = rse(batch, prefix_masks(by_mass(batch.mass()), b10, 16), "substitution")
     assert float(greedy) > 2 * float(router)  # why the oracle keeps router ranking's prefix too
+
+
+def _dense(idx, w, n):
+    return torch.zeros(*idx.shape[:-1], n, dtype=torch.float64).scatter_add_(
+        -1, idx, w.double())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), renorm=st.booleans(), budget=st.integers(2, 8))
+def test_predicted_substitution_error_is_the_quadratic_form_and_exact_for_a_shared_gram(
+        seed, renorm, budget):
+    """``predicted_sq_errors`` = (ḡ_t − ŵ_t)ᵀ G (ḡ_t − ŵ_t) token by token; and where every token's
+    expert outputs are the same matrix E (so Q_t = E Eᵀ for all t) it is the exact error."""
+    from policy.substitution import predicted_sq_errors
+    batch, _ = synthetic(seed, m=10, n=8, k=2, renormalize=renorm)
+    g = torch.Generator().manual_seed(seed + 1)
+    shared = torch.randn(8, 6, generator=g, dtype=torch.float64).float()  # one E for all tokens
+    batch.terms = ExpertTerms.from_outputs(shared.expand(10, 8, 6)[None].contiguous(),
+                                           batch.idx, batch.weights)
+    gram = (shared.double() @ shared.double().T)[None]  # [1, N, N]
+    keep = prefix_masks(torch.randperm(8, generator=g)[None], [budget], 8)
+    idx, w = coverage.get("substitution").apply(batch, keep)  # [1, 1, M, k]
+    got = predicted_sq_errors(batch, gram, idx, w)[0, 0]
+    for t in range(10):
+        c = _dense(batch.idx[0, t], batch.weights[0, t], 8) - _dense(idx[0, 0, t], w[0, 0, t], 8)
+        assert float(got[t]) == pytest.approx(float(c @ gram[0] @ c), rel=1e-9, abs=1e-12)
+    exact = batch.sq_errors(idx, w)[0, 0]
+    assert torch.allclose(got, exact, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), renorm=st.booleans())
+def test_calibrated_rankings_under_substitution_keep_the_best_predicted_candidate(seed, renorm):
+    """coact and learned under substitution: per budget, a prefix of their own order, of squared
+    mass or of router mass, never predicted worse than any of them; truncation is untouched; and a
+    budget inside a verification pass (online, closed loop) uses the same shortlist."""
+    from policy.budget import Budget
+    from policy.substitution import predicted_sq_errors
+    stats, _, _ = _synthetic_calibration(seed % 97, 6, examples=6)
+    batch, _ = synthetic(seed, m=12, n=8, k=2, renormalize=renorm)
+    sub, trunc = coverage.get("substitution"), coverage.get("truncation")
+    budgets = [2, 3, 4, 6]
+    for name in ("coact", "learned"):
+        ranking = rankings.get(name)().fit(stats)
+        gram = ranking.mean_gram(batch)
+
+        def predicted(keep):
+            return predicted_sq_errors(batch, gram, *sub.apply(batch, keep)).sum(-1)  # [1, B]
+
+        keep, _ = ranking.shortlists(batch, sub, budgets)
+        own = ranking.order(batch, sub, 8)
+        candidates = [prefix_masks(o, budgets, 8)
+                      for o in (own, by_squared_mass(batch), by_mass(batch.mass()))]
+        assert any(torch.equal(keep[0, j], c[0, j]) for j in range(len(budgets))
+                   for c in candidates)
+        for c in candidates:
+            assert (predicted(keep) <= predicted(c) * (1 + 1e-12) + 1e-300).all()
+        assert keep.sum(-1).tolist() == [budgets]
+        assert torch.equal(ranking.shortlists(batch, trunc, budgets)[0],
+                           prefix_masks(ranking.order(batch, trunc, 8), budgets, 8))
+        for j, b in enumerate(budgets):
+            routed = Budget(b, ranking, sub).route(3, batch.probs[0], batch.idx[0],
+                                                   batch.weights[0], batch.rule)
+            assert torch.equal(routed.keep, keep[0, j])

@@ -24,7 +24,8 @@ import torch
 from policy import index
 from policy.batch import RoutingBatch
 from policy.calibration import CalibrationStats
-from policy.coverage import Coverage, prefix_masks
+from policy.coverage import Coverage, Truncation, prefix_masks
+from policy.substitution import best_prefixes, predicted_sq_errors
 
 
 class RankingError(ValueError):
@@ -120,6 +121,39 @@ def mass_tiebreak(batch: RoutingBatch) -> torch.Tensor:
 def by_mass(scores: torch.Tensor) -> torch.Tensor:
     """Expert ids by decreasing score, ties to the lower id: ``[T, N] → [T, N]``."""
     return torch.argsort(scores, dim=-1, descending=True, stable=True)
+
+
+def by_squared_mass(batch: RoutingBatch) -> torch.Tensor:
+    """Expert ids by squared mixing mass ``A_ii = Σ_t ḡ_i(t)²``, ties by router mass."""
+    w = batch.dense_weights().double()  # [T, M, N]
+    return by_mass((w * w).sum(1) + mass_tiebreak(batch))
+
+
+class SubstitutionAware:
+    """For calibrated rankings whose order fits the *truncation* error: under substitution keep,
+    per tree-layer and budget, whichever prefix of the ranking's own order, squared mixing mass
+    and router mass has the lowest error *predicted* from the calibration's mean Gram
+    (:func:`policy.substitution.predicted_sq_errors`); ties to the ranking's own order.
+
+    Truncation drops the experts left out; substitution runs S's best instead, renormalised
+    (at B = k every token runs all of S), which a truncation fit misjudges. On tiny-qwen3-moe with
+    out-of-domain calibration coact's own order closed 42% of the router→oracle gap at B = 8
+    under substitution, squared mass 83%, this choice 90%. Runtime-legal: router scores and
+    calibration statistics only. Mix in before :class:`Ranking`."""
+
+    def shortlists(self, batch, coverage, budgets):
+        if isinstance(coverage, Truncation):
+            return super().shortlists(batch, coverage, budgets)
+        gram = self.mean_gram(batch)  # [T, N, N]
+        orders = [self.order(batch, coverage, max(budgets)), by_squared_mass(batch),
+                  by_mass(batch.mass())]
+        keep = best_prefixes(batch, coverage, orders, budgets,
+                             lambda keep, idx, w: predicted_sq_errors(batch, gram, idx, w))
+        return keep, list(budgets)
+
+    def mean_gram(self, batch: RoutingBatch) -> torch.Tensor:
+        """``G [T, N, N]`` float64 for the batch's layers: the calibration means."""
+        return self.calibration.mean_gram(batch.layers).to(batch.device).double()
 
 
 def help_text(*, runtime: bool | None = None) -> str:

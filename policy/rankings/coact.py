@@ -13,24 +13,26 @@ greedily builds S from ∅, each time adding the expert c that most reduces the 
 weighs an expert by the size of its outputs, by squared rather than linear mixing weights, and by
 whether its outputs add up with or cancel those of experts it fires with. Ties (experts no tree
 token routes to) fall back to router mass. Cost: O(N²) per added expert, no expert evaluation.
+
+Under substitution the objective above is the wrong one (tokens whose experts are left out run
+S's best instead, renormalised), so coact keeps, per tree-layer and budget, whichever of its own
+order, squared mixing mass and router mass has the lowest substitution error *predicted* with
+the same G (:class:`policy.rankings.base.SubstitutionAware`). Still runtime-legal.
 """
 
 from __future__ import annotations
 
 from policy.greedy import greedy_quadratic
-from policy.rankings.base import Ranking, mass_tiebreak, register
+from policy.rankings.base import Ranking, SubstitutionAware, mass_tiebreak, register
 
 
 @register
-class Coact(Ranking):
+class Coact(SubstitutionAware, Ranking):
     name = "coact"
     needs_calibration = True
+    version = 2  # 2: substitution picks by the predicted substitution error (docstring)
 
     def order(self, batch, coverage, max_budget):
         w = batch.dense_weights().double()  # [T, M, N]
         a = w.transpose(1, 2) @ w  # A_ij = Σ_t ḡ_i ḡ_j
         return greedy_quadratic(a * self.mean_gram(batch), mass_tiebreak(batch), max_budget)
-
-    def mean_gram(self, batch):
-        """``G [T, N, N]`` float64 for the batch's layers: the calibration means."""
-        return self.calibration.mean_gram(batch.layers).to(batch.device).double()

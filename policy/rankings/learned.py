@@ -17,7 +17,8 @@ scores and the calibration statistics, never an expert output) and ranks by the 
 A pointwise scorer: it sees co-activation through ``coact_row`` (with every tree expert, not
 with those already chosen). scikit-learn's HistGradientBoostingRegressor, seeded, fitted once
 per calibration (cached on the statistics) and saved with skops (:meth:`save`, :meth:`load`:
-a safe format that loads only the types it names, never pickle).
+a safe format that loads only the types it names, never pickle). Under substitution its order
+is one candidate of :class:`policy.rankings.base.SubstitutionAware`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from policy.calibration import CalibrationStats
 from policy.greedy import oracle_order  # noqa: F401 - re-exported: how labels are made
-from policy.rankings.base import Ranking, RankingError, by_mass, mass_tiebreak, register
+from policy.rankings.base import Ranking, RankingError, SubstitutionAware, by_mass, mass_tiebreak, register
 
 FEATURES = ("router_share", "sqmass_share", "token_share", "max_weight", "energy", "calib_share",
             "coact_row")
@@ -56,8 +57,9 @@ def features(batch, calibration: CalibrationStats) -> torch.Tensor:
 
 
 @register
-class Learned(Ranking):
+class Learned(SubstitutionAware, Ranking):
     name = "learned"
+    version = 2  # 2: substitution picks by the predicted substitution error
     needs_calibration = True
     artifact = "learned.skops"
     seed: ClassVar[int] = 0

@@ -8,7 +8,7 @@ probabilities, so experts that dominate a few tokens gain on experts spread thin
 
 from __future__ import annotations
 
-from policy.rankings.base import Ranking, by_mass, mass_tiebreak, register
+from policy.rankings.base import Ranking, by_squared_mass, register
 
 
 @register
@@ -16,5 +16,4 @@ class SquaredMass(Ranking):
     name = "sqmass"
 
     def order(self, batch, coverage, max_budget):
-        w = batch.dense_weights().double()  # [T, M, N]
-        return by_mass((w * w).sum(1) + mass_tiebreak(batch))
+        return by_squared_mass(batch)
