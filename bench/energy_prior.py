@@ -49,8 +49,7 @@ class ShrunkStats(CalibrationStats):
             means = super().layer_means().double()
             diag = means.diagonal(dim1=-2, dim2=-1)
             counts = self.pairs.diagonal(dim1=-2, dim2=-1)
-            seen = counts > 0
-            prior = (diag * seen).sum(-1) / seen.sum(-1).clamp_min(1)  # [L]
+            prior = self.mean_energy()  # [L]
             weight = counts + self.kappa
             diag.copy_(torch.where(weight > 0, (counts * diag + self.kappa * prior[:, None])
                                    / weight.clamp_min(1e-30), diag))  # κ = 0: unseen keep Ḡ

@@ -189,13 +189,19 @@ class RoutingBatch:
     def token_sq_errors(self, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``||O*_t − Ô_t||²`` from the Gram expansion (any number of candidate shortlists):
         ``idx, w [T, *E, M, k]`` → ``[T, *E, M]`` (float64)."""
-        q, b_all = self.terms.gram()
-        lead = idx.shape[:-2]  # (T, *E)
-        n, k = self.n, idx.shape[-1]
-        b = grow(b_all, lead).gather(-1, idx)  # [T, *E, M, k]
-        pairs = (idx[..., :, None] * n + idx[..., None, :]).flatten(-2)  # [T, *E, M, k*k]
-        qq = grow(q.flatten(-2), lead).gather(-1, pairs).unflatten(-1, (k, k))
-        w = w.double()
-        err = grow(self.terms.routed_sq, lead) - 2 * (w * b).sum(-1) + torch.einsum(
-            "...j,...jl,...l->...", w, qq, w)
-        return err.clamp_min(0)
+        q, b = self.terms.gram()
+        return gram_sq_errors(self.terms.routed_sq, b, q, idx, w).clamp_min(0)
+
+
+def gram_sq_errors(r_sq: torch.Tensor, b: torch.Tensor, q: torch.Tensor, idx: torch.Tensor,
+                   w: torch.Tensor) -> torch.Tensor:
+    """``||R*_t||² − 2 wᵀ b_t[i] + wᵀ Q_t[i, i] w`` for every token: ``r_sq [T, M]``, ``b [T, M, N]``,
+    ``q [T, M, N, N]`` (expanded views welcome), ``idx, w [T, *E, M, k]`` → ``[T, *E, M]``."""
+    lead = idx.shape[:-2]  # (T, *E)
+    n, k = q.shape[-1], idx.shape[-1]
+    bb = grow(b, lead).gather(-1, idx)  # [T, *E, M, k]
+    pairs = (idx[..., :, None] * n + idx[..., None, :]).flatten(-2)  # [T, *E, M, k*k]
+    qq = grow(q.flatten(-2), lead).gather(-1, pairs).unflatten(-1, (k, k))
+    w = w.double()
+    return grow(r_sq, lead) - 2 * (w * bb).sum(-1) + torch.einsum(
+        "...j,...jl,...l->...", w, qq, w)

@@ -128,10 +128,17 @@ class CalibrationStats:
             means = self.gram / self.pairs.clamp_min(1)
             diag = means.diagonal(dim1=-2, dim2=-1)  # a view: edits write into ``means``
             seen = self.pairs.diagonal(dim1=-2, dim2=-1) > 0
-            prior = (diag * seen).sum(-1) / seen.sum(-1).clamp_min(1)  # [L]
-            diag.copy_(torch.where(seen, diag, prior[:, None]))
+            diag.copy_(torch.where(seen, diag, self.mean_energy()[:, None]))
             self._means = means.float()
         return self._means
+
+    def mean_energy(self) -> torch.Tensor:
+        """``Ḡ [L]`` float64: each layer's mean output energy ``mean_{j: c_j > 0} G_jj`` over the
+        experts calibration selected."""
+        counts = self.pairs.diagonal(dim1=-2, dim2=-1)
+        energy = self.gram.diagonal(dim1=-2, dim2=-1) / counts.clamp_min(1)
+        seen = counts > 0
+        return (energy * seen).sum(-1) / seen.sum(-1).clamp_min(1)
 
     def selection_counts(self, layers: torch.Tensor) -> torch.Tensor:
         """``c_i``: calibration tokens whose top-k holds expert i, ``[T, N]`` float32."""

@@ -217,8 +217,7 @@ def test_direct_errors_equal_the_gram_expansion(seed, renorm, cov, budget):
 def test_incremental_substitution_oracle_equals_scoring_every_candidate(seed, renorm, scale,
                                                                         biased, m):
     """The O(T·M·N) incremental greedy picks what scoring every S ∪ {c} shortlist picks."""
-    from policy.rankings.oracle import candidates_order
-    from policy.substitution import ExactGram, greedy_order
+    from policy.rankings.oracle import candidates_order, substitution_order
     g = torch.Generator().manual_seed(seed)
     n, k = 10, 3
     bias = torch.randn(n, generator=g) * 0.05 if biased else None
@@ -229,7 +228,7 @@ def test_incremental_substitution_oracle_equals_scoring_every_candidate(seed, re
     batch = RoutingBatch(probs, idx, w, torch.ones(2, m, dtype=torch.bool),
                          torch.tensor([0, 1]), rule, ExpertTerms.from_outputs(experts, idx, w))
     sub = coverage.get("substitution")
-    fast, slow = greedy_order(batch, ExactGram(batch), n), candidates_order(batch, sub, n)
+    fast, slow = substitution_order(batch, n), candidates_order(batch, sub, n)
     for b in range(1, n + 1):  # equal errors at every prefix (orders differ only at exact ties)
         e = [rse(batch, prefix_masks(o, [b], n), "substitution")[:, 0] for o in (fast, slow)]
         torch.testing.assert_close(e[0], e[1], rtol=1e-9, atol=1e-12)
@@ -453,23 +452,22 @@ def test_an_expert_calibration_never_selected_gets_the_layers_mean_energy_not_ze
 def test_substitution_oracle_is_never_worse_than_router_sqmass_or_its_greedy(seed, renorm):
     """Greedy from ∅ alone is not an upper bound under substitution (seed 1 below: 2.2× router's
     error at B = 10); the oracle takes the exact best of its candidates per budget."""
-    from policy.substitution import ExactGram, greedy_order
+    from policy.rankings.oracle import substitution_order
     batch, _ = synthetic(seed, m=24, n=16, k=4, renormalize=renorm)
     budgets = list(range(4, 17))
     keep, _ = rankings.get("oracle")().shortlists(batch, coverage.get("substitution"), budgets)
     oracle = rse(batch, keep, "substitution")[0]
-    for order in (greedy_order(batch, ExactGram(batch), 16), by_mass(batch.mass()),
+    for order in (substitution_order(batch, 16), by_mass(batch.mass()),
                   by_squared_mass(batch)):
         other = rse(batch, prefix_masks(order, budgets, 16), "substitution")[0]
         assert (oracle <= other * (1 + 1e-12) + 1e-300).all()
 
 
 def test_the_substitution_greedy_alone_can_lose_to_router_ranking():
-    from policy.substitution import ExactGram, greedy_order
+    from policy.rankings.oracle import substitution_order
     batch, _ = synthetic(1, m=24, n=16, k=4, renormalize=True)
     b10 = [10]
-    greedy = rse(batch, prefix_masks(greedy_order(batch, ExactGram(batch), 16), b10, 16),
-                 "substitution")
+    greedy = rse(batch, prefix_masks(substitution_order(batch, 16), b10, 16), "substitution")
     router = rse(batch, prefix_masks(by_mass(batch.mass()), b10, 16), "substitution")
     assert float(greedy) > 2 * float(router)  # why the oracle keeps router ranking's prefix too
 

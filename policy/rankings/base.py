@@ -138,8 +138,9 @@ class SubstitutionAware:
     Truncation drops the experts left out; substitution runs S's best instead, renormalised
     (at B = k every token runs all of S), which a truncation fit misjudges. On tiny-qwen3-moe with
     out-of-domain calibration coact's own order closed 42% of the router→oracle gap at B = 8
-    under substitution, squared mass 83%, this choice 90%. Runtime-legal: router scores and
-    calibration statistics only. Mix in before :class:`Ranking`."""
+    under substitution, squared mass 83%, this choice 90%. (The oracle's substitution greedy run
+    on the predicted terms, as a fourth candidate, overfit the prediction: 67%.) Runtime-legal:
+    router scores and calibration statistics only. Mix in before :class:`Ranking`."""
 
     def shortlists(self, batch, coverage, budgets):
         if isinstance(coverage, Truncation):
