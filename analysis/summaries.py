@@ -83,6 +83,9 @@ def reduce_part(path: str, n: int, k: int, max_nodes: int) -> PartSums:
     """Summaries of every tree-layer in one routing part (rows of a tree-layer are contiguous
     or are made so; nodes in increasing order within it)."""
     t = _read_checked(path, n, k, max_nodes)
+    if not t.num_rows:  # a prompt that stopped at its first token: no pass, an empty part
+        return PartSums({f.name: np.zeros(0, f.type.to_pandas_dtype())
+                         for f in SCHEMAS["summary_tree_layers"]})
     prompt = t["prompt_index"].to_numpy()
     step = t["step"].to_numpy()
     layer = t["layer"].to_numpy()

@@ -108,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--calibration", nargs="+", default=[],
                    help="captured runs under --out that static counts / coact statistics are "
                         "learned from (other prompts)")
+    g.add_argument("--allow-evaluation-calibration", action="store_true",
+                   help="accept --calibration runs captured with --role evaluation (refused "
+                        "by default)")
     return p
 
 
@@ -176,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = capture_run(settings, args.out, args.run, role=args.role,
                               benchmarks_root=args.benchmarks, progress=not args.no_progress,
-                              workers=args.workers, ray_address=args.ray_address)
+                              workers=args.workers, ray_address=args.ray_address,
+                              allow_evaluation_calibration=args.allow_evaluation_calibration)
     except (models.ModelError, benchmarks.BenchmarkError, CaptureError, DraftHeadError,
             UnsupportedModelError, RankingError, ValueError) as exc:
         print(f"capture: error: {exc}", file=sys.stderr)

@@ -32,11 +32,13 @@ from eagle import loading
 from eagle.acceptance import SamplingSettings
 from eagle.decoding import EagleDecoder, Generation
 from eagle.settings import TreeSettings
+from moe import models
 from moe.adapter import MoEAdapter
 from moe.recorder import LayerRecord, VerifyRecorder
 from policy import coverage, rankings
 from policy.budget import Budget
-from policy.calibration import CalibrationStats, collect_runs, examples_for
+from policy.calibration import (CalibrationStats, collect_runs, empty_calibration,
+                                evaluation_calibration, examples_for)
 from tasks import benchmarks
 
 
@@ -111,7 +113,10 @@ def layer_tables(prompt_index: int, prompt_id: str, step: int, records: list[Lay
 def step_tables(prompt_index: int, prompt_id: str, gen: Generation, experts: dict,
                 budget: Budget | None) -> tuple[pa.Table, pa.Table]:
     """``trees`` (one row per pass) and ``nodes`` (one row per tree node) of a prompt;
-    ``experts[step]`` = (unique experts, experts loaded) per MoE layer."""
+    ``experts[step]`` = (unique experts, experts loaded) per MoE layer. A prompt that stopped
+    before any pass (its first token was EOS) has none of either."""
+    if not gen.steps:
+        return schema.TABLES["trees"].empty_table(), schema.TABLES["nodes"].empty_table()
     trees = [dict(prompt_index=prompt_index, prompt_id=prompt_id, step=s.step,
                   prefix_len=s.prefix_len, nodes=s.tree.size, depth=int(s.tree.depth.max()),
                   accepted_length=s.accepted_length, draft_seconds=s.draft_seconds,
@@ -180,7 +185,15 @@ class PromptChunks:
     def finish(self, prompt, ids: list[int], gen: Generation, budget: Budget | None,
                manifest: dict | None, done: int) -> None:
         """``trees`` and ``nodes``, then ``sequences`` (the prompt is complete), then the
-        manifest's progress."""
+        manifest's progress. A prompt with no pass still gets (empty) ``routing`` and
+        ``moe_io`` parts: a complete prompt has a part in every table that is always complete."""
+        if self.chunk == 0:
+            self.writer.write_part("routing", self.index, 0,
+                                   schema.TABLES["routing"].empty_table())
+            self.writer.write_part("moe_io", self.index, 0,
+                                   schema.storage_schema("moe_io", self.storage["dtype"])
+                                   .empty_table())
+            self.chunk = 1
         trees, nodes = step_tables(self.index, self.prompt_id, gen, self.experts, budget)
         self.writer.write_part("trees", self.index, 0, trees)
         self.writer.write_part("nodes", self.index, 0, nodes)
@@ -228,8 +241,12 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
                                             {(settings.bench, p.prompt_id) for p in prompts})
     except CatalogError as exc:
         raise CaptureError(str(exc)) from exc
-    return collect_runs(cal, lambda run: reader.tree_layers([run]), adapter,
-                        examples_for([settings.ranking]))
+    stats = collect_runs(cal, lambda run: reader.tree_layers([run]), adapter,
+                         examples_for([settings.ranking]))
+    problem = empty_calibration(stats, cal)
+    if problem:
+        raise CaptureError(problem)
+    return stats
 
 
 def run_manifest(settings: CaptureSettings, loaded, head, adapter: MoEAdapter, run: str,
@@ -350,24 +367,51 @@ def check_run(run: str | None, role: str, settings: CaptureSettings) -> str:
 
 
 def write_errors(out: Path):
-    """One line for a failed write (the run keeps its complete prompts)."""
+    """One line for a failed write (the run keeps its complete prompts). Only an OSError is
+    a problem of the disk; anything else the writer raised is named as it is."""
     def wrap(exc: BaseException) -> CaptureError:
-        cause = exc.__cause__ if isinstance(exc, WriterFailed) else exc
-        reason = getattr(cause, "strerror", None) or cause
-        return CaptureError(f"cannot write to {out}: {reason}; the run keeps its complete "
-                            "prompts: free space or choose another --out, then rerun to resume")
+        cause = (exc.__cause__ or exc) if isinstance(exc, WriterFailed) else exc
+        if isinstance(cause, OSError):
+            reason = cause.strerror or cause
+            return CaptureError(f"cannot write to {out}: {reason}; the run keeps its complete "
+                                "prompts: free space or choose another --out, then rerun to "
+                                "resume")
+        first = (str(cause).strip().splitlines() or [""])[0]
+        return CaptureError(f"writing a prompt's tables under {out} failed: "
+                            f"{type(cause).__name__}: {first or '(no message)'} (an error in "
+                            "capture, not the disk); the run keeps its complete prompts, "
+                            "rerun to resume")
     return wrap
+
+
+def check_calibration_roles(settings: CaptureSettings, out: Path) -> None:
+    """Refuse ``--calibration`` runs captured as evaluation runs (before the model loads);
+    runs not found are reported where the statistics are collected."""
+    if not settings.calibration:
+        return
+    try:
+        model = models.resolve(settings.model).name
+        found = Catalog(out).runs(model=model, names=list(settings.calibration))
+    except (models.ModelError, CatalogError):
+        return  # said in one line where the model loads / the statistics are collected
+    problem = evaluation_calibration(found)
+    if problem:
+        raise CaptureError(problem)
 
 
 def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
                 role: str = "evaluation", benchmarks_root=None, progress: bool = True,
                 record_tensors: bool = True, workers: int = 0,
-                ray_address: str | None = None) -> CaptureSummary:
+                ray_address: str | None = None,
+                allow_evaluation_calibration: bool = False) -> CaptureSummary:
     """Capture every prompt of the benchmark into ``out``/…/run=``run`` (resuming). With
     ``workers`` or ``ray_address`` the prompts are spread over Ray actors
-    (:mod:`capture.distributed`)."""
+    (:mod:`capture.distributed`). ``--calibration`` runs must have the calibration role
+    unless ``allow_evaluation_calibration``."""
     start = time.perf_counter()
     run = check_run(run, role, settings)
+    if not allow_evaluation_calibration:
+        check_calibration_roles(settings, out)
     prompts = load_prompts(settings, benchmarks_root)
     if workers or ray_address:
         from capture.distributed import capture_distributed

@@ -37,7 +37,9 @@ def matrix(column: pa.ChunkedArray, dtype=np.float32) -> np.ndarray:
         values = (flat.astype(np.uint32) << 16).view(np.float32).astype(dtype)
     else:
         values = flat.astype(dtype)  # a writable copy
-    if len(arr) and values.size % len(arr):
+    if not len(arr):
+        return values.reshape(0, 0)  # no rows (a prompt that stopped before any pass)
+    if values.size % len(arr):
         raise ValueError("vectors of unequal length")
     return values.reshape(len(arr), -1)
 

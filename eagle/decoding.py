@@ -87,7 +87,10 @@ class EagleDecoder:
         self.device = next(target.parameters()).device
 
     def _stop(self, out: list[int], eos: set[int], max_new: int) -> tuple[list[int], str]:
-        for i, tok in enumerate(out):
+        """``out`` cut where generation stops, and why ("" to go on): at the first EOS token
+        within the first ``max_new`` tokens, else at ``max_new`` tokens (a pass can accept
+        several tokens at once, so either can fall inside it)."""
+        for i, tok in enumerate(out[:max_new]):
             if tok in eos:
                 return out[:i + 1], "eos"
         if len(out) >= max_new:

@@ -40,9 +40,35 @@ MEANS_VERSION = 2  # 2: an expert calibration never selected gets its layer's me
 MAX_EXAMPLES = 4096  # calibration tree-layers the learned ranking trains on
 
 
+def evaluation_calibration(runs: Iterable) -> str | None:
+    """Why ``runs`` (objects with ``name`` and ``role``) should not be calibrated on, in one
+    line, or None: statistics learned from a run captured for evaluation are refused unless the
+    user says so (``--allow-evaluation-calibration``)."""
+    bad = sorted(r.name for r in runs if r.role == "evaluation")
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return (f"--calibration run {bad[0]}{more} has role evaluation in its manifest, not "
+            "calibration; calibrate on a run captured with --role calibration, or pass "
+            "--allow-evaluation-calibration to use it anyway")
+
+
+def empty_calibration(stats: CalibrationStats, runs: Iterable) -> str | None:
+    """One line when ``stats`` learned nothing (no tree-layer of ``runs`` had stored MoE
+    inputs: every prompt stopped at its first token, or the storage policy kept no pass), else
+    None: rankings fitted on nothing would rank experts arbitrarily."""
+    if bool(stats.pairs.any()):
+        return None
+    names = ", ".join(sorted(r.name for r in runs))
+    return (f"--calibration {names}: no tree-layer with stored MoE inputs to learn from (every "
+            "prompt stopped before its first verification pass, or the storage policy kept no "
+            "pass); calibrate on other runs")
+
+
 def examples_for(rankings: list[str] | tuple[str, ...]) -> int:
-    """How many examples a calibration for these rankings collects (0 unless one learns)."""
-    return MAX_EXAMPLES if "learned" in rankings else 0
+    """How many examples a calibration for these rankings collects (0 unless one learns, or the
+    oracle, which starts from the learned ranking's shortlists where it can fit it)."""
+    return MAX_EXAMPLES if {"learned", "oracle"} & set(rankings) else 0
 
 
 @dataclass

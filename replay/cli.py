@@ -53,6 +53,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", nargs="+", default=[],
                    help="runs (under --traces) that static counts and coact statistics are "
                         "learned from; must not share prompts with the evaluated runs")
+    p.add_argument("--allow-evaluation-calibration", action="store_true",
+                   help="accept --calibration runs captured with --role evaluation (refused "
+                        "by default)")
     p.add_argument("--mode", default="open", choices=("open", "closed"),
                    help="open: per-layer reconstruction error; closed: re-verify every tree "
                         "with the budget in all layers (acceptance under budget)")
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from moe.adapter import MoEAdapter
     from moe.families import UnsupportedModelError
     from policy import coverage, rankings
+    from policy.calibration import evaluation_calibration
     from replay.open_loop import GoldMismatch
     from replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay, summary_frame
     models.quiet_transformers()
@@ -115,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                               "point --traces at a traces folder")
         runs = select_runs(catalog, args)
         model = runs[0].model
+        if args.calibration and not args.allow_evaluation_calibration:
+            problem = evaluation_calibration(catalog.runs(model=model, names=args.calibration))
+            if problem:
+                raise ReplayError(problem)
         classes = [rankings.get(r) for r in args.ranking]
         need_cal = [c.name for c in classes if c.needs_calibration]
         if need_cal and not args.calibration:

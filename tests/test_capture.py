@@ -193,7 +193,7 @@ def test_unwritable_output_is_one_line(tmp_path):
 
 def test_online_static_and_coact_rankings_use_disjoint_calibration(captured, tmp_path):
     assert cli.main([*BASE[:1], "1", *BASE[2:], "--offset", "100", "--out", str(captured),
-                     "--run", "cal"]) == 0
+                     "--run", "cal", "--role", "calibration"]) == 0
     for ranking in ("static", "coact", "coact-online"):
         assert cli.main([*BASE, "--out", str(captured), "--run", f"online-{ranking}",
                          "--budget", "16", "--ranking", ranking, "--calibration", "cal"]) == 0
@@ -201,5 +201,5 @@ def test_online_static_and_coact_rankings_use_disjoint_calibration(captured, tmp
                               f"run=online-{ranking}").to_pylist()
         assert all(max(t["experts_loaded"]) <= 16 and t["ranking"] == ranking for t in trees)
     r = run_cli(*BASE, "--out", str(captured), "--run", "bad", "--budget", "16", "--ranking",
-                "static", "--calibration", "r1")
+                "static", "--calibration", "r1", "--allow-evaluation-calibration")
     assert r.returncode == 2 and "overlap (2 prompts" in r.stderr

@@ -21,7 +21,7 @@ def traces(tmp_path_factory):
     root = tmp_path_factory.mktemp("traces")
     assert capture_cli.main([*CAP, "--limit", "2", "--out", str(root), "--run", "eval"]) == 0
     assert capture_cli.main([*CAP, "--limit", "3", "--offset", "100", "--out", str(root),
-                             "--run", "cal"]) == 0
+                             "--run", "cal", "--role", "calibration"]) == 0
     return root
 
 
@@ -95,7 +95,7 @@ def test_overlapping_calibration_is_refused(traces, tmp_path):
     assert capture_cli.main([*CAP, "--limit", "1", "--offset", "1", "--out", str(traces),
                              "--run", "overlap"]) == 0
     r = run_cli("--traces", str(traces), "--run", "eval", "--calibration", "overlap",
-                "--ranking", "static", "--no-progress")
+                "--ranking", "static", "--no-progress", "--allow-evaluation-calibration")
     assert r.returncode == 2 and "overlap" in r.stderr
 
 
