@@ -163,11 +163,17 @@ class MoEAdapter:
             h = h.to(param.device, param.dtype)
             logits, weights, index = layer.router(h)
             layer.rule = replace(layer.rule, weight_dtype=weights.dtype)  # as the router returns
-            idx, w = layer.rule.route(layer.rule.scores(logits))
-            same_sets = torch.equal(idx.sort(-1).values, index.long().sort(-1).values)
+            scores = layer.rule.scores(logits)
+            idx, w = layer.rule.route(scores)
+            same = (idx.sort(-1).values == index.long().sort(-1).values).all(-1)
+            # a set may differ only where equal scores tie at the k-th place (bf16 routers)
+            choice = layer.rule.selection_scores(scores).float()
+            kth = choice.gather(-1, idx).min(-1).values
+            theirs_kth = choice.gather(-1, index.long()).min(-1).values
+            same_sets = bool((same | (kth == theirs_kth)).all())
             order = idx.argsort(-1)
-            mine = w.gather(-1, order)
-            theirs = weights.float().gather(-1, index.long().argsort(-1))
+            mine = w.gather(-1, order)[same]
+            theirs = weights.float().gather(-1, index.long().argsort(-1))[same]
             tol = 1e-5 if param.dtype == torch.float32 else 2e-2
             if not same_sets or not torch.allclose(mine, theirs, rtol=tol, atol=tol):
                 raise UnsupportedModelError(

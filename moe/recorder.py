@@ -5,7 +5,9 @@ them; closed-loop replay applies budgets with them).
 for each verification pass it registers, through the adapter,
 
 * a forward hook on every layer's router: router scores ``g_t`` (N), natural top-k ``T_k(t)`` and
-  mixing weights ``ḡ``; under an expert budget (MoE-Spec online mode, closed-loop replay) the
+  mixing weights ``ḡ`` (slots by decreasing weight, ties by id; where equal scores tie at the
+  k-th place the rule's lower-id choice replaces the router's implementation-defined one, see
+  :meth:`policy.routing.RoutingRule.natural`); under an expert budget (MoE-Spec online mode, closed-loop replay) the
   hook also *replaces* the router's output with the budgeted indices/weights
   (:class:`policy.budget.Budget`), so the experts module runs only those;
 * a forward hook on every sparse block: its input ``h_t`` and output (the gold ``O*_t`` without a
@@ -85,11 +87,14 @@ class VerifyRecorder:
     def _router_hook(self, layer: MoELayer, records: dict):
         def hook(module, args, out):
             logits, weights, idx = out
-            rec = LayerRecord(layer.index, layer.rule.scores(logits), idx, weights.float())
+            probs = layer.rule.scores(logits)
+            idx, natural_w, retied = layer.rule.natural(probs, idx, weights)
+            rec = LayerRecord(layer.index, probs, idx, natural_w)
             records[layer.index] = rec
             if self.budget is None:
-                return None
-            routed = self.budget.route(layer.index, rec.probs, idx, weights, layer.rule)
+                # the router's own top-k unless a tie at the k-th place fell the other way
+                return (logits, natural_w.to(weights.dtype), idx) if retied else None
+            routed = self.budget.route(layer.index, rec.probs, idx, natural_w, layer.rule)
             rec.applied_ids, rec.applied_weights = routed.idx, routed.weights
             # Dropped slots (weight 0) point at a shortlisted expert, so the experts module never
             # runs an expert outside the budget.

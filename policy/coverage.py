@@ -7,8 +7,12 @@ experts), DESIGN.md's two policies:
   experts outside S contribute nothing (weights are not renormalised; an empty intersection
   leaves only the residual);
 * ``substitution``: the family's own routing rule applied within S (top-k of S by the selection
-  scores, mixing weights formed as the model forms them: renormalised exactly when the model
-  renormalises, scaled when it scales); needs B ≥ k.
+  scores, ties to the lower id, mixing weights formed as the model forms them: renormalised
+  exactly when the model renormalises, scaled when it scales); needs B ≥ k. A token whose natural
+  top-k lies inside S keeps its natural experts and weights exactly (so S ⊇ U gives the error
+  floor under both policies); group-limited routing keeps the token's own groups and fills from
+  S's other groups only when those hold fewer than k experts of S
+  (:meth:`policy.routing.RoutingRule.selection_scores`).
 
 Both are batched: shortlists ``keep [T, *E, N]`` (T tree-layers, any extra dims E such as budgets
 or candidates) give indices and weights ``[T, *E, M, k]``. Shortlists themselves come from a
@@ -88,7 +92,12 @@ class Substitution(Coverage):
         idx, valid = rule.select(probs, allowed)
         w = rule.mix(probs, idx, valid)
         real = batch.mask.view(batch.size, *([1] * (len(lead) - 1)), -1, 1)
-        return idx, torch.where(real, w, torch.zeros((), dtype=w.dtype, device=w.device))
+        w = torch.where(real, w, torch.zeros((), dtype=w.dtype, device=w.device))
+        natural_idx = grow(batch.idx, lead)
+        covered = keep[..., None, :].expand(*lead, batch.idx.shape[1], batch.n).gather(
+            -1, natural_idx).all(-1, keepdim=True)  # T_k(t) ⊆ S: nothing to substitute
+        return (torch.where(covered, natural_idx, idx),
+                torch.where(covered, grow(batch.weights, lead).to(w.dtype), w))
 
 
 COVERAGES: dict[str, Coverage] = {c.name: c for c in (Truncation(), Substitution())}

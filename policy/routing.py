@@ -9,8 +9,15 @@ For router logits ``z_t ∈ R^N`` of token t::
     mixing     ḡ_i(t) = g_i(t) for i ∈ T_k(t),   / Σ_{j∈T_k(t)} g_j(t) when ``renormalize``,
                × ``scale``
 
+Ties are broken the same way everywhere: among equal selection scores the lower expert id wins
+(:func:`top_k_lowest_id`), and a token's slots are stored by decreasing weight, ties by id
+(:func:`canonical_slots`).
+
 Under an expert budget S, substitution applies the same rule with every expert outside S
-removed (selection among S only, mixing over what was selected). ``moe.families`` builds one
+removed (selection among S only, mixing over what was selected); a token whose natural top-k
+lies inside S keeps its experts and weights unchanged (:mod:`policy.coverage`). Group-limited
+routing keeps the token's own groups (chosen from all N scores) and fills from S's other
+groups only when its groups hold fewer than k experts of S. ``moe.families`` builds one
 rule per model family from its config; tests build them directly.
 """
 
@@ -21,6 +28,37 @@ from dataclasses import dataclass
 import torch
 
 SCORES = ("softmax", "sigmoid")
+GROUP_TIER = 2.0 ** 20  # substitution's offset for experts outside a token's kept groups
+
+
+def top_k_lowest_id(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, indices) [..., k]`` of the k largest entries of ``x [..., N]``, by decreasing
+    value, **ties to the lower index** wherever they fall (inside the top-k or at its boundary).
+    ``torch.topk`` leaves the order of equal values to the implementation (bf16 router scores tie
+    often); this rule is the same on every device, in capture, replay and the online budget."""
+    n = x.shape[-1]
+    if k >= n:
+        return torch.sort(x, dim=-1, descending=True, stable=True)
+    values, idx = x.topk(k + 1, dim=-1)  # sorted, ties in any order
+    tied = values[..., k - 1] == values[..., k]  # the boundary splits a tie: search the row
+    if bool(tied.any()):
+        v, i = torch.sort(x[tied], dim=-1, descending=True, stable=True)
+        values, idx = values.clone(), idx.clone()
+        values[tied], idx[tied] = v[..., : k + 1], i[..., : k + 1]
+    values, idx = values[..., :k], idx[..., :k]
+    by_id = idx.argsort(-1)  # then a stable sort by value keeps equal values by id
+    values, idx = values.gather(-1, by_id), idx.gather(-1, by_id)
+    by_value = values.argsort(dim=-1, descending=True, stable=True)
+    return values.gather(-1, by_value), idx.gather(-1, by_value)
+
+
+def canonical_slots(idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k slots of every token ordered by decreasing mixing weight, ties (and zero-weight
+    slots) by increasing expert id: the order ``topk_ids`` are stored in (DESIGN.md)."""
+    by_id = idx.argsort(-1)
+    idx, weights = idx.gather(-1, by_id), weights.gather(-1, by_id)
+    by_weight = weights.argsort(dim=-1, descending=True, stable=True)
+    return idx.gather(-1, by_weight), weights.gather(-1, by_weight)
 
 
 @dataclass(frozen=True)
@@ -49,26 +87,41 @@ class RoutingRule:
         logits = logits.float()
         return torch.softmax(logits, -1) if self.score == "softmax" else torch.sigmoid(logits)
 
-    def _choice(self, g: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
-        """Scores used for selection: biased, with experts outside ``allowed`` (and outside the
-        kept groups) at -inf."""
+    def kept_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing: ``[..., N]`` bool, the experts of the ``groups_kept`` groups with
+        the largest sum of their two best selection scores (ties to the lower group id), computed
+        from all N scores: the token's own groups, whatever a shortlist keeps."""
+        n = choice.shape[-1]
+        size = n // self.groups
+        best = choice.unflatten(-1, (self.groups, size)).topk(min(2, size), dim=-1).values
+        _, top = top_k_lowest_id(best.sum(-1), self.groups_kept)
+        kept = torch.zeros(*choice.shape[:-1], self.groups, dtype=torch.bool,
+                           device=choice.device).scatter_(-1, top, True)
+        return kept.repeat_interleave(size, -1)
+
+    def selection_scores(self, g: torch.Tensor, allowed: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+        """Scores the top-k is taken of: ``g`` plus any selection bias, ``-inf`` outside
+        ``allowed``. Group-limited, without ``allowed``: ``-inf`` outside the token's kept groups
+        (the model's rule). With ``allowed`` (substitution), experts of S outside the token's kept
+        groups rank after every expert of S inside them (float64, offset by 2²⁰: order within each
+        tier is exact), so S ⊇ T_k(t) selects T_k(t) again and no token gets fewer than
+        min(k, |S|) experts."""
         choice = g if self.selection_bias is None else g + self.selection_bias
+        if self.group_limited:
+            inside = self.kept_groups(choice)
+            if allowed is None:
+                choice = choice.masked_fill(~inside, float("-inf"))
+            else:
+                choice = choice.double() - GROUP_TIER * (~inside).double()
         if allowed is not None:
             choice = choice.masked_fill(~allowed, float("-inf"))
-        if self.group_limited:
-            n = choice.shape[-1]
-            grouped = choice.unflatten(-1, (self.groups, n // self.groups))
-            best = grouped.topk(min(2, n // self.groups), dim=-1).values
-            group_score = best.nan_to_num(neginf=-1e30).sum(-1)  # [..., groups]
-            kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
-                -1, group_score.topk(self.groups_kept, dim=-1).indices, True)
-            choice = choice.masked_fill(~kept.repeat_interleave(n // self.groups, -1),
-                                        float("-inf"))
         return choice
 
     def select(self, g: torch.Tensor, allowed: torch.Tensor | None = None):
-        """``(T_k indices [..., k], whether each slot found an allowed expert [..., k])``."""
-        values, idx = self._choice(g, allowed).topk(self.top_k, dim=-1)
+        """``(T_k indices [..., k], whether each slot found an allowed expert [..., k])``, by
+        decreasing selection score, ties to the lower expert id (:func:`top_k_lowest_id`)."""
+        values, idx = top_k_lowest_id(self.selection_scores(g, allowed), self.top_k)
         return idx, torch.isfinite(values)
 
     def mix(self, g: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor | None = None):
@@ -84,9 +137,24 @@ class RoutingRule:
         return w
 
     def route(self, g: torch.Tensor, allowed: torch.Tensor | None = None):
-        """``(indices, weights)`` of the rule, optionally restricted to ``allowed`` experts."""
+        """``(indices, weights)`` of the rule, optionally restricted to ``allowed`` experts, in
+        canonical slot order (:func:`canonical_slots`)."""
         idx, valid = self.select(g, allowed)
-        return idx, self.mix(g, idx, None if allowed is None else valid)
+        return canonical_slots(idx, self.mix(g, idx, None if allowed is None else valid))
+
+    def natural(self, g: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor):
+        """The router module's own top-k ``(idx [M, k], weights [M, k])`` in canonical slot order
+        (long, float32), and whether any token's set was replaced: where the module's set differs
+        from this rule's (equal scores at the k-th place, which ``torch.topk`` breaks in an
+        implementation-defined way, e.g. bf16 routers), the rule's lower-id choice and its
+        weights. Everywhere else the module's own weights are kept bit for bit."""
+        idx, weights = canonical_slots(idx.long(), weights.float())
+        mine_idx, mine_w = self.route(g)
+        same = (idx.sort(-1).values == mine_idx.sort(-1).values).all(-1, keepdim=True)
+        if bool(same.all()):
+            return idx, weights, False
+        return (torch.where(same, idx, mine_idx), torch.where(same, weights, mine_w.float()),
+                True)
 
     def for_layers(self, biases: torch.Tensor | None) -> RoutingRule:
         """The same rule with per-row selection biases ``[T, 1, N]`` (a batch of layers)."""

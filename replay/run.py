@@ -27,7 +27,8 @@ from catalog.results import UnitResults
 from cluster import ClusterError, count_workers, init_ray, worker_options
 from moe.adapter import MoEAdapter
 from policy import coverage, rankings
-from policy.calibration import MEANS_VERSION, CalibrationStats, collect_runs, examples_for
+from policy.calibration import (MEANS_VERSION, CalibrationStats, collect_runs, empty_calibration,
+                                examples_for)
 from replay import closed_loop, distributed
 from replay.engine import OpenLoopEngine, Task
 
@@ -118,7 +119,11 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     cal = catalog.calibration_runs(names, model, set().union(*(r.prompt_keys() for r in evaluated)))
     read = lambda run: tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",  # noqa: E731
                             unit="tree-layer", disable=not progress)
-    return collect_runs(cal, read, adapter, examples_for(rankings_used)), cal
+    stats = collect_runs(cal, read, adapter, examples_for(rankings_used))
+    problem = empty_calibration(stats, cal)
+    if problem:
+        raise ReplayError(problem)
+    return stats, cal
 
 
 UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration")  # the rest of a key is versions
@@ -131,7 +136,7 @@ def unit_key(mode: str, ranking: type[rankings.Ranking], cover: coverage.Coverag
     key = dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=[])
     if ranking.version != 1:  # (version 1 is left out: keys of unchanged rankings stay as they were)
         key["version"] = ranking.version
-    if ranking.needs_calibration:
+    if ranking.needs_calibration or (ranking.uses_calibration and calibration):
         key.update(calibration=sorted([r.name, r.run_id] for r in calibration),
                    means=MEANS_VERSION)
     return key

@@ -17,7 +17,7 @@ from policy import coverage, rankings
 from policy.batch import ExpertTerms, RoutingBatch, combine
 from policy.calibration import CalibrationStats
 from policy.coverage import prefix_masks
-from policy.rankings.base import by_mass, by_squared_mass
+from policy.rankings.base import by_mass, by_squared_mass, selected_first
 from policy.routing import RoutingRule
 
 COVERAGES = list(coverage.COVERAGES)
@@ -234,10 +234,12 @@ def test_incremental_substitution_oracle_equals_scoring_every_candidate(seed, re
         torch.testing.assert_close(e[0], e[1], rtol=1e-9, atol=1e-12)
 
 
-def test_substitution_follows_the_family_rule_sigmoid_bias_groups_scale():
+@pytest.mark.parametrize("shortlisted", [10, 6, 4])
+def test_substitution_follows_the_family_rule_sigmoid_bias_groups_scale(shortlisted):
     """Substitution under a DeepSeek-V3-style rule equals a slow per-token reference: sigmoid
-    scores, selection by biased scores in the best groups, weights from unbiased scores,
-    renormalised and scaled."""
+    scores, selection by biased scores in the token's own best groups (chosen from all N
+    scores), then S's other groups only if those hold fewer than k of S; weights from unbiased
+    scores, renormalised and scaled; a token whose top-k lies in S keeps it unchanged."""
     g = torch.Generator().manual_seed(0)
     m, n, k, groups, kept = 6, 16, 4, 4, 2
     logits = torch.randn(m, n, generator=g)
@@ -248,21 +250,24 @@ def test_substitution_follows_the_family_rule_sigmoid_bias_groups_scale():
     idx, w = rule.route(scores)
     batch = RoutingBatch.single(scores, idx, w, 0, rule)
     keep = torch.zeros(n, dtype=torch.bool)
-    keep[torch.randperm(n, generator=g)[:10]] = True
+    keep[torch.randperm(n, generator=g)[:shortlisted]] = True
     got_idx, got_w = coverage.get("substitution").apply(batch, keep[None, None])
     for t in range(m):
-        choice = {i: float(scores[t, i] + bias[i]) for i in range(n) if keep[i]}
+        everything = {i: float(scores[t, i] + bias[i]) for i in range(n)}
         size = n // groups
-        group_score = {gi: sum(sorted([choice[i] for i in range(gi * size, (gi + 1) * size)
-                                       if i in choice], reverse=True)[:2] or [-1e30])
-                       for gi in range(groups)}
-        best_groups = sorted(group_score, key=lambda gi: -group_score[gi])[:kept]
-        allowed = [i for i in choice if i // size in best_groups]
-        chosen = sorted(allowed, key=lambda i: -choice[i])[:k]
+        group_score = {gi: sum(sorted([everything[i] for i in range(gi * size, (gi + 1) * size)],
+                                      reverse=True)[:2]) for gi in range(groups)}
+        best_groups = sorted(group_score, key=lambda gi: (-group_score[gi], gi))[:kept]
+        allowed = [i for i in range(n) if keep[i]]
+        chosen = sorted(allowed, key=lambda i: (i // size not in best_groups, -everything[i], i))[:k]
         total = sum(float(scores[t, i]) for i in chosen)
         expected = {i: 2.5 * float(scores[t, i]) / total for i in chosen}
+        natural = {int(i): float(x) for i, x in zip(idx[t], w[t])}
+        if all(keep[i] for i in natural):
+            expected = natural
         got = {int(i): float(x) for i, x in zip(got_idx[0, 0, t], got_w[0, 0, t]) if x != 0}
         assert got.keys() == expected.keys()
+        assert len(got) == min(k, shortlisted)
         for i in got:
             assert got[i] == pytest.approx(expected[i], rel=1e-5)
 
@@ -528,8 +533,8 @@ def test_calibrated_rankings_under_substitution_keep_the_best_predicted_candidat
         for c in candidates:
             assert (predicted(keep) <= predicted(c) * (1 + 1e-12) + 1e-300).all()
         assert keep.sum(-1).tolist() == [budgets]
-        assert torch.equal(ranking.shortlists(batch, trunc, budgets)[0],
-                           prefix_masks(ranking.order(batch, trunc, 8), budgets, 8))
+        assert torch.equal(ranking.shortlists(batch, trunc, budgets)[0], prefix_masks(
+            selected_first(ranking.order(batch, trunc, 8), batch), budgets, 8))
         for j, b in enumerate(budgets):
             routed = Budget(b, ranking, sub).route(3, batch.probs[0], batch.idx[0],
                                                    batch.weights[0], batch.rule)

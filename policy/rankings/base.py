@@ -41,6 +41,11 @@ class Ranking(ABC):
     artifact: ClassVar[str | None] = None  # file name of what fit() learns, saved by save()
     version: ClassVar[int] = 1  # raised when what order()/shortlists() return changes, so that
     # stored results of the older definition are never reused
+    uses_calibration: ClassVar[bool] = False  # fit() uses calibration statistics when given,
+    # without needing them (the oracle); results are then keyed by the calibration runs
+    selected_first: ClassVar[bool] = True  # under truncation, experts some tree token selected
+    # come before any other (B ≥ |U| ⇒ the error floor); False only for the papers' own
+    # definitions (router, static), which can leave a selected expert out even when B ≥ |U|
 
     calibration: CalibrationStats | None = None
 
@@ -76,6 +81,8 @@ class Ranking(ABC):
         """``(keep [T, len(valid), N], valid budgets)``; nested prefixes of :meth:`order` unless a
         ranking searches each budget on its own (``exact``)."""
         order = self.order(batch, coverage, max(budgets))
+        if self.selected_first and isinstance(coverage, Truncation):
+            order = selected_first(order, batch)
         return prefix_masks(order, budgets, batch.n), list(budgets)
 
     def skipped(self, n: int, budgets: list[int]) -> list[int]:
@@ -121,6 +128,21 @@ def mass_tiebreak(batch: RoutingBatch) -> torch.Tensor:
 def by_mass(scores: torch.Tensor) -> torch.Tensor:
     """Expert ids by decreasing score, ties to the lower id: ``[T, N] → [T, N]``."""
     return torch.argsort(scores, dim=-1, descending=True, stable=True)
+
+
+def selected_first(order: torch.Tensor, batch: RoutingBatch) -> torch.Tensor:
+    """``order [T, L]`` made a full order ``[T, N]`` in which every expert of the union U (some
+    real tree token selected it) comes first, in ``order``'s order, then the rest: the experts
+    ``order`` leaves out follow by router mass. Under truncation an expert outside U contributes
+    nothing, so a prefix holding one while a selected expert waits only wastes budget."""
+    t, length = order.shape
+    n = batch.n
+    rank = torch.full((t, n), n, dtype=torch.long, device=order.device)
+    rank.scatter_(1, order, torch.arange(length, device=order.device).expand(t, length))
+    fallback = torch.empty_like(rank)
+    fallback.scatter_(1, by_mass(batch.mass()), torch.arange(n, device=order.device).expand(t, n))
+    key = (~batch.union()).long() * (2 * n) + torch.where(rank < n, rank, n + fallback)
+    return torch.argsort(key, dim=-1, stable=True)
 
 
 def by_squared_mass(batch: RoutingBatch) -> torch.Tensor:

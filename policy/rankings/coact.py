@@ -30,7 +30,8 @@ from policy.rankings.base import Ranking, SubstitutionAware, mass_tiebreak, regi
 class Coact(SubstitutionAware, Ranking):
     name = "coact"
     needs_calibration = True
-    version = 2  # 2: substitution picks by the predicted substitution error (docstring)
+    version = 3  # 2: substitution picks by the predicted substitution error (docstring);
+    # 3: under truncation, selected experts first
 
     def order(self, batch, coverage, max_budget):
         w = batch.dense_weights().double()  # [T, M, N]

@@ -14,6 +14,7 @@ from policy.rankings.base import Ranking, by_mass, mass_tiebreak, register
 @register
 class CoactDiagonal(Ranking):
     name = "coact-diag"
+    version = 2  # 2: under truncation, selected experts first
     needs_calibration = True
 
     def order(self, batch, coverage, max_budget):

@@ -59,7 +59,8 @@ def features(batch, calibration: CalibrationStats) -> torch.Tensor:
 @register
 class Learned(SubstitutionAware, Ranking):
     name = "learned"
-    version = 2  # 2: substitution picks by the predicted substitution error
+    version = 3  # 2: substitution picks by the predicted substitution error; 3: under
+    # truncation, selected experts first
     needs_calibration = True
     artifact = "learned.skops"
     seed: ClassVar[int] = 0

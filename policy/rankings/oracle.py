@@ -1,4 +1,22 @@
-"""``oracle``: greedy reconstruction with every expert's output known (an upper bound, offline).
+"""``oracle``: the best shortlist found with every expert's output known (offline reference).
+
+Per tree-layer and budget, under either coverage policy:
+
+1. **Exhaustive** where C(N, B) ≤ 5000 (every budget of an 8-expert model): the oracle *is*
+   ``exact`` there (:func:`policy.rankings.exact.exhaustive_best`).
+2. Elsewhere, **starts**: the greedy prefixes below, router's and squared mixing mass's
+   prefixes, and the shortlist of every registered runtime ranking that keeps no state across
+   passes (fitted on the replay's calibration when one is given: static, coact-diag, coact,
+   learned); the start with the least exact error is kept (ties to the first).
+3. **Swap local search** from that start (:func:`local_search`): replace one member of S by one
+   of the strongest experts outside it while the exact error drops, batched over tree-layers.
+
+So the oracle is never worse than any of its starts in any cell, by construction; rankings that
+keep state across passes (previous, coact-online) are not starts, and the search does not prove
+optimality beyond the exhaustive budgets. ``bench/oracle_bound.py`` counts the cells where any
+runtime ranking beats it.
+
+The greedy starts:
 
 From S = ∅ add the expert that most reduces ``Σ_t ||O*_t − MoE_S(h_t)||²`` under the coverage
 policy, for every tree-layer of a batch at once (``max_budget`` steps per batch).
@@ -22,26 +40,20 @@ policy, for every tree-layer of a batch at once (``max_budget`` steps per batch)
   changes any token (S covers every token's top-k), the rest of the order is filled by expert
   id, as exact ties resolve. Group-limited routing falls back to scoring every candidate
   shortlist through the coverage policy.
-
-  Under substitution the error is not monotone in S (a new member can re-route a token to a
-  worse mix, and renormalisation rescales whatever is left), and greedy from ∅ can lock in
-  early picks that suit a tiny S: on tiny-qwen3-moe (renormalised top-8 of 128) its prefixes
-  were 2–9× *worse* than router ranking's. So for substitution the oracle's shortlist at each
-  budget and tree-layer is the exact best of four candidates: the substitution greedy's prefix,
-  the truncation greedy's prefix, router ranking's and squared mixing mass's (ties to the
-  greedy). It is then never worse than router or sqmass ranking, and shortlists need not be
-  nested. (With three candidates a calibrated ranking choosing between sqmass and its own order
-  beat the "oracle" on tiny-qwen3-moe: 103% of the gap at B = 32.) It remains a heuristic bound:
-  the best shortlist of B experts under substitution is not searched exhaustively.
 """
 
 from __future__ import annotations
 
+import math
+from typing import ClassVar
+
 import torch
 
-from policy.coverage import COVERAGES, Truncation
+from policy.coverage import COVERAGES, Truncation, prefix_masks
 from policy.greedy import greedy_quadratic, pair_sums
-from policy.rankings.base import Ranking, RankingError, by_mass, by_squared_mass, register
+from policy.rankings.base import (REGISTRY, Ranking, RankingError, by_mass, by_squared_mass,
+                                  register, selected_first)
+from policy.rankings.exact import EXACT_LIMIT, exhaustive_best
 from policy.substitution import best_prefixes
 
 
@@ -49,17 +61,52 @@ from policy.substitution import best_prefixes
 class Oracle(Ranking):
     name = "oracle"
     runtime = False  # as listed in policy.index
-    version = 3  # 2: substitution takes the best of three candidates, 3: of four (docstring)
+    version = 4  # 2: substitution takes the best of three candidates, 3: of four, 4: exact search
+    # where it fits, every runtime ranking's shortlist as a start, then swap local search
+    uses_calibration = True  # fitted with calibration, it also starts from the calibrated
+    # runtime rankings' shortlists (the calibration is then part of its results' key)
+    swap_candidates: ClassVar[int] = 12  # experts outside S tried per member in a swap round
+    max_rounds: ClassVar[int] = 8
+
+    def fit(self, calibration=None):
+        super().fit(calibration)
+        self.starts = start_rankings(calibration)
+        return self
 
     def shortlists(self, batch, coverage, budgets):
-        if isinstance(coverage, Truncation):
-            return super().shortlists(batch, coverage, budgets)  # the greedy's prefixes
+        """Per tree-layer and budget the best shortlist found (module docstring): exhaustive where
+        C(N, B) ≤ ``EXACT_LIMIT``, else the best start improved by swaps."""
+        if batch.terms is None:
+            raise RankingError("oracle needs every expert's output (open-loop replay only)")
+        budgets = list(budgets)
+        keep = torch.zeros(batch.size, len(budgets), batch.n, dtype=torch.bool,
+                           device=batch.device)
+        searched = [j for j, b in enumerate(budgets) if math.comb(batch.n, b) > EXACT_LIMIT]
+        for j, b in enumerate(budgets):
+            if j not in searched:
+                keep[:, j] = exhaustive_best(batch, coverage, b)
+        if searched:
+            part = [budgets[j] for j in searched]
+            keep[:, searched] = local_search(batch, coverage, self.start(batch, coverage, part),
+                                             part, self.swap_candidates, self.max_rounds)
+        return keep, budgets
+
+    def start(self, batch, coverage, budgets) -> torch.Tensor:
+        """``[T, len(budgets), N]``: per tree-layer and budget the best of the greedy prefixes,
+        router's and squared mass's prefixes and every start ranking's shortlist (ties to the
+        first)."""
         most = max(budgets)
-        orders = [self.order(batch, coverage, most),  # the substitution greedy first: ties
-                  self.order(batch, COVERAGES["truncation"], most), by_mass(batch.mass()),
-                  by_squared_mass(batch)]
-        return best_prefixes(batch, coverage, orders, budgets,
-                             lambda keep, idx, w: coverage.sq_errors(batch, keep, idx, w)), list(budgets)
+        if isinstance(coverage, Truncation):
+            orders = [selected_first(self.order(batch, coverage, most), batch)]
+        else:
+            orders = [self.order(batch, coverage, most),  # the substitution greedy first: ties
+                      selected_first(self.order(batch, COVERAGES["truncation"], most), batch)]
+        orders += [by_mass(batch.mass()), by_squared_mass(batch)]
+        candidates = [prefix_masks(o, budgets, batch.n) for o in orders]
+        for ranking in getattr(self, "starts", start_rankings(None)):
+            ranking.reset()
+            candidates.append(ranking.shortlists(batch, coverage, budgets)[0])
+        return best_shortlists(batch, coverage, candidates)
 
     def order(self, batch, coverage, max_budget):
         if batch.terms is None:
@@ -70,6 +117,103 @@ class Oracle(Ranking):
         if batch.rule.group_limited:
             return candidates_order(batch, coverage, max_budget)
         return substitution_order(batch, max_budget)
+
+
+_STARTS: dict[int, tuple[object, list[Ranking]]] = {}
+
+
+def start_rankings(calibration) -> list[Ranking]:
+    """Every registered runtime ranking that needs no state across passes, fitted on
+    ``calibration`` where it needs one (skipped without it, or without examples for a ranking
+    that learns from them): the shortlists the oracle must never lose to. Fitted once per
+    calibration object."""
+    key = id(calibration)
+    if key in _STARTS and _STARTS[key][0] is calibration:
+        return _STARTS[key][1]
+    found = []
+    for name in sorted(REGISTRY):
+        cls = REGISTRY[name]
+        if not cls.runtime or cls.stateful:
+            continue
+        if cls.needs_calibration and calibration is None:
+            continue
+        try:
+            found.append(cls().fit(calibration))
+        except RankingError:  # e.g. learned without calibration examples
+            continue
+    _STARTS[key] = (calibration, found)
+    return found
+
+
+def errors(batch, coverage, keep: torch.Tensor) -> torch.Tensor:
+    """Total ``Σ_t ||O*_t − Ô_t||²`` per shortlist, ``keep [T, *E, N] → [T, *E]``: truncation's
+    closed form, substitution's Gram expansion (:meth:`policy.batch.RoutingBatch.token_sq_errors`;
+    both equal the direct error to rounding)."""
+    idx, w = coverage.apply(batch, keep)
+    if isinstance(coverage, Truncation):
+        return coverage.sq_errors(batch, keep, idx, w).sum(-1)
+    return batch.token_sq_errors(idx, w).sum(-1)
+
+
+def best_shortlists(batch, coverage, candidates: list[torch.Tensor]) -> torch.Tensor:
+    """Per tree-layer and budget the candidate ``[T, B, N]`` with the least exact error, ties to
+    the earlier candidate."""
+    stacked = torch.stack(candidates)  # [C, T, B, N]
+    err = torch.stack([errors(batch, coverage, c) for c in candidates])  # [C, T, B]
+    pick = err.argmin(0)[None, ..., None].expand(1, *stacked.shape[1:])
+    return stacked.gather(0, pick)[0]
+
+
+def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], candidates: int,
+                 max_rounds: int) -> torch.Tensor:
+    """Swap local search from ``keep [T, B, N]``: each round, every tree-layer scores all swaps of
+    one member of S for one of the ``candidates`` strongest experts outside S (router mass under
+    substitution, squared mixing mass under truncation) and makes its best swap if it lowers the
+    exact error by more than 1e-12 relative; rounds end when no tree-layer improves. Batched over
+    tree-layers; the error never rises, so the result is never worse than the start."""
+    keep = keep.clone()
+    strength = batch.mass().double() if not isinstance(coverage, Truncation) else \
+        batch.dense_weights().double().pow(2).sum(1)
+    strength = strength + torch.arange(batch.n, 0, -1, device=batch.device) * 1e-30  # ties: id
+    rows = torch.arange(batch.size, device=batch.device)
+    floor = batch.terms.floor.sum(-1)  # [T]: every token's routing unchanged
+    for j, b in enumerate(budgets):
+        if b >= batch.n:
+            continue
+        current = keep[:, j].clone()  # [T, N]
+        err = errors(batch, coverage, current[:, None])[:, 0]
+        active = err > floor * (1 + 1e-9) + 1e-300  # at the floor nothing can improve
+        for _ in range(max_rounds):
+            if not bool(active.any()):
+                break
+            sub = active.nonzero().squeeze(1)
+            part = batch.take(sub)
+            cur = current[sub]
+            members = torch.argsort((~cur).long(), dim=-1, stable=True)[:, :b]  # [R, b]
+            x = min(candidates, batch.n - b)
+            outside = torch.argsort(strength[sub].masked_fill(cur, float("-inf")), dim=-1,
+                                    descending=True, stable=True)[:, :x]  # [R, x]
+            swaps = cur[:, None, None, :].repeat(1, b, x, 1)  # [R, b, x, N]
+            r = torch.arange(len(sub), device=batch.device)[:, None, None]
+            bi = torch.arange(b, device=batch.device)[None, :, None]
+            xi = torch.arange(x, device=batch.device)[None, None, :]
+            swaps[r, bi, xi, members[:, :, None].expand(-1, -1, x)] = False
+            swaps[r, bi, xi, outside[:, None, :].expand(-1, b, -1)] = True
+            flat = swaps.view(len(sub), b * x, batch.n)
+            chunk = max(1, int(2e7 // (len(sub) * part.probs.shape[1] * batch.n)))
+            found = torch.cat([errors(part, coverage, c) for c in flat.split(chunk, dim=1)],
+                              1)  # [R, b·x]
+            low, at = found.min(-1)
+            better = low < err[sub] * (1 - 1e-12) - 1e-300
+            if not bool(better.any()):
+                break
+            won = sub[better]
+            current[won] = flat[rows[:len(sub)][better], at[better]]
+            err[won] = low[better]
+            active = torch.zeros_like(active)
+            active[won] = True
+        keep[:, j] = current
+    return keep
 
 
 def truncation_matrix(batch) -> torch.Tensor:
@@ -115,7 +259,7 @@ def substitution_order(batch, max_budget) -> torch.Tensor:
     r_sq = batch.terms.routed_sq  # [T, M]
     t, m, n, k = batch.size, batch.probs.shape[1], batch.n, batch.k
     dev = batch.device
-    choice = rule._choice(batch.probs, None)  # selection scores (float32, biased if any)
+    choice = rule.selection_scores(batch.probs)  # selection scores (float32, biased if any)
     g = batch.probs.double()
     diag = q.diagonal(dim1=-2, dim2=-1)
     real = batch.mask

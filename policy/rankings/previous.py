@@ -15,6 +15,7 @@ from policy.rankings.base import Ranking, by_mass, register
 @register
 class Previous(Ranking):
     name = "previous"
+    version = 2  # 2: under truncation, selected experts first
     stateful = True
 
     def __init__(self):

@@ -8,6 +8,7 @@ from policy.rankings.base import Ranking, by_mass, register
 @register
 class Router(Ranking):
     name = "router"
+    selected_first = False  # the paper's definition: summed router probabilities
 
     def order(self, batch, coverage, max_budget):
         return by_mass(batch.mass())

@@ -8,6 +8,7 @@ from policy.rankings.base import Ranking, by_mass, register
 @register
 class Static(Ranking):
     name = "static"
+    selected_first = False  # the paper's definition: calibration selection counts
     needs_calibration = True
 
     def order(self, batch, coverage, max_budget):
