@@ -21,6 +21,8 @@ the current capture of their run. Running captures and interrupted replays are l
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import duckdb
@@ -114,15 +116,36 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> duckdb.DuckDBPyRelati
     statements = con.extract_statements(sql)
     if not statements:
         raise QueryRefused("empty query; write a SELECT")
-    refused = [s for s in statements if s.type not in QUERY_STATEMENTS]
+    refused = [s for s in statements if s.type not in QUERY_STATEMENTS
+               or (s.type == duckdb.StatementType.EXPLAIN and not _explains_a_query(con, s.query))]
     if refused:
         kind = refused[0].type.name
+        if refused[0].type == duckdb.StatementType.EXPLAIN:
+            kind = "EXPLAIN of anything but a SELECT (EXPLAIN ANALYZE runs its statement)"
         raise QueryRefused(f"only read-only queries are allowed here (SELECT, WITH … SELECT, "
                            f"EXPLAIN), not {kind}; the traces are read-only")
     if len(statements) > 1:
         raise QueryRefused("one query at a time, please (found "
                            f"{len(statements)} statements)")
     return con.sql(sql)
+
+
+_EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
+
+
+def _explains_a_query(con: duckdb.DuckDBPyConnection, statement: str) -> bool:
+    """Whether an EXPLAIN statement explains a SELECT: the text after ``EXPLAIN [ANALYZE]`` must
+    parse, with DuckDB's own parser, as exactly one SELECT. ``EXPLAIN ANALYZE`` executes what
+    it explains (a COPY … TO, CREATE, INSERT or DELETE would run), and anything the prefix does
+    not match (comments, options) is refused rather than guessed at."""
+    match = _EXPLAIN.match(statement)
+    if not match:
+        return False
+    try:
+        inner = con.extract_statements(statement[match.end():])
+    except duckdb.Error:
+        return False
+    return len(inner) == 1 and inner[0].type == duckdb.StatementType.SELECT
 
 
 def views(con: duckdb.DuckDBPyConnection) -> list[str]:
