@@ -1,119 +1,443 @@
-"""Running model-written code: a sandboxed subprocess, never this process.
+"""Running model-written code: a throw-away Linux sandbox, never this process.
 
-Every program runs in a fresh ``python -I -S`` (isolated: no user site, no environment, no
-current directory on the path) inside a new empty temporary folder, in its own session, with
+Each program gets its own user, mount, PID, network, IPC, UTS and cgroup namespaces
+(``unshare`` from util-linux, with no new packages; running as root the harness first drops to
+the unprivileged ``nobody`` user, so the sandbox's root is ``nobody`` outside it). Inside, a small
+init (PID 1 of the new PID namespace) builds a new root file system and then starts the program:
 
-* limits: CPU seconds, address space, file size, open files and processes (``setrlimit``);
-  running as root it first drops to the unprivileged ``nobody`` user, so the process limit
-  holds and the file system is out of reach;
-* no network: a new network namespace with no interfaces where the kernel allows it (as root),
-  and in any case ``socket`` replaced by a stub before the program runs;
-* a wall-clock timeout after which the whole process group is killed.
+* **files**: a read-only view of ``/usr`` (with the ``/bin``, ``/lib*`` links), the Python
+  installation and ``/etc/ld.so.cache`` only; a fresh ``/proc`` of the new PID namespace; ``/dev``
+  with ``null``, ``zero``, ``full``, ``random``, ``urandom``; and three private tmpfs mounts of
+  ``WRITABLE`` bytes each: the working folder ``/sandbox``, ``/tmp`` and ``/dev/shm``. Everything
+  else (``/work``, ``/home``, ``/root``, ``/etc``, ``/var``, the host's ``/tmp``) is absent, and
+  every file the program writes vanishes with the namespace;
+* **processes**: only the sandbox's own (PID 1 is its init); when the program ends, or at the
+  wall-clock limit, its init dies and the kernel kills every process in the namespace, whether it
+  called ``setsid`` or not; nested user namespaces are refused;
+* **no privileges**: the program runs with no capabilities at all (empty bounding set,
+  ``no_new_privs``), so it cannot remount, mount or ``ptrace`` its init;
+* **limits**: CPU seconds, 1 GiB of address space per process, file size, open files, processes
+  (counted per sandbox, so leftovers of one program cannot starve the next), no core files;
+* **no network**: the network namespace has only its loopback, and that is down.
 
-It returns a :class:`Result`; a program that hangs, crashes, forks without end or eats memory
-gets ``passed=False`` and a reason, never a hang or harm to the machine.
+Pass/fail never rests on the exit status: the harness makes a random nonce, the init hands it to
+a small runner through a pipe the runner reads and closes at once, the runner executes the
+program (setup, code and tests in one module) and only if that returns normally writes
+``<nonce> passed`` on an inherited verdict pipe before ``os._exit``. ``os._exit(0)``, ``sys.exit(0)``,
+an exception in an ``atexit`` hook or a printed fake verdict therefore score as failures.
+Out of scope: the tests run in the program's own interpreter, so a program that reads the runner's
+memory for the nonce (frame introspection) or rewrites its own tests (tracing hooks, objects equal
+to everything) can still fake a pass.
+
+Without ``unshare``, user namespaces, or a Python the sandbox user can run, :func:`run_python`
+raises :class:`SandboxUnavailable` (one line naming the fix) instead of running untrusted code.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
+import json
 import os
-import resource
+import secrets
+import selectors
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
+import time
 from dataclasses import dataclass
 
 TIMEOUT = 10.0  # seconds of wall time
-MEMORY = 1 << 30  # bytes of address space
-PROCESSES = 16
-FILE_SIZE = 10 << 20
-CLONE_NEWNET = 0x40000000
+MEMORY = 1 << 30  # bytes of address space per process
+PROCESSES = 16  # per sandbox, its init included
+FILE_SIZE = 10 << 20  # bytes per file
+WRITABLE = 16 << 20  # bytes of each private tmpfs: /sandbox, /tmp, /dev/shm
+OPEN_FILES = 64
+SANDBOX_UID = 65534  # nobody: who the sandbox is outside it when the harness runs as root
+OUTPUT = 2000  # characters of output kept
+SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
+LEGACY_REMOUNT = False  # tests: remount each bind read-only one by one, as without mount_setattr
 
-PREAMBLE = """
-import socket as _s
-def _no_network(*a, **k):
-    raise OSError("network access is disabled in the sandbox")
-_s.socket = _s.create_connection = _s.socketpair = _no_network
-del _s, _no_network
-"""
+
+class SandboxUnavailable(OSError):
+    """The sandbox cannot be built here; untrusted code is not run at all."""
 
 
 @dataclass
 class Result:
     passed: bool
-    reason: str  # "passed", "failed", "timeout", "error: …"
+    reason: str  # "passed", "failed", "timeout", "killed (cpu, memory or process limit)"
     stdout: str = ""
 
 
-def _drop_privileges() -> None:
-    os.setgroups([])
-    os.setgid(65534)
-    os.setuid(65534)
+def _sandbox_user() -> dict:
+    """Popen arguments that drop to ``nobody`` when the harness runs as root."""
+    if os.geteuid() != 0:
+        return {}
+    return dict(user=SANDBOX_UID, group=SANDBOX_UID, extra_groups=[])
+
+
+_PROBE = ("import os, sys; print(os.path.realpath(sys.executable)); print(sys.base_prefix); "
+          "print(sys.base_exec_prefix)")
 
 
 @functools.lru_cache(maxsize=1)
-def interpreter() -> str | None:
-    """A Python the sandbox user can run: this one, or as root the first interpreter the
-    ``nobody`` user can execute (a virtual environment under /root cannot be), else None."""
-    if os.geteuid() != 0:
-        return sys.executable
+def _python() -> tuple[str, str, str] | None:
+    """(executable, prefix, exec prefix) of the first Python the sandbox user can run: this one,
+    else the system's (a virtual environment under /root is out of ``nobody``'s reach)."""
     for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
         try:
-            ok = subprocess.run([candidate, "-I", "-S", "-c", "pass"], preexec_fn=_drop_privileges,
-                                capture_output=True, timeout=30).returncode == 0
+            done = subprocess.run([os.path.realpath(candidate), "-I", "-S", "-c", _PROBE],
+                                  capture_output=True, timeout=30, cwd="/",
+                                  env={"PATH": SYSTEM_PATH}, **_sandbox_user())
         except (OSError, subprocess.SubprocessError):
-            ok = False
-        if ok:
-            return candidate
+            continue
+        lines = done.stdout.decode(errors="replace").splitlines()
+        if done.returncode == 0 and len(lines) == 3:
+            return lines[0], lines[1], lines[2]
     return None
 
 
-def _limit(timeout: float):
-    """Runs in the child before exec: session, namespace, user, limits."""
-    def apply():
-        os.setsid()
-        if os.geteuid() == 0:
-            try:  # no network interfaces at all (needs CAP_SYS_ADMIN)
-                ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
-            except (OSError, AttributeError):
-                pass
-            _drop_privileges()
-        cpu = int(timeout) + 1
-        for what, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, MEMORY),
-                            (resource.RLIMIT_FSIZE, FILE_SIZE), (resource.RLIMIT_NOFILE, 64),
-                            (resource.RLIMIT_NPROC, PROCESSES), (resource.RLIMIT_CORE, 0)):
+def interpreter() -> str | None:
+    """The Python that runs sandboxed programs (None: there is none the sandbox user can run)."""
+    found = _python()
+    return found[0] if found else None
+
+
+@functools.lru_cache(maxsize=1)
+def layout() -> dict:
+    """What the sandbox's root holds: read-only binds of host paths and top-level links."""
+    found = _python()
+    if found is None:
+        raise SandboxUnavailable(
+            "code sandbox unavailable: no Python the unprivileged sandbox user can run "
+            "(install python3: apt-get install python3)")
+    python, prefix, exec_prefix = found
+    binds, links = ["/usr"], []
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            links.append((top, os.readlink(top)))
+        elif os.path.isdir(top):
+            binds.append(top)
+    for path in (prefix, exec_prefix, os.path.dirname(python)):
+        path = os.path.realpath(path)
+        if path != "/" and not any(path == b or path.startswith(b + "/") for b in binds):
+            binds.append(path)
+    if os.path.isfile("/etc/ld.so.cache"):
+        binds.append("/etc/ld.so.cache")
+    return dict(python=python, binds=binds, links=links)
+
+
+def unshare() -> str:
+    """The ``unshare`` program (util-linux), or :class:`SandboxUnavailable`."""
+    found = shutil.which("unshare", path=SYSTEM_PATH)
+    if found is None:
+        raise SandboxUnavailable("code sandbox unavailable: `unshare` not found "
+                                 "(install util-linux: apt-get install util-linux)")
+    return found
+
+
+# PID 1 of the sandbox: runs as root of the new user namespace (``nobody`` or the harness's user
+# outside), builds the root file system, starts the runner without privileges, waits for it and
+# exits, which kills everything left in the namespace. Reports on the status pipe: ``ready``,
+# then ``exit N`` (N: the runner's exit status, 128 + signal if killed), or ``error …``.
+INIT = r'''
+import ctypes, fcntl, json, os, signal, stat, sys
+c = json.loads(sys.argv[1])
+def high(fd):  # out of the way of the runner's fds 0-4
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return moved
+STATUS, VERDICT = high(c["status"]), high(c["verdict"])
+def say(line):
+    os.write(STATUS, (line + "\n").encode())
+signal.signal(signal.SIGINT, signal.SIG_DFL)  # PID 1 ignores signals it has no handler for
+def _expire(*_):
+    say("exit timeout")
+    os._exit(124)
+signal.signal(signal.SIGALRM, _expire)
+signal.alarm(c["wall"])  # the sandbox dies at its limit even if the harness is gone
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = (ctypes.c_char_p,) * 3 + (ctypes.c_ulong, ctypes.c_char_p)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+def check(ret, what):
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+def mount(src, dst, fs, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    check(libc.mount(enc(src), enc(dst), enc(fs), flags, enc(data)), f"mount {dst}")
+class MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]
+def read_only(dst):
+    """dst and every mount below it read-only, nosuid, nodev."""
+    if not c["legacy_remount"]:
+        attr = MountAttr(1 | 2 | 4, 0, 0, 0)  # MOUNT_ATTR_RDONLY | NOSUID | NODEV
+        ok = libc.syscall(ctypes.c_long(442), ctypes.c_int(-100), dst.encode(),  # mount_setattr
+                          ctypes.c_uint(0x8000), ctypes.byref(attr), ctypes.c_size_t(32))
+        if ok == 0:
+            return
+        if ctypes.get_errno() != 38:  # ENOSYS: a kernel before 5.12
+            check(ok, f"mount_setattr {dst}")
+    with open("/proc/self/mountinfo") as f:
+        points = [l.split()[4].encode().decode("unicode_escape") for l in f]
+    for point in points:
+        if point == dst or point.startswith(dst + "/"):
+            st = os.statvfs(point)
+            keep = 0
+            for bit, flag in ((os.ST_NOEXEC, MS_NOEXEC), (os.ST_NOATIME, 1024),
+                              (os.ST_NODIRATIME, 2048), (os.ST_RELATIME, 1 << 21)):
+                if st.f_flag & bit:
+                    keep |= flag
+            mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
+try:
+    data = sys.stdin.buffer.read()
+    nonce, program = data.split(b"\n", 1)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    # host paths, opened before the new root hides them (it is mounted on /tmp)
+    sources = {p: os.open(p, os.O_PATH) for p in c["binds"]}
+    devices = {d: os.open("/dev/" + d, os.O_PATH) for d in ("null", "zero", "full", "random",
+                                                             "urandom")}
+    R = "/tmp"
+    mount("tmpfs", R, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+    def bind(fd, dst):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.makedirs(dst, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            open(dst, "w").close()
+        mount(f"/proc/self/fd/{fd}", dst, None, MS_BIND | MS_REC)
+    os.makedirs(R + "/dev")
+    mount("tmpfs", R + "/dev", "tmpfs", MS_NOSUID, "size=64k,nr_inodes=64,mode=0755")
+    for name, fd in devices.items():
+        bind(fd, f"{R}/dev/{name}")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{R}/dev/{name}")
+    for path, mode in (("/dev/shm", "1777"), ("/tmp", "1777"), ("/sandbox", "0755")):
+        os.makedirs(R + path, exist_ok=True)
+        mount("tmpfs", R + path, "tmpfs", MS_NOSUID | MS_NODEV,
+              f"size={c['writable']},nr_inodes=4096,mode={mode}")
+    for path, fd in sources.items():
+        bind(fd, R + path)
+        read_only(R + path)
+    for path, target in c["links"]:
+        os.symlink(target, R + path)
+    os.makedirs(R + "/proc", exist_ok=True)
+    mount("proc", R + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    with open(R + "/sandbox/program.py", "wb") as f:
+        f.write(program)
+    for fd in (*sources.values(), *devices.values()):
+        os.close(fd)
+    os.chdir(R)
+    number = PIVOT_ROOT.get(os.uname().machine)
+    if number is None:
+        raise OSError(f"no pivot_root number for {os.uname().machine}")
+    check(libc.syscall(ctypes.c_long(number), b".", b"."), "pivot_root")
+    check(libc.umount2(b".", 2), "detach the host root")  # MNT_DETACH
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")  # no nested user namespace (it would give the program capabilities back)
+    nonce_r, nonce_w = map(high, os.pipe())
+    os.close(0)
+except Exception as exc:
+    say(f"error {exc}")
+    os._exit(125)
+say("ready")
+pid = os.fork()
+if pid == 0:
+    try:
+        null = high(os.open("/dev/null", os.O_RDONLY))
+        for src, dst in ((null, 0), (nonce_r, 3), (VERDICT, 4)):
+            os.dup2(src, dst)  # inheritable copies: what the runner gets
+        os.chdir("/sandbox")
+        import resource
+        for what, value in ((resource.RLIMIT_CPU, c["cpu"]), (resource.RLIMIT_AS, c["memory"]),
+                            (resource.RLIMIT_FSIZE, c["file_size"]),
+                            (resource.RLIMIT_NOFILE, c["open_files"]),
+                            (resource.RLIMIT_NPROC, c["processes"]), (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(what, (value, value))
-    return apply
+        cap = 0
+        while libc.prctl(24, cap, 0, 0, 0) == 0:  # PR_CAPBSET_DROP, until EINVAL
+            cap += 1
+        libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+        check(libc.prctl(28, 0xC3, 0, 0, 0), "securebits")  # NOROOT, NO_CAP_AMBIENT_RAISE, locked
+        class Header(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+        caps = (ctypes.c_uint32 * 6)()
+        check(libc.capset(ctypes.byref(Header(0x20080522, 0)), caps), "capset")
+        check(libc.prctl(38, 1, 0, 0, 0), "no_new_privs")
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Cap") and int(line.split()[1], 16):
+                    raise OSError(f"capabilities left: {line.strip()}")
+        os.closerange(5, STATUS)
+        os.closerange(STATUS + 1, 1 << 16)
+        os.execve(c["python"], [c["python"], "-I", "-S", "-c", c["runner"]],
+                  {"PATH": "/usr/bin:/bin"})  # STATUS is close-on-exec
+    except BaseException as exc:
+        say(f"error starting the program: {exc}")
+    os._exit(125)
+os.close(nonce_r)
+os.close(VERDICT)
+os.write(nonce_w, nonce + b"\n")
+os.close(nonce_w)
+while True:
+    done, status = os.wait()  # orphans are reaped here too
+    if done == pid:
+        break
+code = os.waitstatus_to_exitcode(status)
+say(f"exit {code if code >= 0 else 128 - code}")
+os._exit(0)
+'''
+
+# The program's interpreter: reads the nonce (and closes its pipe), runs program.py as __main__,
+# and writes the verdict only if that returned normally; never runs atexit hooks.
+RUNNER = r'''
+import os, sys
+def _runner():
+    nonce = os.read(3, 256).strip()
+    os.close(3)
+    write, leave = os.write, os._exit
+    import traceback, types
+    def flush():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = "program.py", __builtins__
+    sys.modules["__main__"], sys.argv = main, ["program.py"]
+    try:
+        with open("program.py", encoding="utf-8") as f:
+            code = compile(f.read(), "program.py", "exec")
+        exec(code, main.__dict__)
+    except BaseException as exc:
+        try:
+            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        except BaseException:
+            pass
+        flush()
+        leave(1)
+    flush()
+    write(4, nonce + b" passed\n")
+    leave(0)
+_runner()
+'''
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """SIGKILL the sandbox's init and wait for ``unshare``: the kernel kills the whole PID
+    namespace and lets the init go only once every process in it is gone, so nothing is left
+    when this returns."""
+    try:
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+    except OSError:
+        children = []
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=10 if children else 0.5)
+    except subprocess.TimeoutExpired:  # no children list: unshare --kill-child takes the init
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        proc.wait()
 
 
 def run_python(program: str, timeout: float = TIMEOUT) -> Result:
-    """Run ``program`` (Python source) in the sandbox; passed = exit status 0."""
-    python = interpreter()
-    if python is None:
-        return Result(False, "error: no Python interpreter the unprivileged sandbox user can run")
-    with tempfile.TemporaryDirectory(prefix="moespec-sandbox-") as folder:
-        os.chmod(folder, 0o777)
-        path = os.path.join(folder, "program.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(PREAMBLE + "\n" + program)
-        os.chmod(path, 0o644)
-        proc = subprocess.Popen([python, "-I", "-S", path], cwd=folder,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env={"PATH": "/usr/bin:/bin"},
-                                preexec_fn=_limit(timeout))
+    """Run ``program`` (Python source: code and its tests) in the sandbox; passed = the runner's
+    nonce verdict arrived (the program ran to its end), never the exit status alone."""
+    where = layout()
+    command = unshare()
+    nonce = secrets.token_hex(16)
+    status_r, status_w = os.pipe()
+    verdict_r, verdict_w = os.pipe()
+    config = dict(where, status=status_w, verdict=verdict_w, runner=RUNNER,
+                  cpu=int(timeout) + 1, wall=int(timeout) + 2, memory=MEMORY,
+                  file_size=FILE_SIZE, open_files=OPEN_FILES, processes=PROCESSES,
+                  writable=WRITABLE, legacy_remount=LEGACY_REMOUNT)
+    try:
+        proc = subprocess.Popen(
+            [command, "--user", "--map-root-user", "--mount", "--pid", "--net", "--ipc", "--uts",
+             "--cgroup", "--fork", "--kill-child", "--",
+             where["python"], "-I", "-S", "-c", INIT, json.dumps(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd="/",
+            env={"PATH": SYSTEM_PATH}, pass_fds=(status_w, verdict_w), start_new_session=True,
+            **_sandbox_user())
+    except OSError as exc:
+        os.close(status_r)
+        os.close(verdict_r)
+        raise SandboxUnavailable(f"code sandbox unavailable: {exc}") from exc
+    finally:
+        os.close(status_w)
+        os.close(verdict_w)
+    deadline = time.monotonic() + timeout
+    out = proc.stdout.fileno()
+    got = {out: bytearray(), status_r: bytearray(), verdict_r: bytearray()}
+    timed_out = False
+    try:
         try:
-            out, _ = proc.communicate(timeout=timeout)
-            reason = "passed" if proc.returncode == 0 else (
-                "killed (cpu, memory or process limit)" if proc.returncode < 0 else "failed")
-            return Result(proc.returncode == 0, reason, out.decode("utf-8", "replace")[-2000:])
-        except subprocess.TimeoutExpired:
-            return Result(False, "timeout")
+            proc.stdin.write(nonce.encode() + b"\n" + program.encode("utf-8", "surrogatepass"))
+        except OSError:
+            pass  # the sandbox did not start: the status pipe says why
         finally:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # whatever it started goes too
-            except (ProcessLookupError, PermissionError):
+                proc.stdin.close()
+            except OSError:
                 pass
-            proc.wait()
+        with selectors.DefaultSelector() as sel:
+            for fd in got:
+                sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                for key, _ in sel.select(left):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        continue
+                    buf = got[key.fd]
+                    buf += chunk
+                    if key.fd == out:
+                        del buf[:-4 * OUTPUT]  # keep the tail only, whatever it prints
+                    else:
+                        del buf[4096:]
+    finally:
+        _kill(proc)
+        proc.stdout.close()
+        os.close(status_r)
+        os.close(verdict_r)
+    output = got[out].decode("utf-8", "replace")[-OUTPUT:]
+    status = got[status_r].decode("utf-8", "replace").splitlines()
+    errors = [s[6:] for s in status if s.startswith("error ")]
+    if errors or "ready" not in status:
+        if timed_out and not errors:
+            return Result(False, "timeout", output)
+        if errors:
+            raise SandboxUnavailable(f"code sandbox unavailable: {errors[0]}")
+        why = (output.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise SandboxUnavailable(f"code sandbox unavailable: {why} (needs unprivileged user "
+                                 "namespaces: sysctl kernel.unprivileged_userns_clone=1 and "
+                                 "user.max_user_namespaces > 0)")
+    if bytes(got[verdict_r]) == f"{nonce} passed\n".encode():
+        return Result(True, "passed", output)
+    exit_line = next((s for s in status if s.startswith("exit ")), "")
+    if timed_out or exit_line == "exit timeout":
+        return Result(False, "timeout", output)
+    code = exit_line[5:]
+    if code.isdigit() and int(code) > 128:
+        return Result(False, "killed (cpu, memory or process limit)", output)
+    return Result(False, "failed", output)
