@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2  # 2: runs carry a role and a run_id; replay results are stored in blocks
+SCHEMA_VERSION = 3  # 2: runs carry a role and a run_id; replay results are stored in blocks;
+# 3: trees say which batched verification pass they were in (batch_pass, slot, batch_size, …)
+READABLE_VERSIONS = (2, 3)  # version 2 traces read as batch size 1 (their batch columns null)
 MANIFEST = "_manifest.json"  # per run, beside the runs table's part
 RESULT_CONFIG = "_config.json"  # per replay unit (ranking × coverage × calibration)
-PARTITIONS = ("model", "bench", "run")
 ROLES = ("evaluation", "calibration")  # what a run is for; nothing pools them by accident
 
 _KEY = [
@@ -55,6 +56,14 @@ TABLES: dict[str, pa.Schema] = {
         pa.field("budget", pa.int16()),  # null: no budget (plain EAGLE)
         pa.field("ranking", pa.string()),
         pa.field("coverage", pa.string()),
+        # the batched verification pass this tree was verified in (capture --batch-size b): the
+        # union over a batch is a GROUP BY batch_pass; null batch_pass: b = 1 (one tree a pass)
+        pa.field("batch_pass", pa.int32()),  # pass number within the run's batched decoding
+        pa.field("slot", pa.int16()),  # the sequence's slot in the batch (0 at b = 1)
+        pa.field("batch_size", pa.int16()),  # sequences verified in the pass
+        pa.field("batch_tokens", pa.int32()),  # tree tokens verified in the pass (b · M)
+        pa.field("batch_unique_experts", pa.list_(pa.int16())),  # |∪ over the batch| per layer
+        pa.field("batch_experts_loaded", pa.list_(pa.int16())),  # experts the pass ran per layer
     ]),
     # one row per tree node
     "nodes": pa.schema(_KEY + _STEP + [

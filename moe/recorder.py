@@ -7,8 +7,8 @@ for each verification pass it registers, through the adapter,
 * a forward hook on every layer's router: router scores ``g_t`` (N), natural top-k ``T_k(t)`` and
   mixing weights ``ḡ`` (slots by decreasing weight, ties by id; where equal scores tie at the
   k-th place the rule's lower-id choice replaces the router's implementation-defined one, see
-  :meth:`policy.routing.RoutingRule.natural`); under an expert budget (MoE-Spec online mode, closed-loop replay) the
-  hook also *replaces* the router's output with the budgeted indices/weights
+  :meth:`policy.routing.RoutingRule.natural`); under an expert budget (MoE-Spec online mode,
+  closed-loop replay) the hook also *replaces* the router's output with the budgeted indices/weights
   (:class:`policy.budget.Budget`), so the experts module runs only those;
 * a forward hook on every sparse block: its input ``h_t`` and output (the gold ``O*_t`` without a
   budget), optionally each used expert's own output ``E_i(h_t)``;
@@ -41,6 +41,15 @@ class LayerRecord:
     hidden: torch.Tensor | None = None  # [M, H]
     output: torch.Tensor | None = None  # [M, H]
     expert_outputs: torch.Tensor | None = None  # [M, k, H] for the applied (or natural) top-k
+
+    def rows(self, start: int, stop: int, tensors: bool = True) -> LayerRecord:
+        """Tokens ``[start, stop)`` of this record (one sequence of a batched pass); without
+        ``tensors`` the MoE input/output tensors are left out (the storage policy's choice)."""
+        cut = lambda x, keep=True: None if x is None or not keep else x[start:stop]  # noqa: E731
+        return LayerRecord(self.layer, cut(self.probs), cut(self.topk_ids),
+                           cut(self.topk_weights), cut(self.applied_ids),
+                           cut(self.applied_weights), cut(self.hidden, tensors),
+                           cut(self.output, tensors), cut(self.expert_outputs, tensors))
 
     @property
     def unique_experts(self) -> int:

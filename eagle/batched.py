@@ -1,0 +1,316 @@
+"""Batched EAGLE decoding: b sequences, each with its own dynamic draft tree, verified by one
+target forward per pass, with continuous batching.
+
+Each active sequence i has ``P_i`` committed tokens and a tree of ``M`` nodes (every tree has
+``total_tokens`` nodes; an autoregressive pass has one). The target's KV cache is one padded
+batch: layer tensors ``[b, heads, L, d]`` with ``L = max_i P_i``, sequence i's rows ``[0, P_i)``
+valid and the rest padding. One verification pass runs
+
+* ``input_ids [b, M]`` (the trees' tokens), ``position_ids = P_i + depth_i`` (RoPE sees every
+  node at its own position, whatever the padding),
+* a 4-D additive mask ``[b, 1, M, L + M]``: prefix columns ``c < P_i`` and the node's ancestors
+  visible (gpt-oss's sliding layers also hide keys at positions ``≤ q − window``),
+
+then each sequence accepts its own path (greedy or rejection sampling with its own generator,
+drawn in the same order as at b = 1) and the cache is compacted per sequence: rows ``[0, P_i)``
+and ``L + path_i`` kept, left-aligned, padded to the new maximum. A sequence that stops leaves
+the batch at once and the next prompt of the queue is prefilled alone and joins (its cache rows
+padded in), so the batch stays full while prompts remain.
+
+Draft trees are built per sequence (the draft head's caches are per sequence); the target
+forward, which dominates on a real MoE model, is batched. At T = 0 every sequence's output is the
+one it gets at b = 1 (``tests/test_batched.py``, every embedded family, b ∈ {2, 4, 8}).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from eagle import acceptance, verify
+from eagle.decoding import EagleDecoder, Generation, StepRecord, _sync
+from eagle.tree import DraftCache, DraftTree, build_tree
+
+
+@dataclass
+class Sequence:
+    """One prompt in the batch: what b = 1 decoding keeps in its loop, per sequence."""
+
+    key: object
+    slot: int
+    prompt_ids: list[int]
+    generator: torch.Generator
+    result: Generation
+    out: list[int]
+    prefix: int
+    root: int
+    draft_cache: DraftCache = field(default_factory=DraftCache)
+    new_feats: torch.Tensor | None = None
+    new_tokens: torch.Tensor | None = None
+    step: int = 0
+    start: float = 0.0
+
+
+@dataclass
+class BatchPass:
+    """One verification pass over the batch: what each sequence did, and what the pass cost."""
+
+    index: int  # batch pass number, from 0
+    slots: list[int]  # slot of each sequence in the pass (batch row order)
+    keys: list[object]  # each sequence's prompt key
+    records: list[StepRecord]  # each sequence's step (its own step counter)
+    tokens_verified: int  # b · M
+    draft_seconds: float  # all trees of the pass
+    verify_seconds: float  # the one target forward
+    finished: list[tuple[object, Generation]]  # sequences that stopped after this pass
+
+
+class BatchedDecoder:
+    """Continuous-batching EAGLE decoding over an :class:`EagleDecoder`'s target, head and
+    settings. ``verify_context(pass_index, trees, prefixes)`` wraps each batched verification
+    forward (capture's recorder hooks; the hooks see all ``b · M`` tree tokens, row-major)."""
+
+    def __init__(self, decoder: EagleDecoder, batch_size: int,
+                 verify_context: Callable[[int, list, list], contextlib.AbstractContextManager]
+                 | None = None):
+        if batch_size < 1:
+            raise ValueError(f"batch size {batch_size} must be at least 1")
+        self.decoder = decoder
+        self.batch_size = batch_size
+        self.verify_context = verify_context
+        self.window = verify.sliding_window(decoder.target)
+
+    # --- the padded batch cache -----------------------------------------------------------------
+    @staticmethod
+    def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
+        if x.shape[-2] >= length:
+            return x
+        pad = x.new_zeros(*x.shape[:-2], length - x.shape[-2], x.shape[-1])
+        return torch.cat([x, pad], dim=-2)
+
+    def _join(self, cache, single) -> object:
+        """Append a prefilled sequence's cache (batch 1) as the last row of the batch cache."""
+        if cache is None:
+            return single
+        length = max(cache.layers[0].keys.shape[-2], single.layers[0].keys.shape[-2])
+        for mine, theirs in zip(cache.layers, single.layers):
+            mine.keys = torch.cat([self._pad(mine.keys, length), self._pad(theirs.keys, length)])
+            mine.values = torch.cat([self._pad(mine.values, length),
+                                     self._pad(theirs.values, length)])
+        return cache
+
+    @staticmethod
+    def _keep_rows(cache, rows: list[int]) -> None:
+        """Only batch rows ``rows`` stay (sequences that stopped leave)."""
+        index = torch.tensor(rows, device=cache.layers[0].keys.device)
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(0, index)
+            layer.values = layer.values.index_select(0, index)
+
+    @staticmethod
+    def _compact(cache, width: int, prefixes: list[int], paths: list[torch.Tensor]) -> None:
+        """Keep rows ``[0, P_i)`` and ``width + path_i`` of each sequence, left-aligned, padded
+        to the longest (padding rows repeat row 0 and are always masked)."""
+        device = cache.layers[0].keys.device
+        kept = [torch.cat([torch.arange(p, device=device), width + path])
+                for p, path in zip(prefixes, paths)]
+        length = max(len(k) for k in kept)
+        index = torch.stack([torch.cat([k, k.new_zeros(length - len(k))]) for k in kept])
+        for layer in cache.layers:
+            for name in ("keys", "values"):  # MLA: values and keys differ in head size
+                x = getattr(layer, name)
+                b, h, _, d = x.shape
+                setattr(layer, name, x.gather(2, index[:, None, :, None].expand(b, h, length, d)))
+
+    # --- masks ----------------------------------------------------------------------------------
+    def _mask(self, trees: list[DraftTree | None], prefixes: list[int], width: int,
+              dtype: torch.dtype):
+        """Additive ``[b, 1, M, width + M]`` (or {layer type: mask} with a sliding window)."""
+        device = self.decoder.device
+        m = 1 if trees[0] is None else trees[0].size
+        b = len(trees)
+        prefix = torch.tensor(prefixes, device=device)
+        cols = torch.arange(width, device=device)
+        allowed = torch.zeros(b, m, width + m, dtype=torch.bool, device=device)
+        allowed[:, :, :width] = (cols[None, :] < prefix[:, None])[:, None, :]
+        depth = torch.zeros(b, m, dtype=torch.long, device=device)
+        for i, tree in enumerate(trees):
+            if tree is None:
+                allowed[i, :, width:] = True
+            else:
+                allowed[i, :, width:] = tree.ancestors
+                depth[i] = tree.depth
+        query = prefix[:, None] + depth  # [b, M] positions
+
+        def additive(ok):
+            return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(
+                ~ok, torch.finfo(dtype).min)[:, None]
+
+        if self.window is None:
+            return additive(allowed), query
+        key = torch.cat([cols[None].expand(b, -1), query], 1)  # [b, width + M]
+        recent = key[:, None, :] > query[:, :, None] - self.window
+        return {"full_attention": additive(allowed),
+                "sliding_attention": additive(allowed & recent)}, query
+
+    # --- the loop -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, prompts: Iterable[tuple[object, list[int]]], *, max_new_tokens: int = 256,
+            eos_token_ids: set[int] | None = None, seed: int | Callable[[object], int] = 0,
+            autoregressive: bool = False) -> Iterator[BatchPass | tuple[object, Generation]]:
+        """Decode every ``(key, prompt_ids)``; yields a :class:`BatchPass` after each
+        verification pass and ``(key, Generation)`` for a prompt that stops before any pass
+        (its first token already ends it). ``seed`` is one seed for all prompts or a function of
+        the key (each prompt's generator is seeded as its b = 1 decoding would be)."""
+        dec = self.decoder
+        eos = set(eos_token_ids or ())
+        queue = deque(prompts)
+        active: list[Sequence] = []
+        free = list(range(self.batch_size))
+        cache = None
+        tree_size = 1 if autoregressive else dec.tree_settings.total_tokens
+        dtype = next(dec.target.parameters()).dtype
+        index = 0
+        while queue or active:
+            while queue and free:  # continuous batching: fill every free slot
+                key, prompt_ids = queue.popleft()
+                seq, single = self._admit(key, prompt_ids, free, eos, max_new_tokens, seed)
+                if seq is None:
+                    yield key, single
+                    continue
+                active.append(seq)
+                cache = self._join(cache, single)
+            if not active:
+                break
+            finished = [s for s in active if s.prefix + tree_size + 1 > dec.max_length]
+            if finished:
+                for s in finished:
+                    self._finish(s, "context_length")
+                keep = [i for i, s in enumerate(active) if s not in finished]
+                for s in finished:
+                    free.append(s.slot)
+                active = [active[i] for i in keep]
+                if active:
+                    self._keep_rows(cache, keep)
+                else:
+                    cache = None
+                yield BatchPass(index, [], [], [], 0, 0.0, 0.0,
+                                [(s.key, s.result) for s in finished])
+                continue
+            _sync(dec.device)
+            t0 = time.perf_counter()
+            trees = [None if autoregressive else
+                     build_tree(dec.head, s.draft_cache, s.new_feats, s.new_tokens, s.root,
+                                dec.tree_settings) for s in active]
+            _sync(dec.device)
+            t1 = time.perf_counter()
+            width = cache.layers[0].keys.shape[-2]
+            prefixes = [s.prefix for s in active]
+            mask, positions = self._mask(trees, prefixes, width, dtype)
+            tokens = torch.tensor([[s.root] for s in active], device=dec.device) \
+                if autoregressive else torch.stack([t.tokens for t in trees])
+            ctx = self.verify_context(index, trees, prefixes) if self.verify_context \
+                else contextlib.nullcontext()
+            with ctx, dec.tap.active():
+                out = dec.target(input_ids=tokens, position_ids=positions, attention_mask=mask,
+                                 cache=cache, use_cache=True)
+                feats = dec.tap.features()
+            cache = out.cache
+            logits = out.logits
+            verdicts = []
+            for i, (s, tree) in enumerate(zip(active, trees)):
+                if tree is None:
+                    verdicts.append(acceptance.Acceptance([0], acceptance.next_token(
+                        logits[i, 0], dec.sampling, s.generator)))
+                else:
+                    verdicts.append(acceptance.accept(tree, logits[i], dec.sampling, s.generator))
+            _sync(dec.device)
+            t2 = time.perf_counter()
+            paths = [torch.tensor(v.path, device=dec.device) for v in verdicts]
+            self._compact(cache, width, prefixes, paths)
+            records, done = [], []
+            for i, (s, tree, v, path) in enumerate(zip(active, trees, verdicts, paths)):
+                accepted = [] if tree is None else tree.tokens[path[1:]].tolist()
+                record = StepRecord(s.step, s.prefix, tree, v.path, v.bonus,
+                                    (t1 - t0) / len(active), t2 - t1)
+                records.append(record)
+                s.result.steps.append(record)
+                s.prefix += len(v.path)
+                s.out, reason = dec._stop(s.out + accepted + [v.bonus], eos, max_new_tokens)
+                s.root = v.bonus
+                s.new_feats = feats[i, path]
+                s.new_tokens = torch.tensor(accepted + [s.root], device=dec.device)
+                s.step += 1
+                s.result.output_ids = s.out
+                if reason:
+                    self._finish(s, reason)
+                    done.append(i)
+            yield BatchPass(index, [s.slot for s in active], [s.key for s in active], records,
+                            len(active) * tree_size, t1 - t0, t2 - t1,
+                            [(active[i].key, active[i].result) for i in done])
+            index += 1
+            if done:
+                keep = [i for i in range(len(active)) if i not in done]
+                free.extend(active[i].slot for i in done)
+                free.sort()
+                active = [active[i] for i in keep]
+                if active:
+                    self._keep_rows(cache, keep)
+                    self._trim(cache, [s.prefix for s in active])
+                else:
+                    cache = None
+
+    @staticmethod
+    def _trim(cache, prefixes: list[int]) -> None:
+        """Drop padding columns no remaining sequence needs."""
+        length = max(prefixes)
+        for layer in cache.layers:
+            layer.keys = layer.keys[..., :length, :]
+            layer.values = layer.values[..., :length, :]
+
+    def _admit(self, key, prompt_ids, free, eos, max_new_tokens, seed):
+        """Prefill one prompt alone; returns (Sequence, its cache) or (None, Generation) when its
+        first token already stops it."""
+        dec = self.decoder
+        s = seed(key) if callable(seed) else seed
+        gen = torch.Generator(device=dec.device).manual_seed(s)
+        start = time.perf_counter()
+        ids = torch.tensor([prompt_ids], device=dec.device)
+        logits, feats, single = verify.prefill(dec.target, dec.tap, ids)
+        root = acceptance.next_token(logits, dec.sampling, gen)
+        result = Generation(list(prompt_ids), [])
+        out, reason = dec._stop([root], eos, max_new_tokens)
+        result.output_ids = out
+        if reason:
+            result.stop_reason = reason
+            result.seconds = time.perf_counter() - start
+            return None, result
+        free.sort()
+        seq = Sequence(key, free.pop(0), list(prompt_ids), gen, result, out, len(prompt_ids), root,
+                       new_feats=feats,
+                       new_tokens=torch.tensor(prompt_ids[1:] + [root], device=dec.device),
+                       start=start)
+        return seq, single
+
+    @staticmethod
+    def _finish(s: Sequence, reason: str) -> None:
+        s.result.output_ids = s.out
+        s.result.stop_reason = reason
+        s.result.seconds = time.perf_counter() - s.start
+
+
+def generate_batched(decoder: EagleDecoder, prompts: list[list[int]], batch_size: int,
+                     **kwargs) -> list[Generation]:
+    """Decode ``prompts`` with ``batch_size`` sequences at a time; Generations in prompt order."""
+    results: dict[int, Generation] = {}
+    for event in BatchedDecoder(decoder, batch_size).run(enumerate(prompts), **kwargs):
+        if isinstance(event, BatchPass):
+            results.update(event.finished)
+        else:
+            results[event[0]] = event[1]
+    return [results[i] for i in range(len(prompts))]
