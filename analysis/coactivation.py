@@ -7,6 +7,16 @@
 * ``adjacent`` (OLMoE's own scripts): only pairs of experts at adjacent ranks of a token's
   top-k (rank r with r+1), counted both ways and row-normalised to ``P(b | a)``.
 
+``lift`` (both conventions) is observed over expected under independent selection with the
+measured marginals, off the diagonal only:
+
+    lift[i, j] = C[i, j] / E[i, j],   E[i, j] = r_i · r_j · S / Σ_{a≠b} r_a · r_b,
+    r_i = Σ_{j≠i} C[i, j],   S = Σ_i r_i
+
+(``C`` the pair counts before row normalisation; under all pairs ``r_i = c_i·(k−1)`` with c_i
+expert i's selections, so E ∝ c_i·c_j, and with uniform marginals E is the concentration's
+``M·k(k−1)/(N(N−1))``). 1 = independent; the diagonal (selection counts) is NaN.
+
 ``cluster_order`` orders experts so that frequently co-activated ones sit together: average-link
 hierarchical clustering of the distance ``1 − C[i,j]/sqrt(C[i,i]·C[j,j])`` (scipy), leaves in
 dendrogram order.
@@ -27,6 +37,12 @@ class Coactivation:
     tokens: int
     top_k: int
     convention: str
+    pair_counts: np.ndarray | None = None  # [N, N] counts before row normalisation (adjacent)
+
+    @property
+    def lift(self) -> np.ndarray:
+        """Observed / expected under independent selection, NaN on the diagonal (:func:`lift`)."""
+        return lift(self.matrix if self.pair_counts is None else self.pair_counts)
 
     @property
     def num_experts(self) -> int:
@@ -77,6 +93,24 @@ def adjacent_rank(topk: np.ndarray, n: int) -> np.ndarray:
     return np.divide(counts, rows, out=np.zeros((n, n)), where=rows > 0)
 
 
+def lift(counts: np.ndarray) -> np.ndarray:
+    """``C[i, j] / E[i, j]`` with ``E[i, j] = r_i·r_j·S / Σ_{a≠b} r_a·r_b`` (module docstring):
+    pair counts over independent selection with the measured marginals; NaN on the diagonal and
+    where E is 0 (an expert never in a pair)."""
+    c = np.asarray(counts, dtype=np.float64)
+    off = c - np.diag(np.diag(c))
+    r = off.sum(1)
+    s = r.sum()
+    pairs = s * s - (r * r).sum()  # Σ_{a≠b} r_a r_b
+    out = np.full(c.shape, np.nan)
+    if pairs <= 0:
+        return out
+    expected = np.outer(r, r) * s / pairs
+    np.divide(off, expected, out=out, where=expected > 0)
+    np.fill_diagonal(out, np.nan)
+    return out
+
+
 def coactivation(con: duckdb.DuckDBPyConnection, layer: int, num_experts: int,
                  convention: str = "all_pairs", where: str = "") -> Coactivation:
     """One layer's matrix in either convention, summed from the runs' stored pair counts
@@ -99,10 +133,11 @@ def coactivation(con: duckdb.DuckDBPyConnection, layer: int, num_experts: int,
         selected += sum(sel)
     counts = counts.reshape(n, n)
     top_k = round(selected / tokens) if tokens else 0
+    matrix = counts
     if convention == "adjacent":
         per_row = counts.sum(1, keepdims=True)
-        counts = np.divide(counts, per_row, out=np.zeros((n, n)), where=per_row > 0)
-    return Coactivation(layer, counts, int(tokens), int(top_k), convention)
+        matrix = np.divide(counts, per_row, out=np.zeros((n, n)), where=per_row > 0)
+    return Coactivation(layer, matrix, int(tokens), int(top_k), convention, counts)
 
 
 def cluster_order(matrix: np.ndarray) -> np.ndarray:

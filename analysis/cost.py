@@ -15,7 +15,8 @@ the LM head add one more such term. Summed over layers:
 
 with ``T_AR`` the same model for M = 1 (k experts per layer). Datasheet peaks come from
 :data:`PROFILES`; ``calibrate`` fits ``T ≈ α·T_mem + β·T_flop + γ`` to measured (verify seconds,
-experts loaded, tokens) by non-negative least squares and reports the fit error.
+experts loaded, tokens) by non-negative least squares and reports the fit error; a fit is
+*usable* only with R² ≥ 0.5, relative RMSE ≤ 25% and α or β above 0 (``Calibration.usable``).
 """
 
 from __future__ import annotations
@@ -119,11 +120,27 @@ def pass_time(shape: ModelShape, hw: Hardware, tokens: int, prefix: int,
 
 
 def projected_speedup(shape: ModelShape, hw: Hardware, tau: float, experts_loaded: float,
-                      tree_tokens: int, prefix: int, draft_seconds: float) -> float:
-    """``τ(B) · T_AR / (T_draft + T_verify(B))``."""
-    t_ar = pass_time(shape, hw, 1, prefix, shape.top_k)[0]
-    t_verify = pass_time(shape, hw, tree_tokens, prefix, experts_loaded)[0]
-    return tau * t_ar / (draft_seconds + t_verify)
+                      tree_tokens: int, prefix: int, draft_seconds: float,
+                      calibration: "Calibration | None" = None) -> float:
+    """``τ(B) · T_AR / (T_draft + T_verify(B))``, T from the roofline of ``shape`` on ``hw``, or,
+    with a ``calibration`` fitted on ``hw``'s datasheet terms, ``T = α·T_mem + β·T_flop + γ``
+    (the device the calibration's timings came from)."""
+    def seconds(tokens: int, experts: float) -> float:
+        roof, mem, comp = pass_time(shape, hw, tokens, prefix, experts)
+        return roof if calibration is None else float(calibration.predict(mem, comp))
+    return tau * seconds(1, shape.top_k) / (draft_seconds + seconds(tree_tokens, experts_loaded))
+
+
+# A calibration is usable only when the fit explains the timings: R² ≥ MIN_R2, relative RMSE ≤
+# MAX_RELATIVE_RMSE, and at least one of α, β above zero (else T ≈ γ: a constant, no roofline).
+MIN_R2 = 0.5
+MAX_RELATIVE_RMSE = 0.25
+QUALITY_RULE = (f"usable when R² ≥ {MIN_R2}, relative RMSE ≤ {MAX_RELATIVE_RMSE:.0%} and α or β "
+                "above 0")
+
+
+def _two(x: float) -> str:
+    return f"{x:.2f}".replace("-0.00", "0.00")  # a fit no better than the mean is "0.00"
 
 
 @dataclass
@@ -137,6 +154,34 @@ class Calibration:
 
     def predict(self, mem: np.ndarray, comp: np.ndarray) -> np.ndarray:
         return self.alpha * mem + self.beta * comp + self.gamma
+
+    @property
+    def problems(self) -> list[str]:
+        """Why the fit cannot stand in for the roofline (empty: usable), by :data:`QUALITY_RULE`."""
+        out = []
+        if self.alpha <= 0 and self.beta <= 0:
+            out.append("α and β both fitted to 0: the timings follow neither the memory nor the "
+                       "compute time of the roofline (a constant γ fits as well)")
+        if not self.r2 >= MIN_R2:  # NaN (all times equal) fails too
+            out.append(f"R² {_two(self.r2)} < {MIN_R2}" if np.isfinite(self.r2) else
+                       "R² undefined (every measured time is the same)")
+        if not self.relative_rmse <= MAX_RELATIVE_RMSE:
+            out.append(f"relative RMSE {self.relative_rmse:.0%} > {MAX_RELATIVE_RMSE:.0%}")
+        return out
+
+    @property
+    def usable(self) -> bool:
+        return not self.problems
+
+    @property
+    def verdict(self) -> str:
+        """One line: the fit's quality and whether it is used."""
+        fit = (f"T ≈ {self.alpha:.3g}·T_mem + {self.beta:.3g}·T_flop + {self.gamma * 1e3:.3g} ms "
+               f"on {self.points} passes, R² {_two(self.r2)}, relative RMSE "
+               f"{self.relative_rmse:.0%}")
+        if self.usable:
+            return f"{fit} ({QUALITY_RULE}: usable)"
+        return f"not usable ({'; '.join(self.problems)}; {QUALITY_RULE}); fit was {fit}"
 
 
 def calibrate(shape: ModelShape, hw: Hardware, seconds, tokens, prefix, experts_loaded) -> Calibration:

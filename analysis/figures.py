@@ -87,16 +87,72 @@ def growth(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
     return _style(fig, "Expert activation growth vs tree size (mean over layers and trees)")
 
 
+def batch_regime(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
+    """Unique experts per layer per verification pass vs the batch size b (the union over b
+    trees), measured, beside MoESD's uniform N(t) at the same tokens per pass."""
+    fig = go.Figure()
+    for i, (bench, g) in enumerate(frame.group_by(["bench"], maintain_order=True)):
+        color = COLORS[i % len(COLORS)]
+        fig.add_scatter(x=g["batch_size"], y=g["unique_experts"], mode="lines+markers",
+                        name=f"{bench[0]}: measured (union over the pass)",
+                        line=dict(color=color), customdata=np.c_[g["tokens"], g["passes"]],
+                        hovertemplate="b=%{x}: %{y:.1f} experts<br>%{customdata[0]:.0f} tokens "
+                                      "a pass, %{customdata[1]} passes<extra></extra>")
+        fig.add_scatter(x=g["batch_size"], y=g["uniform"], mode="lines",
+                        line=dict(dash="dash", color=color),
+                        name=f"{bench[0]}: MoESD uniform N(b·M)")
+    if n:
+        fig.add_hline(y=n, line=dict(dash="dot", color="grey"), annotation_text=f"N = {n}")
+    fig.update_xaxes(title="batch size b (sequences verified in one pass)", type="log",
+                     dtick=0.30103)
+    fig.update_yaxes(title=f"unique experts per layer per pass (of {n})" if n else
+                     "unique experts per layer per pass")
+    return _style(fig, "Experts a verification pass loads vs batch size (no budget)")
+
+
+LIFT_TITLE = "lift: observed / expected if independent (log scale)"
+
+
 def coactivation(matrix: np.ndarray, order: np.ndarray | None, title: str,
-                 colorbar: str = "tokens with both experts") -> go.Figure:
-    m = matrix if order is None else matrix[np.ix_(order, order)]
-    labels = [str(i) for i in (order if order is not None else range(len(m)))]
-    fig = go.Figure(go.Heatmap(z=m, x=labels, y=labels, colorscale="Viridis",
-                               colorbar=dict(title=dict(text=colorbar, side="right"))))
+                 colorbar: str = "tokens with both experts",
+                 lift: np.ndarray | None = None) -> go.Figure:
+    """Expert × expert heatmap with the diagonal masked (selection counts, or 0 under the
+    adjacent convention, are not pairs and would take the colour scale). With ``lift`` the
+    colour is observed / expected under independent selection on a log₂ scale centred at 1
+    (diverging: red above independence, blue below); else the observed ``matrix``. The hover
+    gives both."""
+    idx = np.arange(len(matrix)) if order is None else np.asarray(order)
+    pick = lambda a: np.array(a, dtype=float)[np.ix_(idx, idx)]  # noqa: E731
+    observed = pick(matrix)
+    labels = [str(i) for i in idx]
+    off = ~np.eye(len(idx), dtype=bool)
+    if lift is not None:
+        ratio = pick(lift)
+        finite = ratio[off & np.isfinite(ratio) & (ratio > 0)]
+        span = int(np.clip(np.ceil(np.abs(np.log2(finite)).max()), 1, 5)) if finite.size else 1
+        with np.errstate(divide="ignore"):
+            z = np.log2(np.clip(ratio, 2.0 ** -span, 2.0 ** span))
+        z[~off] = np.nan
+        ticks = np.arange(-span, span + 1)
+        text = [f"1/{2 ** -t:g}" if t < 0 else f"{2 ** t:g}" for t in ticks]
+        heat = go.Heatmap(z=z, x=labels, y=labels, colorscale="RdBu_r", zmid=0, zmin=-span,
+                          zmax=span, customdata=np.dstack([observed, ratio]),
+                          hovertemplate="experts %{y} & %{x}: observed %{customdata[0]:.3g}, "
+                                        "lift %{customdata[1]:.2f}<extra></extra>",
+                          colorbar=dict(title=dict(text=LIFT_TITLE, side="right"),
+                                        tickvals=ticks, ticktext=text))
+    else:
+        z = observed.copy()
+        z[~off] = np.nan
+        heat = go.Heatmap(z=z, x=labels, y=labels, colorscale="Viridis",
+                          hovertemplate="experts %{y} & %{x}: %{z:.3g}<extra></extra>",
+                          colorbar=dict(title=dict(text=f"{colorbar} (diagonal masked)",
+                                                   side="right")))
+    fig = go.Figure(heat)
     fig.update_yaxes(autorange="reversed", title="expert", scaleanchor="x", constrain="domain")
     fig.update_xaxes(title="expert", constrain="domain")
     fig = _style(fig, title, height=620)
-    fig.update_layout(width=700)
+    fig.update_layout(width=700, plot_bgcolor="#c0c0c0")  # the masked diagonal shows grey
     return fig
 
 
@@ -128,18 +184,36 @@ def error_vs_budget(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
 
 
 def oracle_gap(gap: pl.DataFrame) -> go.Figure:
+    """Share of experts the oracle saves at the router's error. A value the sweep cannot pin
+    down is labelled, never drawn as a number: "beyond the sweep" (the oracle never reaches the
+    error; bar at 0) and "below the sweep" (the oracle beats it at its smallest budget, so the
+    saving is only a lower bound, drawn hatched at that bound)."""
     fig = go.Figure()
     for i, (cov, g) in enumerate(gap.sort("reference_budget").group_by(
             ["coverage"], maintain_order=True)):
         share = g["saved_share"].to_numpy()
-        text = ["beyond the sweep" if not np.isfinite(v) else f"{v:.0%}" for v in share]
+        where = g["sweep"].to_list() if "sweep" in g.columns else ["inside"] * g.height
+        text = []
+        for v, w in zip(share, where):
+            if w == "beyond" or not np.isfinite(v):
+                text.append("beyond<br>the sweep")
+            elif w == "below":
+                text.append(f"≥ {v:.0%},<br>below<br>the sweep" if v > 0 else "below<br>the sweep")
+            else:
+                text.append(f"{v:.0%}")
         fig.add_bar(x=g["reference_budget"], y=np.nan_to_num(share, nan=0.0), name=cov[0],
-                    text=text, textposition="outside", marker_color=COLORS[i])
+                    text=text, textposition="outside", marker_color=COLORS[i],
+                    constraintext="none", cliponaxis=False, textfont=dict(size=11),
+                    marker_pattern_shape=["/" if w == "below" else "" for w in where])
     fig.update_layout(barmode="group")
     fig.update_xaxes(title="router's budget B")
     fig.update_yaxes(tickformat=".0%", title="experts the oracle saves at the router's error")
-    return _style(fig, "Oracle gap at matched error (\"beyond the sweep\": the oracle never "
-                       "reaches that error within the budgets replayed)")
+    fig = _style(fig, "Oracle gap at matched error (experts the oracle saves at the router's "
+                      "RSE)")
+    return _note(fig, "\"beyond the sweep\": the oracle never reaches the router's error within "
+                      "the budgets replayed.<br>\"below the sweep\": the oracle beats it already "
+                      "at its smallest budget replayed, so the saving is unknown (at least the "
+                      "hatched bar).")
 
 
 def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
@@ -176,17 +250,65 @@ def load_balance(frame: pl.DataFrame) -> go.Figure:
     return _style(fig, "Expert load imbalance (CV of top-k selection counts)")
 
 
-def speedup(frame: pl.DataFrame, title: str = "Projected speedup vs budget") -> go.Figure:
+def _note(fig: go.Figure, text: str) -> go.Figure:
+    """A caption under the plot (how the figure's numbers were made), inside the figure so that
+    it travels with it into the report."""
+    lines = text.count("<br>") + 1
+    fig.add_annotation(text=text, xref="paper", yref="paper", x=0, y=0, yshift=-52,
+                       xanchor="left", yanchor="top", showarrow=False, align="left",
+                       font=dict(size=11, color="#444"))
+    fig.update_layout(margin=dict(b=70 + 16 * lines), height=fig.layout.height + 16 * lines)
+    return fig
+
+
+def speedup(frame: pl.DataFrame, title: str = "Projected speedup vs budget",
+            note: str | None = None, best: int | None = None) -> go.Figure:
+    """Projected speedup vs the target's own budget, one line per hardware profile. Each point's
+    hover gives the quality the budget costs (the ``quality`` column), the first line's points
+    are labelled with it (closed-loop path unchanged, or open-loop RSE), and a filled marker is
+    a budget within the quality bound (``within_bound``), an open one outside it or unmeasured.
+    ``best`` marks the headline budget; ``note`` goes under the plot."""
     fig = go.Figure()
     for i, (hw, g) in enumerate(frame.sort("budget").group_by(["hardware"],
                                                               maintain_order=True)):
-        fig.add_scatter(x=g["budget"], y=g["speedup"], mode="lines+markers", name=hw[0],
-                        line=dict(color=COLORS[i % len(COLORS)]))
-    fig.add_hline(y=1.0, line_dash="dash", line_color="gray", annotation_text="1× (no gain)")
-    n = frame["num_experts"][0] if "num_experts" in frame.columns else None
-    fig.update_xaxes(title=f"budget B (experts of {n})" if n else "budget B")
+        ok = (g["within_bound"].fill_null(False).to_list() if "within_bound" in g.columns
+              else [True] * g.height)
+        quality = g["quality"].to_list() if "quality" in g.columns else [""] * g.height
+        label = []
+        for r in g.iter_rows(named=True):
+            if r.get("captured_budget") == r.get("num_experts"):
+                label.append("")
+            elif r.get("path_unchanged") is not None:
+                label.append(f"{r['path_unchanged']:.0%}")
+            elif r.get("rse") is not None:
+                label.append(f"RSE {r['rse']:.2g}")
+            else:
+                label.append("")
+        color = COLORS[i % len(COLORS)]
+        fig.add_scatter(x=g["budget"], y=g["speedup"], mode="lines+markers+text" if i == 0
+                        else "lines+markers", name=hw[0], line=dict(color=color),
+                        text=label if i == 0 else None, textposition="top center",
+                        textfont=dict(size=10, color="#444"),
+                        marker=dict(size=9, color=color, symbol=["circle" if o else "circle-open"
+                                                                 for o in ok]),
+                        customdata=np.c_[g["tau"], quality],
+                        hovertemplate="B = %{x}: %{y:.2f}×<br>τ %{customdata[0]:.2f}<br>"
+                                      "%{customdata[1]}<extra>" + hw[0] + "</extra>")
+    fig.add_hline(y=1.0, line_dash="dash", line_color="gray", annotation_text="1× (no gain)",
+                  annotation_position="bottom left")  # clear of the headline's label
+    if best is not None:
+        fig.add_vline(x=best, line_dash="dot", line_color="black",
+                      annotation_text=f"headline B = {best}", annotation_position="top left")
+    if "target_experts" in frame.columns:
+        r = frame.row(0, named=True)
+        fig.update_xaxes(title=f"budget B on the target (experts of {r['target_experts']}, "
+                               f"top-{r['target_top_k']})")
+    else:
+        n = frame["num_experts"][0] if "num_experts" in frame.columns else None
+        fig.update_xaxes(title=f"budget B (experts of {n})" if n else "budget B")
     fig.update_yaxes(title="projected speedup over autoregressive decoding (×)")
-    return _style(fig, title)
+    fig = _style(fig, title)
+    return _note(fig, note) if note else fig
 
 
 def efficiency(frame: pl.DataFrame) -> go.Figure:

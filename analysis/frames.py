@@ -57,11 +57,21 @@ def real_targets() -> dict[str, cost.ModelShape]:
             for s in REAL_SHAPES.values()}
 
 
+# The quality bound a projected speedup is headlined at (stated wherever a headline is shown):
+# closed-loop replay's share of trees whose accepted path is unchanged under the budget, or, where
+# only open-loop replay exists, its mean reconstruction error (router ranking).
+PATH_BOUND = 0.9
+RSE_BOUND = 0.05
+
+
 def routing_statistics(con, model: str, bench: str, run: str | None = None) -> dict | None:
     """What a capture says about routing, independent of the model's size: unique experts per
     layer per tree (as a share of N), tree size, prefix length, and τ under each budget from
     closed-loop replay (router ranking, substitution) of the *same* trees, with the captured τ
-    of those trees for B = N."""
+    of those trees for B = N. ``quality`` holds, per budget, what the budget costs: closed-loop
+    ``path_unchanged`` (share of trees whose accepted path survives) and ``kl`` (mean KL per
+    node), and open-loop ``rse`` (mean RSE of the router ranking, substitution where replayed,
+    else truncation); ``quality_source`` says which of them exist."""
     part = partition_value(model)
     where = f"model = '{part}' AND bench = '{bench}'" + (f" AND run = '{run}'" if run else "")
     row = con.execute(f"""SELECT avg(accepted_length), avg(prefix_len), avg(list_avg(
@@ -74,58 +84,230 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None) -> d
     if n is None:
         return None
     stats = dict(tau=row[0], prefix=row[1], unique=row[2], nodes=int(row[3]), trees=row[4],
-                 num_experts=int(n), taus={}, tau_source="unbudgeted capture")
-    if "replay_closed" in views(con):
-        rows = con.execute(f"""SELECT budget, avg(accepted_length), avg(captured_accepted_length)
+                 num_experts=int(n), taus={}, tau_source="unbudgeted capture", quality={},
+                 quality_source=None)
+    present = views(con)
+    if "replay_open" in present:
+        rows = con.execute(f"""SELECT coverage, budget, avg(rse) FROM replay_open WHERE {where}
+                               AND ranking = 'router' GROUP BY ALL""").fetchall()
+        by = {c: {int(b): r for cc, b, r in rows if cc == c} for c in {r[0] for r in rows}}
+        rse = by.get("substitution") or by.get("truncation") or {}
+        for b, r in rse.items():
+            stats["quality"][b] = dict(rse=r)
+        if rse:
+            stats["quality_source"] = "open-loop replay"
+    if "replay_closed" in present:
+        rows = con.execute(f"""SELECT budget, avg(accepted_length), avg(captured_accepted_length),
+                               avg(path_unchanged::DOUBLE), avg(mean_kl)
                                FROM replay_closed WHERE {where} AND ranking = 'router'
                                AND coverage = 'substitution' GROUP BY budget""").fetchall()
         if rows:
-            stats["taus"] = {int(b): t for b, t, _ in rows}
-            stats["tau"] = float(np.mean([c for _, _, c in rows]))  # the same trees' τ
+            stats["taus"] = {int(b): t for b, t, *_ in rows}
+            stats["tau"] = float(np.mean([c for _, _, c, *_ in rows]))  # the same trees' τ
             stats["tau_source"] = "closed-loop replay"
+            for b, _, _, path, kl in rows:
+                stats["quality"].setdefault(int(b), {}).update(path_unchanged=path, kl=kl)
+            stats["quality_source"] = "closed-loop replay"
     return stats
 
 
+def target_budget(budget: int, captured_experts: int, target_experts: int) -> int:
+    """The target's budget for a captured one, by share of N: ``B_t = round(B · N_t / N)``."""
+    return int(round(budget * target_experts / captured_experts))
+
+
 def speedup_frame(stats: dict, target: cost.ModelShape, hardware: list[cost.Hardware],
-                  depth: int = 7, draft: tuple[int, int, int] | None = None) -> pl.DataFrame:
-    """Projected speedup over autoregressive decoding vs budget, the capture's routing statistics
-    put on a ``target`` shape:
+                  depth: int = 7, draft: tuple[int, int, int] | None = None,
+                  calibration: tuple[cost.Calibration, cost.Hardware] | None = None
+                  ) -> pl.DataFrame:
+    """Projected speedup over autoregressive decoding vs the *target's* budget, the capture's
+    routing statistics put on a ``target`` shape (N_t experts, top-k k_t):
 
-        speedup(B) = τ(B) · T_AR / (T_draft + T_verify(E(B)))
+        B_t          = round(B · N_t / N)                 (budgets mapped by share of N)
+        E_t(B_t)     = clip(min(B, U) / N · N_t, k_t, N_t)  (experts loaded per layer)
+        speedup(B_t) = τ(B) · T_AR / (T_draft + T_verify(E_t))   (cost.projected_speedup)
 
-    Budgets and unique experts are carried over as shares of N (a budget of 25% of the captured
-    model's experts is 25% of the target's), τ(B) from closed-loop replay (the captured τ at
-    B = N), times from the roofline of ``target`` on each hardware profile. ``draft`` is the
-    draft head's (hidden, intermediate, vocabulary); by default one decoder layer of the
-    target's width with a 32k draft vocabulary. Each row also says whether the verify pass is
-    memory-bound (bandwidth matters) or compute-bound (it does not)."""
-    n_c, n_t = stats["num_experts"], target.num_experts
-    share = lambda b: b / n_c  # noqa: E731
-    budgets = sorted(stats["taus"]) or sorted({max(1, round(f * n_c)) for f in
-                                               np.linspace(0.125, 1.0, 8)})
+    with B a budget of the captured model (N experts, U unique experts per layer per tree), τ(B)
+    from closed-loop replay (the captured τ at B = N), times from the roofline of ``target`` on
+    each hardware profile. Budgets with B_t < k_t are left out (the target cannot verify with
+    fewer experts than it routes to); where two captured budgets map to one B_t, the one whose
+    share of N is nearest B_t / N_t stays. ``draft`` is the draft head's (hidden, intermediate,
+    vocabulary); by default one decoder layer of the target's width with a 32k draft vocabulary.
+    Each row says whether the verify pass is memory-bound (bandwidth matters) or
+    compute-bound (it does not), what the budget costs in quality (``path_unchanged``, ``kl``,
+    ``rse``; see :func:`routing_statistics`) and whether that is ``within_bound``
+    (:func:`within_bound`). ``calibration`` = (fit, the profile it was fitted on) adds rows for
+    the capturing device (``hardware`` "capturing device (calibrated)"): T_AR, T_verify =
+    α·T_mem + β·T_flop + γ, T_draft = α·(draft memory time) + (depth + 1)·γ."""
+    n_c, n_t, k_t = stats["num_experts"], target.num_experts, target.top_k
+    quality = stats.get("quality", {})
+    budgets = sorted(stats["taus"]) or sorted(quality) or sorted(
+        {max(1, round(f * n_c)) for f in np.linspace(0.125, 1.0, 8)})
     if n_c not in budgets:
         budgets.append(n_c)
+    chosen: dict[int, int] = {}  # target budget -> captured budget
+    for b in budgets:
+        b_t = target_budget(b, n_c, n_t)
+        if b_t < k_t:
+            continue
+        old = chosen.get(b_t)
+        if old is None or abs(b / n_c - b_t / n_t) < abs(old / n_c - b_t / n_t) or b == n_c:
+            chosen[b_t] = b
     hidden, inter, vocab = draft or (target.hidden, 4 * target.hidden, 32000)
+    profiles = [(hw, None) for hw in hardware]
+    if calibration is not None:
+        profiles.append(calibration[::-1])
     rows = []
-    for hw in hardware:
+    for hw, cal in profiles:
         t_draft = draft_seconds(hidden, inter, vocab, depth, hw, target.bytes_per_param)
-        for b in budgets:
-            loaded = min(share(b), share(stats["unique"])) * n_t
+        if cal is not None:
+            t_draft = cal.alpha * t_draft + (depth + 1) * cal.gamma
+        for b_t, b in sorted(chosen.items()):
+            loaded = float(np.clip(min(b, stats["unique"]) / n_c * n_t, k_t, n_t))
             tau = stats["taus"].get(b, stats["tau"])
-            roof, mem, comp = cost.pass_time(target, hw, stats["nodes"], int(stats["prefix"]),
-                                             loaded)
-            t_ar = cost.pass_time(target, hw, 1, int(stats["prefix"]), target.top_k)[0]
-            rows.append(dict(hardware=hw.name, budget=b, budget_share=share(b),
-                             target_budget=round(share(b) * n_t, 1), experts_loaded=loaded,
-                             num_experts=n_c, tau=tau,
-                             tau_source=stats["tau_source"] if b in stats["taus"] or b == n_c
-                             else "unbudgeted capture",
-                             speedup=tau * t_ar / (t_draft + roof),
-                             bound="memory" if mem >= comp else "compute"))
-    return pl.DataFrame(rows)
+            _, mem, comp = cost.pass_time(target, hw, stats["nodes"], int(stats["prefix"]),
+                                          loaded)
+            q = dict(path_unchanged=1.0, kl=0.0, rse=0.0) if b == n_c else quality.get(b, {})
+            rows.append(dict(
+                hardware="capturing device (calibrated)" if cal else hw.name,
+                budget=b_t, target_experts=n_t, target_top_k=k_t, captured_budget=b,
+                num_experts=n_c, budget_share=b / n_c, experts_loaded=loaded, tau=tau,
+                tau_source=stats["tau_source"] if b in stats["taus"] or b == n_c
+                else "unbudgeted capture",
+                path_unchanged=q.get("path_unchanged"), kl=q.get("kl"), rse=q.get("rse"),
+                speedup=cost.projected_speedup(target, hw, tau, loaded, stats["nodes"],
+                                               int(stats["prefix"]), t_draft, cal),
+                bound="memory" if mem >= comp else "compute"))
+    for r in rows:
+        r.update(quality=quality_text(r), within_bound=within_bound(r))
+    return pl.DataFrame(rows, schema_overrides=dict(path_unchanged=pl.Float64, kl=pl.Float64,
+                                                    rse=pl.Float64, within_bound=pl.Boolean))
+
+
+def quality_kind(frame: pl.DataFrame) -> str:
+    """Which quality a speedup frame's budgets carry: "closed" (closed-loop path unchanged),
+    "open" (open-loop RSE only) or "none"."""
+    budgeted = frame.filter(pl.col("captured_budget") != pl.col("num_experts"))
+    if budgeted["path_unchanged"].is_not_null().any():
+        return "closed"
+    if budgeted["rse"].is_not_null().any():
+        return "open"
+    return "none"
+
+
+def within_bound(row: dict) -> bool | None:
+    """Whether a budget stays within the stated quality bound: closed-loop path unchanged ≥
+    :data:`PATH_BOUND` where closed-loop replay measured it, else open-loop RSE ≤
+    :data:`RSE_BOUND`; None where neither was measured (no budget, B = N, is always within)."""
+    if row["captured_budget"] == row["num_experts"]:
+        return True
+    if row.get("path_unchanged") is not None:
+        return row["path_unchanged"] >= PATH_BOUND
+    if row.get("rse") is not None:
+        return row["rse"] <= RSE_BOUND
+    return None
+
+
+def bound_text(kind: str) -> str:
+    """The quality bound in words, for a frame's :func:`quality_kind`."""
+    return {"closed": f"closed-loop path unchanged ≥ {PATH_BOUND:.0%}",
+            "open": f"open-loop RSE ≤ {RSE_BOUND:g} (no closed-loop replay: τ under a budget "
+                    "is not measured; the unbudgeted τ is assumed)",
+            "none": "no replay: the quality of a budget is not measured"}[kind]
+
+
+def quality_text(row: dict) -> str:
+    """What a budget costs in quality, in words (beside every projected speedup)."""
+    if row["captured_budget"] == row["num_experts"]:
+        return "no budget (B = N)"
+    parts = []
+    if row.get("path_unchanged") is not None:
+        parts.append(f"path unchanged {row['path_unchanged']:.0%}")
+    if row.get("kl") is not None:
+        parts.append(f"KL {row['kl']:.3g}")
+    if row.get("rse") is not None:
+        parts.append(f"open-loop RSE {row['rse']:.3g}")
+    return ", ".join(parts) or "quality not measured"
+
+
+def mapping_note(frame: pl.DataFrame) -> str:
+    """How the frame's budgets were put on the target, and what was left out."""
+    r = frame.row(0, named=True)
+    n_c, n_t, k_t = r["num_experts"], r["target_experts"], r["target_top_k"]
+    if n_c == n_t:
+        return f"B of the captured {n_c} experts; budgets below top-{k_t} not shown."
+    return (f"Budgets mapped by share of N: B (of {n_t}) = round(B_captured · {n_t}/{n_c}); "
+            f"τ and quality are the capture's at B_captured. Budgets below the target's top-{k_t} "
+            "are not shown.")
+
+
+def speedup_note(frame: pl.DataFrame, sep: str = "<br>") -> str:
+    """The caption of a speedup figure: how budgets were mapped, the quality bound and how the
+    points show it."""
+    kind = quality_kind(frame)
+    labels = {"closed": "labels: closed-loop path unchanged; ",
+              "open": "labels: open-loop RSE; ", "none": ""}[kind]
+    return (f"{mapping_note(frame)}{sep}Quality bound: {bound_text(kind)}.{sep}Point {labels}"
+            "filled marker: within the bound; open marker: outside it or not measured.")
+
+
+def headline(frame: pl.DataFrame, hardware: str | None = None) -> dict:
+    """The projected speedup to lead with: the best on ``hardware`` (default: the frame's first)
+    among budgets within the quality bound (:func:`within_bound`), never the most aggressive
+    budget regardless of quality. Returns ``row`` (that budget's row), ``bound`` (the bound in
+    words), ``kind`` (:func:`quality_kind`) and ``note`` (what the pick rests on, or why only
+    B = N is left)."""
+    hardware = hardware or frame["hardware"][0]
+    mine = frame.filter(pl.col("hardware") == hardware)
+    kind = quality_kind(frame)
+    ok = mine.filter(pl.col("within_bound").fill_null(False))
+    # B = N is always within the bound; of equal speedups the larger budget (better quality)
+    row = ok.sort(pl.col("speedup").round(3), "budget").row(-1, named=True)
+    note = ""
+    if kind == "none":
+        note = "no replay, so only B = N (no budget) is measured"
+    elif row["captured_budget"] == row["num_experts"]:
+        short = bound_text(kind).split(" (")[0]
+        note = (f"the budgets that keep {short} are no faster than none" if ok.height > 1
+                else f"no budget keeps {short}")
+    return dict(row=row, bound=bound_text(kind), kind=kind, note=note)
 
 
 # Every frame-valued analysis, by name, and the table it needs; the report and the app share it.
+def batch_regime(con) -> pl.DataFrame:
+    """Per model, benchmark and batch size b (sequences in a verification pass; b = 1 for runs
+    captured one sequence at a time, schema 2 included): mean unique experts per MoE layer over
+    the pass's union of b trees, tokens verified per pass (b·M), median verification seconds,
+    passes; MoESD's uniform ``N(t)`` at the same t beside it. Unbudgeted passes only."""
+    from analysis.routing import moesd_uniform
+    columns = set(con.sql("DESCRIBE trees").pl()["column_name"].to_list())
+    if "batch_size" in columns:
+        pass_id = "coalesce(batch_pass, -1)"
+        single = "CASE WHEN batch_pass IS NULL THEN {} END"
+        b, tokens = "coalesce(batch_size, 1)", "coalesce(batch_tokens, nodes)"
+        unique = "list_avg(coalesce(batch_unique_experts, unique_experts))"
+    else:  # schema 2 only: every pass is one tree
+        pass_id, single, b, tokens = "-1", "{}", "1", "nodes"
+        unique = "list_avg(unique_experts)"
+    t = con.sql(f"""
+        WITH passes AS (
+          SELECT model, bench, run, {pass_id} AS pass, {single.format('prompt_index')} AS p,
+                 {single.format('step')} AS s, any_value({b}) AS batch_size,
+                 any_value({tokens}) AS tokens, any_value({unique}) AS unique_experts,
+                 any_value(verify_seconds) AS seconds, any_value(r.num_experts) AS n,
+                 any_value(r.top_k) AS k
+          FROM trees JOIN runs r USING (model, bench, run)
+          WHERE budget IS NULL GROUP BY ALL)
+        SELECT model, bench, batch_size, avg(tokens) AS tokens,
+               avg(unique_experts) AS unique_experts, median(seconds) AS seconds,
+               count(*) AS passes, any_value(n) AS n, any_value(k) AS k
+        FROM passes GROUP BY ALL ORDER BY model, bench, batch_size""").pl()
+    if not t.height:
+        return t
+    return t.with_columns(uniform=pl.Series([float(moesd_uniform(int(n), int(k), np.array([x]))[0])
+                                             for n, k, x in zip(t["n"], t["k"], t["tokens"])]))
+
+
 ANALYSES = {
     "tails": routing.heavy_tails_by_layer,
     "coverage": routing.coverage_curve,
@@ -133,8 +315,9 @@ ANALYSES = {
     "balance": routing.load_balance,
     "errors": replay_views.error_vs_budget,
     "closed": replay_views.closed_loop,
+    "batch": batch_regime,
 }
-NEEDS = {"errors": "replay_open", "closed": "replay_closed"}
+NEEDS = {"errors": "replay_open", "closed": "replay_closed", "batch": "trees"}
 
 
 def all_frames(con) -> dict[str, pl.DataFrame]:

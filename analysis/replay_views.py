@@ -5,7 +5,10 @@
 * ``budget_at``: the budget a ranking needs to reach a target RSE, linearly interpolated on its
   (decreasing) sweep.
 * ``oracle_gap``: for each router budget B, the budget the oracle needs for the router's RSE at B,
-  and the share of experts it saves, ``(B − B_oracle) / B`` (paper: ~25%) (Fig. 6).
+  and the share of experts it saves, ``(B − B_oracle) / B`` (paper: ~25%) (Fig. 6). ``sweep``
+  says whether B_oracle was found inside the replayed budgets: "below" (the oracle already beats
+  the router's error at its smallest budget B₀, so B_oracle ≤ B₀ is unknown and the share is only
+  a lower bound, ``≥ (B − B₀) / B``), "beyond" (never reached: NaN) or "inside".
 * ``ablation``: coact's gain split into its parts, router → sqmass (squared mixing mass) →
   coact-diag (× calibration output energy G_ii) → coact (+ co-activation, off-diagonal G_ij), as
   the share of the router→oracle gap each closes: ``(RSE_router − RSE_X) / (RSE_router −
@@ -47,8 +50,20 @@ def budget_at(budgets, rse, target: float) -> float:
     return float("nan")
 
 
+def sweep_position(budgets, rse, target: float) -> str:
+    """Where :func:`budget_at` found ``target`` on a curve: "below" the smallest budget replayed
+    (its RSE there is already lower, so the budget needed is at most that one: unknown),
+    "beyond" the largest (never reached), or "inside"."""
+    b, r = np.asarray(budgets, dtype=float), np.asarray(rse, dtype=float)
+    first = r[np.argmin(b)]
+    if target > first:
+        return "below"
+    return "beyond" if np.isnan(budget_at(b, r, target)) else "inside"
+
+
 def matched_error(curves: pl.DataFrame, reference: str = "router") -> pl.DataFrame:
-    """For every reference budget B: the budget each ranking needs for the reference's RSE."""
+    """For every reference budget B: the budget each ranking needs for the reference's RSE, and
+    where on that ranking's sweep it lies (:func:`sweep_position`)."""
     rows = []
     for (coverage,), frame in curves.group_by(["coverage"], maintain_order=True):
         ref = frame.filter(pl.col("ranking") == reference).sort("budget")
@@ -57,7 +72,8 @@ def matched_error(curves: pl.DataFrame, reference: str = "router") -> pl.DataFra
                 cur = cur.sort("budget")
                 rows.append(dict(coverage=coverage, reference_budget=int(b), target_rse=target,
                                  ranking=ranking,
-                                 budget_needed=budget_at(cur["budget"], cur["rse"], target)))
+                                 budget_needed=budget_at(cur["budget"], cur["rse"], target),
+                                 sweep=sweep_position(cur["budget"], cur["rse"], target)))
     return pl.DataFrame(rows)
 
 

@@ -20,9 +20,12 @@ from analysis.frames import (
     calibration_frame,
     efficiency_frame,
     frontier_frame,
+    headline,
+    mapping_note,
     model_shape,
     routing_statistics,
     speedup_frame,
+    speedup_note,
 )
 from analysis.sql import connect, views
 from catalog import Catalog, CatalogError, atomic, partition_value
@@ -34,24 +37,24 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
     part = partition_value(model)
     pick = lambda name: frames[name].filter((pl.col("model") == part)  # noqa: E731
                                             & (pl.col("bench") == bench))
-    figs = [figures.heavy_tails(pick("tails")), figures.coverage(pick("coverage")),
-            figures.growth(pick("growth"))]
     n = manifest["num_experts"]
+    figs = [figures.heavy_tails(pick("tails"), n), figures.coverage(pick("coverage")),
+            figures.growth(pick("growth"), n)]
     for layer in (manifest["moe_layers"][0], manifest["moe_layers"][-1]):
         c = coactivation.coactivation(con, layer, n,
                                       where=f"model = '{part}' AND bench = '{bench}'")
         figs.append(figures.coactivation(
             c.matrix, coactivation.cluster_order(c.matrix),
-            f"Co-activation, layer {layer} (all pairs; concentration {c.concentration:.1f}× "
-            "uniform), cluster order"))
+            f"Co-activation, layer {layer}: lift, all pairs, cluster order (concentration "
+            f"{c.concentration:.1f}×)", lift=c.lift))
     figs.append(figures.load_balance(pick("balance")))
     if "errors" in frames and pick("errors").height:
         curves = pick("errors")
-        figs.append(figures.error_vs_budget(curves))
+        figs.append(figures.error_vs_budget(curves, n))
         if {"oracle", "router"} <= set(curves["ranking"]):
             figs.append(figures.oracle_gap(replay_views.oracle_gap(curves)))
     if "closed" in frames and pick("closed").height:
-        figs.append(figures.closed_loop(pick("closed")))
+        figs.append(figures.closed_loop(pick("closed"), n))
     stats = routing_statistics(con, model, bench)
     captured_shape = model_shape(manifest["model_location"])
     if stats is not None and captured_shape is not None:
@@ -61,9 +64,10 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
             sp = speedup_frame(stats, target, list(cost.PROFILES.values()),
                                manifest["settings"].get("depth", 7))
             figs.append(figures.speedup(sp, f"Projected speedup on {name} "
-                                            f"(τ from {stats['tau_source']})"))
+                                            f"(τ from {stats['tau_source']})", speedup_note(sp),
+                                        headline(sp)["row"]["budget"]))
     fitted = calibration_frame(con, model, bench, manifest)
-    if fitted is not None:
+    if fitted is not None and fitted[1].usable:  # an unusable fit is reported in words only
         frame, cal = fitted
         figs.append(figures.calibration(frame, (
             f"Cost model calibrated on {cal.points} measured verification passes: "
@@ -100,21 +104,61 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
         if all(v.len() for v in pick.values()) and pick["router"][0] > pick["oracle"][0]:
             gap = (pick["router"][0] - pick["coact"][0]) / (pick["router"][0] - pick["oracle"][0])
             out.append((f"router→oracle gap coact closes (truncation, B = {mid})", f"{gap:.0%}"))
+    projection = headline_projection(con, model, bench, runs[0].manifest)
+    if projection is not None:
+        where, sp, top = projection
+        row = top["row"]
+        value = f"{row['speedup']:.2f}× at B = {row['budget']} of {row['target_experts']}"
+        value += " (no budget)" if row["captured_budget"] == row["num_experts"] else \
+            f" ({row['quality']})"
+        out.append((f"best projected speedup over AR on H100 ({where}) within the quality "
+                    f"bound: {top['bound']}", value + (f"; {top['note']}" if top["note"] else "")))
+    return out
+
+
+def headline_projection(con, model: str, bench: str, manifest: dict):
+    """(target name, speedup frame on H100, :func:`analysis.frames.headline`) for the real
+    checkpoint of the captured family (the captured shape when there is none), or None."""
     stats = routing_statistics(con, model, bench)
-    shape = model_shape(runs[0].manifest["model_location"])
+    shape = model_shape(manifest["model_location"])
+    if stats is None or shape is None:
+        return None
     real = shapes.REAL_SHAPES.get(next((a for a in ("olmoe", "qwen3-moe", "mixtral",
                                                    "deepseek-v3", "gpt-oss")
                                         if a in model), ""))
-    if stats is not None and shape is not None:
-        target = cost.ModelShape.from_config(real.build_config()) if real else shape
-        sp = speedup_frame(stats, target, [cost.PROFILES["H100-SXM"]])
-        measured = sp.filter((pl.col("tau_source") != "unbudgeted capture")
-                             | (pl.col("budget") == n))  # never a τ the budget did not see
-        best = measured.sort("speedup").tail(1).row(0, named=True)
-        where = real.checkpoint if real else "the captured shape"
-        out.append((f"best projected speedup over AR on H100 ({where})",
-                    f"{best['speedup']:.2f}× at B = {best['budget']}"))
-    return out
+    target = cost.ModelShape.from_config(real.build_config()) if real else shape
+    sp = speedup_frame(stats, target, [cost.PROFILES["H100-SXM"]],
+                       manifest.get("settings", {}).get("depth", 7))
+    return (real.checkpoint if real else "the captured shape"), sp, headline(sp)
+
+
+def projection_section(con, model: str, bench: str, manifest: dict) -> str:
+    """Every projected speedup of the headline target with the quality its budget costs, how
+    budgets were mapped, and whether the cost model's calibration is usable (HTML)."""
+    parts = []
+    projection = headline_projection(con, model, bench, manifest)
+    if projection is not None:
+        where, sp, top = projection
+        head = "".join(f"<th>{h}</th>" for h in (
+            f"B (of {sp['target_experts'][0]})", f"captured B (of {sp['num_experts'][0]})",
+            "τ", "τ from", "quality at this budget", "within bound", "speedup on H100"))
+        rows = "".join(
+            "<tr" + (" style='font-weight:bold'" if r["budget"] == top["row"]["budget"] else "")
+            + f"><td>{r['budget']}</td><td>{r['captured_budget']}</td><td>{r['tau']:.2f}</td>"
+            f"<td>{escape(r['tau_source'])}</td><td>{escape(r['quality'])}</td><td>"
+            f"{ {True: 'yes', False: 'no', None: 'unknown'}[r['within_bound']]}</td>"
+            f"<td align='right'>{r['speedup']:.2f}×</td></tr>"
+            for r in sp.sort("budget").iter_rows(named=True))
+        parts.append(f"<h2>Projected speedup and quality ({escape(where)})</h2>"
+                     f"<p>Quality bound: {escape(top['bound'])}. {escape(mapping_note(sp))}</p>"
+                     "<table border='1' cellpadding='4' style='border-collapse:collapse'>"
+                     f"<tr>{head}</tr>{rows}</table>")
+    fitted = calibration_frame(con, model, bench, manifest)
+    if fitted is not None:
+        cal = fitted[1]
+        use = ("" if cal.usable else " Projections use the datasheet roofline.")
+        parts.append(f"<p><b>Cost-model calibration</b>: {escape(cal.verdict)}.{use}</p>")
+    return "".join(parts)
 
 
 def ablation_table(frames: dict, model: str, bench: str) -> str:
@@ -137,19 +181,26 @@ def ablation_table(frames: dict, model: str, bench: str) -> str:
             f"<tr>{head}</tr>{rows}</table>")
 
 
+def _dtype(value) -> str:
+    """A dtype as a reader writes it: ``float32``, not ``torch.float32``."""
+    return str(value or "").removeprefix("torch.")
+
+
 def settings_table(runs: list) -> str:
+    """Every complete run of the dataset, calibration runs included (with their role)."""
     rows = []
     for r in runs:
         s = r.settings
         rows.append(f"<tr><td>{escape(r.name)}</td><td>{r.role}</td><td>"
                     f"{r.manifest.get('prompts_total')}</td><td>{s.get('max_new_tokens')}</td><td>{s.get('total_tokens')}/"
                     f"{s.get('depth')}/{s.get('tree_top_k')}</td><td>{s.get('temperature')}</td>"
-                    f"<td>{s.get('budget') or '—'}</td><td>{escape(r.manifest.get('dtype', ''))}"
-                    f"</td><td>{escape(str(r.manifest.get('storage', {}).get('dtype', '')))}</td>"
+                    f"<td>{s.get('budget') or '—'}</td><td>{escape(_dtype(r.manifest.get('dtype')))}"
+                    f"</td><td>{escape(_dtype((r.manifest.get('storage') or {}).get('dtype')))}"
+                    "</td>"
                     "</tr>")
     return ("<table border='1' cellpadding='4' style='border-collapse:collapse'><tr><th>run</th>"
             "<th>role</th><th>prompts</th><th>new tokens</th><th>tree (nodes/depth/top-k)</th>"
-            "<th>T</th><th>budget</th><th>model dtype</th><th>stored as</th></tr>" +
+            "<th>temperature</th><th>budget</th><th>model dtype</th><th>stored as</th></tr>" +
             "".join(rows) + "</table>")
 
 
@@ -166,11 +217,13 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
     written = []
     out.mkdir(parents=True, exist_ok=True)
     runs = Catalog(traces).runs(roles=roles)
+    every_role = Catalog(traces).runs(roles=None)  # the Runs table lists calibration runs too
     for run in runs:
         path = out / f"{partition_value(run.model)}_{run.bench}.html"
         if path in written:
             continue
         mine = [r for r in runs if r.model == run.model and r.bench == run.bench]
+        listed = [r for r in every_role if r.model == run.model and r.bench == run.bench]
         figs = dataset_figures(con, frames, run.model, run.bench, run.manifest, traces)
         toc, parts = [], []
         for i, f in enumerate(figs):
@@ -180,30 +233,35 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
                 f, include_plotlyjs=(i == 0), full_html=False) + "</div>")
         numbers = "".join(f"<tr><th align='left'>{escape(k)}</th><td>{escape(v)}</td></tr>"
                           for k, v in key_numbers(con, frames, run.model, run.bench, mine))
-        steps = ablation_table(frames, run.model, run.bench)
+        steps = projection_section(con, run.model, run.bench, run.manifest) + \
+            ablation_table(frames, run.model, run.bench)
         html = (f"<html><head><meta charset='utf-8'><title>MoE-Spec workbench: {run.model} / "
                 f"{run.bench}</title></head><body style='font-family:sans-serif;max-width:1200px;"
                 f"margin:auto'><h1>{escape(run.model)} / {escape(run.bench)}</h1>"
                 f"<h2>Key numbers</h2><table cellpadding='4'>{numbers}</table>"
-                f"<h2>Runs</h2>{settings_table(mine)}{steps}<h2>Figures</h2><ol>{''.join(toc)}</ol>"
+                f"<h2>Runs</h2>{settings_table(listed)}{steps}<h2>Figures</h2><ol>{''.join(toc)}</ol>"
                 + "".join(parts) + "</body></html>")
         atomic.write_bytes(path, html.encode("utf-8"))
         written.append(path)
     return written
 
 
+@console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(prog="report", description="Write one self-contained HTML report "
                                 "per captured dataset (model × benchmark) with every figure.",
                                examples="""
                                    report --traces traces --out reports
-                                   report --traces traces --role calibration""")
+                                   report --traces traces --role calibration
+                                   report --traces traces --threads 2""")
     p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
     p.add_argument("--out", type=Path, default=Path("reports"), help="folder for the HTML files")
     p.add_argument("--role", default="evaluation", choices=("evaluation", "calibration", "all"),
                    help="which runs the figures draw (calibration runs are never pooled into "
                         "evaluation figures unless asked)")
+    console.threads.add_argument(p, what="DuckDB and the numeric libraries")
     args = p.parse_args(argv)
+    console.threads.apply(args.threads, torch=False)
     roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
     try:
         written = write_report(args.traces, args.out, roles)

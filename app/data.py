@@ -6,13 +6,15 @@ modification times). Connections and frames are keyed by it, so a new capture or
 on the next interaction without restarting the app. Each session has its own read-only
 connection (:func:`analysis.sql.connect`), and SQL typed in the console runs through
 :func:`analysis.sql.run_query` (queries only): nothing one visitor types changes what another
-sees.
+sees. Frames cached for every visitor (:func:`overview`, :func:`frame`) are computed on a fresh
+connection of their own (:func:`pristine`), never on the session's that missed the cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,9 +156,21 @@ def current(root: Path) -> tuple[Dataset | None, str | None]:
     return dataset, problem
 
 
+@contextmanager
+def pristine(root: str, roles: tuple[str, ...] | None):
+    """A fresh connection of its own, closed afterwards: what cached frames (shared by every
+    visitor) are computed on, so nothing done on any session's connection can reach them."""
+    con = connect(root, roles=roles)
+    try:
+        yield con
+    finally:
+        con.close()
+
+
 @st.cache_data(show_spinner=False)
 def overview(root: str, version: str) -> pl.DataFrame:
-    return connection(root, version, None).cursor().sql("""
+    with pristine(root, None) as con:
+        return con.sql("""
         SELECT model, bench, run, role, count(DISTINCT prompt_index) AS prompts, count(*) AS trees,
                avg(accepted_length) AS tau, avg(list_avg(unique_experts)) AS unique_experts,
                avg(list_avg(experts_loaded)) AS experts_loaded, any_value(budget) AS budget
@@ -169,11 +183,11 @@ def frame(name: str, root: str, version: str,
     """One of :data:`analysis.frames.ANALYSES` (tails, coverage, growth, balance, errors,
     closed) over runs of ``roles``, cached per dataset version."""
     roles_key = None if set(roles) >= {"evaluation", "calibration"} else tuple(roles)
-    con = connection(root, version, roles_key).cursor()
-    needs = NEEDS.get(name, "routing")
-    if needs not in views(con):
-        return pl.DataFrame()
-    return ANALYSES[name](con)
+    with pristine(root, roles_key) as con:  # never a session's connection (see pristine)
+        needs = NEEDS.get(name, "routing")
+        if needs not in views(con):
+            return pl.DataFrame()
+        return ANALYSES[name](con)
 
 
 def prompt_rows(root: Path, model: str, bench: str, run: str, table: str, prompt: int,
@@ -188,6 +202,26 @@ def prompt_rows(root: Path, model: str, bench: str, run: str, table: str, prompt
     for column, value in equal.items():
         frame = frame.filter(pl.col(column) == value)
     return frame
+
+
+def nested_columns(frame: pl.DataFrame) -> list[str]:
+    """Columns CSV cannot hold (lists, arrays, structs)."""
+    return [c for c, t in frame.schema.items() if t.is_nested()]
+
+
+def to_csv(frame: pl.DataFrame) -> str:
+    """CSV of a query result, nested columns (lists, arrays, structs) as JSON text."""
+    return frame.with_columns(
+        pl.when(pl.col(c).is_not_null()).then(pl.struct(pl.col(c).alias("v")).struct
+                                               .json_encode().str.slice(5).str.strip_suffix("}"))
+        .alias(c) for c in nested_columns(frame)).write_csv()
+
+
+def to_parquet(frame: pl.DataFrame) -> bytes:
+    import io
+    buf = io.BytesIO()
+    frame.write_parquet(buf)
+    return buf.getvalue()
 
 
 def query(root: str, version: str, sql: str) -> pl.DataFrame:

@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     headless = args.headless or not sys.stdin.isatty()
     sys.argv = ["streamlit", "run", str(script), "--server.port", str(args.port),
                 "--server.address", args.host, "--server.headless", str(headless).lower(),
-                "--browser.gatherUsageStats", "false", *args.streamlit_args, "--",
+                "--browser.gatherUsageStats", "false",
+                # a local analysis tool: no "Deploy" button or developer menu in the toolbar
+                "--client.toolbarMode", "viewer", *args.streamlit_args, "--",
                 "--traces", args.traces]
     return stcli.main()
 

@@ -18,15 +18,21 @@ import streamlit as st
 from analysis import coactivation, cost, figures, replay_views
 from analysis.frames import (
     calibration_frame,
+    efficiency_frame,
     frontier_frame,
+    headline,
     model_shape,
     real_targets,
     routing_statistics,
     speedup_frame,
+    speedup_note,
 )
+from analysis.sql import run_query
 from app import data
 from catalog import partition_value
 
+# Run on the console's views, which hold evaluation runs unless the user widens them (a
+# ``role`` column says which run is which either way).
 EXAMPLES = {
     "τ and experts by benchmark": "SELECT model, bench, role, avg(accepted_length) AS tau, "
                                   "avg(list_avg(unique_experts)) AS unique_experts FROM trees "
@@ -64,14 +70,55 @@ def _runs(ds: data.Dataset, roles: tuple[str, ...]) -> pl.DataFrame:
     return ds.runs.filter(pl.col("role").is_in(list(roles)))
 
 
-def _dataset_picker(ds: data.Dataset, key: str, roles=("evaluation",)) -> tuple[str, str] | None:
+def _url_select(container, label: str, options: list, key: str, param: str, index: int = 0,
+                **kw):
+    """A selectbox whose choice lives in the URL (``?param=value``): a deep link restores it,
+    and picking another option updates the address bar."""
+    options = list(options)
+    labels = [str(o) for o in options]
+    wanted = st.query_params.get(param)
+    if key not in st.session_state and wanted in labels:
+        index = labels.index(wanted)
+    value = container.selectbox(label, options, index=min(index, max(len(options) - 1, 0)),
+                                key=key, **kw)
+    if value is not None:
+        st.query_params[param] = str(value)
+    return value
+
+
+def _url_multiselect(label: str, options: list, key: str, param: str):
+    """A multiselect (all options by default) kept in the URL as ``?param=a,b``."""
+    default = list(options)
+    wanted = st.query_params.get(param)
+    if key not in st.session_state and wanted is not None:
+        default = [o for o in options if str(o) in wanted.split(",")]
+    value = st.multiselect(label, options, default=default, key=key)
+    st.query_params[param] = ",".join(str(v) for v in value)
+    return value
+
+
+def _dataset_picker(ds: data.Dataset, key: str, roles=("evaluation",),
+                    prefer: set | None = None) -> tuple[str, str] | None:
+    """The dataset (model / benchmark) a page draws; starts at the first one in ``prefer`` (the
+    datasets that have what the page shows) unless the URL names one."""
     pairs = sorted({(r["model"], r["bench"]) for r in _runs(ds, roles).iter_rows(named=True)})
     if not pairs:
         st.info(f"No complete {' or '.join(roles)} run yet.")
         return None
-    label = st.selectbox("Dataset (model / benchmark)", [f"{m} / {b}" for m, b in pairs], key=key)
+    first = next((i for i, p in enumerate(pairs) if prefer is None or p in prefer), 0)
+    label = _url_select(st, "Dataset (model / benchmark)", [f"{m} / {b}" for m, b in pairs],
+                        key, "dataset", index=first)
     model, bench = label.split(" / ")
     return model, bench
+
+
+def _datasets(frame: pl.DataFrame, ds: data.Dataset) -> set:
+    """The (model, bench) pairs, as the picker names them, that have rows in ``frame``."""
+    if frame.is_empty():
+        return set()
+    have = {(m, b) for m, b in frame.select("model", "bench").unique().iter_rows()}
+    return {(r["model"], r["bench"]) for r in ds.runs.iter_rows(named=True)
+            if (partition_value(r["model"]), r["bench"]) in have}
 
 
 class Page(NamedTuple):
@@ -93,15 +140,16 @@ class Page(NamedTuple):
                      self.model, self.bench)
 
 
-def _page(title: str, key: str, caption: str | None = None) -> Page | None:
+def _page(title: str, key: str, caption: str | None = None, prefer=None) -> Page | None:
     """Header, the sidebar's role choice and the dataset picker every one-dataset page starts
-    with; None (with a note shown) when there is nothing to draw."""
+    with; None (with a note shown) when there is nothing to draw. ``prefer(ds, roles)``: the
+    datasets the picker should start at (those with this page's results)."""
     ds = dataset()
     st.header(title)
     if caption:
         st.caption(caption)
     roles = _roles(key)
-    picked = _dataset_picker(ds, f"{key}_ds", roles)
+    picked = _dataset_picker(ds, f"{key}_ds", roles, prefer(ds, roles) if prefer else None)
     if picked is None:
         return None
     model, bench = picked
@@ -116,13 +164,19 @@ def _pick(frame: pl.DataFrame, model: str, bench: str) -> pl.DataFrame:
 def overview() -> None:
     ds = dataset()
     st.header("Runs overview")
+    st.caption("How to read this: one row per complete run; τ is the mean accepted length per "
+               "verification tree, unique experts the experts a tree's tokens route to in one "
+               "layer (averaged over layers and trees). The tiles average evaluation runs only.")
     frame = data.overview(str(ds.root), ds.version)
-    c1, c2, c3, c4 = st.columns(4)
+    c1, c2, c3, c4 = st.columns([0.8, 1, 1.2, 2])  # room for the long labels in full
     c1.metric("runs", ds.runs.height)
     c2.metric("verification trees", int(frame["trees"].sum()))
     ev = frame.filter(pl.col("role") == "evaluation")
     c3.metric("mean τ (evaluation runs)", f"{ev['tau'].mean():.2f}" if ev.height else "—")
-    c4.metric("unique experts / layer / tree", f"{frame['unique_experts'].mean():.1f}")
+    c4.metric("unique experts / layer / tree (evaluation runs)",
+              f"{ev['unique_experts'].mean():.1f}" if ev.height else "—")
+    if frame["budget"].is_null().all():  # without a budget every tree loads what it uses
+        frame = frame.drop("experts_loaded", "budget")
     st.dataframe(frame, hide_index=True, width="stretch")
     storage = ds.runs.select("model", "bench", "run", "role", "storage")
     st.caption("What each run keeps of the MoE hidden states (routing, trees and nodes are "
@@ -132,7 +186,10 @@ def overview() -> None:
 
 
 def heavy_tails() -> None:
-    page = _page("Heavy tails", "tails")
+    page = _page("Heavy tails", "tails",
+                 "How to read this: how many experts a verification tree needs to hold 50 / 90 / "
+                 "99% of its router mass in one layer; a curve far below N means a budget can "
+                 "drop most experts and keep most of the mass.")
     if page is None:
         return
     frame = page.frame("tails")
@@ -143,13 +200,16 @@ def heavy_tails() -> None:
 def coverage() -> None:
     ds = dataset()
     st.header("Coverage curves")
+    st.caption("How to read this: the share of a tree's router mass held by its B most-used "
+               "experts, per benchmark; the dotted diagonal is uniform routing (B/N), and the "
+               "higher a curve sits above it, the more a budget of B keeps.")
     roles = _roles("cov")
     frame = data.frame("coverage", str(ds.root), ds.version, roles)
     if frame.height == 0:
         st.info("No routing of the chosen runs yet.")
         return
     models = sorted(set(frame["model"]))
-    model = st.selectbox("Model", models, key="cov_model")
+    model = _url_select(st, "Model", models, "cov_model", "model")
     sel = frame.filter(pl.col("model") == model)
     b = st.slider("Budget B", 1, int(sel["budget"].max()), min(32, int(sel["budget"].max())),
                   key="cov_b")
@@ -161,8 +221,9 @@ def coverage() -> None:
 
 def growth() -> None:
     page = _page("Activation growth", "growth",
-                 "Unique experts among the first t tree tokens vs MoESD's N(t) and the i.i.d. "
-                 "expectation with each layer's own marginals (averaged over layers).")
+                 "How to read this: unique experts among the first t tree tokens vs MoESD's "
+                 "N(t) and the i.i.d. expectation with each layer's own marginals (averaged over "
+                 "layers); a measured curve below them means trees reuse experts.")
     if page is None:
         return
     frame, n = page.frame("growth"), page.n
@@ -173,18 +234,64 @@ def growth() -> None:
              f"{last['uniform']:.1f} (of {n}).")
 
 
+def batch_regime() -> None:
+    page = _page("Batch regime", "batch",
+                 "How to read this: each point is the mean over verification passes that verified "
+                 "b sequences' trees at once (capture --batch-size b); the union of their experts "
+                 "is what a pass loads. MoESD's argument: as b grows the union saturates at N, so "
+                 "extra tokens come nearly free until compute takes over.",
+                 prefer=lambda ds, roles: _datasets(
+                     data.frame("batch", str(ds.root), ds.version, roles), ds))
+    if page is None:
+        return
+    frame, n = page.frame("batch"), page.n
+    if frame.height == 0:
+        st.info("No unbudgeted verification passes here; capture with `capture --batch-size 4`.")
+        return
+    st.plotly_chart(figures.batch_regime(frame, n), width="stretch")
+    table = frame.select(
+        pl.col("batch_size").alias("b"), pl.col("tokens").alias("tokens a pass (b·M)"),
+        pl.col("unique_experts").round(1).alias("unique experts / layer (measured)"),
+        pl.col("uniform").round(1).alias("MoESD uniform N(b·M)"),
+        (pl.col("seconds") * 1e3).round(2).alias("verify ms (median)"), "passes")
+    st.dataframe(table, hide_index=True)
+    if frame["batch_size"].n_unique() >= 2 and frame.height >= 3:
+        from analysis import moesd
+        points = frame.select(pl.col("batch_size").alias("batch"),
+                              (pl.col("tokens") / pl.col("batch_size")).alias("gamma"), "seconds")
+        coef = moesd.fit(points, n, int(frame["k"][0]))
+        st.write(f"MoESD's pass-time model fitted to these passes: T = {coef['c0'] * 1e3:.2f} ms "
+                 f"+ {coef['c1'] * 1e3:.3f} ms × E(b·M) + {coef['c2'] * 1e3:.4f} ms × b·M, "
+                 f"relative RMSE {coef['relative_rmse']:.1%} over {frame.height} batch sizes.")
+    else:
+        st.caption("Capture at two or more batch sizes to fit MoESD's pass-time model here.")
+    st.caption("Budgets across a batch: `capture --batch-size b --budget B` caps the union over "
+               "the whole pass; `python bench/batch_regime.py` measures the error of a budget "
+               "over each pass's union (router, coact) and EAGLE vs autoregressive tokens/s "
+               "with and without it, per b.")
+
+
 def coact() -> None:
-    page = _page("Co-activation", "coact")
+    page = _page("Co-activation", "coact",
+                 "How to read this: how often two experts of one layer are picked for the same "
+                 "token, against independent picks; bright blocks are experts that travel "
+                 "together, which a co-activation-aware budget keeps together.")
     if page is None:
         return
     ds, roles, model, bench = page.ds, page.roles, page.model, page.bench
     run = page.runs.row(0, named=True)
     c1, c2, c3 = st.columns(3)
-    layer = c1.selectbox("Layer", run["moe_layers"], key="coact_layer")
+    layer = _url_select(c1, "Layer", run["moe_layers"], "coact_layer", "layer")
     convention = c2.selectbox("Convention", ["all_pairs", "adjacent"], key="coact_conv",
                               help="all pairs: joint counts; adjacent: OLMoE's adjacent-rank "
                                    "pairs, row-normalised P(b|a)")
     ordering = c3.selectbox("Ordering", ["cluster", "index"], key="coact_order")
+    colour = st.radio("Colour", ["lift (observed / expected)", "observed"], key="coact_scale",
+                      horizontal=True,
+                      help="lift: pair counts over what independent selection with each "
+                           "expert's measured frequency would give (log scale, 1 = "
+                           "independent); observed: the counts (or P(b|a)) themselves. The "
+                           "diagonal (an expert with itself) is masked in both.")
     where = f"model = '{partition_value(model)}' AND bench = '{bench}'"
     c = coactivation.coactivation(ds.con_for(roles), int(layer), run["num_experts"], convention,
                                   where)
@@ -192,36 +299,54 @@ def coact() -> None:
     st.metric(f"concentration ({convention.replace('_', ' ')}: {c.concentration_rule})",
               f"{c.concentration:.1f}×")
     bar = "tokens with both experts" if convention == "all_pairs" else "P(b | a)"
-    st.plotly_chart(figures.coactivation(c.matrix, order, f"Co-activation, layer {layer}, "
-                                         f"{convention.replace('_', ' ')}, {ordering} order",
-                                         bar), width="content")
+    lift = colour.startswith("lift")
+    st.plotly_chart(figures.coactivation(
+        c.matrix, order, f"Co-activation, layer {layer}, {convention.replace('_', ' ')}, "
+        f"{'lift over independent selection' if lift else 'observed'}, {ordering} order", bar,
+        lift=c.lift if lift else None), width="content")
+    if lift:
+        st.caption("Lift: the pair's count over the count expected if each expert were picked "
+                   "independently with its own measured frequency (1 = independent; red above, "
+                   "blue below; pairs never seen sit at the bottom of the scale). The diagonal "
+                   "(an expert with itself) is masked; grey rows and columns: experts never "
+                   "selected in this layer.")
 
 
 def replay() -> None:
     ds = dataset()
     st.header("Replay results")
+    st.caption("How to read this: replay re-runs the captured MoE layers with only B experts "
+               "per layer allowed; the error (relative squared error of the MoE output, open "
+               "loop) or the share of unchanged tree paths (closed loop) says what each ranking's "
+               "choice of B experts costs. Lower error at a smaller B is better.")
     roles = _roles("replay")
     if "replay_open" not in ds.views and "replay_closed" not in ds.views:
         st.info("No replay results yet. Run for example\n\n"
-                "`replay --ranking router oracle --budget sweep`")
+                f"`replay --traces {ds.root} --ranking router oracle --budget sweep`")
         return
-    picked = _dataset_picker(ds, "replay_ds", roles)
+    have = {name: data.frame(name, str(ds.root), ds.version, roles)
+            for name in ("errors", "closed")}
+    picked = _dataset_picker(ds, "replay_ds", roles,
+                             _datasets(have["errors"], ds) | _datasets(have["closed"], ds))
     if picked is None:
         return
     n = int(_runs(ds, roles).filter(pl.col("model") == picked[0])["num_experts"][0])
-    if "replay_open" in ds.views:
-        curves = _pick(data.frame("errors", str(ds.root), ds.version, roles), *picked)
-        rank = st.multiselect("Rankings", sorted(set(curves["ranking"])),
-                              default=sorted(set(curves["ranking"])), key="replay_rank")
+    curves = _pick(have["errors"], *picked) if have["errors"].height else have["errors"]
+    cl = _pick(have["closed"], *picked) if have["closed"].height else have["closed"]
+    if curves.is_empty() and cl.is_empty():
+        st.info(f"No replay results for {picked[0]} / {picked[1]} yet. Produce them with\n\n"
+                f"`replay --traces {ds.root} --model {picked[0]} --bench {picked[1]} "
+                "--ranking router oracle --budget sweep`")
+        return
+    if curves.height:
+        rank = _url_multiselect("Rankings", sorted(set(curves["ranking"])), "replay_rank",
+                                "ranking")
         curves = curves.filter(pl.col("ranking").is_in(rank))
         if curves.height:
             st.plotly_chart(figures.error_vs_budget(curves, n), width="stretch")
             if {"oracle", "router"} <= set(curves["ranking"]):
                 gap = replay_views.oracle_gap(curves)
-                st.plotly_chart(figures.oracle_gap(gap), width="stretch")
-                if gap["saved_share"].is_nan().any():
-                    st.caption("Bars marked \"beyond the sweep\": at those budgets the oracle "
-                               "reaches the router's error only outside the budgets replayed.")
+                st.plotly_chart(figures.oracle_gap(gap), width="stretch")  # notes its labels
             steps = replay_views.ablation(curves)
             if not steps.is_empty():
                 st.subheader("Where coact's gain comes from")
@@ -229,16 +354,21 @@ def replay() -> None:
                 st.dataframe(steps, hide_index=True, column_config={
                     c: st.column_config.NumberColumn(c, format="percent")
                     for c in steps.columns[2:]})
-    if "replay_closed" in ds.views:
-        cl = _pick(data.frame("closed", str(ds.root), ds.version, roles), *picked)
-        if cl.height:
-            st.plotly_chart(figures.closed_loop(cl, n), width="stretch")
-            st.dataframe(cl, hide_index=True)
+    if cl.height:
+        st.plotly_chart(figures.closed_loop(cl, n), width="stretch")
+        st.dataframe(cl, hide_index=True)
 
 
 def speedup() -> None:
     """The what-if: this capture's routing statistics on a real model shape and hardware."""
-    page = _page("Speedup projection", "speed")
+    page = _page("Speedup projection", "speed",
+                 "How to read this: this capture's routing (experts a tree loads, τ, quality "
+                 "under each budget) put on a real model's shape and hardware with a roofline "
+                 "cost model; a speedup above 1× beats autoregressive decoding, and the bold "
+                 "budget is the fastest one within the quality bound.",
+                 prefer=lambda ds, roles: {(r["model"], r["bench"]) for r in
+                                           _runs(ds, roles).iter_rows(named=True)
+                                           if r["budget"] is None})
     if page is None:
         return
     ds, roles, model, bench = page.ds, page.roles, page.model, page.bench
@@ -254,11 +384,12 @@ def speedup() -> None:
         return
     targets = {f"captured shape ({model})": captured, **real_targets()}
     c1, c2 = st.columns(2)
-    target_name = c1.selectbox("Target model shape", list(targets), index=min(1, len(targets) - 1),
-                               key="speed_target",
+    target_name = _url_select(c1, "Target model shape", list(targets), "speed_target", "target",
+                              index=min(1, len(targets) - 1),
                                help="the capture's routing statistics (unique experts, experts "
-                                    "under budget, τ under budget, as shares of N) put on this "
-                                    "model's widths and depth")
+                                    "under budget, τ and quality under budget) put on this "
+                                    "model's widths and depth; budgets are mapped by share of N "
+                                    "onto its own experts, never below its top-k")
     names = c2.multiselect("Hardware", [*cost.PROFILES, "custom"],
                            default=list(cost.PROFILES), key="speed_hw")
     hardware = [cost.PROFILES[h] for h in names if h in cost.PROFILES]
@@ -271,39 +402,88 @@ def speedup() -> None:
     if not hardware:
         st.info("Pick at least one hardware profile.")
         return
-    mode = st.radio("Cost model", ["datasheet roofline", "calibrated on this capture's timings"],
-                    key="speed_m", horizontal=True)
     target = targets[target_name]
-    if mode.startswith("calibrated"):
-        manifest = dict(model_location=run["model_location"])
-        fitted = calibration_frame(ds.con_for(roles), model, bench, manifest, hardware[0])
-        if fitted is None:
-            st.warning("Too few measured passes (or no readable config) to calibrate.")
-            return
-        frame, cal = fitted
+    on_captured = target_name.startswith("captured shape")
+    fitted = calibration_frame(ds.con_for(roles), model, bench,
+                               dict(model_location=run["model_location"]), hardware[0])
+    cal = fitted[1] if fitted is not None else None
+    use_cal = False
+    if cal is None or not cal.usable:
+        why = ("too few measured verification passes (or no readable config) to fit one"
+               if cal is None else f"the fit to this capture's timings is {cal.verdict}")
+        st.caption(f"Cost model: datasheet roofline. A calibrated cost model is not offered: "
+                   f"{why}.")
+    else:
+        mode = st.radio("Cost model", ["datasheet roofline",
+                                       "calibrated on this capture's timings"],
+                        key="speed_m", horizontal=True, help=cal.verdict)
+        use_cal = mode.startswith("calibrated")
+    if use_cal:
+        frame, _ = fitted
         st.plotly_chart(figures.calibration(frame, (
             f"Calibration on {cal.points} passes ({hardware[0].name} datasheet shape): "
             f"T ≈ {cal.alpha:.3g}·T_mem + {cal.beta:.3g}·T_flop + {cal.gamma * 1e3:.3g} ms, "
-            f"relative RMSE {cal.relative_rmse:.1%}")), width="stretch")
-        st.caption("A calibration describes the capturing device on the captured model; it is "
-                   "shown here, but projections onto other shapes and hardware use the "
-                   "datasheet roofline.")
-    frame = speedup_frame(stats, target, hardware, run["depth"])
+            f"R² {cal.r2:.2f}, relative RMSE {cal.relative_rmse:.1%}")), width="stretch")
+        st.caption("A calibration describes the capturing device on the captured model: with "
+                   "the captured shape as target it adds a \"capturing device (calibrated)\" "
+                   "line; projections onto other shapes and hardware use the datasheet "
+                   "roofline." + ("" if on_captured else " (Pick the captured shape to see it.)"))
+    frame = speedup_frame(stats, target, hardware, run["depth"],
+                          calibration=(cal, hardware[0]) if use_cal and on_captured else None)
+    top = headline(frame, hardware[0].name)
+    best = top["row"]
+    n_t = best["target_experts"]
     st.plotly_chart(figures.speedup(frame, f"Projected speedup on {target_name} (τ from "
-                                           f"{stats['tau_source']})"), width="stretch")
+                                           f"{stats['tau_source']})", speedup_note(frame),
+                                    best["budget"]), width="stretch")
+    budgeted = best["captured_budget"] != best["num_experts"]
+    st.markdown(f"**Best projected speedup within the quality bound** ({top['bound']}) on "
+                f"{best['hardware']}: **{best['speedup']:.2f}×** at B = {best['budget']} of "
+                f"{n_t}" + (f" ({best['quality']})" if budgeted else " (no budget)")
+                + (f"; {top['note']}" if top["note"] else "") + ".")
     if set(frame["bound"]) == {"compute"}:
         st.info("Every verification pass here is compute-bound: the projection does not depend "
                 "on memory bandwidth, only on peak FLOP/s.")
     elif set(frame["bound"]) == {"memory"} and len(hardware) > 1:
         st.caption("Every pass here is memory-bound on every profile, so the speedup is a ratio "
                    "of bytes moved and the same on each: the hardware lines coincide.")
-    b = st.select_slider("Budget", sorted(set(frame["budget"].to_list())), key="speed_b")
-    for row in frame.filter(pl.col("budget") == b).iter_rows(named=True):
-        st.metric(f"projected speedup at B={b} on {row['hardware']}", f"{row['speedup']:.2f}×",
-                  help=f"τ = {row['tau']:.2f} from {row['tau_source']}; "
+    budgets = sorted(set(frame["budget"].to_list()))
+    b = st.select_slider(f"Budget (experts of {n_t}, the target's)", budgets,
+                         value=best["budget"], key=f"speed_b:{target_name}",
+                         help="starts at the best budget within the quality bound")
+    rows = frame.filter(pl.col("budget") == b).to_dicts()
+    same = {f"{r['speedup']:.2f}" for r in rows}
+    if len(rows) > 1 and len(same) == 1:  # one tile when every profile gives the same number
+        rows = [dict(rows[0], hardware=", ".join(r["hardware"] for r in rows))]
+    for row in rows:
+        st.metric(f"projected speedup at B={b} of {n_t} on {row['hardware']}",
+                  f"{row['speedup']:.2f}×",
+                  help=f"τ = {row['tau']:.2f} from {row['tau_source']} (captured budget "
+                       f"{row['captured_budget']} of {row['num_experts']}); "
                        f"{row['experts_loaded']:.1f} experts loaded per layer of the target; "
                        f"{row['bound']}-bound")
+    at = frame.filter(pl.col("budget") == b).row(0, named=True)
+    verdict = {True: "within", False: "outside", None: "not measured against"}[at["within_bound"]]
+    st.caption(f"Quality at B = {b} of {n_t} (the capture's B = {at['captured_budget']} of "
+               f"{at['num_experts']}): {at['quality']}; {verdict} the bound ({top['bound']}).")
+    table = frame.pivot(on="hardware", index=["budget", "captured_budget", "tau", "quality",
+                                              "within_bound"], values="speedup")
+    st.dataframe(table.rename({h: f"speedup on {h} (×)" for h in set(frame["hardware"])}
+                              | {"budget": f"B (of {n_t})",
+                                 "captured_budget": f"captured B (of {best['num_experts']})",
+                                 "tau": "τ", "quality": "quality at this budget",
+                                 "within_bound": "within the bound"}),
+                 hide_index=True)
     quality_frontier(ds, roles, model, bench, target, hardware[0])
+    eta = efficiency_frame(ds.root, model)
+    if eta is not None:
+        st.plotly_chart(figures.efficiency(eta), width="stretch")
+        st.caption("MoESD's target efficiency η(b, γ) = T(b, 1) / T(b, γ) measured by "
+                   "`profile-target` on this device: near 1, verifying γ tokens per sequence costs "
+                   "about as much as one (memory-bound); it falls as compute takes over.")
+    else:
+        st.caption(f"MoESD's target efficiency η(b, γ) appears here once `profile-target --model "
+                   f"{model} --out {ds.root}` has measured this model on this device.")
 
 
 def quality_frontier(ds, roles, model, bench, target, hw) -> None:
@@ -320,12 +500,15 @@ def quality_frontier(ds, roles, model, bench, target, hw) -> None:
 
 
 def tree_viewer() -> None:
-    page = _page("Tree viewer", "tree")
+    page = _page("Tree viewer", "tree",
+                 "How to read this: one verification tree of one prompt and step, drafted "
+                 "tokens by depth; red is the path the target accepted, orange nodes lose one of "
+                 "their experts in this layer if only the router's top-B experts are kept.")
     if page is None:
         return
     ds, roles, model, bench, runs = page
     c1, c2, c3 = st.columns(3)
-    run = c1.selectbox("Run", runs["run"].to_list(), key="tree_run")
+    run = _url_select(c1, "Run", runs["run"].to_list(), "tree_run", "run")
     info = runs.filter(pl.col("run") == run).row(0, named=True)
     part = partition_value(model)
     con = ds.con_for(roles)
@@ -413,19 +596,35 @@ def _tree_figure(nodes: pl.DataFrame, dropped: list, text: list[str]) -> go.Figu
 def sql_console() -> None:
     ds = dataset()
     st.header("SQL console")
-    st.caption("Read-only: queries (SELECT, WITH … SELECT, EXPLAIN) over the views " +
-               ", ".join(ds.views) + ". Hive partitions (model, bench, run) and each run's "
-               "role are columns.")
-    example = st.selectbox("Example", list(EXAMPLES), key="sql_example")
+    st.caption("How to read this: read-only SQL (SELECT, WITH … SELECT, EXPLAIN) over the views " +
+               ", ".join(ds.views) + "; hive partitions (model, bench, run) and each run's role "
+               "are columns. Pick an example to start from, edit it, download the result.")
+    c1, c2 = st.columns([3, 1])
+    example = _url_select(c1, "Example", list(EXAMPLES), "sql_example", "example")
+    scope = c2.radio("Views hold", ["evaluation runs", "all roles"], key="sql_roles",
+                     help="evaluation runs: calibration runs are not pooled into results; all "
+                          "roles: every run, told apart by the role column")
+    roles = ("evaluation",) if scope == "evaluation runs" else ("evaluation", "calibration")
     sql = st.text_area("Query", EXAMPLES[example], height=120, key=f"sql_{example}")
     try:
-        frame = data.query(str(ds.root), ds.version, sql)
+        frame = run_query(ds.con_for(roles), sql).pl()
     except Exception as exc:  # noqa: BLE001 - show the database's message, not a traceback
         st.error(f"Query failed: {str(exc).splitlines()[0]}")
         return
     st.dataframe(frame, hide_index=True, width="stretch")
-    st.download_button("Download CSV", frame.write_csv(), "query.csv", "text/csv",
-                       key="sql_download")
+    nested = data.nested_columns(frame)
+    c1, c2, c3 = st.columns(3)
+    c1.download_button("Download Parquet", lambda: data.to_parquet(frame), "query.parquet",
+                       "application/vnd.apache.parquet", key="sql_download_parquet")
+    c2.download_button("Download JSON", lambda: frame.write_json(), "query.json",
+                       "application/json", key="sql_download_json")
+    c3.download_button("Download CSV", lambda: data.to_csv(frame), "query.csv", "text/csv",
+                       key="sql_download", help="list and struct columns as JSON text"
+                       if nested else None)
+    if nested:
+        st.caption("CSV cannot hold lists: in the CSV download the column(s) "
+                   + ", ".join(f"`{c}`" for c in nested) + " are JSON text; Parquet and JSON "
+                   "keep them as they are.")
 
 
 def no_data(root, message: str) -> None:
@@ -444,6 +643,7 @@ PAGES = {
     "heavy_tails": ("Heavy tails", heavy_tails),
     "coverage": ("Coverage curves", coverage),
     "growth": ("Activation growth", growth),
+    "batch_regime": ("Batch regime", batch_regime),
     "coactivation": ("Co-activation", coact),
     "replay": ("Replay results", replay),
     "speedup": ("Speedup projection", speedup),

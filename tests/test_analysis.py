@@ -252,3 +252,131 @@ def test_ablation_is_the_share_of_the_router_oracle_gap_each_step_closes():
     no_gap = got.filter(pl.col("budget") == 16)
     assert no_gap["sqmass"].is_null().all()  # router already at the oracle: nothing to close
     assert ablation(pl.DataFrame(rows).filter(pl.col("ranking") != "oracle")).is_empty()
+
+
+# --- figures that mislead (issue 25) -------------------------------------------------------------
+
+def _stats(closed=True, open_loop=True):
+    """Routing statistics of a 64-expert capture with a budget sweep 8…56: aggressive budgets
+    keep few accepted paths (closed loop) and have a large RSE (open loop)."""
+    path = {8: 0.2, 16: 0.5, 24: 0.8, 32: 0.92, 48: 0.97, 56: 1.0}
+    quality = {b: dict(**({"path_unchanged": p, "kl": 0.3 * (1 - p)} if closed else {}),
+                       **({"rse": 0.2 * (1 - p)} if open_loop else {}))
+               for b, p in path.items()}
+    return dict(tau=3.0, prefix=200, unique=40.0, nodes=63, trees=10, num_experts=64,
+                taus={b: 3.0 * (0.5 + p / 2) for b, p in path.items()} if closed else {},
+                tau_source="closed-loop replay" if closed else "unbudgeted capture",
+                quality=quality if (closed or open_loop) else {},
+                quality_source="closed-loop replay" if closed else None)
+
+
+def test_speedup_budgets_are_the_targets_own_and_never_below_its_top_k():
+    """Mixtral has 8 experts, top-2: a 64-expert capture's B = 8 (1/8 of N) is 1 of Mixtral's
+    8, below its top-2, and must not be drawn; the axis counts Mixtral's experts."""
+    from analysis import figures, frames
+    from moe.shapes import REAL_SHAPES
+    mixtral = next(frames.real_targets()[s.checkpoint] for s in REAL_SHAPES.values()
+                   if "Mixtral" in s.checkpoint)
+    hw = cost.PROFILES["H100-SXM"]
+    sp = frames.speedup_frame(_stats(), mixtral, [hw])
+    assert sp["budget"].to_list() == [2, 3, 4, 6, 7, 8]  # 16/64·8 = 2 … 64/64·8 = 8
+    assert sp["budget"].min() >= mixtral.top_k and sp["budget"].max() == mixtral.num_experts
+    assert (sp["experts_loaded"] >= mixtral.top_k).all()
+    row = sp.filter(pl.col("budget") == 4).row(0, named=True)
+    assert row["captured_budget"] == 32
+    # one owner of the formula: cost.projected_speedup
+    t_draft = frames.draft_seconds(mixtral.hidden, 4 * mixtral.hidden, 32000, 7, hw)
+    assert row["speedup"] == pytest.approx(cost.projected_speedup(
+        mixtral, hw, row["tau"], row["experts_loaded"], 63, 200, t_draft))
+    note = frames.speedup_note(sp)
+    assert "mapped by share of N" in note and "below the target's top-2" in note
+    fig = figures.speedup(sp, "t", note, frames.headline(sp)["row"]["budget"])
+    assert "experts of 8" in fig.layout.xaxis.title.text
+    assert any("mapped by share of N" in a.text for a in fig.layout.annotations)
+    assert list(fig.data[0].x) == [2, 3, 4, 6, 7, 8]
+
+
+def test_speedup_headline_is_the_best_within_the_stated_quality_bound():
+    from analysis import figures, frames
+    olmoe = cost.ModelShape(layers=16, hidden=2048, expert_inter=1024, num_experts=64, top_k=8,
+                            heads=16, kv_heads=16, head_dim=128, vocab=50304)
+    sp = frames.speedup_frame(_stats(), olmoe, [cost.PROFILES["H100-SXM"]])
+    assert sp.sort("speedup")["budget"][-1] == 8  # the most aggressive budget projects most
+    top = frames.headline(sp)
+    assert top["kind"] == "closed" and "path unchanged ≥ 90%" in top["bound"]
+    assert top["row"]["budget"] == 32  # the smallest budget keeping ≥ 90% of accepted paths
+    assert top["row"]["within_bound"] and "path unchanged 92%" in top["row"]["quality"]
+    assert sp.filter(pl.col("budget") == 8)["quality"][0].startswith("path unchanged 20%")
+    labels = figures.speedup(sp).data[0].text
+    assert "20%" in labels and "92%" in labels  # the quality beside every projected speedup
+    # open-loop replay only: an RSE bound, said to assume the unbudgeted τ
+    top = frames.headline(frames.speedup_frame(_stats(closed=False), olmoe,
+                                               [cost.PROFILES["H100-SXM"]]))
+    assert top["kind"] == "open" and "RSE ≤" in top["bound"] and "no closed-loop" in top["bound"]
+    assert top["row"]["rse"] <= frames.RSE_BOUND
+    # no replay at all: B = N, said so
+    top = frames.headline(frames.speedup_frame(_stats(False, False), olmoe,
+                                               [cost.PROFILES["H100-SXM"]]))
+    assert top["row"]["budget"] == 64 and "no replay" in top["note"]
+
+
+def test_oracle_gap_below_the_sweep_is_unknown_not_zero():
+    from analysis import figures
+    # the oracle's smallest budget (8) already beats the router's RSE at 8 and at 16
+    curves = pl.DataFrame(dict(coverage=["t"] * 6, ranking=["router"] * 3 + ["oracle"] * 3,
+                               budget=[8, 16, 24] * 2, rse=[0.4, 0.2, 0.1, 0.15, 0.1, 0.05]))
+    gap = replay_views.oracle_gap(curves).sort("reference_budget")
+    assert gap["sweep"].to_list() == ["below", "below", "inside"]
+    text = list(figures.oracle_gap(gap).data[0].text)
+    assert text == ["below<br>the sweep", "≥ 50%,<br>below<br>the sweep", "33%"]
+    curves = curves.with_columns(rse=pl.Series([0.4, 0.2, 0.01, 0.15, 0.1, 0.05]))
+    gap = replay_views.oracle_gap(curves).sort("reference_budget")
+    assert gap["sweep"][-1] == "beyond"
+    assert list(figures.oracle_gap(gap).data[0].text)[-1] == "beyond<br>the sweep"
+
+
+def test_degenerate_calibration_is_flagged_unusable():
+    shape = cost.ModelShape(layers=16, hidden=2048, expert_inter=1024, num_experts=64, top_k=8,
+                            heads=16, kv_heads=16, head_dim=128, vocab=50304)
+    hw = cost.PROFILES["A100-80G"]
+    rng = np.random.default_rng(0)
+    loaded, tokens = rng.integers(8, 65, 40), rng.integers(1, 64, 40)
+    noise = rng.lognormal(0, 1.0, 40) * 1e-2  # CPU timings with no roofline shape in them
+    cal = cost.calibrate(shape, hw, noise, tokens, [256] * 40, loaded)
+    assert not cal.usable
+    assert any("R²" in p for p in cal.problems) and "not usable" in cal.verdict
+    flat = cost.Calibration(0.0, 0.0, 0.05, 1.59, 0.0, 80)
+    assert not flat.usable and any("α and β both fitted to 0" in p for p in flat.problems)
+    parts = np.array([cost.pass_time(shape, hw, t, 256, e)[1:] for t, e in zip(tokens, loaded)])
+    good = cost.calibrate(shape, hw, 1.7 * parts[:, 0] + 2e-4, tokens, [256] * 40, loaded)
+    assert good.usable and good.problems == []
+
+
+def test_coactivation_lift_masks_the_diagonal_and_is_one_when_independent():
+    from analysis import figures
+    rng = np.random.default_rng(3)
+    topk = np.argsort(rng.random((100_000, 16)), 1)[:, :4]
+    rest = np.array([e for e in range(16) if e not in (3, 11)])
+    planted = np.argsort(rng.random((20_000, 14)), 1)[:, :2]
+    topk[:20_000] = np.c_[np.full((20_000, 2), [3, 11]), rest[planted]]  # one planted pair
+    c = coactivation.Coactivation(0, coactivation.all_pairs(topk, 16), len(topk), 4, "all_pairs")
+    lift = c.lift
+    assert np.isnan(np.diag(lift)).all()
+    assert lift[3, 11] > 1.5 and lift[3, 11] == pytest.approx(lift[11, 3])
+    others = np.ones((16, 16), bool)
+    np.fill_diagonal(others, False)
+    others[[3, 11], :] = others[:, [3, 11]] = False
+    assert np.nanmedian(lift[others]) == pytest.approx(1.0, abs=0.05)
+    # with uniform marginals the expectation is the concentration's M·k(k−1)/(N(N−1))
+    # (a circulant design: every expert selected equally often)
+    uniform = np.array([[(i + d) % 16 for d in (0, 1, 3, 7)] for i in range(16)] * 10)
+    u = coactivation.Coactivation(0, coactivation.all_pairs(uniform, 16), 160, 4, "all_pairs")
+    off = ~np.eye(16, dtype=bool)
+    np.testing.assert_allclose(u.lift[off], u.matrix[off] / u.expected, rtol=1e-12)
+    fig = figures.coactivation(c.matrix, None, "t", lift=lift)
+    z = np.array(fig.data[0].z, dtype=float)
+    assert np.isnan(np.diag(z)).all() and fig.data[0].zmid == 0
+    assert "observed / expected" in fig.data[0].colorbar.title.text
+    counts = figures.coactivation(c.matrix, None, "t")
+    assert np.isnan(np.diag(np.array(counts.data[0].z, dtype=float))).all()
+    assert "diagonal masked" in counts.data[0].colorbar.title.text

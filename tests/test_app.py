@@ -53,6 +53,7 @@ def test_every_page_renders_without_exception(traces, monkeypatch, page):
     from figcheck import problems
     at = goto(app_on(traces, monkeypatch), page)
     assert at.get("plotly_chart") or at.dataframe or at.metric, page
+    assert any(c.value.startswith("How to read this") for c in at.caption), page
     found = [p for spec in chart_json(at) for p in problems(json.loads(spec))]
     assert not found, found
 
@@ -78,10 +79,11 @@ def test_selectors_change_the_output(traces, monkeypatch):
 
     at = goto(at, "Speedup projection")
     at.multiselect(key="speed_hw").set_value(["H200"]).run()
-    at.select_slider(key="speed_b").set_value(16).run()
-    assert at.metric[0].label == "projected speedup at B=16 on H200"
+    budget = f"speed_b:{at.selectbox(key='speed_target').value}"
+    at.select_slider(key=budget).set_value(16).run()
+    assert at.metric[0].label == "projected speedup at B=16 of 64 on H200"
     value = at.metric[0].value
-    at.select_slider(key="speed_b").set_value(64).run()
+    at.select_slider(key=budget).set_value(64).run()
     assert at.metric[0].value != value
     before = chart_json(at)
     at.selectbox(key="speed_target").set_value("Qwen/Qwen3-30B-A3B").run()
@@ -133,3 +135,189 @@ def test_new_captures_show_up_without_restart(traces, tmp_path, monkeypatch):
                              "--run", "b"]) == 0
     at.run()
     assert at.metric[0].value != runs
+
+
+def _values(v):
+    """A trace's values as a list (plotly JSON may hold them as base64 typed arrays)."""
+    if isinstance(v, dict) and "bdata" in v:
+        import base64
+
+        import numpy as np
+        a = np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"])
+        return a.reshape([int(n) for n in str(v.get("shape", len(a))).split(",")]).tolist()
+    return list(v)
+
+
+def _speedup_page(traces, monkeypatch):
+    return goto(app_on(traces, monkeypatch), "Speedup projection")
+
+
+def test_speedup_page_budgets_are_the_targets_and_start_at_the_headline(traces, monkeypatch):
+    import plotly.io as pio
+    at = _speedup_page(traces, monkeypatch)
+    target = at.selectbox(key="speed_target").value
+    slider = at.select_slider(key=f"speed_b:{target}")
+    head = next(m.value for m in at.markdown if "within the quality bound" in m.value)
+    assert "closed-loop path unchanged ≥ 90%" in head
+    assert f"at B = {slider.value} of 64" in head  # the slider starts at the headline budget
+    assert any("Quality at B = " in c.value and "the bound" in c.value for c in at.caption)
+    table = at.dataframe[-1].value  # every budget's speedups with the quality it costs
+    assert "quality at this budget" in table.columns and "within the bound" in table.columns
+    mixtral = next(t for t in at.selectbox(key="speed_target").options if "Mixtral" in t)
+    at.selectbox(key="speed_target").set_value(mixtral).run()
+    fig = pio.from_json(chart_json(at)[0])
+    assert "experts of 8" in fig.layout.xaxis.title.text
+    xs = [x for trace in fig.data if trace.mode.startswith("lines") for x in _values(trace.x)]
+    assert xs and all(2 <= x <= 8 for x in xs)  # never below Mixtral's top-2
+    assert any("mapped by share of N" in (a.text or "") for a in fig.layout.annotations)
+    slider = at.select_slider(key=f"speed_b:{mixtral}")
+    options = [int(o) for o in slider.options]
+    assert min(options) >= 2 and max(options) == 8
+
+
+def test_unusable_calibration_is_not_offered(traces, monkeypatch):
+    from analysis import cost
+    from app import views
+    flat = cost.Calibration(0.0, 0.0, 0.05, 1.59, 0.0, 80)
+    monkeypatch.setattr(views, "calibration_frame", lambda *a, **k: (None, flat))
+    at = _speedup_page(traces, monkeypatch)
+    assert not [r for r in at.radio if r.key == "speed_m"]  # no "calibrated" choice
+    why = next(c.value for c in at.caption if "not offered" in c.value)
+    assert "R² 0.00 < 0.5" in why and "α and β both fitted to 0" in why
+
+
+def test_usable_calibration_adds_the_capturing_device(traces, monkeypatch):
+    import polars as pl
+
+    from analysis import cost
+    from app import views
+    good = cost.Calibration(1.5, 0.2, 1e-3, 0.05, 0.95, 80)
+    points = pl.DataFrame(dict(measured=[0.01, 0.02], predicted=[0.011, 0.019],
+                               experts_loaded=[8.0, 16.0]))
+    monkeypatch.setattr(views, "calibration_frame", lambda *a, **k: (points, good))
+    at = _speedup_page(traces, monkeypatch)
+    captured = next(t for t in at.selectbox(key="speed_target").options
+                    if t.startswith("captured shape"))
+    at.selectbox(key="speed_target").set_value(captured).run()
+    at.radio(key="speed_m").set_value("calibrated on this capture's timings").run()
+    assert not at.exception
+    assert any("capturing device (calibrated)" in spec for spec in chart_json(at))
+
+
+def test_coactivation_masks_the_diagonal_and_defaults_to_lift(traces, monkeypatch):
+    import json
+    import math
+    at = goto(app_on(traces, monkeypatch), "Co-activation")
+    heat = json.loads(chart_json(at)[0])["data"][0]
+    assert "observed / expected" in heat["colorbar"]["title"]["text"] and heat["zmid"] == 0
+    z = _values(heat["z"])
+    assert all(z[i][i] is None or math.isnan(z[i][i]) for i in range(len(z)))
+    at.radio(key="coact_scale").set_value("observed").run()
+    heat = json.loads(chart_json(at)[0])["data"][0]
+    assert "diagonal masked" in heat["colorbar"]["title"]["text"]
+    z = _values(heat["z"])
+    assert all(z[i][i] is None or math.isnan(z[i][i]) for i in range(len(z)))
+
+
+def test_sql_downloads_work_for_list_columns(traces, monkeypatch):
+    at = goto(app_on(traces, monkeypatch), "SQL console")
+    at.text_area(key="sql_τ and experts by benchmark").set_value(
+        "SELECT * FROM routing LIMIT 5").run()
+    assert not at.exception, [e.message for e in at.exception]
+    labels = [b.proto.label for b in at.get("download_button")]
+    assert labels == ["Download Parquet", "Download JSON", "Download CSV"]
+    assert any("JSON text" in c.value for c in at.caption)
+
+
+def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, monkeypatch):
+    for run, b in (("one", "1"), ("two", "2"), ("four", "4")):
+        assert capture_cli.main([*CAP, "--limit", "4", "--out", str(tmp_path), "--run", run,
+                                 "--batch-size", b]) == 0
+    at = goto(app_on(tmp_path, monkeypatch), "Batch regime")
+    table = at.dataframe[0].value
+    assert list(table["b"])[0] == 1 and max(table["b"]) >= 3
+    experts = dict(zip(table["b"], table["unique experts / layer (measured)"]))
+    assert experts[max(experts)] > experts[1]  # the union over more trees loads more experts
+    assert any("MoESD's pass-time model fitted" in m.value for m in at.markdown)
+
+
+@pytest.mark.parametrize("example", ["τ and experts by benchmark",
+                                     "Unique experts per layer (first tree)",
+                                     "Accepted path of one tree", "Error vs budget (replay)"])
+def test_every_sql_example_runs(traces, monkeypatch, example):
+    from app.views import EXAMPLES
+    assert example in EXAMPLES and len(EXAMPLES) == 4  # a new example: add it to this list
+    at = goto(app_on(traces, monkeypatch), "SQL console")
+    at.selectbox(key="sql_example").set_value(example).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert at.dataframe[0].value.shape[0] > 0, example
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """gsm8k (alphabetically first) without replay, mbpp with replay, and a calibration run."""
+    root = tmp_path_factory.mktemp("mixed")
+    for bench, run, extra in (("mbpp", "ev", []), ("gsm8k", "g", []),
+                              ("mbpp", "cal", ["--offset", "40", "--role", "calibration",
+                                               "--max-new-tokens", "4"])):
+        assert capture_cli.main([*CAP, "--limit", "1", "--bench", bench, "--out", str(root),
+                                 "--run", run, *extra]) == 0
+    assert replay_cli.main(["--traces", str(root), "--bench", "mbpp", "--ranking", "router",
+                            "oracle", "--budget", "16,32", "--no-progress"]) == 0
+    return root
+
+
+def test_pages_start_at_a_dataset_with_results(mixed, monkeypatch):
+    at = goto(app_on(mixed, monkeypatch), "Replay results")
+    assert at.selectbox(key="replay_ds").value == "tiny-olmoe / mbpp"
+    assert at.get("plotly_chart")
+    at.selectbox(key="replay_ds").set_value("tiny-olmoe / gsm8k").run()
+    assert not at.exception
+    note = next(i.value for i in at.info if "No replay results" in i.value)
+    assert "replay --traces" in note and "--bench gsm8k" in note
+
+
+def test_overview_and_console_default_to_evaluation_runs(mixed, monkeypatch):
+    from analysis.sql import connect
+    at = app_on(mixed, monkeypatch)
+    tile = next(m for m in at.metric if m.label.startswith("unique experts"))
+    assert tile.label == "unique experts / layer / tree (evaluation runs)"
+    ev = connect(mixed, roles=("evaluation",)).execute(
+        "SELECT avg(list_avg(unique_experts)) FROM trees GROUP BY run").fetchall()
+    runs = at.dataframe[0].value
+    mean = runs.loc[runs["role"] == "evaluation", "unique_experts"].mean()
+    assert tile.value == f"{mean:.1f}" and len(ev) == 2
+    at = goto(at, "SQL console")
+    roles = set(at.dataframe[0].value["role"])
+    assert roles == {"evaluation"}
+    at.radio(key="sql_roles").set_value("all roles").run()
+    assert set(at.dataframe[0].value["role"]) == {"evaluation", "calibration"}
+
+
+def test_selections_live_in_the_url(traces, monkeypatch):
+    at = goto(app_on(traces, monkeypatch), "Co-activation")
+    at.selectbox(key="coact_layer").set_value(5).run()
+    assert at.query_params["layer"] == ["5"] or at.query_params["layer"] == "5"
+    assert "dataset" in at.query_params
+    # a deep link: a fresh session with the parameters in its URL starts at them
+    monkeypatch.setattr(sys, "argv", ["main.py", "--traces", str(traces)])
+    fresh = AppTest.from_file(APP, default_timeout=180)
+    fresh.query_params["layer"] = "3"
+    fresh.run()
+    fresh.switch_page("screens/coactivation.py").run()
+    assert fresh.selectbox(key="coact_layer").value == 3
+
+
+def test_speedup_page_draws_eta_from_profile_target(traces, tmp_path, monkeypatch):
+    import shutil
+
+    from analysis import moesd
+    copy = tmp_path / "eta"
+    shutil.copytree(traces, copy)
+    at = _speedup_page(copy, monkeypatch)
+    assert any("profile-target --model tiny-olmoe" in c.value for c in at.caption)
+    assert moesd.main(["--model", "tiny-olmoe", "--batches", "1", "--gammas", "1,4",
+                       "--prefix", "8", "--repeats", "1", "--out", str(copy)]) == 0
+    at = _speedup_page(copy, monkeypatch)
+    assert any("MoESD target efficiency" in spec for spec in chart_json(at))

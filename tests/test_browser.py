@@ -118,6 +118,16 @@ def test_every_page_in_headless_chromium(server, browser, tmp_path):
         headers = [h.text for h in browser.find_elements(
             By.CSS_SELECTOR, '[data-testid="stMainBlockContainer"] h2')]
         assert title in headers, (title, headers)
+        # a local analysis tool: Streamlit's Deploy button is hidden (client.toolbarMode viewer)
+        assert not browser.find_elements(By.CSS_SELECTOR, '[data-testid="stAppDeployButton"]')
         time.sleep(1.0)  # let plotly finish drawing before the screenshot
         browser.save_screenshot(str(shots / f"{page.replace('_', '-')}.png"))
-    assert len(list(shots.glob("*.png"))) >= len(PAGES)
+        # and the whole page (the app scrolls inside its own container): a window as tall
+        height = browser.execute_script(
+            "const m = document.querySelector('[data-testid=\"stMain\"]');"
+            "return m ? m.scrollHeight : document.body.scrollHeight;")
+        browser.set_window_size(1400, min(int(height) + 150, 8000))
+        time.sleep(1.0)
+        browser.save_screenshot(str(shots / f"{page.replace('_', '-')}-full.png"))
+        browser.set_window_size(1400, 1000)
+    assert len(list(shots.glob("*.png"))) >= 2 * len(PAGES)

@@ -22,9 +22,17 @@ def test_report_writes_one_self_contained_html_per_dataset(tmp_path):
     html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
     assert html.count('class="plotly-graph-div"') >= 11  # routing, replay, cost, eta figures
     assert "plotly.js" in html or "Plotly" in html[:200000]  # the library is inlined once
-    for title in ("Oracle gap", "Projected speedup", "Cost model calibrated", "MoESD target "
-                  "efficiency", "Co-activation, layer 0", "Expert activation growth"):
+    for title in ("Oracle gap", "Projected speedup", "MoESD target efficiency",
+                  "Co-activation, layer 0", "Expert activation growth"):
         assert title in html, title
+    # a calibration is drawn only when usable; else it is reported, with why, in words
+    assert "Cost model calibrated" in html or "Cost-model calibration</b>: not usable (" in html
+    # open-loop replay only: the headline says so and states its RSE bound
+    assert "within the quality bound: open-loop RSE ≤ 0.05 (no closed-loop replay" in html
+    assert "Projected speedup and quality" in html and "budgets below top-8 not shown" in html
+    assert "experts of 8, top-2" in html  # Mixtral's own budget axis
+    other = (tmp_path / "r" / "tiny-olmoe_gsm8k.html").read_text()
+    assert "no replay, so only B = N (no budget) is measured" in other
     assert report.main(["--traces", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
 
 
@@ -44,6 +52,9 @@ def test_every_report_figure_has_a_title_and_axis_titles(tmp_path, monkeypatch):
     traces = tmp_path / "traces"
     assert capture_cli.main(["--limit", "2", "--max-new-tokens", "12", "--out", str(traces),
                              "--no-progress"]) == 0
+    assert capture_cli.main(["--limit", "1", "--offset", "50", "--max-new-tokens", "8", "--out",
+                             str(traces), "--no-progress", "--run", "cal", "--role",
+                             "calibration"]) == 0
     assert replay_cli.main(["--traces", str(traces), "--ranking", "router", "oracle", "sqmass",
                             "--budget", "16,32", "--no-progress"]) == 0
     assert replay_cli.main(["--traces", str(traces), "--mode", "closed", "--ranking", "router",
@@ -58,3 +69,19 @@ def test_every_report_figure_has_a_title_and_axis_titles(tmp_path, monkeypatch):
     assert not found, found
     html = next((tmp_path / "r").glob("*.html")).read_text()
     assert "Where coact's gain comes from" in html and "<th>sqmass</th>" in html
+    # the headline is the best speedup at a stated closed-loop bound, with its quality
+    assert "within the quality bound: closed-loop path unchanged ≥ 90%</th><td>" in html
+    head = html.split("closed-loop path unchanged ≥ 90%</th><td>")[1].split("</td>")[0]
+    assert "(no budget)" in head or "path unchanged 9" in head or "path unchanged 100%" in head
+    assert "lift: observed \\u002f expected" in html  # co-activation: lift, diagonal masked
+    # every budget or expert-count axis says of how many experts (N)
+    titles = [a.title.text for f in seen for a in (f.layout.xaxis, f.layout.yaxis)
+              if a.title.text]
+    counted = [t for t in titles if t.startswith("budget B") or "experts needed" in t
+               or t.startswith("unique experts")]
+    assert counted and all("of " in t for t in counted), [t for t in counted if "of " not in t]
+    # the Runs table: labelled columns, readable dtypes, calibration runs listed with their role
+    runs = html.split("<h2>Runs</h2>")[1].split("</table>")[0]
+    assert "<th>temperature</th>" in runs and "<th>T</th>" not in runs
+    assert "torch." not in runs and "float32" in runs
+    assert "<td>cal</td><td>calibration</td>" in runs and "<td>evaluation</td>" in runs
