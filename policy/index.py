@@ -30,8 +30,9 @@ RANKINGS: dict[str, Entry] = {
                            "features, trained to reproduce the oracle's order"),
     "previous": Entry(True, "experts loaded by the previous pass at the layer first, then "
                             "router mass"),
-    "oracle": Entry(False, "greedy reconstruction with every expert's output (offline "
-                           "reference; under substitution the best of it, router's and sqmass's prefix)"),
+    "oracle": Entry(False, "best shortlist found with every expert's output (offline "
+                           "reference): exact where C(N,B) is small, else every runtime "
+                           "ranking's shortlist and the greedies, improved by swaps"),
     "exact": Entry(False, "exhaustive search over all B-subsets while C(N, B) is small "
                           "(offline only)"),
 }

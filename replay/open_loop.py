@@ -186,6 +186,7 @@ class Stream:
 
     prompt: int | None = None
     per_budget: dict[int, Ranking] = field(default_factory=dict)
+    starts: dict[str, Stream] = field(default_factory=dict)  # the oracle's stateful starts
 
 
 def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budgets: list[int],
@@ -196,6 +197,11 @@ def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budget
     learns from executed experts keeps one instance per budget B and observes, after each pass,
     the outputs of exactly the experts the budgeted pass ran (coverage applied at B)."""
     if not ranking.stateful:
+        if ranking.stateful_starts:  # the oracle: each stateful ranking streamed as its own task
+            starts = [shortlists(other, batch, coverage, budgets, prompts, steps,
+                                 stream.starts.setdefault(other.name, Stream()))[0]
+                      for other in ranking.stateful_starts]
+            return ranking.shortlists(batch, coverage, budgets, starts=starts)
         return ranking.shortlists(batch, coverage, budgets)
     keep = torch.zeros(batch.size, len(budgets), batch.n, dtype=torch.bool, device=batch.device)
     union = batch.union()

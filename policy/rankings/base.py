@@ -43,6 +43,8 @@ class Ranking(ABC):
     # stored results of the older definition are never reused
     uses_calibration: ClassVar[bool] = False  # fit() uses calibration statistics when given,
     # without needing them (the oracle); results are then keyed by the calibration runs
+    stateful_starts: tuple = ()  # rankings whose shortlists open-loop replay streams in order
+    # and hands to shortlists(starts=...) (the oracle's stateful starts)
     selected_first: ClassVar[bool] = True  # under truncation, experts some tree token selected
     # come before any other (B ≥ |U| ⇒ the error floor); False only for the papers' own
     # definitions (router, static), which can leave a selected expert out even when B ≥ |U|

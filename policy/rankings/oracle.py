@@ -5,16 +5,17 @@ Per tree-layer and budget, under either coverage policy:
 1. **Exhaustive** where C(N, B) ≤ 5000 (every budget of an 8-expert model): the oracle *is*
    ``exact`` there (:func:`policy.rankings.exact.exhaustive_best`).
 2. Elsewhere, **starts**: the greedy prefixes below, router's and squared mixing mass's
-   prefixes, and the shortlist of every registered runtime ranking that keeps no state across
-   passes (fitted on the replay's calibration when one is given: static, coact-diag, coact,
-   learned); the start with the least exact error is kept (ties to the first).
+   prefixes, and the shortlist of every registered runtime ranking (fitted on the replay's
+   calibration when one is given: static, coact-diag, coact, learned, coact-online; the
+   stateful ones, previous and coact-online, streamed pass by pass by open-loop replay exactly
+   as their own results are); the start with the least exact error is kept (ties to the first).
 3. **Swap local search** from that start (:func:`local_search`): replace one member of S by one
    of the strongest experts outside it while the exact error drops, batched over tree-layers.
 
-So the oracle is never worse than any of its starts in any cell, by construction; rankings that
-keep state across passes (previous, coact-online) are not starts, and the search does not prove
-optimality beyond the exhaustive budgets. ``bench/oracle_bound.py`` counts the cells where any
-runtime ranking beats it.
+So in open-loop replay the oracle is never worse than any runtime ranking in any cell, by
+construction (called directly, without the stream, it starts from the stateless ones only); the
+search does not prove optimality beyond the exhaustive budgets. ``bench/oracle_bound.py``
+counts the cells where any runtime ranking beats it.
 
 The greedy starts:
 
@@ -51,10 +52,16 @@ import torch
 
 from policy.coverage import COVERAGES, Truncation, prefix_masks
 from policy.greedy import greedy_quadratic, pair_sums
-from policy.rankings.base import (REGISTRY, Ranking, RankingError, by_mass, by_squared_mass,
-                                  register, selected_first)
+from policy.rankings.base import (
+    REGISTRY,
+    Ranking,
+    RankingError,
+    by_mass,
+    by_squared_mass,
+    register,
+    selected_first,
+)
 from policy.rankings.exact import EXACT_LIMIT, exhaustive_best
-from policy.substitution import best_prefixes
 
 
 @register
@@ -71,11 +78,13 @@ class Oracle(Ranking):
     def fit(self, calibration=None):
         super().fit(calibration)
         self.starts = start_rankings(calibration)
+        self.stateful_starts = tuple(start_rankings(calibration, stateful=True))
         return self
 
-    def shortlists(self, batch, coverage, budgets):
+    def shortlists(self, batch, coverage, budgets, starts=()):
         """Per tree-layer and budget the best shortlist found (module docstring): exhaustive where
-        C(N, B) ≤ ``EXACT_LIMIT``, else the best start improved by swaps."""
+        C(N, B) ≤ ``EXACT_LIMIT``, else the best start improved by swaps. ``starts``: shortlists
+        ``[T, len(budgets), N]`` of the stateful rankings, streamed by open-loop replay."""
         if batch.terms is None:
             raise RankingError("oracle needs every expert's output (open-loop replay only)")
         budgets = list(budgets)
@@ -87,11 +96,13 @@ class Oracle(Ranking):
                 keep[:, j] = exhaustive_best(batch, coverage, b)
         if searched:
             part = [budgets[j] for j in searched]
-            keep[:, searched] = local_search(batch, coverage, self.start(batch, coverage, part),
+            extra = [s[:, searched] for s in starts]
+            keep[:, searched] = local_search(batch, coverage,
+                                             self.start(batch, coverage, part, extra),
                                              part, self.swap_candidates, self.max_rounds)
         return keep, budgets
 
-    def start(self, batch, coverage, budgets) -> torch.Tensor:
+    def start(self, batch, coverage, budgets, extra=()) -> torch.Tensor:
         """``[T, len(budgets), N]``: per tree-layer and budget the best of the greedy prefixes,
         router's and squared mass's prefixes and every start ranking's shortlist (ties to the
         first)."""
@@ -104,9 +115,8 @@ class Oracle(Ranking):
         orders += [by_mass(batch.mass()), by_squared_mass(batch)]
         candidates = [prefix_masks(o, budgets, batch.n) for o in orders]
         for ranking in getattr(self, "starts", start_rankings(None)):
-            ranking.reset()
             candidates.append(ranking.shortlists(batch, coverage, budgets)[0])
-        return best_shortlists(batch, coverage, candidates)
+        return best_shortlists(batch, coverage, candidates + list(extra))
 
     def order(self, batch, coverage, max_budget):
         if batch.terms is None:
@@ -122,18 +132,18 @@ class Oracle(Ranking):
 _STARTS: dict[int, tuple[object, list[Ranking]]] = {}
 
 
-def start_rankings(calibration) -> list[Ranking]:
-    """Every registered runtime ranking that needs no state across passes, fitted on
-    ``calibration`` where it needs one (skipped without it, or without examples for a ranking
-    that learns from them): the shortlists the oracle must never lose to. Fitted once per
-    calibration object."""
+def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
+    """Every registered runtime ranking, fitted on ``calibration`` where it needs one (skipped
+    without it, or without examples for a ranking that learns from them): the shortlists the
+    oracle must never lose to. Stateless ones are fitted once per calibration object; stateful
+    ones (``stateful=True``) fresh, since they keep state (open-loop replay streams them)."""
     key = id(calibration)
-    if key in _STARTS and _STARTS[key][0] is calibration:
+    if not stateful and key in _STARTS and _STARTS[key][0] is calibration:
         return _STARTS[key][1]
     found = []
     for name in sorted(REGISTRY):
         cls = REGISTRY[name]
-        if not cls.runtime or cls.stateful:
+        if not cls.runtime or cls.stateful != stateful:
             continue
         if cls.needs_calibration and calibration is None:
             continue
@@ -141,7 +151,8 @@ def start_rankings(calibration) -> list[Ranking]:
             found.append(cls().fit(calibration))
         except RankingError:  # e.g. learned without calibration examples
             continue
-    _STARTS[key] = (calibration, found)
+    if not stateful:
+        _STARTS[key] = (calibration, found)
     return found
 
 
