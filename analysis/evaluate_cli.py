@@ -2,18 +2,19 @@
 
     evaluate --traces traces                       # every complete run
     evaluate --run B16-router --output quality.json
+    query "SELECT prompt_id, score, answer FROM quality WHERE score = 0"   # why each failed
 
 Writes the ``quality`` table (one row per prompt, beside the traces; ``query`` shows it) and
 prints per run the metric with a 95% bootstrap interval; a run captured under a budget is
 compared with its unbudgeted twin (same prompts and decoding): identical outputs, first
 divergence, and the score difference with a paired bootstrap interval. Code runs only in a
-sandboxed subprocess (tasks/sandbox.py).
+sandboxed subprocess (tasks/sandbox.py); a program that fails keeps its exception's class and
+message in the ``answer`` column (``failed: NameError: name 'x' is not defined``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -33,24 +34,35 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--benchmarks", default=None, help="benchmarks folder (references, tests)")
     p.add_argument("--output", type=Path, default=None, help="also write the summary as JSON")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    console.threads.add_argument(p, what="the tokenizer and numeric libraries")
     return p
 
 
+@console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from transformers import AutoTokenizer
-    try:
+    console.threads.apply(args.threads, torch=False)
+    try:  # the runs, benchmarks and --output are checked before transformers loads
+        if args.output is not None and str(args.output) != "-":
+            console.check_output(args.output)
         catalog = Catalog(args.traces)
         everything = catalog.runs()
         runs = catalog.runs(model=args.model, bench=args.bench, names=args.run)
         if not runs:
             raise CatalogError(f"no complete runs match under {args.traces}")
+        prompt_sets = {b: {p.prompt_id: p for p in benchmarks.load(b, root=args.benchmarks)}
+                       for b in sorted({r.bench for r in runs})}
+    except (CatalogError, benchmarks.BenchmarkError, OSError) as exc:
+        print(f"evaluate: error: {exc}", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+    try:
         # unbudgeted runs first, so twins are scored before the runs compared with them
         runs.sort(key=lambda r: r.settings.get("budget") is not None)
         scored: dict[str, dict[int, float | None]] = {}
         results = {}
         for run in runs:
-            prompts = {p.prompt_id: p for p in benchmarks.load(run.bench, root=args.benchmarks)}
+            prompts = prompt_sets[run.bench]
             tokenizer = AutoTokenizer.from_pretrained(run.manifest["model_location"])
             twin = quality.find_twin(run, everything)
             if twin is not None and twin.name not in scored:
@@ -62,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             scored[run.name] = dict(zip(table["prompt_index"].to_pylist(),
                                         table["score"].to_pylist()))
             results[run.name] = dict(model=run.model, bench=run.bench,
-                                     **quality.summary(table, seed=args.seed))
+                                     **quality.summary(table, seed=args.seed),
+                                     failures=dict(quality.failures(table)))
     except (CatalogError, benchmarks.BenchmarkError, OSError) as exc:
         print(f"evaluate: error: {exc}", file=sys.stderr)
         return 2
@@ -76,9 +89,18 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['difference_ci95'][1]:+.3f}]"
             line += (f"; vs {r['twin']}: identical outputs {r['exact_match']:.0%}, score "
                      f"difference {diff}")
+        if r["failures"]:
+            line += "; failed: " + ", ".join(f"{why} ×{count}" for why, count in
+                                            r["failures"].items())
         print(line)
     if args.output:
-        args.output.write_text(json.dumps(results, indent=2) + "\n")
+        try:
+            console.write_json(args.output, results)
+        except OSError as exc:
+            print(f"evaluate: error: cannot write --output {args.output}: "
+                  f"{exc.strerror or exc}; the quality table is written, choose a writable "
+                  "--output", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -94,12 +94,14 @@ def regime(tokens, n: int, k: int, coef: dict) -> list[str]:
     return out
 
 
+@console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     from moe import models
     p = console.ArgumentParser(
         prog="profile-target", examples="""
             profile-target --model tiny-olmoe --batches 1,2 --gammas 1,4,16
-            profile-target --model olmoe --device cuda --repeats 5      # on the GPU you study""",
+            profile-target --model olmoe --device cuda --repeats 5      # on the GPU you study
+            profile-target --model tiny-olmoe --threads 1               # CPU timings, one core""",
         description="Time the target's forward at batch sizes b and gamma tokens per sequence on "
                     "this device and store the points for MoESD's efficiency eta(b, gamma).")
     p.add_argument("--model", default=models.DEFAULT_MODEL, help="alias, hub id or folder")
@@ -112,11 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, "
                                                    "bfloat16, float16")
     p.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
+    console.threads.add_argument(p, what="torch (CPU timings depend on it)")
     args = p.parse_args(argv)
-    from catalog import atomic, partition_value
-    from moe.adapter import MoEAdapter
-    from moe.families import UnsupportedModelError
-    models.quiet_transformers()
     try:
         batches = [int(x) for x in args.batches.split(",")]
         gammas = sorted({1, *(int(x) for x in args.gammas.split(","))})
@@ -127,6 +126,16 @@ def main(argv: list[str] | None = None) -> int:
             f"cannot read --batches/--gammas ({exc}); use comma-separated whole numbers ≥ 1"
         print(f"profile-target: error: {msg}", file=sys.stderr)
         return 2
+    try:  # before torch and transformers load
+        models.check_available(args.model)
+    except models.ModelError as exc:
+        print(f"profile-target: error: {exc}", file=sys.stderr)
+        return 2
+    threads = console.threads.apply(args.threads)
+    from catalog import atomic, partition_value
+    from moe.adapter import MoEAdapter
+    from moe.families import UnsupportedModelError
+    models.quiet_transformers()
     try:
         loaded = models.load(args.model, device=args.device, dtype=args.dtype)
         adapter = MoEAdapter(loaded.model)
@@ -152,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(eff.with_columns(regime=pl.Series(regime(
             eff["batch"] * eff["gamma"], adapter.num_experts, adapter.top_k, coef))))
     print(f"fit: T = {coef['c0']:.3g} + {coef['c1']:.3g}·E(bγ) + {coef['c2']:.3g}·bγ s "
-          f"(relative RMSE {coef['relative_rmse']:.1%}); wrote {folder}")
+          f"(relative RMSE {coef['relative_rmse']:.1%}; {loaded.device.type}, {threads} CPU "
+          f"threads); wrote {folder}")
     return 0
 
 

@@ -13,6 +13,8 @@ differ, and both scores; per run, the quality difference with a paired bootstrap
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,6 +23,37 @@ from catalog import Run, atomic, schema
 from tasks import benchmarks, scoring
 
 BUDGET_KEYS = ("budget", "ranking", "coverage", "calibration")
+REASON_CHARS = 300  # of an exception's class and message kept per prompt
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning|Iteration)"
+                             r"(: .*)?$")
+
+
+def answer_of(s: scoring.Score) -> str:
+    """The ``answer`` column: what was extracted, or why it failed. A program that failed in
+    the sandbox keeps the exception's class and message (the last line of the traceback the
+    sandbox captured, at most REASON_CHARS), as lm-eval's per-sample logs do: ``failed:
+    NameError: name 'x' is not defined`` rather than ``failed``."""
+    if s.answer != "failed" or not s.detail:
+        return s.answer[:500]
+    lines = [line.strip() for line in s.detail.strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if not _EXCEPTION_LINE.match(last):
+        return s.answer
+    return f"{s.answer}: {last[:REASON_CHARS]}"
+
+
+def failures(table: pa.Table, top: int = 3) -> list[tuple[str, int]]:
+    """The most common reasons prompts failed (exception class, or timeout / killed)."""
+    counts: dict[str, int] = {}
+    for answer, score in zip(table["answer"].to_pylist(), table["score"].to_pylist()):
+        if score != 0.0 or not answer:
+            continue
+        if answer.startswith("failed: "):
+            answer = answer.removeprefix("failed: ").split(":")[0]
+        elif answer not in ("failed", "timeout") and not answer.startswith("killed"):
+            continue  # a wrong answer of a non-code task, not a failure
+        counts[answer] = counts.get(answer, 0) + 1
+    return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
 
 
 def find_twin(run: Run, runs: list[Run]) -> Run | None:
@@ -65,7 +98,7 @@ def evaluate_run(run: Run, tokenizer, prompts: dict[str, benchmarks.Prompt],
         s = scoring.score(prompts[pid], tokenizer.decode(ids, skip_special_tokens=True))
         other = theirs.get(index)
         rows.append(dict(prompt_index=index, prompt_id=pid, metric=s.metric, score=s.value,
-                         answer=s.answer[:500], output_tokens=len(ids),
+                         answer=answer_of(s), output_tokens=len(ids),
                          twin_run=twin.name if twin else None,
                          exact_match=None if other is None else other[1] == ids,
                          first_divergence=None if other is None else
@@ -77,8 +110,16 @@ def evaluate_run(run: Run, tokenizer, prompts: dict[str, benchmarks.Prompt],
 def write(run: Run, table: pa.Table) -> None:
     """The run's ``quality`` part (replaces an earlier evaluation of it)."""
     folder = run.dir("quality")
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic.write_table(folder / "part-0.parquet", table)
+    path = folder / "part-0.parquet"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic.write_table(path, table)
+    except atomic.UnsafeTarget:
+        raise
+    except OSError as exc:  # full disk, permissions: one line naming the file
+        why = exc.strerror or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise OSError(f"cannot write {path}: {why}; free disk space or fix permissions, then "
+                      "evaluate again") from None
 
 
 def bootstrap_ci(values, n: int = 2000, seed: int = 0) -> tuple[float, float]:

@@ -3,6 +3,7 @@
     query "SELECT bench, count(*) AS trees, avg(accepted_length) AS tau FROM trees GROUP BY bench"
     query --schema
     query "SELECT * FROM replay_open" --format parquet --out results.parquet
+    query "SELECT role, count(*) AS trees FROM trees GROUP BY role" --role all
 """
 
 from __future__ import annotations
@@ -13,21 +14,27 @@ from pathlib import Path
 import duckdb
 
 import console
-from analysis.sql import QueryRefused, connect, run_query, views
+from analysis.sql import QueryRefused, connect, damaged_file, run_query, views
 from catalog import CatalogError, atomic
 
 FORMATS = ("table", "csv", "json", "parquet")
 
 
+@console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(
         prog="query", examples=__doc__.split("\n\n")[1],
         description="Run SQL over every trace table (sequences, trees, nodes, routing, moe_io, "
                     "runs) and replay result (replay_open, replay_closed) as named DuckDB views; "
-                    "hive partitions (model, bench, run, config) are columns. Read-only: "
-                    "queries (SELECT, WITH, EXPLAIN) only.")
+                    "hive partitions (model, bench, run, config) and each run's role are "
+                    "columns. The views hold evaluation runs unless --role says otherwise. "
+                    "Read-only: queries (SELECT, WITH, EXPLAIN) only.")
     p.add_argument("sql", nargs="?", help="the query")
     p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
+    p.add_argument("--role", default="evaluation", choices=("evaluation", "calibration", "all"),
+                   help="which runs the views hold (default evaluation: calibration runs are "
+                        "not pooled into results unless asked; all: every role, `role` is a "
+                        "column)")
     p.add_argument("--schema", action="store_true", help="list the views and their columns")
     p.add_argument("--format", default="table", choices=FORMATS, help="output format")
     p.add_argument("--out", type=Path, default=None, help="write here instead of stdout "
@@ -35,18 +42,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rows", type=int, default=40, help="rows shown by --format table")
     args = p.parse_args(argv)
     if not args.traces.is_dir():
-        print(f"query: error: no traces folder at {args.traces}; run `capture` first or pass "
-              "--traces", file=sys.stderr)
+        print(f"query: error: no traces folder at {args.traces}; run "
+              f"`{console.command('capture')}` first or pass --traces", file=sys.stderr)
         return 2
     try:
-        con = connect(args.traces)
+        con = connect(args.traces, roles=None if args.role == "all" else (args.role,))
     except CatalogError as exc:
         print(f"query: error: {exc}", file=sys.stderr)
         return 2
     names = views(con)
     if args.schema:
         if not names:
-            print(f"no tables under {args.traces} yet; run `capture` first")
+            print(f"no tables of {args.role} runs under {args.traces} yet; run "
+                  f"`{console.command('capture')}` first" + ("" if args.role == "all" else
+                                                             " or pass --role all"))
         for name in names:
             cols = con.execute(f"DESCRIBE {name}").fetchall()
             print(f"{name}: " + ", ".join(f"{c[0]} {c[1]}" for c in cols))
@@ -59,6 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         rel = run_query(con, args.sql)
+        if args.format == "parquet" and str(args.out) == "-":  # stdout, on purpose
+            import io
+
+            import pyarrow.parquet as pq
+            buffer = io.BytesIO()
+            pq.write_table(rel.to_arrow_table(), buffer, compression="zstd")
+            sys.stdout.buffer.write(buffer.getvalue())
+            sys.stdout.flush()
+            return 0
         if args.format == "parquet":  # written by Python (DuckDB writes no file), atomically
             atomic.write_table(args.out, rel.to_arrow_table())
             return 0
@@ -67,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"query: error: {exc}", file=sys.stderr)
         return 2
     except duckdb.Error as exc:
+        damaged = damaged_file(args.traces, args.sql, exc)  # a corrupt page names no file
+        if damaged:
+            print(f"query: error: {damaged}", file=sys.stderr)
+            return 2
         first = str(exc).strip().splitlines()[0]
         print(f"query: error: {first} (views: {', '.join(names) or 'none'})", file=sys.stderr)
         return 2
@@ -75,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
               "--out", file=sys.stderr)
         return 2
     if args.format == "csv":
+        nested = [name for name, dtype in df.schema.items() if dtype.is_nested()]
+        if nested:
+            print(f"query: error: CSV cannot hold the list columns {', '.join(nested)}; select "
+                  "other columns, or use --format json or --format parquet --out FILE",
+                  file=sys.stderr)
+            return 2
         text = df.write_csv()
     elif args.format == "json":
         text = df.write_json()
@@ -83,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         with pl.Config(tbl_rows=args.max_rows, tbl_cols=-1, tbl_width_chars=160,
                        tbl_hide_dataframe_shape=False):
             text = str(df)
-    if args.out:
+    if args.out and str(args.out) != "-":  # - is stdout, on purpose
         try:
             atomic.write_bytes(args.out, text.encode("utf-8"))
         except OSError as exc:

@@ -22,17 +22,28 @@ the current capture of their run. Running captures and interrupted replays are l
 from __future__ import annotations
 
 import re
-
+import sys
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 
+import console
 from analysis import summaries
-from catalog import Catalog, CatalogError, partition_value, schema
+from catalog import Catalog, CatalogError, partition_value, reader, schema
 from catalog.results import RESULT_TABLES, complete_blocks
 
 VIEWS = (*schema.TRACE_TABLES, "runs", "quality", *RESULT_TABLES, *summaries.TABLES)
+
+
+_WARNED: set[str] = set()
+
+
+def warn(line: str) -> None:
+    """Say on stderr, once per process, what a view leaves out and how to fix it."""
+    if line not in _WARNED:
+        _WARNED.add(line)
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def _catalog_tables(root: Path, roles) -> tuple[pa.Table, pa.Table]:
@@ -46,8 +57,11 @@ def _catalog_tables(root: Path, roles) -> tuple[pa.Table, pa.Table]:
                                                         "run_id")),
                           ("summarised", pa.bool_())]))
     prompts = {(partition_value(r.model), r.bench, r.name): r.prompt_indices() for r in runs}
-    blocks = [dict(b, table=t) for t in RESULT_TABLES for b in complete_blocks(root, t)
+    skipped: list[str] = []  # torn result configs: left out, and said so
+    blocks = [dict(b, table=t) for t in RESULT_TABLES for b in complete_blocks(root, t, skipped)
               if b.pop("prompts") == prompts.get((b["model"], b["bench"], b["run"]))]
+    for line in skipped:
+        warn(line)
     block_rows = pa.Table.from_pylist(blocks, schema=pa.schema(
         [(c, pa.string()) for c in ("model", "bench", "run", "config", "block", "run_id",
                                     "table")]))
@@ -60,6 +74,7 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
     every view to runs of those roles (default: all, with ``role`` as a column)."""
     root = Path(root)
     con = duckdb.connect(database)
+    con.execute(f"SET threads = {console.threads.current()}")  # never more than this process's CPUs
     runs, blocks = _catalog_tables(root, roles)
     for name, table in (("_complete_runs", runs), ("_complete_blocks", blocks)):
         con.register("_arrow", table)  # tables, not registrations: cursors must see them too
@@ -69,6 +84,7 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
         folder = root / summaries.FOLDER / name if name in summaries.TABLES else root / name
         if not any(folder.rglob("*.parquet")):
             continue
+        reader.check_files(folder, name)  # damaged or retyped parts: refused, naming the file
         glob = folder.as_posix().replace("'", "''") + "/**/*.parquet"
         scan = f"read_parquet('{glob}', hive_partitioning = true, union_by_name = true)"
         if name in RESULT_TABLES:
@@ -87,6 +103,10 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
             con.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
         except duckdb.Error as exc:  # DuckDB reads the files' schemas here
             first = str(exc).strip().splitlines()[0]
+            if name in summaries.TABLES:  # derived data: leave it out, never fail the rest
+                warn(f"the {name} view is left out (a summary file is damaged: {first[:200]}); "
+                     f"run `report` or delete {folder} to rebuild it")
+                continue
             raise CatalogError(f"the {name} table cannot be read ({first[:300]}); recapture "
                                "the affected run") from None
     lock_down(con, root)
@@ -152,3 +172,28 @@ def views(con: duckdb.DuckDBPyConnection) -> list[str]:
     return [r[0] for r in con.execute(
         "SELECT table_name FROM information_schema.tables WHERE table_type = 'VIEW' "
         "ORDER BY table_name").fetchall()]
+
+
+def damaged_file(root: str | Path, sql: str, error: duckdb.Error) -> str | None:
+    """After a query failed reading data (DuckDB names no file for a corrupt page), the first
+    Parquet file of the views ``sql`` mentions that does not read back with its page checksums,
+    as one line for the user; None when the error is not about the data or no file is found."""
+    if isinstance(error, (duckdb.ParserException, duckdb.BinderException,
+                          duckdb.CatalogException)):
+        return None
+    import pyarrow.parquet as pq
+    root = Path(root)
+    words = set(re.findall(r"[A-Za-z_]+", sql.lower()))
+    for name in VIEWS:
+        if name not in words:
+            continue
+        folder = root / summaries.FOLDER / name if name in summaries.TABLES else root / name
+        for path in sorted(folder.rglob("*.parquet")):
+            try:
+                pq.read_table(path, page_checksum_verification=True)
+            except (pa.ArrowException, OSError) as exc:
+                why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                why = why.replace(str(path), "the file")[:200]
+                return (f"{path}: corrupt or unreadable {name} file ({why}); recapture the run "
+                        "(or delete the file if it is a replay result and replay again)")
+    return None

@@ -98,7 +98,9 @@ def write_prompt(args) -> int:
         "verify_seconds": pa.array(np.full(steps, 0.03)),
         "unique_experts": _lists(unique, pa.int16()), "experts_loaded": _lists(unique, pa.int16()),
         "budget": pa.nulls(steps, pa.int16()), "ranking": pa.nulls(steps, pa.string()),
-        "coverage": pa.nulls(steps, pa.string())}, schema=schema.TABLES["trees"]))
+        "coverage": pa.nulls(steps, pa.string()),
+        **{f.name: pa.nulls(steps, f.type) for f in schema.TABLES["trees"]  # b = 1: no batch
+           if f.name.startswith("batch_") or f.name == "slot"}}, schema=schema.TABLES["trees"]))
     parents = _parents(M)
     depth = np.zeros(M, np.int16)
     for j in range(1, M):
@@ -123,6 +125,8 @@ def write_prompt(args) -> int:
         "token_id": pa.array(rng.integers(0, 50000, n_rows).astype(np.int32)),
         "draft_logprob": pa.array(-np.tile(depth, steps).astype(np.float32)),
         "accepted": pa.array(acc.reshape(-1))}, schema=schema.TABLES["nodes"]))
+    atomic.write_table(run_dir("moe_io") / name,  # no MoE tensors kept (as --store-layers none)
+                       schema.storage_schema("moe_io", "bfloat16").empty_table())
     atomic.write_table(run_dir("sequences") / name, pa.table({
         "prompt_index": pa.array([prompt], pa.int32()), "prompt_id": pa.array([f"p{prompt}"]),
         "prompt_token_ids": pa.array([[1, 2, 3]], pa.list_(pa.int32())),

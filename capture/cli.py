@@ -53,6 +53,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--chat-template", action="store_true",
                    help="wrap each prompt in the tokenizer's chat template as one user turn "
                         "(instruction-tuned targets; their EAGLE heads were trained so)")
+    g.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="decode this many prompts together: each keeps its own draft tree, one "
+                        "target forward verifies all trees (continuous batching; a --budget caps "
+                        "the union over the whole batch)")
     g = p.add_argument_group("draft tree (EAGLE-2)")
     g.add_argument("--total-tokens", type=int, default=d.total_tokens,
                    help="tokens per verification tree, root included")
@@ -67,8 +71,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
     g.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, "
                                                     "bfloat16, float16")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch threads of this process (default: torch's choice)")
+    console.threads.add_argument(p, g, what="torch (with --workers: shared among the workers)")
     g = p.add_argument_group("scale-out on Ray (pip install -e .[ray])")
     g.add_argument("--workers", type=int, default=0,
                    help="capture with N Ray actors on a local cluster started for the run (one "
@@ -134,9 +137,10 @@ def print_summary(s) -> None:
         t.add_row(k, v)
     Console().print(t)
     print("look at it:\n"
-          f"  query --traces {s.root.as_posix()} \"SELECT model, bench, run, count(*) AS trees, "
-          "avg(accepted_length) AS tau FROM trees GROUP BY ALL\"\n"
-          f"  replay --traces {s.root.as_posix()} --ranking router oracle --budget 8,16,24,32")
+          f"  {console.command('query')} --traces {s.root.as_posix()} \"SELECT model, bench, run, "
+          "count(*) AS trees, avg(accepted_length) AS tau FROM trees GROUP BY ALL\"\n"
+          f"  {console.command('replay')} --traces {s.root.as_posix()} --ranking router oracle "
+          "--budget 8,16,24,32")
 
 
 def settings_from(args) -> CaptureSettings:
@@ -153,29 +157,50 @@ def settings_from(args) -> CaptureSettings:
         store_expert_outputs=args.store_expert_outputs,
         budget=args.budget, ranking=args.ranking, coverage=args.coverage,
         calibration=tuple(args.calibration), device=args.device, dtype=args.dtype,
-        chat_template=args.chat_template)
+        chat_template=args.chat_template, batch_size=args.batch_size)
 
 
+def preflight(settings: CaptureSettings, args) -> None:
+    """What can be refused before torch and transformers load (seconds): the run name, the
+    model (an uncached hub model while offline), the prompts, the calibration runs' role."""
+    from catalog import Catalog, CatalogError, InvalidName, check_name
+    if args.workers < 0:
+        raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
+    console.check_output_option(args.output, CaptureError)  # before any work, not after it
+    try:
+        check_name(settings.default_run_name() if args.run is None else args.run, "--run")
+    except InvalidName as exc:
+        raise CaptureError(str(exc)) from None
+    source = models.check_available(settings.model)
+    if not benchmarks.load(settings.bench, root=args.benchmarks, offset=settings.offset,
+                           limit=settings.limit):
+        raise CaptureError(f"no prompts in {settings.bench} at offset {settings.offset}")
+    if settings.calibration and not args.allow_evaluation_calibration:
+        try:
+            found = Catalog(args.out).runs(model=source.name, names=list(settings.calibration))
+        except CatalogError:
+            return  # said in one line where the statistics are collected
+        if any(r.role == "evaluation" for r in found):
+            from policy.calibration import evaluation_calibration
+            raise CaptureError(evaluation_calibration(found))
+
+
+@console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         settings = settings_from(args)
-        if args.workers < 0:
-            raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
-        if args.threads is not None and args.threads < 1:
-            raise CaptureError(f"--threads {args.threads} must be at least 1")
-    except CaptureError as exc:
+        preflight(settings, args)
+    except (CaptureError, models.ModelError, benchmarks.BenchmarkError) as exc:
         print(f"capture: error: {exc}", file=sys.stderr)
         return 2
-    import torch
+    threads = console.threads.apply(args.threads)  # before torch and transformers start pools
 
     from capture.run import capture_run
     from eagle.draft_head import DraftHeadError
     from moe.families import UnsupportedModelError
     from policy.rankings import RankingError
     models.quiet_transformers()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
         summary = capture_run(settings, args.out, args.run, role=args.role,
                               benchmarks_root=args.benchmarks, progress=not args.no_progress,
@@ -191,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(summary)
     try:
         console.write_json(args.output, {"tool": "capture", **dataclasses.asdict(summary),
-                                         "role": args.role,
+                                         "role": args.role, "threads": threads,
                                          "settings": dataclasses.asdict(settings)})
     except OSError as exc:
         print(f"capture: error: cannot write --output {args.output}: {exc.strerror or exc}",

@@ -1,4 +1,4 @@
-"""Capture scaled out on Ray: one actor per GPU (or per CPU slot, one torch thread each).
+"""Capture scaled out on Ray: one actor per GPU (or per CPU slot), sharing ``--threads``.
 
     driver:  lock and start the run (it owns the manifest), start the actors
     actor:   load model + draft once; for each prompt it is handed, decode and write the
@@ -21,15 +21,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+import console
 from capture.writer import CaptureError, RunWriter
-from cluster import ClusterError, count_workers, init_ray, worker_options
+from cluster import ClusterError, cap_workers, count_workers, init_ray, worker_options
 
 
 class CaptureWorker:
     """A Ray actor: one model and draft head, capturing whatever prompts it is handed."""
 
     def __init__(self, settings, out: str, run: str, role: str, prompts: list,
-                 threads: int = 1):  # one torch thread per CPU slot
+                 threads: int = 1):  # the driver's --threads divided among the actors
         import torch
 
         from capture.run import Target
@@ -61,13 +62,16 @@ def capture_distributed(settings, out: Path, run: str, role: str, prompts: list,
                         start: float):
     from capture.background import WriterFailed
     from capture.run import runs_row, summarise
+    workers = cap_workers(workers, len(prompts), settings.device, local=not ray_address)
     try:
         ray = init_ray(workers, ray_address)
     except ClusterError as exc:
         raise CaptureError(str(exc)) from None
-    n = count_workers(ray, workers, settings.device)
+    n = count_workers(ray, workers, settings.device, items=len(prompts))
     actor = ray.remote(**worker_options(settings.device))(CaptureWorker)
-    actors = [actor.remote(settings, str(out), run, role, prompts) for _ in range(n)]
+    # a local cluster shares this process's --threads; a joined one gives each actor its slot
+    threads = 1 if ray_address else console.threads.share(n)
+    actors = [actor.remote(settings, str(out), run, role, prompts, threads) for _ in range(n)]
     try:
         # every actor's model loaded before prompts are handed out
         manifest_fields = ray.get([a.manifest.remote() for a in actors])[0]

@@ -37,8 +37,13 @@ from moe.adapter import MoEAdapter
 from moe.recorder import LayerRecord, VerifyRecorder
 from policy import coverage, rankings
 from policy.budget import Budget
-from policy.calibration import (CalibrationStats, collect_runs, empty_calibration,
-                                evaluation_calibration, examples_for)
+from policy.calibration import (
+    CalibrationStats,
+    collect_runs,
+    empty_calibration,
+    evaluation_calibration,
+    examples_for,
+)
 from tasks import benchmarks
 
 
@@ -111,10 +116,12 @@ def layer_tables(prompt_index: int, prompt_id: str, step: int, records: list[Lay
 
 
 def step_tables(prompt_index: int, prompt_id: str, gen: Generation, experts: dict,
-                budget: Budget | None) -> tuple[pa.Table, pa.Table]:
+                budget: Budget | None, batch: dict | None = None) -> tuple[pa.Table, pa.Table]:
     """``trees`` (one row per pass) and ``nodes`` (one row per tree node) of a prompt;
-    ``experts[step]`` = (unique experts, experts loaded) per MoE layer. A prompt that stopped
+    ``experts[step]`` = (unique experts, experts loaded) per MoE layer; ``batch[step]`` = the
+    batched pass's columns (:class:`BatchColumns`), absent at b = 1. A prompt that stopped
     before any pass (its first token was EOS) has none of either."""
+    batch = batch or {}
     if not gen.steps:
         return schema.TABLES["trees"].empty_table(), schema.TABLES["nodes"].empty_table()
     trees = [dict(prompt_index=prompt_index, prompt_id=prompt_id, step=s.step,
@@ -123,7 +130,9 @@ def step_tables(prompt_index: int, prompt_id: str, gen: Generation, experts: dic
                   verify_seconds=s.verify_seconds, unique_experts=experts[s.step][0],
                   experts_loaded=experts[s.step][1], budget=budget.size if budget else None,
                   ranking=budget.ranking.name if budget else None,
-                  coverage=budget.coverage.name if budget else None) for s in gen.steps]
+                  coverage=budget.coverage.name if budget else None,
+                  **batch.get(s.step, BatchColumns.single(s.tree.size, experts[s.step])).row())
+             for s in gen.steps]
     cat = lambda f: torch.cat([f(s) for s in gen.steps]).cpu().numpy()  # noqa: E731
     sizes = [s.tree.size for s in gen.steps]
     accepted = np.zeros(sum(sizes), dtype=bool)
@@ -144,6 +153,26 @@ def step_tables(prompt_index: int, prompt_id: str, gen: Generation, experts: dic
             pa.Table.from_pydict(nodes, schema=schema.TABLES["nodes"]))
 
 
+@dataclass
+class BatchColumns:
+    """The ``trees`` columns of the batched pass a tree was verified in."""
+
+    batch_pass: int | None
+    slot: int
+    batch_size: int
+    batch_tokens: int
+    batch_unique_experts: list[int]  # per MoE layer, over every tree of the pass
+    batch_experts_loaded: list[int]
+
+    @classmethod
+    def single(cls, nodes: int, experts: tuple[list[int], list[int]]) -> BatchColumns:
+        """b = 1: the pass is the tree."""
+        return cls(None, 0, 1, nodes, *experts)
+
+    def row(self) -> dict:
+        return dict(self.__dict__)
+
+
 def sequence_table(index: int, prompt, ids: list[int], gen: Generation) -> pa.Table:
     return pa.Table.from_pylist([dict(
         prompt_index=index, prompt_id=prompt.prompt_id, prompt_token_ids=ids,
@@ -162,6 +191,7 @@ class PromptChunks:
         self.storage = storage
         self.chunk = 0
         self.experts: dict[int, tuple[list[int], list[int]]] = {}
+        self.batch: dict[int, BatchColumns] = {}  # step → its batched pass (b > 1)
 
     def write(self, passes: list[tuple[int, list[LayerRecord]]]) -> None:
         if not passes:
@@ -194,7 +224,8 @@ class PromptChunks:
                                    schema.storage_schema("moe_io", self.storage["dtype"])
                                    .empty_table())
             self.chunk = 1
-        trees, nodes = step_tables(self.index, self.prompt_id, gen, self.experts, budget)
+        trees, nodes = step_tables(self.index, self.prompt_id, gen, self.experts, budget,
+                                   self.batch)
         self.writer.write_part("trees", self.index, 0, trees)
         self.writer.write_part("nodes", self.index, 0, nodes)
         self.writer.write_part("sequences", self.index, 0,
@@ -320,6 +351,11 @@ class Target:
         return {**run_manifest(self.settings, self.loaded, self.head, self.adapter, run, role,
                                prompts), "storage": self.storage}
 
+    def capture_one(self, index: int, prompt, writer: RunWriter, background: BackgroundWriter,
+                    manifest: dict | None, done: set[int]) -> tuple[int, Generation]:
+        done.add(index)
+        return index, self.capture_prompt(index, prompt, writer, background, manifest, len(done))
+
     def capture_prompt(self, index: int, prompt, writer: RunWriter,
                        background: BackgroundWriter, manifest: dict | None = None,
                        done: int = 0) -> Generation:
@@ -340,6 +376,54 @@ class Target:
         gen = session.result
         background.submit(chunks.finish, prompt, ids, gen, self.budget, manifest, done)
         return gen
+
+
+    def capture_batch(self, items: list[tuple[int, object]], writer: RunWriter,
+                      background: BackgroundWriter, manifest: dict | None, done: set[int]):
+        """Decode ``items`` ((index, prompt) pairs) ``batch_size`` at a time with one batched
+        verification pass per step (:class:`eagle.batched.BatchedDecoder`); each prompt's
+        tables are written when it stops, exactly as :meth:`capture_prompt` writes them, its
+        ``trees`` rows also naming the batched pass. Yields ``(index, Generation)`` as prompts
+        finish. A budget caps the union over all the pass's tree tokens."""
+        from eagle.batched import BatchedDecoder, BatchPass
+        settings, tokenizer, recorder = self.settings, self.loaded.tokenizer, self.recorder
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        policy = settings.storage()
+        prompts = dict(items)
+        ids = {i: prompt_ids(tokenizer, p.text, settings.chat_template) for i, p in items}
+        chunks = {i: PromptChunks(writer, i, p.prompt_id, self.storage) for i, p in items}
+        pending: dict[int, list] = {i: [] for i, _ in items}
+        recorder.new_prompt(keep_pass=lambda step: True)  # per sequence below
+
+        def finish(index: int, gen: Generation):
+            background.submit(chunks[index].write, pending.pop(index))
+            done.add(index)
+            background.submit(chunks[index].finish, prompts[index], ids[index], gen,
+                              self.budget, manifest, len(done))
+            return index, gen
+
+        batched = BatchedDecoder(self.decoder, settings.batch_size, verify_context=recorder)
+        for event in batched.run([(i, ids[i]) for i, _ in items],
+                                 max_new_tokens=settings.max_new_tokens, eos_token_ids=eos,
+                                 seed=lambda i: settings.seed + i):
+            if not isinstance(event, BatchPass):
+                yield finish(*event)
+                continue
+            for _, records in recorder.take():  # this pass: b · M rows per layer
+                m = records[0].probs.shape[0] // len(event.slots)
+                union = ([r.unique_experts for r in records], [r.experts_loaded for r in records])
+                for row, (index, step) in enumerate(zip(event.keys, event.records)):
+                    keep = policy.keeps_pass(index, step.step)
+                    part = [r.rows(row * m, (row + 1) * m, keep) for r in records]
+                    pending[index].append((step.step, part))
+                    chunks[index].batch[step.step] = BatchColumns(
+                        event.index, event.slots[row], len(event.slots), event.tokens_verified,
+                        *union)
+                    if len(pending[index]) >= settings.chunk_steps:
+                        background.submit(chunks[index].write, pending[index])
+                        pending[index] = []
+            for index, gen in event.finished:
+                yield finish(index, gen)
 
 
 def prompt_ids(tokenizer, text: str, chat_template: bool = False) -> list[int]:
@@ -384,6 +468,18 @@ def write_errors(out: Path):
     return wrap
 
 
+def check_batching(settings: CaptureSettings, distributed) -> None:
+    """What batched decoding does not do yet, refused in one line."""
+    if settings.batch_size == 1:
+        return
+    if distributed:
+        raise CaptureError("--batch-size with --workers/--ray-address is not supported yet; "
+                           "batch within one process, or scale out with --batch-size 1")
+    if settings.budget is not None and rankings.get(settings.ranking).stateful:
+        raise CaptureError(f"--ranking {settings.ranking} keeps state per prompt, which a batch "
+                           "of prompts does not have; use a stateless ranking with --batch-size")
+
+
 def check_calibration_roles(settings: CaptureSettings, out: Path) -> None:
     """Refuse ``--calibration`` runs captured as evaluation runs (before the model loads);
     runs not found are reported where the statistics are collected."""
@@ -413,6 +509,7 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
     if not allow_evaluation_calibration:
         check_calibration_roles(settings, out)
     prompts = load_prompts(settings, benchmarks_root)
+    check_batching(settings, workers or ray_address)
     if workers or ray_address:
         from capture.distributed import capture_distributed
         return capture_distributed(settings, out, run, role, prompts, workers=workers,
@@ -429,12 +526,17 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
         trees = accepted = 0
         bar = tqdm(list(enumerate(prompts)), desc=f"capture {target.loaded.name}/"
                    f"{settings.bench}", unit="prompt", disable=not progress)
-        for i, prompt in bar:
-            index = settings.offset + i
-            if index in done:
-                continue
-            done.add(index)
-            gen = target.capture_prompt(index, prompt, writer, background, manifest, len(done))
+        if settings.batch_size > 1:
+            todo = [(settings.offset + i, p) for i, p in enumerate(prompts)
+                    if settings.offset + i not in done]
+            bar.update(len(prompts) - len(todo))
+            finished = target.capture_batch(todo, writer, background, manifest, done)
+        else:
+            finished = (target.capture_one(settings.offset + i, p, writer, background, manifest,
+                                           done) for i, p in bar if settings.offset + i not in done)
+        for _, gen in finished:
+            if settings.batch_size > 1:
+                bar.update(1)
             trees += len(gen.steps)
             accepted += sum(s.accepted_length for s in gen.steps)
             bar.set_postfix(tau=f"{accepted / max(1, trees):.2f}")

@@ -20,6 +20,9 @@ class CaptureError(RuntimeError):
     """A run that cannot be written or resumed; the message is one line for the user."""
 
 
+MAX_COUNT = 1_000_000  # the most tokens, prompts, steps any sane option asks for
+
+
 @dataclass(frozen=True)
 class CaptureSettings:
     model: str = DEFAULT_MODEL
@@ -48,17 +51,28 @@ class CaptureSettings:
     dtype: str = "auto"
     chunk_steps: int = 64
     chat_template: bool = False  # wrap prompts in the tokenizer's chat template (one user turn)
+    batch_size: int = 1  # sequences decoded together, one batched verification pass each step
 
     def __post_init__(self):
         """Refuse settings that cannot describe a capture, in one line naming the option."""
-        checks = [(self.max_new_tokens >= 1, "--max-new-tokens", "at least 1"),
-                  (self.offset >= 0, "--offset", "0 or more"),
-                  (self.limit is None or self.limit >= 0, "--limit", "0 (all) or more"),
-                  (self.temperature >= 0, "--temperature", "0 (greedy) or more"),
+        # upper bounds too: a typo (max_new_tokens = 99999999999999999999) is refused at once,
+        # not hours later (or never) in a generation loop or a seed overflow
+        checks = [(1 <= self.max_new_tokens <= MAX_COUNT, "--max-new-tokens",
+                   f"at least 1 and at most {MAX_COUNT}"),
+                  (0 <= self.offset <= MAX_COUNT, "--offset", f"0 to {MAX_COUNT}"),
+                  (self.limit is None or 0 <= self.limit <= MAX_COUNT, "--limit",
+                   f"0 (all) to {MAX_COUNT}"),
+                  (0 <= self.temperature <= 100, "--temperature", "0 (greedy) to 100"),
                   (0 < self.top_p <= 1, "--top-p", "in (0, 1]"),
-                  (self.top_k >= 0, "--top-k", "0 (off) or more"),
-                  (self.chunk_steps >= 1, "chunk_steps", "at least 1"),
-                  (self.seed >= 0, "--seed", "0 or more")]
+                  (0 <= self.top_k <= MAX_COUNT, "--top-k", f"0 (off) to {MAX_COUNT}"),
+                  (1 <= self.chunk_steps <= MAX_COUNT, "chunk_steps", f"1 to {MAX_COUNT}"),
+                  (1 <= self.batch_size <= 4096, "--batch-size", "1 to 4096"),
+                  (self.total_tokens <= 4096, "--total-tokens", "at most 4096"),
+                  (self.depth <= 1024, "--depth", "at most 1024"),
+                  (self.tree_top_k <= 1024, "--tree-top-k", "at most 1024"),
+                  (self.budget is None or self.budget <= MAX_COUNT, "--budget",
+                   f"at most {MAX_COUNT}"),
+                  (0 <= self.seed < 2**31 - MAX_COUNT, "--seed", f"0 to {2**31 - MAX_COUNT - 1}")]
         for ok, option, rule in checks:
             if not ok:
                 value = getattr(self, option.lstrip("-").replace("-", "_"))
@@ -74,8 +88,12 @@ class CaptureSettings:
 
     def identity(self) -> dict:
         """What makes two captures the same run (device/dtype and chunking included: traces
-        from different numerics are different data)."""
-        return dataclasses.asdict(self)
+        from different numerics are different data). ``batch_size`` 1 is left out, so runs
+        captured before batching existed keep their identity."""
+        found = dataclasses.asdict(self)
+        if found["batch_size"] == 1:
+            del found["batch_size"]
+        return found
 
     def default_run_name(self) -> str:
         """Readable and unique per settings: a short digest of everything that matters."""

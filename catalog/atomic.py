@@ -24,13 +24,51 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def write_bytes(path: Path, data: bytes) -> int:
+class UnsafeTarget(OSError):
+    """An output path that is not a regular file (a device, FIFO, folder or symlink): never
+    replaced. ``str()`` is one line for the user (callers print ``exc.strerror or exc``)."""
+
+
+def check_target(path: Path) -> Path:
+    """Refuse to replace anything but a regular file (or nothing): ``os.replace`` onto a device,
+    FIFO or folder would swap it for a file, and a symlink may point out of the intended folder.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise UnsafeTarget(f"{path} is a symbolic link; outputs never follow or replace links, "
+                           "give the real file's path or another name")
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file (a device, FIFO or socket)"
+        raise UnsafeTarget(f"{path} is {kind}; give a file path (or - for stdout where offered)")
+    return path
+
+
+@contextmanager
+def _replacing(path: Path):
+    """Yield the temporary name for ``path``; rename it over ``path`` if the block succeeds and
+    delete it on every failure path."""
+    check_target(path)
     tmp = temporary_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if tmp.is_symlink() or tmp.exists():  # a leftover (or planted link): never written through
+        tmp.unlink()
+    try:
+        yield tmp
+        check_target(path)  # nothing swapped in a link or device meanwhile
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists() or tmp.is_symlink():
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+
+
+def write_bytes(path: Path, data: bytes) -> int:
+    with _replacing(Path(path)) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
     return len(data)
 
 
@@ -43,15 +81,15 @@ def write_table(path: Path, table: pa.Table) -> int:
     statistics for scalar columns only: dictionary-encoding float vectors costs time and space,
     and their min/max help no query. Float vectors are byte-stream-split (Parquet's encoding for
     floats: ~15% smaller and faster to decode). Returns the bytes written."""
-    tmp = temporary_name(path)
+    path = Path(path)
     scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
     strings = [f.name for f in table.schema if pa.types.is_string(f.type)]
     floats = [f"{f.name}.list.element" for f in table.schema if pa.types.is_list(f.type)
               and f.type.value_type in (pa.float32(), pa.float64())]
-    pq.write_table(table, tmp, compression="zstd", use_dictionary=strings,
-                   write_statistics=scalar, write_page_checksum=True,
-                   use_byte_stream_split=floats or False)
-    os.replace(tmp, path)
+    with _replacing(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=strings,
+                       write_statistics=scalar, write_page_checksum=True,
+                       use_byte_stream_split=floats or False)
     return path.stat().st_size
 
 

@@ -60,8 +60,19 @@ def check_values(arrays: dict, probs_type=None) -> str | None:
             return f"{name} holds non-finite or out-of-range values (e.g. {values[wrong][0]!r})"
         return None
 
+    def repeated(ids):
+        if ids is None or ids.size == 0 or ids.ndim != 2 or ids.shape[1] < 2:
+            return None
+        ordered = np.sort(ids, axis=1)
+        same = (np.diff(ordered, axis=1) == 0).any(axis=1)
+        if same.any():
+            return (f"topk_ids repeats an expert within one node's top-k (e.g. "
+                    f"{ids[same][0].tolist()})")
+        return None
+
     return (bad("router_probs", arrays["probs"], -1e-6, 1 + 1e-3)
             or bad("topk_ids", arrays["topk_ids"], 0, n - 1)
+            or repeated(arrays["topk_ids"])
             or bad("topk_weights", arrays["topk_weights"], -1e-6, ABSURD)
             or bad("hidden", arrays.get("hidden"), -ABSURD, ABSURD)
             or bad("output", arrays.get("output"), -ABSURD, ABSURD)
@@ -112,6 +123,23 @@ def _expected_types(t: pa.Table, table: str) -> pa.Table:
             continue
         raise ValueError(f"column {name} is {got}, the schema says {want}")
     return t
+
+
+def check_files(folder: Path, table: str) -> None:
+    """Every Parquet file of a trace table under ``folder`` is readable and has the schema's
+    column types (what :func:`read_parts` checks, from the footers only); else
+    :class:`CatalogError` naming the first bad file. Readers over whole folders (the SQL views)
+    call this so a damaged or retyped file is refused instead of silently coerced."""
+    if table not in schema.TABLES:
+        return
+    for path in sorted(Path(folder).rglob("*.parquet")):
+        try:
+            found = pq.read_schema(path)
+            known = [n for n in found.names if n in schema.TABLES[table].names]
+            _expected_types(found.empty_table().select(known), table)
+        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+            raise CatalogError(f"{path}: corrupt or unreadable {table} part "
+                               f"({_reason(exc, path)}); recapture the run") from exc
 
 
 @dataclass

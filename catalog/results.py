@@ -28,6 +28,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from catalog import atomic
+from catalog.names import check_name
 from catalog.runs import CatalogError, Run, run_dir
 from catalog.schema import RESULT_CONFIG
 
@@ -84,7 +85,10 @@ class UnitResults:
         try:
             state = json.loads(path.read_text())
             blocks = [Block(**b) for b in state["blocks"]]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            for b in blocks:  # a block id becomes a folder name
+                check_name(b.id, "block id")
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+                ValueError) as exc:
             raise CatalogError(f"corrupt replay result config {path}; delete {self.folder} and "
                                "replay again") from exc
         return dict(state, blocks=blocks)
@@ -215,19 +219,26 @@ class UnitResults:
             self.lock.release()
 
 
-def complete_blocks(root: Path, table: str) -> list[dict]:
+def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) -> list[dict]:
     """(model, bench, run, config, block) of every complete block under ``root``: what readers
-    may treat as final (an interrupted sweep's blocks are left out)."""
+    may treat as final (an interrupted sweep's blocks are left out). A torn or foreign config is
+    left out too, with one line saying so appended to ``skipped``."""
     rows = []
     for path in sorted(Path(root).glob(f"{table}/model=*/bench=*/run=*/config=*/{RESULT_CONFIG}")):
         try:
             state = json.loads(path.read_text())
             blocks = state["blocks"]
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-            continue  # a torn config is not final; replay reports it when it reads that unit
+            if not isinstance(blocks, list):
+                raise TypeError("blocks is not a list")
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            if skipped is not None:
+                skipped.append(f"corrupt replay result config {path}: its results are left out; "
+                               f"delete {path.parent} and replay again")
+            continue
         parts = {p.split("=", 1)[0]: p.split("=", 1)[1] for p in path.parent.parts[-4:]}
         for b in blocks:
-            if isinstance(b, dict) and b.get("status") == "complete":
+            if isinstance(b, dict) and b.get("status") == "complete" \
+                    and isinstance(b.get("id"), str):
                 rows.append(dict(model=parts["model"], bench=parts["bench"], run=parts["run"],
                                  config=parts["config"], block=b.get("id"),
                                  run_id=state.get("run_id"), prompts=b.get("prompts")))

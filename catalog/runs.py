@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from catalog import schema
-from catalog.names import partition_value
+from catalog.names import InvalidName, check_name, partition_value
 
 
 class CatalogError(RuntimeError):
@@ -59,13 +59,59 @@ def read_manifest(path: Path) -> dict:
             from exc
     if not isinstance(manifest, dict):
         raise CatalogError(f"corrupt manifest {path} (not an object); recapture that run")
-    if manifest.get("schema_version") != schema.SCHEMA_VERSION:
+    if manifest.get("schema_version") not in schema.READABLE_VERSIONS:
         raise CatalogError(f"{path} has trace schema version {manifest.get('schema_version')}, "
-                           f"this tool reads {schema.SCHEMA_VERSION}; recapture the run")
+                           f"this tool reads {', '.join(map(str, schema.READABLE_VERSIONS))}; "
+                           "recapture the run")
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise CatalogError(f"manifest {path} lacks {', '.join(missing)}; recapture that run")
+    problem = manifest_problem(manifest)
+    if problem:
+        raise CatalogError(f"manifest {path}: {problem}; fix that field or recapture the run")
     return manifest
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# fields that become numbers or lists of numbers downstream: their types are checked at read
+_INT_FIELDS = ("num_experts", "top_k", "num_layers", "hidden_size", "prompts_done",
+               "prompts_total")
+_INT_LIST_FIELDS = ("moe_layers", "feature_layers")
+
+
+def manifest_problem(manifest: dict) -> str | None:
+    """What is wrong with a manifest's fields (names that become paths, values of the wrong
+    type), or None. Names get the same check as the command line's (:func:`check_name`)."""
+    for key in ("run", "bench"):
+        try:
+            check_name(manifest[key], key)
+        except InvalidName as exc:
+            return str(exc)
+    model = manifest["model"]
+    if not isinstance(model, str) or not model.strip() or "\n" in model:
+        return f"model {model!r} is not a model name"
+    if manifest["role"] not in schema.ROLES:
+        return f"role {manifest['role']!r} is not one of {', '.join(schema.ROLES)}"
+    if manifest["status"] not in ("running", "complete"):
+        return f"status {manifest['status']!r} is not running or complete"
+    if not isinstance(manifest["settings"], dict):
+        return "settings is not an object"
+    if not isinstance(manifest.get("run_id", ""), str):
+        return "run_id is not a string"
+    for key in _INT_FIELDS:
+        if key in manifest and not _is_int(manifest[key]):
+            return f"{key} is {manifest[key]!r}, not a whole number"
+    for key in _INT_LIST_FIELDS:
+        if key in manifest and not (isinstance(manifest[key], list)
+                                    and all(_is_int(v) for v in manifest[key])):
+            return f"{key} is {manifest[key]!r}, not a list of whole numbers"
+    ids = manifest.get("prompt_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        return "prompt_ids is not a list of strings"
+    return None
 
 
 @dataclass(frozen=True)
@@ -140,6 +186,16 @@ class Run:
                 raise CatalogError(f"{self.dir(table)} lacks prompt {missing[0]} of complete run "
                                    f"{self.name} ({len(missing)} missing); the trace was damaged, "
                                    "recapture the run")
+        if not self.dir("moe_io").is_dir():  # a synthetic run without MoE tensors
+            return self
+        routing = {p.name for p in self.dir("routing").glob("part-*.parquet")
+                   if prompt_of_part(p) in set(expected)}
+        io = {p.name for p in self.dir("moe_io").glob("part-*.parquet")}
+        lost = sorted(routing - io)
+        if lost:  # capture writes a moe_io part (empty where nothing is kept) for every chunk
+            raise CatalogError(f"{self.dir('moe_io') / lost[0]} is missing ({len(lost)} moe_io "
+                               f"part(s) of complete run {self.name}); the trace was damaged, "
+                               "recapture the run")
         return self
 
 

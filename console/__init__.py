@@ -4,7 +4,10 @@
 * ``--help`` ends with an *examples* section and shows each default once;
 * ``--config run.toml`` (where a tool offers it) holds options whose keys mirror the flags
   (``max_new_tokens = 16`` or ``max-new-tokens = 16``); flags on the command line win;
-* ``--output summary.json`` (where offered) writes the one-screen summary as JSON.
+* ``--output summary.json`` (where offered) writes the one-screen summary as JSON;
+* ``--threads N`` (commands that compute) sizes every CPU thread pool (:mod:`console.threads`);
+* a closed stdout (``query … | head``) ends a command quietly (:mod:`console.pipes`);
+* commands named in hints and examples are spelled so they run (:mod:`console.commands`).
 
 This module imports the standard library only: ``--help`` must appear at once.
 """
@@ -18,6 +21,9 @@ import sys
 import tempfile
 import tomllib
 from pathlib import Path
+
+from console import pipes, threads  # noqa: F401 - console.pipes / console.threads for callers
+from console.commands import command, commandline
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -40,11 +46,12 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", HelpFormatter)
         if examples:
             lines = [line.strip() for line in examples.strip().splitlines()]
-            kwargs["epilog"] = "examples:\n" + "\n".join(f"  {line}" for line in lines if line)
+            kwargs["epilog"] = "examples:\n" + "\n".join(f"  {commandline(line)}"
+                                                         for line in lines if line)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {command(self.prog)} --help)\n")
 
     # --- --config ------------------------------------------------------------------------
     def add_config_option(self) -> None:
@@ -104,9 +111,37 @@ def write_json(path: Path | None, payload: dict) -> None:
     if path is None:
         return
     path = Path(path)
+    if str(path) == "-":  # stdout, on purpose
+        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+        return
+    check_output(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(payload, f, indent=2, sort_keys=True, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(payload, f, indent=2, sort_keys=True, default=str)
+            f.write("\n")
+        check_output(path)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+
+
+def check_output_option(path: Path | None, error: type[Exception]) -> None:
+    """``--output PATH`` checked before any work (``-``, stdout, is always fine): a link,
+    folder or device is ``error`` in one line."""
+    if path is None or str(path) == "-":
+        return
+    try:
+        check_output(path)
+    except OSError as exc:
+        raise error(f"cannot write --output {path}: {exc}") from None
+
+
+def check_output(path: Path) -> None:
+    """Refuse to replace a symlink, folder, device or FIFO with a file (``os.replace`` would):
+    :func:`catalog.atomic.check_target`, the one owner of that rule (imported here on use, so
+    ``--help`` and one-line errors stay instant)."""
+    from catalog.atomic import check_target
+    check_target(path)

@@ -65,10 +65,6 @@ class Acceptance:
     path: list[int]  # node ids, root first
     bonus: int  # the token the target adds after the path (next root)
 
-    @property
-    def accepted_drafts(self) -> int:
-        return len(self.path) - 1
-
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     preds = logits.argmax(-1).tolist()

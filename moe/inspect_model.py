@@ -95,6 +95,7 @@ def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
     return t
 
 
+@console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(
         prog="inspect-model", examples="""
@@ -114,7 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--benchmarks", default=None, help="benchmarks folder (default: "
                    f"${benchmarks.ENV_VAR} or ../shared/data/benchmarks)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    console.threads.add_argument(p, what="torch (the routing probe)")
     args = p.parse_args(argv)
+    try:  # before torch and transformers load
+        models.check_available(args.model)
+        benchmarks.load(args.bench, root=args.benchmarks, limit=1)
+    except (models.ModelError, benchmarks.BenchmarkError) as exc:
+        print(f"inspect-model: error: {exc}", file=sys.stderr)
+        return 2
+    console.threads.apply(args.threads)
     from moe.adapter import MoEAdapter
     from moe.families import UnsupportedModelError
     models.quiet_transformers()

@@ -82,8 +82,9 @@ def resolve(model: str) -> ModelSource:
         alias = ALIASES[model]
         if alias.path is not None:
             if not (alias.path / "config.json").is_file():
+                from console import command
                 raise ModelError(f"embedded model {model!r} is missing from {alias.path}; "
-                                 f"retrain it with `train-tiny --model {model}`")
+                                 f"retrain it with `{command('train-tiny')} --model {model}`")
             return ModelSource(model, alias.path, None, alias)
         return ModelSource(model, None, alias.hub_id, alias)
     path = Path(model).expanduser()
@@ -123,6 +124,15 @@ def _ensure_available(source: ModelSource) -> None:
         f"use one of the embedded models ({', '.join(EMBEDDED)}) or a local folder"
     raise ModelError(f"model {source.name!r} ({source.hub_id}) is not in the local Hugging Face "
                      f"cache and the hub cannot be reached (offline); {hint}")
+
+
+def check_available(model: str) -> ModelSource:
+    """Resolve ``model`` and check it can load (a hub model cached or downloadable), without
+    importing torch or transformers: commands call this before their heavy imports, so a model
+    that cannot load is refused in one line at once. Raises :class:`ModelError`."""
+    source = resolve(model)
+    _ensure_available(source)
+    return source
 
 
 def quiet_transformers() -> None:

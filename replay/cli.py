@@ -1,7 +1,8 @@
 """``replay``: re-run captured MoE layers under expert budgets and record what they cost.
 
-The parser imports nothing heavy (torch, transformers and the catalog load once a replay
-starts), so ``--help`` appears at once.
+The parser imports nothing heavy, so ``--help`` appears at once; the runs, calibration runs and
+options are checked before torch loads, and a replay whose every cell is stored already is
+answered from the stored results without loading the model.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ EXAMPLES = """
 replay --ranking oracle --budget 24
 replay --ranking router oracle --budget 8:56:8 --coverage substitution
 replay --ranking static router oracle coact --budget sweep --calibration cal
-replay --mode closed --ranking router --budget 16,32,48
-replay --config sweep.toml --output summary.json
+replay --mode closed --ranking router --budget 16,32,48 --threads 4
+replay --config sweep.toml --output summary.csv     # every summary row (.json, .csv, .parquet)
 """
 
 
@@ -69,13 +70,16 @@ def parser() -> argparse.ArgumentParser:
                    help="fan prompts out to N Ray actors on a local cluster (pip install -e "
                         ".[ray]); each loads the model once")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead")
+    console.threads.add_argument(p, what="torch (with --workers: shared among the workers)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_output_option()
+    p.add_argument("--output", type=Path, default=None, metavar="FILE",
+                   help="also write every summary row (all metrics): FILE.csv or FILE.parquet "
+                        "as a table, else JSON with the request and outcome")
     return p
 
 
 def select_runs(catalog, args) -> list:
-    from replay.run import ReplayError
+    from replay.plan import ReplayError
     runs = catalog.runs(model=args.model, bench=args.bench, names=args.run)
     runs = [r for r in runs if r.name not in args.calibration]
     other = [r for r in runs if r.role != args.role]
@@ -101,51 +105,162 @@ def select_runs(catalog, args) -> list:
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    from catalog import Catalog, CatalogError
+def preflight(args):
+    """Everything that can be refused before torch loads: the traces, the runs and their roles,
+    the calibration runs (found, calibration role, other prompts), the options. Returns the
+    catalog, the runs, the budgets (when the manifests name N) and the layers."""
+    from catalog import Catalog
+    from replay.plan import ReplayError, parse_budgets
+    for flag, value, low in (("--batch", args.batch, 1), ("--workers", args.workers, 0)):
+        if value is not None and value < low:
+            raise ReplayError(f"{flag} {value} must be at least {low}")
+    console.check_output_option(args.output, ReplayError)  # before any work, not after it
+    try:
+        layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
+    except ValueError:
+        raise ReplayError(f"cannot read --layers {args.layers!r}; use decoder layer numbers "
+                          "like 0,4,7") from None
+    offline = [r for r in args.ranking if not index.RANKINGS[r].runtime]
+    if args.mode == "closed" and offline:
+        raise ReplayError(f"closed loop takes runtime rankings only "
+                          f"({', '.join(index.ranking_names(runtime=True))}), not "
+                          f"{', '.join(offline)}")
+    catalog = Catalog(args.traces)
+    if not catalog.manifests():
+        raise ReplayError(f"no captured runs under {args.traces}; run "
+                          f"`{console.command('capture')}` first or point --traces at a traces "
+                          "folder")
+    runs = select_runs(catalog, args)
+    if args.calibration:
+        found = catalog.runs(model=runs[0].model, names=args.calibration)
+        if not args.allow_evaluation_calibration and any(r.role == "evaluation" for r in found):
+            from policy.calibration import evaluation_calibration
+            raise ReplayError(evaluation_calibration(found))
+        catalog.calibration_runs(args.calibration, runs[0].model,
+                                 set().union(*(r.prompt_keys() for r in runs)))
+    n = runs[0].manifest.get("num_experts")
+    budgets = parse_budgets(args.budget, n) if isinstance(n, int) else None
+    return catalog, runs, budgets, layers
+
+
+# --- the summary -----------------------------------------------------------------------------
+METRIC = {"open": ("rse", "mean RSE (lower is better)", "tree_layers", "tree-layers"),
+          "closed": ("accepted_length", "mean accepted length τ under the budget (higher is "
+                                        "better)", "trees", "trees")}
+
+
+def _names(values) -> str:
+    values = sorted(set(values))
+    return values[0] if len(values) == 1 else "{" + ", ".join(values) + "}"
+
+
+def _gap(router, oracle, other) -> float | None:
+    """Share of the router → oracle gap ``other`` closes (None where there is no gap)."""
+    if None in (router, oracle, other) or router - oracle <= 0:
+        return None
+    return (router - other) / (router - oracle)
+
+
+def summary_lines(frame, mode: str, runs: list, rankings: list[str],
+                  coverages: list[str]) -> list[str]:
+    """The summary as a few small pivots: one block per coverage policy, budget rows × ranking
+    columns of the mean metric, and where router and oracle are both there, the share of their
+    gap each other ranking closes (per budget as a column when there is one such ranking, over
+    all budgets as a last row). Every metric of every cell: --output, or ``query``."""
+    metric, what, count, unit = METRIC[mode]
+    if frame.is_empty():
+        return ["nothing to replay: no verification pass in these runs (every prompt stopped "
+                "before its first pass)"]
+    counts = sorted(set(frame[count].to_list()))
+    per = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    lines = [f"{_names(r.model for r in runs)} / {_names(r.bench for r in runs)} / run "
+             f"{_names(r.name for r in runs)}: {mode}-loop replay, {what}; {per} {unit} per cell"]
+    if mode == "closed" and "captured_accepted_length" in frame.columns:
+        lines[0] += f"; captured τ {frame['captured_accepted_length'].mean():.3f}"
+    present = [r for r in rankings if r in set(frame["ranking"].to_list())]
+    others = [r for r in present if r not in ("router", "oracle")] \
+        if {"router", "oracle"} <= set(present) else []
+    fmt = (lambda v: "—" if v is None else f"{v:.4f}") if mode == "open" else \
+        (lambda v: "—" if v is None else f"{v:.3f}")
+    pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731
+    for cov in [c for c in coverages if c in set(frame["coverage"].to_list())]:
+        rows = frame.filter(frame["coverage"] == cov)
+        value = {(r["ranking"], r["budget"]): r[metric] for r in rows.iter_rows(named=True)}
+        budgets = sorted({b for _, b in value})
+        head = ["budget", *present] + (["gap closed"] if len(others) == 1 else [])
+        table = []
+        for b in budgets:
+            row = [str(b), *(fmt(value.get((r, b))) for r in present)]
+            if len(others) == 1:
+                row.append(pct(_gap(value.get(("router", b)), value.get(("oracle", b)),
+                                    value.get((others[0], b)))))
+            table.append(row)
+        if others:  # over all budgets where the three are there: Σ(router − X) / Σ(router − oracle)
+            row = ["gap closed"]
+            for r in present:
+                both = [b for b in budgets if None not in (value.get(("router", b)),
+                                                           value.get(("oracle", b)),
+                                                           value.get((r, b)))]
+                row.append(pct(_gap(sum(value[("router", b)] for b in both),
+                                    sum(value[("oracle", b)] for b in both),
+                                    sum(value[(r, b)] for b in both))) if both else "—")
+            table.append(row + ([""] if len(others) == 1 else []))
+        widths = [max(len(x) for x in col) for col in zip(head, *table)]
+        lines.append(f"coverage {cov}:")
+        for row in [head, *table]:
+            lines.append("  " + "  ".join(x.rjust(w) for x, w in zip(row, widths)).rstrip())
+    return lines
+
+
+def write_output(path: Path, payload: dict, frame) -> None:
+    """``--output``: the summary rows as CSV or Parquet by the file's suffix, else JSON."""
+    from catalog import atomic
+    suffix = path.suffix.lower()
+    if suffix in (".csv", ".parquet") and frame is None:
+        raise OSError(f"nothing to write to {path}: no summary rows")
+    if suffix == ".csv":
+        atomic.write_bytes(path, frame.write_csv().encode("utf-8"))
+    elif suffix == ".parquet":
+        atomic.write_table(path, frame.to_arrow())
+    else:
+        console.write_json(path, payload)
+
+
+def check_request(args, budgets: list[int], coverages: tuple[str, ...], k: int, facts) -> None:
+    """What the rankings and coverage policies refuse (from the policy facts, without torch)."""
+    from replay.plan import ReplayError
+    need_cal = [r for r in args.ranking if facts.rankings[r].needs_calibration]
+    if need_cal and not args.calibration:
+        raise ReplayError(f"--ranking {' '.join(need_cal)} needs --calibration RUN (captured "
+                          "on other prompts)")
+    if all(b < facts.min_budget[c] for c in coverages for b in budgets):
+        raise ReplayError(f"substitution needs a budget ≥ k = {k}")
+
+
+def compute(args, catalog, runs, layers, coverages):
+    """Load the model and replay what is missing: (exit code, outcome, request, budgets,
+    loaded model)."""
+    console.threads.apply(args.threads)  # torch's pools
+    from catalog import CatalogError
     from moe import models
     from moe.adapter import MoEAdapter
     from moe.families import UnsupportedModelError
     from policy import coverage, rankings
-    from policy.calibration import evaluation_calibration
     from replay.open_loop import GoldMismatch
-    from replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay, summary_frame
+    from replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay
     models.quiet_transformers()
+    model = runs[0].model
     try:
-        catalog = Catalog(args.traces)
-        if not catalog.manifests():
-            raise ReplayError(f"no captured runs under {args.traces}; run `capture` first or "
-                              "point --traces at a traces folder")
-        runs = select_runs(catalog, args)
-        model = runs[0].model
-        if args.calibration and not args.allow_evaluation_calibration:
-            problem = evaluation_calibration(catalog.runs(model=model, names=args.calibration))
-            if problem:
-                raise ReplayError(problem)
         classes = [rankings.get(r) for r in args.ranking]
         need_cal = [c.name for c in classes if c.needs_calibration]
         if need_cal and not args.calibration:
             raise ReplayError(f"--ranking {' '.join(need_cal)} needs --calibration RUN (captured "
                               "on other prompts)")
-        offline = [c.name for c in classes if not c.runtime]
-        if args.mode == "closed" and offline:
-            raise ReplayError(f"closed loop takes runtime rankings only "
-                              f"({', '.join(rankings.names(runtime=True))}), not "
-                              f"{', '.join(offline)}")
         loaded = models.load(model, device=args.device)
         adapter = MoEAdapter(loaded.model)
         budgets = parse_budgets(args.budget, adapter.num_experts)
-        coverages = tuple(coverage.COVERAGES) if args.coverage == "both" else (args.coverage,)
         if all(b < coverage.get(c).min_budget(adapter.top_k) for c in coverages for b in budgets):
             raise ReplayError(f"substitution needs a budget ≥ k = {adapter.top_k}")
-        if args.batch is not None and args.batch < 1:
-            raise ReplayError(f"--batch {args.batch} must be at least 1")
-        try:
-            layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
-        except ValueError:
-            raise ReplayError(f"cannot read --layers {args.layers!r}; use decoder layer numbers "
-                              "like 0,4,7") from None
         for layer in layers or ():
             adapter.layer(layer)
         stats, cal = None, []
@@ -161,28 +276,63 @@ def main(argv: list[str] | None = None) -> int:
     except (ReplayError, CatalogError, GoldMismatch, models.ModelError, UnsupportedModelError,
             rankings.RankingError) as exc:
         print(f"replay: error: {exc}", file=sys.stderr)
-        return 2
+        return 2, None, None, None, None
     except KeyError as exc:
         print(f"replay: error: {exc.args[0]}", file=sys.stderr)
-        return 2
+        return 2, None, None, None, None
     except OSError as exc:
         where = getattr(exc, "filename", None) or args.out or args.traces
         print(f"replay: error: cannot write results to {where}: {exc.strerror or exc}; choose a "
               "writable --out", file=sys.stderr)
+        return 2, None, None, None, None
+    return 0, outcome, request, budgets, loaded
+
+
+@console.pipes.quiet_broken_pipe
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from catalog import CatalogError
+    from replay import plan
+    from replay.plan import ReplayError
+    coverages = tuple(index.COVERAGES) if args.coverage == "both" else (args.coverage,)
+    threads = console.threads.apply(args.threads, torch=False)  # before any pool starts
+    outcome, loaded = None, None
+    try:
+        catalog, runs, budgets, layers = preflight(args)
+        model = runs[0].model
+        n, k = runs[0].manifest.get("num_experts"), runs[0].manifest.get("top_k")
+        if budgets is not None and isinstance(k, int):  # N and k from the manifests
+            facts = plan.policy_facts(n, k)
+            check_request(args, budgets, coverages, k, facts)
+            request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers,
+                                         args.mode)
+            # every cell stored already: answered without the model (or torch)
+            outcome = plan.stored_outcome(catalog, runs, request, args.calibration,
+                                          args.out or args.traces, facts)
+    except (ReplayError, CatalogError) as exc:
+        print(f"replay: error: {exc}", file=sys.stderr)
         return 2
+    if outcome is None:
+        code, outcome, request, budgets, loaded = compute(args, catalog, runs, layers, coverages)
+        if code:
+            return code
     for name, skipped in outcome.skipped.items():
+        if isinstance(n, int) and isinstance(k, int):
+            limit = plan.policy_facts(n, k).rankings[name].limit
+        else:
+            from policy import rankings
+            limit = rankings.get(name).limit
         print(f"replay: {name} skipped budgets {', '.join(map(str, skipped))}: C(N, B) exceeds "
-              f"its limit of {rankings.get(name).limit} subsets", file=sys.stderr)
+              f"its limit of {limit} subsets", file=sys.stderr)
     for note in outcome.notes:
         print(f"replay: {note}", file=sys.stderr)
     for name in outcome.reused:
-        print(f"reused stored results for run {name}", file=sys.stderr)
-    frame = summary_frame(outcome, request)
+        print(f"reused stored results for run {name}" +
+              ("" if loaded else " (model not loaded)"), file=sys.stderr)
+    frame = plan.summary_frame(outcome, request)
     if frame is not None:
-        import polars as pl
-        with pl.Config(tbl_rows=200, tbl_cols=-1, tbl_width_chars=160,
-                       tbl_hide_dataframe_shape=True, float_precision=4):
-            print(frame)
+        print("\n".join(summary_lines(frame, args.mode, runs, list(args.ranking),
+                                       list(coverages))))
     folders = sorted({str(u.folder.parent) for u in outcome.units})
     if outcome.tree_layers:
         print(f"replayed {outcome.tree_layers} tree-layers in {outcome.seconds:.1f} s "
@@ -190,17 +340,23 @@ def main(argv: list[str] | None = None) -> int:
     if outcome.trees:
         print(f"re-verified {outcome.trees} trees in {outcome.seconds:.1f} s")
     print(f"results: {', '.join(folders)}")
+    if frame is not None:
+        table = "replay_open" if args.mode == "open" else "replay_closed"
+        print(f"every metric per cell: --output FILE.csv, or {console.command('query')} --traces "
+              f"{args.out or args.traces} \"SELECT * FROM {table}\"")
     payload = {"tool": "replay", "mode": args.mode, "traces": str(args.traces),
-               "model": runs[0].model, "runs": [r.name for r in runs],
+               "model": model, "runs": [r.name for r in runs],
                "calibration": list(args.calibration), "rankings": list(args.ranking),
                "coverages": list(coverages), "budgets": list(budgets),
                "tree_layers": outcome.tree_layers, "trees": outcome.trees,
-               "seconds": outcome.seconds, "results": folders,
+               "seconds": outcome.seconds, "results": folders, "threads": threads,
+               "model_loaded": loaded is not None,
                "reused": list(outcome.reused), "notes": list(outcome.notes),
-               "skipped": {k: list(v) for k, v in outcome.skipped.items()},
+               "skipped": {name: list(b) for name, b in outcome.skipped.items()},
                "summary": frame.to_dicts() if frame is not None else []}
     try:
-        console.write_json(args.output, payload)
+        if args.output is not None:
+            write_output(args.output, payload, frame)
     except OSError as exc:
         print(f"replay: error: cannot write --output {args.output}: {exc.strerror or exc}",
               file=sys.stderr)

@@ -15,100 +15,35 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import polars as pl
 import torch
 from tqdm import tqdm
 
+import console
 from catalog import Catalog, CatalogError, Run, reader
 from catalog.results import UnitResults
-from cluster import ClusterError, count_workers, init_ray, worker_options
+from cluster import ClusterError, cap_workers, count_workers, init_ray, worker_options
 from moe.adapter import MoEAdapter
 from policy import coverage, rankings
-from policy.calibration import (MEANS_VERSION, CalibrationStats, collect_runs, empty_calibration,
-                                examples_for)
-from replay import closed_loop, distributed
+from policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
+from replay import distributed  # (closed_loop, which imports transformers: when replaying)
 from replay.engine import OpenLoopEngine, Task
-
-# the paper's budget grids (MoE-Spec, Fig. 5) by number of experts
-SWEEPS = {64: list(range(8, 57, 8)), 128: [16, 24, 32, 48, 64], 8: list(range(2, 8))}
-TABLES = {"open": "replay_open", "closed": "replay_closed"}
-
-
-class ReplayError(RuntimeError):
-    """Bad or missing input; the message is one line for the user."""
-
-
-def parse_budgets(spec: str, n: int) -> list[int]:
-    """``24``, ``8,16,32``, ``8:56:8`` (inclusive) or ``sweep`` (the paper's grid for N)."""
-    if spec == "sweep":
-        if n in SWEEPS:
-            return SWEEPS[n]
-        step = max(1, n // 8)
-        return list(range(step, n, step))
-    try:
-        if ":" in spec:
-            parts = [int(x) for x in spec.split(":")]
-            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] < 1):
-                raise ValueError(spec)
-            lo, hi, *st = parts
-            values = list(range(lo, hi + 1, st[0] if st else 1))
-        else:
-            values = [int(x) for x in spec.split(",")]
-    except ValueError:
-        raise ReplayError(f"cannot read --budget {spec!r}; use 24, 8,16,32, 8:56:8 or sweep") \
-            from None
-    bad = [b for b in values if not 1 <= b <= n]
-    if bad or not values:
-        raise ReplayError(f"--budget {spec!r} is out of range: budgets must be within 1..{n}")
-    return sorted(set(values))
-
-
-@dataclass(frozen=True)
-class ReplayRequest:
-    rankings: tuple[str, ...] = ("router", "oracle")
-    coverages: tuple[str, ...] = ("truncation", "substitution")
-    budgets: tuple[int, ...] = (24,)
-    layers: tuple[int, ...] | None = None  # None: every MoE layer
-    mode: str = "open"
-
-
-def stored_layers(run: Run, layers: list[int]) -> list[int]:
-    """Of ``layers``, those whose MoE tensors the run's storage policy kept (open loop needs
-    them; routing is always complete)."""
-    kept = run.manifest.get("storage", {}).get("layers")
-    return layers if kept is None else [x for x in layers if x in kept]
-
-
-def storage_note(run: Run) -> str | None:
-    """One line saying what a partially stored run lacks, or None."""
-    storage = run.manifest.get("storage")
-    if not storage:
-        return None
-    moe = run.manifest.get("moe_layers", [])
-    parts = []
-    if storage["layers"] != moe:
-        parts.append(f"MoE layers {','.join(map(str, storage['layers']))} of {len(moe)}")
-    if storage["passes"] != "all":
-        parts.append(f"passes {storage['passes']}")
-    if not parts:
-        return None
-    return (f"run {run.name} keeps MoE tensors for {' and '.join(parts)} ({storage['dtype']}); "
-            "open-loop replay covers those, closed loop and routing analyses everything")
-
-
-@dataclass
-class ReplayOutcome:
-    units: list[UnitResults] = field(default_factory=list)
-    reused: list[str] = field(default_factory=list)  # runs answered entirely from stored results
-    skipped: dict[str, list[int]] = field(default_factory=dict)  # ranking -> budgets it cannot do
-    notes: list[str] = field(default_factory=list)  # what partially stored runs lack
-    tree_layers: int = 0  # computed now (open loop)
-    trees: int = 0  # re-verified now (closed loop)
-    seconds: float = 0.0
-    start_seconds: float = 0.0  # of which: starting Ray actors and loading their models
+from replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, decided without torch)
+    SWEEPS,
+    TABLES,
+    UNIT_IDENTITY,
+    ReplayError,
+    ReplayOutcome,
+    ReplayRequest,
+    parse_budgets,
+    run_layers_noted,
+    storage_note,
+    stored_layers,
+    stored_outcome,
+    summary_frame,
+    unit_key,
+)
 
 
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
@@ -126,22 +61,6 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     return stats, cal
 
 
-UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration")  # the rest of a key is versions
-
-
-def unit_key(mode: str, ranking: type[rankings.Ranking], cover: coverage.Coverage,
-             calibration: list[Run]) -> dict:
-    """What makes results comparable; calibration only where the ranking uses it, with the
-    version of how statistics become means (results of an older definition are not reused)."""
-    key = dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=[])
-    if ranking.version != 1:  # (version 1 is left out: keys of unchanged rankings stay as they were)
-        key["version"] = ranking.version
-    if ranking.needs_calibration or (ranking.uses_calibration and calibration):
-        key.update(calibration=sorted([r.name, r.run_id] for r in calibration),
-                   means=MEANS_VERSION)
-    return key
-
-
 def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: ReplayRequest,
            stats: CalibrationStats | None, calibration: list[Run], out: Path, *,
            device: torch.device, progress: bool = True,
@@ -149,6 +68,7 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
            ray_address: str | None = None) -> ReplayOutcome:
     """Replay ``runs`` for ``request``; with ``workers`` or ``ray_address`` the prompts are
     spread over Ray actors (:mod:`replay.distributed`), each loading the model once."""
+    from replay import closed_loop
     table = TABLES[request.mode]
     layers = list(request.layers) if request.layers else [layer.index for layer in adapter]
     outcome = ReplayOutcome()
@@ -157,10 +77,7 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
     actors = None
     for run in runs:
         tasks, closed = [], []
-        run_layers = stored_layers(run, layers) if request.mode == "open" else layers
-        note = storage_note(run) if request.mode == "open" else None
-        if note:
-            outcome.notes.append(note)
+        run_layers = run_layers_noted(run, layers, request.mode, outcome)
         if not run_layers:
             continue
         with ExitStack() as locks:
@@ -197,7 +114,8 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
             if workers or ray_address:
                 if actors is None:
                     t0 = time.perf_counter()
-                    ray, actors = actors_for(runs[0].model, str(device), workers, ray_address)
+                    ray, actors = actors_for(runs[0].model, str(device), workers, ray_address,
+                                             items=sum(len(r.prompt_indices()) for r in runs))
                     outcome.start_seconds = time.perf_counter() - t0
                 specs = [distributed.TaskSpec(table, t.unit.unit, t.block, t.ranking.name,
                                               t.coverage.name) for t in tasks] + \
@@ -227,16 +145,22 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
     return outcome
 
 
-def actors_for(model: str, device: str, workers: int, ray_address: str | None):
-    """The Ray module and the replay actors (started once per replay), each with its model
-    loaded: a model that cannot load fails here, in one line, before any work is handed out."""
+def actors_for(model: str, device: str, workers: int, ray_address: str | None,
+               items: int | None = None):
+    """The Ray module and the replay actors (started once per replay, never more than the
+    ``items`` prompts), each with its model loaded: a model that cannot load fails here, in one
+    line, before any work is handed out."""
+    if items is not None:
+        workers = cap_workers(workers, items, device, local=not ray_address)
     try:
         ray = init_ray(workers, ray_address)
     except ClusterError as exc:
         raise ReplayError(str(exc)) from None
-    n = count_workers(ray, workers, device)
+    n = count_workers(ray, workers, device, items=items)
     cls = ray.remote(**worker_options(device))(distributed.ReplayWorker)
-    actors = [cls.remote(model, device) for _ in range(n)]
+    # a local cluster shares this process's --threads; a joined one gives each actor its slot
+    threads = 1 if ray_address else console.threads.share(n)
+    actors = [cls.remote(model, device, threads) for _ in range(n)]
     try:
         ray.get([a.ready.remote() for a in actors])
     except ray.exceptions.RayActorError as exc:
@@ -247,27 +171,5 @@ def actors_for(model: str, device: str, workers: int, ray_address: str | None):
     return ray, actors
 
 
-def summary_frame(outcome: ReplayOutcome, request: ReplayRequest) -> pl.DataFrame | None:
-    """Mean metrics per ranking × coverage × budget over the requested cells."""
-    files = [f for u in outcome.units for f in u.parts(
-        list(request.layers) if request.layers else None, list(request.budgets))]
-    if not files:
-        return None
-    df = pl.read_parquet(files)
-    df = df.filter(pl.col("budget").is_in(list(request.budgets)))
-    if request.layers and "layer" in df.columns:
-        df = df.filter(pl.col("layer").is_in(list(request.layers)))
-    keys = ["ranking", "coverage", "budget"]
-    if request.mode == "open":
-        aggs = [pl.col("rse").mean(), pl.col("token_error").mean(),
-                pl.col("mass_excluded").mean(), pl.col("experts_loaded").mean(),
-                pl.col("unique_experts").mean(), pl.len().alias("tree_layers")]
-    else:
-        aggs = [pl.col("accepted_length").mean(), pl.col("captured_accepted_length").mean(),
-                pl.col("path_unchanged").mean(), pl.col("top1_agreement").mean(),
-                pl.col("mean_kl").mean(), pl.len().alias("trees")]
-    return df.group_by(keys).agg(aggs).sort(keys)
-
-
 __all__ = ["CatalogError", "ReplayError", "ReplayRequest", "calibration_stats", "parse_budgets",
-           "replay", "summary_frame"]
+           "replay", "stored_outcome", "summary_frame"]

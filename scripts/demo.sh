@@ -4,7 +4,7 @@
 # command that opens the dashboard. Rerunning reuses what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh  # the project only: no test extras (Ray, selenium)
 export HF_HUB_OFFLINE=1
 MODEL=${MODEL:-tiny-olmoe}
 TRACES=${TRACES:-traces}

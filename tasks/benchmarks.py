@@ -65,8 +65,40 @@ def _read_jsonl(path: Path) -> list[dict]:
             "benchmarks folder"
         )
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    rows: list[dict] = []
+    number = 0
+    fix = f"restore {path} from the benchmark's upstream release"
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if not isinstance(row, dict):
+                    raise BenchmarkError(f"{path} line {number} is not a JSON object; {fix}")
+                rows.append(_Row(row, path=path, line=number))
+    except json.JSONDecodeError as exc:
+        raise BenchmarkError(f"{path} line {number} is not valid JSON ({exc.msg}); {fix}") \
+            from None
+    except UnicodeDecodeError:
+        raise BenchmarkError(f"{path} line {number + 1} is not valid UTF-8; {fix}") from None
+    except (OSError, EOFError) as exc:  # unreadable, or a damaged .gz
+        raise BenchmarkError(f"cannot read {path} ({exc.strerror or exc}); {fix}") from None
+    if not rows:
+        raise BenchmarkError(f"{path} holds no rows; {fix}")
+    return rows
+
+
+class _Row(dict):
+    """A benchmark row that names its file and line when a field is missing."""
+
+    def __init__(self, row: dict, *, path: Path, line: int):
+        super().__init__(row)
+        self.path, self.line = path, line
+
+    def __missing__(self, key):
+        raise BenchmarkError(f"{self.path} line {self.line} has no {key!r} field; restore the "
+                             "file from the benchmark's upstream release")
 
 
 # --- prompt templates -------------------------------------------------------------------------
@@ -153,7 +185,15 @@ def load(bench: str, *, root: str | os.PathLike | None = None, offset: int = 0,
     """Evaluation prompts of ``bench`` in upstream order, sliced by offset/limit."""
     if bench not in LOADERS:
         raise BenchmarkError(f"unknown benchmark {bench!r}; known: {', '.join(BENCHMARKS)}")
-    prompts = list(LOADERS[bench](benchmarks_dir(root)))
+    folder = benchmarks_dir(root)
+    try:
+        prompts = list(LOADERS[bench](folder))
+    except (TypeError, IndexError, AttributeError, ValueError) as exc:
+        if isinstance(exc, BenchmarkError):
+            raise
+        raise BenchmarkError(f"benchmark {bench} under {folder} has a field of the wrong type "
+                             f"({type(exc).__name__}: {exc}); restore its file from the "
+                             "upstream release") from None
     end = None if limit is None else offset + limit
     return prompts[offset:end]
 

@@ -15,7 +15,7 @@ ALLOWED = {
     "catalog": set(),  # traces on disk: pyarrow only
     "policy": set(),  # expert budgets: torch/numpy only
     "tasks": set(),
-    "console": set(),
+    "console": {"catalog"},  # the one rule for what an output may replace (catalog.atomic)
     "cluster": set(),  # Ray, optional
     "moe": {"policy", "tasks", "console"},
     "eagle": {"moe"},

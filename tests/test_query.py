@@ -47,3 +47,26 @@ def test_schema_and_errors(traces, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("query: error:") and len(err.strip().splitlines()) == 1
     assert query_cli.main(["SELECT 1", "--traces", str(tmp_path / "none")]) == 2
+
+
+def test_query_draws_evaluation_runs_unless_asked(tmp_path, capsys):
+    root = tmp_path / "t"
+    assert capture_cli.main(["--limit", "1", "--max-new-tokens", "8", "--out", str(root),
+                             "--no-progress", "--run", "ev"]) == 0
+    assert capture_cli.main(["--limit", "2", "--offset", "40", "--max-new-tokens", "6", "--out",
+                             str(root), "--no-progress", "--run", "cal", "--role",
+                             "calibration"]) == 0
+    sql = "SELECT count(DISTINCT run) AS runs, count(*) AS trees, min(role) AS role FROM trees"
+
+    def rows(*extra):
+        capsys.readouterr()
+        assert query_cli.main([sql, "--traces", str(root), "--format", "json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)[0]
+
+    only_eval = connect(root, roles=("evaluation",)).execute(
+        "SELECT count(*) FROM trees").fetchall()[0][0]
+    assert rows() == {"runs": 1, "trees": only_eval, "role": "evaluation"}  # the default
+    assert rows("--role", "evaluation") == rows()
+    everything = rows("--role", "all")
+    assert everything["runs"] == 2 and everything["trees"] > only_eval
+    assert rows("--role", "calibration")["role"] == "calibration"

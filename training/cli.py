@@ -9,6 +9,7 @@ from pathlib import Path
 
 import console
 from moe import models
+from tasks import benchmarks
 
 TINY_EXAMPLES = """
 train-tiny --model tiny-olmoe --steps 1500 --seed 0
@@ -21,7 +22,13 @@ train-draft --model tiny-gpt-oss --steps 700 --threads 1 --out /tmp/gptoss-head
 
 
 def refuse_overwrite(parser, out: Path, force: bool) -> None:
-    """Never replace a folder that holds something (the shipped models included) unless told."""
+    """Never replace a folder that holds something (the shipped models included) unless told;
+    never a link or a file, even when told (checked before any training)."""
+    if out.is_symlink():
+        parser.error(f"--out {out} is a symbolic link; outputs never follow or replace links, "
+                     "give the real folder's path or another --out")
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file, not a folder; give a folder path")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         parser.error(f"--out {out} exists and is not empty (a trained model lives there?); pass "
                      "--force to replace it, or another --out")
@@ -34,6 +41,7 @@ def _at_least_one(parser, args, names) -> None:
             parser.error(f"--{name.replace('_', '-')} {value} must be at least 1")
 
 
+@console.pipes.quiet_broken_pipe
 def train_tiny(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(
         prog="train-tiny", examples=TINY_EXAMPLES,
@@ -48,21 +56,23 @@ def train_tiny(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None,
                    help=f"output folder (default: {models.EMBEDDED_DIR}/<model>)")
     p.add_argument("--benchmarks", default=None, help="benchmarks folder (train splits)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    console.threads.add_argument(p)
     p.add_argument("--force", action="store_true",
                    help="replace an existing, non-empty --out folder (never done otherwise)")
     args = p.parse_args(argv)
-    _at_least_one(p, args, ("steps", "batch", "seq_len", "threads"))
+    _at_least_one(p, args, ("steps", "batch", "seq_len"))
     if args.lr <= 0:
         p.error(f"--lr {args.lr} must be positive")
     out = args.out or models.EMBEDDED_DIR / args.model
     refuse_overwrite(p, out, args.force)
-    import torch
-
+    try:
+        benchmarks.benchmarks_dir(args.benchmarks)
+    except benchmarks.BenchmarkError as exc:
+        print(f"train-tiny: error: {exc}", file=sys.stderr)
+        return 2
+    console.threads.apply(args.threads)  # before torch and transformers start their pools
     from training.tiny_moe import train
     models.quiet_transformers()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len, lr=args.lr,
                    seed=args.seed, out=out, benchmarks_root=args.benchmarks)
     print(models.format_quality_record(record))
@@ -70,6 +80,7 @@ def train_tiny(argv: list[str] | None = None) -> int:
     return 0
 
 
+@console.pipes.quiet_broken_pipe
 def train_draft(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(
         prog="train-draft", examples=DRAFT_EXAMPLES,
@@ -88,24 +99,26 @@ def train_draft(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=128, help="target response length")
     p.add_argument("--out", type=Path, default=None, help="default: data/drafts/<model>")
     p.add_argument("--benchmarks", default=None, help="benchmarks folder (train splits)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    console.threads.add_argument(p)
     p.add_argument("--force", action="store_true",
                    help="replace an existing, non-empty --out folder (never done otherwise)")
     args = p.parse_args(argv)
     _at_least_one(p, args, ("steps", "batch", "seq_len", "ttt", "draft_vocab", "intermediate",
-                            "new_tokens", "threads"))
+                            "new_tokens"))
     if args.lr <= 0:
         p.error(f"--lr {args.lr} must be positive")
-    import torch
-
-    from tasks import benchmarks
+    try:  # before torch and transformers load: the target, the output folder, the corpus
+        source = models.check_available(args.model)
+        out = args.out or models.DRAFTS_DIR / source.name
+        refuse_overwrite(p, out, args.force)
+        benchmarks.benchmarks_dir(args.benchmarks)
+    except (models.ModelError, benchmarks.BenchmarkError) as exc:
+        print(f"train-draft: error: {exc}", file=sys.stderr)
+        return 2
+    console.threads.apply(args.threads)  # before torch and transformers start their pools
     from training.draft import train
     models.quiet_transformers()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
-        out = args.out or models.DRAFTS_DIR / models.resolve(args.model).name
-        refuse_overwrite(p, out, args.force)
         record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len,
                        lr=args.lr, seed=args.seed, ttt=args.ttt, draft_vocab=args.draft_vocab,
                        intermediate=args.intermediate, new_tokens=args.new_tokens, out=out,

@@ -20,7 +20,6 @@ from pathlib import Path
 from tasks import benchmarks
 
 HELDOUT_PERCENT = 3
-SOURCES = ("stdlib", "gsm8k", "mbpp")
 _STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "turtledemo", "lib2to3", "__pycache__"}
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -28,6 +26,3 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         model_max_length=4096, clean_up_tokenization_spaces=False,
     )
 
-
-def save_tokenizer(tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
-    tokenizer.save_pretrained(folder)

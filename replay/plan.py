@@ -1,0 +1,273 @@
+"""What a replay is asked and what is stored already: everything ``replay`` decides before torch
+loads (and, for a replay whose every cell is stored, all it needs: :func:`stored_outcome`).
+
+Importing this module imports neither torch nor the model code; :mod:`replay.run` re-exports
+its names. The rankings' and coverage policies' facts that results are keyed by (versions, what
+they need, budgets they skip) live in :mod:`policy`, which imports torch: :func:`policy_facts`
+keeps them in a small cache keyed by the digest of the ``policy`` package's source, so a replay
+answered from stored results never imports torch once the cache holds them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from catalog import Catalog, Run
+from catalog.results import UnitResults
+
+TABLES = {"open": "replay_open", "closed": "replay_closed"}
+
+# the paper's budget grids (MoE-Spec, Fig. 5) by number of experts
+SWEEPS = {64: list(range(8, 57, 8)), 128: [16, 24, 32, 48, 64], 8: list(range(2, 8))}
+
+
+class ReplayError(RuntimeError):
+    """Bad or missing input; the message is one line for the user."""
+
+
+def parse_budgets(spec: str, n: int) -> list[int]:
+    """``24``, ``8,16,32``, ``8:56:8`` (inclusive) or ``sweep`` (the paper's grid for N)."""
+    if spec == "sweep":
+        if n in SWEEPS:
+            return SWEEPS[n]
+        step = max(1, n // 8)
+        return list(range(step, n, step))
+    try:
+        if ":" in spec:
+            parts = [int(x) for x in spec.split(":")]
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] < 1):
+                raise ValueError(spec)
+            lo, hi, *st = parts
+            values = list(range(lo, hi + 1, st[0] if st else 1))
+        else:
+            values = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise ReplayError(f"cannot read --budget {spec!r}; use 24, 8,16,32, 8:56:8 or sweep") \
+            from None
+    bad = [b for b in values if not 1 <= b <= n]
+    if bad or not values:
+        raise ReplayError(f"--budget {spec!r} is out of range: budgets must be within 1..{n}")
+    return sorted(set(values))
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    rankings: tuple[str, ...] = ("router", "oracle")
+    coverages: tuple[str, ...] = ("truncation", "substitution")
+    budgets: tuple[int, ...] = (24,)
+    layers: tuple[int, ...] | None = None  # None: every MoE layer
+    mode: str = "open"
+
+
+def stored_layers(run: Run, layers: list[int]) -> list[int]:
+    """Of ``layers``, those whose MoE tensors the run's storage policy kept (open loop needs
+    them; routing is always complete)."""
+    kept = run.manifest.get("storage", {}).get("layers")
+    return layers if kept is None else [x for x in layers if x in kept]
+
+
+def storage_note(run: Run) -> str | None:
+    """One line saying what a partially stored run lacks, or None."""
+    storage = run.manifest.get("storage")
+    if not storage:
+        return None
+    moe = run.manifest.get("moe_layers", [])
+    parts = []
+    if storage["layers"] != moe:
+        parts.append(f"MoE layers {','.join(map(str, storage['layers']))} of {len(moe)}")
+    if storage["passes"] != "all":
+        parts.append(f"passes {storage['passes']}")
+    if not parts:
+        return None
+    return (f"run {run.name} keeps MoE tensors for {' and '.join(parts)} ({storage['dtype']}); "
+            "open-loop replay covers those, closed loop and routing analyses everything")
+
+
+@dataclass
+class ReplayOutcome:
+    units: list[UnitResults] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)  # runs answered entirely from stored results
+    skipped: dict[str, list[int]] = field(default_factory=dict)  # ranking -> budgets it cannot do
+    notes: list[str] = field(default_factory=list)  # what partially stored runs lack
+    tree_layers: int = 0  # computed now (open loop)
+    trees: int = 0  # re-verified now (closed loop)
+    seconds: float = 0.0
+    start_seconds: float = 0.0  # of which: starting Ray actors and loading their models
+
+
+UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration")  # the rest of a key is versions
+
+
+def run_layers_noted(run, layers: list[int], mode: str, outcome: ReplayOutcome) -> list[int]:
+    """The layers of ``run`` a replay in ``mode`` can score (open loop: those whose MoE inputs
+    the storage policy kept), noting in ``outcome`` what the policy left out."""
+    if mode != "open":
+        return layers
+    note = storage_note(run)
+    if note:
+        outcome.notes.append(note)
+    return stored_layers(run, layers)
+
+
+def unit_key(mode: str, ranking, cover, calibration: list[Run], means: int | None = None) -> dict:
+    """What makes results comparable; calibration only where the ranking uses it, with the
+    version of how statistics become means (results of an older definition are not reused).
+    ``ranking``: a :class:`policy.rankings.Ranking` class or its :class:`RankingFacts`;
+    ``cover``: anything with the coverage's ``name``; ``means``: MEANS_VERSION (read from
+    :mod:`policy.calibration` when not given)."""
+    if means is None and (ranking.needs_calibration or ranking.uses_calibration):
+        from policy.calibration import MEANS_VERSION as means
+    key = dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=[])
+    if ranking.version != 1:  # (version 1 is left out: keys of unchanged rankings stay as they were)
+        key["version"] = ranking.version
+    if ranking.needs_calibration or (ranking.uses_calibration and calibration):
+        key.update(calibration=sorted([r.name, r.run_id] for r in calibration),
+                   means=means)
+    return key
+
+
+def summary_frame(outcome: ReplayOutcome, request: ReplayRequest):
+    """Mean metrics per ranking × coverage × budget over the requested cells (a polars
+    DataFrame), or None when no cell is stored."""
+    import polars as pl
+    files = [f for u in outcome.units for f in u.parts(
+        list(request.layers) if request.layers else None, list(request.budgets))]
+    if not files:
+        return None
+    df = pl.read_parquet(files)
+    df = df.filter(pl.col("budget").is_in(list(request.budgets)))
+    if request.layers and "layer" in df.columns:
+        df = df.filter(pl.col("layer").is_in(list(request.layers)))
+    keys = ["ranking", "coverage", "budget"]
+    if request.mode == "open":
+        aggs = [pl.col("rse").mean(), pl.col("token_error").mean(),
+                pl.col("mass_excluded").mean(), pl.col("experts_loaded").mean(),
+                pl.col("unique_experts").mean(), pl.len().alias("tree_layers")]
+    else:
+        aggs = [pl.col("accepted_length").mean(), pl.col("captured_accepted_length").mean(),
+                pl.col("path_unchanged").mean(), pl.col("top1_agreement").mean(),
+                pl.col("mean_kl").mean(), pl.len().alias("trees")]
+    return df.group_by(keys).agg(aggs).sort(keys)
+
+
+# --- the policy facts results are keyed by, without importing torch -----------------------------
+FACTS_VERSION = 1  # of the cache files' layout
+@dataclass(frozen=True)
+class RankingFacts:
+    """What :func:`unit_key` and the planner read from a ranking class."""
+
+    name: str
+    version: int
+    needs_calibration: bool
+    uses_calibration: bool
+    artifact: str | None
+    skipped: tuple[int, ...]  # budgets 1..N the ranking cannot evaluate for these N
+    limit: int | None = None  # of subsets searched (exact), named when budgets are skipped
+
+
+@dataclass(frozen=True)
+class Named:
+    name: str  # a coverage policy, for unit_key
+
+
+@dataclass(frozen=True)
+class PolicyFacts:
+    rankings: dict[str, RankingFacts]
+    min_budget: dict[str, int]  # coverage -> smallest budget for this top-k
+    means: int  # policy.calibration.MEANS_VERSION
+
+
+def policy_digest() -> str:
+    """Digest of the ``policy`` package's source: the facts change only with it."""
+    import policy
+    h = hashlib.sha256()
+    for root in policy.__path__:
+        for path in sorted(Path(root).rglob("*.py")):
+            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "moe-spec-workbench"
+
+
+def policy_facts(n: int, k: int) -> PolicyFacts:
+    """The rankings' and coverage policies' facts for N experts and top-k: from the cache when
+    it holds this policy source's, else from :mod:`policy` (importing torch) and cached."""
+    path = cache_dir() / f"policy-facts-v{FACTS_VERSION}-{policy_digest()}-N{n}-k{k}.json"
+    try:
+        raw = json.loads(path.read_text())
+        return PolicyFacts({name: RankingFacts(**{**f, "skipped": tuple(f["skipped"])})
+                            for name, f in raw["rankings"].items()},
+                           raw["min_budget"], raw["means"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from policy import coverage, rankings
+    from policy.calibration import MEANS_VERSION
+    facts = PolicyFacts(
+        {name: RankingFacts(name, cls.version, cls.needs_calibration, cls.uses_calibration,
+                            cls.artifact, tuple(cls().skipped(n, list(range(1, n + 1)))),
+                            getattr(cls, "limit", None))
+         for name, cls in rankings.REGISTRY.items()},
+        {name: cover.min_budget(k) for name, cover in coverage.COVERAGES.items()}, MEANS_VERSION)
+    try:
+        from catalog import atomic
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_json(path, dict(rankings={name: dict(vars(f), skipped=list(f.skipped))
+                                               for name, f in facts.rankings.items()},
+                                     min_budget=facts.min_budget, means=facts.means))
+    except OSError:
+        pass  # a cache that cannot be written costs the next replay a second, nothing else
+    return facts
+
+
+def stored_outcome(catalog: Catalog, runs: list[Run], request: ReplayRequest,
+                   calibration: list[str], out: Path, facts: PolicyFacts) -> ReplayOutcome | None:
+    """The outcome of ``request`` when every cell it asks for is stored already (complete
+    blocks of the current captures), found without the model, torch or writing anything; None
+    when anything is missing (or cannot be told from the manifests), and
+    :func:`replay.run.replay` plans and computes it. Mirrors that function's units."""
+    manifest = runs[0].manifest
+    try:
+        n, moe = manifest["num_experts"], list(manifest["moe_layers"])
+    except KeyError:
+        return None
+    layers = list(request.layers) if request.layers else moe
+    if not set(layers) <= set(moe) or any(r.manifest.get("moe_layers") != moe for r in runs) \
+            or any(r.manifest.get("num_experts") != n for r in runs):
+        return None  # said in one line once the model is loaded
+    cal = catalog.calibration_runs(calibration, runs[0].model, set().union(
+        *(r.prompt_keys() for r in runs))) if calibration else []
+    table = TABLES[request.mode]
+    outcome = ReplayOutcome()
+    for run in runs:
+        run_layers = run_layers_noted(run, layers, request.mode, outcome)
+        if not run_layers:
+            continue
+        for name in request.rankings:
+            ranking = facts.rankings[name]
+            for cov_name in request.coverages:
+                budgets = [b for b in request.budgets if b >= facts.min_budget[cov_name]]
+                skip = [b for b in budgets if b in ranking.skipped]
+                if skip:
+                    outcome.skipped.setdefault(name, sorted(set(skip)))
+                budgets = [b for b in budgets if b not in skip]
+                if not budgets:
+                    continue
+                unit = UnitResults(out, table, run, unit_key(
+                    request.mode, ranking, Named(cov_name), cal, facts.means))
+                if ranking.artifact and not (unit.folder / ranking.artifact).exists():
+                    return None
+                done = set().union(*(b.cells() for b in unit.complete_blocks()))
+                wanted = {(layer, b) for layer in (run_layers if request.mode == "open"
+                                                   else [None]) for b in budgets}
+                if not wanted <= done:
+                    return None
+                outcome.units.append(unit)
+        outcome.reused.append(run.name)
+    return outcome
