@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sys
 from html import escape
 from pathlib import Path
@@ -28,7 +30,7 @@ from analysis.frames import (
     speedup_note,
 )
 from analysis.sql import connect, views
-from catalog import Catalog, CatalogError, atomic, partition_value
+from catalog import Catalog, CatalogError, atomic, dataset_version, partition_value
 from moe import shapes
 
 
@@ -204,6 +206,32 @@ def settings_table(runs: list) -> str:
             "".join(rows) + "</table>")
 
 
+STAMP = ".report-stamp.json"  # in --out: what the reports there were written from
+
+
+def report_stamp(traces: Path, roles: tuple[str, ...]) -> str:
+    """What a report depends on: the traces (:func:`catalog.dataset_version`), the roles and
+    the code that draws it (this package's sources)."""
+    h = hashlib.sha256(f"{dataset_version(traces)}:{','.join(roles)}".encode())
+    for source in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(source.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def unchanged(traces: Path, out: Path, roles: tuple[str, ...]) -> list[Path] | None:
+    """The reports in ``out`` if they were written from exactly these traces, roles and code
+    (nothing to do), else None."""
+    try:
+        stamp = json.loads((out / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    paths = [out / name for name in stamp.get("reports", [])] if isinstance(stamp, dict) else []
+    if not paths or stamp.get("stamp") != report_stamp(traces, roles) \
+            or not all(p.is_file() for p in paths):
+        return None
+    return paths
+
+
 def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation",)) \
         -> list[Path]:
     """One HTML file per dataset (model × benchmark) of the complete runs in ``roles``: key
@@ -243,6 +271,8 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
                 + "".join(parts) + "</body></html>")
         atomic.write_bytes(path, html.encode("utf-8"))
         written.append(path)
+    atomic.write_bytes(out / STAMP, json.dumps(dict(
+        stamp=report_stamp(traces, roles), reports=[p.name for p in written])).encode())
     return written
 
 
@@ -259,11 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role", default="evaluation", choices=("evaluation", "calibration", "all"),
                    help="which runs the figures draw (calibration runs are never pooled into "
                         "evaluation figures unless asked)")
+    p.add_argument("--force", action="store_true",
+                   help="rewrite reports even when the traces and the report code are unchanged")
     console.threads.add_argument(p, what="DuckDB and the numeric libraries")
     args = p.parse_args(argv)
     console.threads.apply(args.threads, torch=False)
     roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
     try:
+        kept = None if args.force else unchanged(args.traces, args.out, roles)
+        if kept is not None:
+            for path in kept:
+                print(f"unchanged {path} (same traces and report code; --force rewrites)")
+            return 0
         written = write_report(args.traces, args.out, roles)
     except (FileNotFoundError, CatalogError) as exc:
         print(f"report: error: {exc}", file=sys.stderr)

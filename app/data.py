@@ -12,8 +12,6 @@ connection of their own (:func:`pristine`), never on the session's that missed t
 
 from __future__ import annotations
 
-import hashlib
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,18 +22,7 @@ import streamlit as st
 from analysis import summaries
 from analysis.frames import ANALYSES, NEEDS
 from analysis.sql import connect, run_query, views
-from catalog import Catalog, CatalogError
-
-
-def dataset_version(root: Path) -> str:
-    h = hashlib.sha256()
-    for dirpath, _, files in os.walk(root):
-        for f in sorted(files):
-            if f.endswith((".parquet", "_manifest.json", "config.json")):
-                st_ = os.stat(os.path.join(dirpath, f))
-                h.update(f"{dirpath}/{f}:{st_.st_size}:{st_.st_mtime_ns}".encode())
-    return h.hexdigest()[:16]
-
+from catalog import Catalog, CatalogError, dataset_version  # noqa: F401 - data.dataset_version
 
 EVALUATION = ("evaluation",)
 

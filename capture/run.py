@@ -468,6 +468,26 @@ def write_errors(out: Path):
     return wrap
 
 
+def already_complete(settings: CaptureSettings, out: Path, run: str, role: str, prompts: list,
+                     start: float) -> CaptureSummary | None:
+    """The summary of a run that is complete with these settings, role and prompts (a rerun
+    has nothing to do), read from disk without loading the model; else None."""
+    from capture.writer import as_stored
+    try:
+        model = models.resolve(settings.model).name
+    except models.ModelError:
+        return None  # said in one line where the model loads
+    writer = RunWriter(out, model, settings.bench, run)
+    old = writer.read_manifest()
+    if old is None or old.get("status") != "complete" or old.get("role") != role \
+            or old.get("settings") != as_stored(settings.identity()) \
+            or old.get("prompt_ids") != [p.prompt_id for p in prompts] \
+            or len(writer.completed()) < len(prompts):
+        return None
+    return summarise(writer, model, settings.bench, run, len(prompts),
+                     time.perf_counter() - start, 0.0)
+
+
 def check_batching(settings: CaptureSettings, distributed) -> None:
     """What batched decoding does not do yet, refused in one line."""
     if settings.batch_size == 1:
@@ -510,6 +530,9 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
         check_calibration_roles(settings, out)
     prompts = load_prompts(settings, benchmarks_root)
     check_batching(settings, workers or ray_address)
+    done = already_complete(settings, out, run, role, prompts, start)
+    if done is not None:  # nothing to capture: answered without loading the model
+        return done
     if workers or ray_address:
         from capture.distributed import capture_distributed
         return capture_distributed(settings, out, run, role, prompts, workers=workers,
@@ -541,7 +564,8 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
             accepted += sum(s.accepted_length for s in gen.steps)
             bar.set_postfix(tau=f"{accepted / max(1, trees):.2f}")
         background.drain()
-        writer.finish({**manifest, "prompts_done": len(prompts)}, runs_row(manifest))
+        if manifest.get("status") != "complete":  # a complete run captured again is left as it is
+            writer.finish({**manifest, "prompts_done": len(prompts)}, runs_row(manifest))
     except (OSError, WriterFailed) as exc:
         raise write_errors(out)(exc) from exc
     finally:

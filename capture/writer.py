@@ -84,6 +84,10 @@ class RunWriter:
             raise CaptureError(f"cannot create {self.root}: {exc.strerror}; choose a writable "
                                "--out") from exc
         done = self.completed()
+        if old is not None and old.get("status") == "complete" \
+                and old.get("prompt_ids") == manifest.get("prompt_ids") \
+                and len(done) >= len(manifest.get("prompt_ids") or [None]):
+            return old, done  # nothing to capture: the run stays as it was, untouched
         self._clean_incomplete(done)
         run_id = old["run_id"] if old and old.get("run_id") else uuid.uuid4().hex
         manifest = {**manifest, "run_id": run_id, "status": "running",

@@ -2,8 +2,8 @@
 write. Every other package finds and writes traces through here (pyarrow only, no torch)."""
 
 from catalog.names import InvalidName, check_name, partition_value
-from catalog.runs import Catalog, CatalogError, Run, read_manifest, run_dir
+from catalog.runs import Catalog, CatalogError, Run, dataset_version, read_manifest, run_dir
 from catalog.schema import ROLES, SCHEMA_VERSION
 
 __all__ = ["Catalog", "CatalogError", "InvalidName", "ROLES", "Run", "SCHEMA_VERSION",
-           "check_name", "partition_value", "read_manifest", "run_dir"]
+           "check_name", "dataset_version", "partition_value", "read_manifest", "run_dir"]

@@ -261,3 +261,19 @@ class Catalog:
                                "(another --offset or benchmark)")
         return found
 
+
+def dataset_version(root: Path) -> str:
+    """A digest of a traces folder's manifests, result configs and Parquet files (names, sizes,
+    modification times): it changes whenever a capture, replay or summary writes, and only then.
+    The dashboard keys its caches by it and ``report`` skips a report whose traces did not
+    change."""
+    import hashlib
+    import os
+    h = hashlib.sha256()
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for f in sorted(files):
+            if f.endswith((".parquet", "_manifest.json", "config.json")):
+                st_ = os.stat(os.path.join(dirpath, f))
+                h.update(f"{dirpath}/{f}:{st_.st_size}:{st_.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]

@@ -15,6 +15,12 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # shellcheck disable=SC1091
 . .venv/bin/activate
+# already set up for these extras and this pyproject.toml: nothing to do (a rerun takes no time)
+stamp="extras=$EXTRAS $(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f .venv/.setup-stamp ] && [ "$(cat .venv/.setup-stamp)" = "$stamp" ] \
+    && python -c "import torch" 2>/dev/null; then
+  exit 0
+fi
 python -m pip install -q --upgrade pip
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -29,3 +35,4 @@ if [ -n "$EXTRAS" ]; then
 else
   python -m pip install -q -e .
 fi
+echo "$stamp" > .venv/.setup-stamp

@@ -203,3 +203,15 @@ def test_online_static_and_coact_rankings_use_disjoint_calibration(captured, tmp
     r = run_cli(*BASE, "--out", str(captured), "--run", "bad", "--budget", "16", "--ranking",
                 "static", "--calibration", "r1", "--allow-evaluation-calibration")
     assert r.returncode == 2 and "overlap (2 prompts" in r.stderr
+
+
+def test_a_complete_run_captured_again_is_answered_from_disk_untouched(captured, monkeypatch):
+    manifest = next((captured / "runs").rglob("_manifest.json"))
+    before = manifest.stat().st_mtime_ns
+    from capture import run as capture_run
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded for a run with nothing to capture")
+    monkeypatch.setattr(capture_run.Target, "load", no_model)
+    assert cli.main([*BASE, "--out", str(captured), "--run", "r1"]) == 0
+    assert manifest.stat().st_mtime_ns == before

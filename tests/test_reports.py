@@ -17,7 +17,7 @@ def test_report_writes_one_self_contained_html_per_dataset(tmp_path):
     assert moesd.main(["--model", "tiny-olmoe", "--batches", "1", "--gammas", "1,4,16",
                        "--prefix", "8", "--repeats", "1", "--out", str(traces)]) == 0
     assert report.main(["--traces", str(traces), "--out", str(tmp_path / "r")]) == 0
-    files = sorted(p.name for p in (tmp_path / "r").iterdir())
+    files = sorted(p.name for p in (tmp_path / "r").iterdir() if not p.name.startswith("."))
     assert files == ["tiny-olmoe_gsm8k.html", "tiny-olmoe_mbpp.html"]
     html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
     assert html.count('class="plotly-graph-div"') >= 11  # routing, replay, cost, eta figures
@@ -34,6 +34,25 @@ def test_report_writes_one_self_contained_html_per_dataset(tmp_path):
     other = (tmp_path / "r" / "tiny-olmoe_gsm8k.html").read_text()
     assert "no replay, so only B = N (no budget) is measured" in other
     assert report.main(["--traces", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
+
+
+def test_a_report_of_unchanged_traces_is_not_rewritten(tmp_path, capsys):
+    traces, out = tmp_path / "traces", tmp_path / "r"
+    assert capture_cli.main(["--limit", "1", "--max-new-tokens", "8", "--out", str(traces),
+                             "--no-progress"]) == 0
+    assert report.main(["--traces", str(traces), "--out", str(out)]) == 0
+    page = out / "tiny-olmoe_mbpp.html"
+    written = page.stat().st_mtime_ns
+    capsys.readouterr()
+    assert report.main(["--traces", str(traces), "--out", str(out)]) == 0
+    assert "unchanged" in capsys.readouterr().out and page.stat().st_mtime_ns == written
+    assert report.main(["--traces", str(traces), "--out", str(out), "--force"]) == 0
+    assert page.stat().st_mtime_ns != written
+    forced, before = page.stat().st_mtime_ns, page.read_text()
+    assert replay_cli.main(["--traces", str(traces), "--ranking", "router", "--budget", "16",
+                            "--no-progress"]) == 0  # new results: the report is stale
+    assert report.main(["--traces", str(traces), "--out", str(out)]) == 0
+    assert page.stat().st_mtime_ns != forced and page.read_text() != before
 
 
 def test_profile_target_stores_points_and_fits(tmp_path, capsys):
