@@ -194,7 +194,7 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from moe.families import FAMILIES
+    from moe.families import spec_for
 
     source = resolve(model)
     _ensure_available(source)
@@ -202,10 +202,10 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto
     dt = pick_dtype(dtype, dev)
     location = source.location
     try:
+        # the family first: an unsupported one is refused before any weight is read
+        spec = spec_for(AutoConfig.from_pretrained(location))
         if attn_implementation is None:
-            model_type = AutoConfig.from_pretrained(location).model_type
-            spec = FAMILIES.get(model_type)
-            attn_implementation = spec.attention if spec else "sdpa"
+            attn_implementation = spec.attention
         tokenizer = AutoTokenizer.from_pretrained(location)
         net = AutoModelForCausalLM.from_pretrained(
             location, dtype=dt, attn_implementation=attn_implementation,

@@ -96,3 +96,18 @@ def test_cli_summarises_the_default_model():
     assert len(info["probe_unique_experts"]) == 8
     assert all(8 <= u <= 64 for u in info["probe_unique_experts"])
     assert info["quality"]["heldout"]["loss"] > 0
+
+
+def test_an_unsupported_family_is_refused_before_any_weight_is_read(tmp_path):
+    """A dense model's folder (config only: reading weights would fail differently) is refused
+    in one line naming the supported families, from its config alone."""
+    import json
+    folder = tmp_path / "dense"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
+        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)))
+    with pytest.raises(models.ModelError) as exc:
+        models.load(str(folder), device="cpu")
+    message = str(exc.value)
+    assert "'llama' is not supported" in message and "olmoe" in message and "\n" not in message
