@@ -43,9 +43,16 @@ def best_prefixes(batch: RoutingBatch, coverage: Coverage, orders: list[torch.Te
     """Per tree-layer and budget, the prefix of ``orders`` (each ``[T, L]``) with the lowest total
     error ``sq_errors(keep, idx, w) → [T, *E, M]`` under ``coverage``; ties to the first order.
     Returns shortlists ``[T, len(budgets), N]`` (not nested across budgets in general)."""
-    candidates = torch.stack([prefix_masks(o, budgets, batch.n) for o in orders])  # [C, T, B, N]
+    return best_shortlists(batch, coverage, [prefix_masks(o, budgets, batch.n) for o in orders],
+                           sq_errors)
+
+
+def best_shortlists(batch: RoutingBatch, coverage: Coverage, candidates: list[torch.Tensor],
+                    sq_errors) -> torch.Tensor:
+    """Per tree-layer and budget, the candidate shortlist (each ``[T, B, N]``) with the lowest
+    total error ``sq_errors(keep, idx, w) → [T, *E, M]`` under ``coverage``; ties to the first."""
+    stacked = torch.stack(candidates)  # [C, T, B, N]
     err = torch.stack([sq_errors(c, *coverage.apply(batch, c)).sum(-1)
                        for c in candidates])  # [C, T, B]
-    best = err.argmin(0)  # the first of equals
-    pick = best[None, ..., None].expand(1, *candidates.shape[1:])
-    return candidates.gather(0, pick)[0]
+    pick = err.argmin(0)[None, ..., None].expand(1, *stacked.shape[1:])
+    return stacked.gather(0, pick)[0]

@@ -62,6 +62,7 @@ from policy.rankings.base import (
     selected_first,
 )
 from policy.rankings.exact import EXACT_LIMIT, exhaustive_best
+from policy.substitution import best_shortlists
 
 
 @register
@@ -114,9 +115,11 @@ class Oracle(Ranking):
                       selected_first(self.order(batch, COVERAGES["truncation"], most), batch)]
         orders += [by_mass(batch.mass()), by_squared_mass(batch)]
         candidates = [prefix_masks(o, budgets, batch.n) for o in orders]
-        for ranking in getattr(self, "starts", start_rankings(None)):
+        starts = getattr(self, "starts", None)  # fit() sets them; unfitted: no calibration
+        for ranking in start_rankings(None) if starts is None else starts:
             candidates.append(ranking.shortlists(batch, coverage, budgets)[0])
-        return best_shortlists(batch, coverage, candidates + list(extra))
+        return best_shortlists(batch, coverage, candidates + list(extra),
+                               token_errors(batch, coverage))
 
     def order(self, batch, coverage, max_budget):
         if batch.terms is None:
@@ -156,23 +159,18 @@ def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
     return found
 
 
-def errors(batch, coverage, keep: torch.Tensor) -> torch.Tensor:
-    """Total ``Σ_t ||O*_t − Ô_t||²`` per shortlist, ``keep [T, *E, N] → [T, *E]``: truncation's
-    closed form, substitution's Gram expansion (:meth:`policy.batch.RoutingBatch.token_sq_errors`;
-    both equal the direct error to rounding)."""
-    idx, w = coverage.apply(batch, keep)
+def token_errors(batch, coverage):
+    """``(keep, idx, w) → ||O*_t − Ô_t||² [T, *E, M]`` for searching: truncation's closed form,
+    substitution's Gram expansion (:meth:`policy.batch.RoutingBatch.token_sq_errors`; both
+    equal the direct error to rounding)."""
     if isinstance(coverage, Truncation):
-        return coverage.sq_errors(batch, keep, idx, w).sum(-1)
-    return batch.token_sq_errors(idx, w).sum(-1)
+        return lambda keep, idx, w: coverage.sq_errors(batch, keep, idx, w)
+    return lambda keep, idx, w: batch.token_sq_errors(idx, w)
 
 
-def best_shortlists(batch, coverage, candidates: list[torch.Tensor]) -> torch.Tensor:
-    """Per tree-layer and budget the candidate ``[T, B, N]`` with the least exact error, ties to
-    the earlier candidate."""
-    stacked = torch.stack(candidates)  # [C, T, B, N]
-    err = torch.stack([errors(batch, coverage, c) for c in candidates])  # [C, T, B]
-    pick = err.argmin(0)[None, ..., None].expand(1, *stacked.shape[1:])
-    return stacked.gather(0, pick)[0]
+def errors(batch, coverage, keep: torch.Tensor) -> torch.Tensor:
+    """Total ``Σ_t ||O*_t − Ô_t||²`` per shortlist, ``keep [T, *E, N] → [T, *E]``."""
+    return token_errors(batch, coverage)(keep, *coverage.apply(batch, keep)).sum(-1)
 
 
 def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], candidates: int,
