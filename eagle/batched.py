@@ -17,8 +17,9 @@ and ``L + path_i`` kept, left-aligned, padded to the new maximum. A sequence tha
 the batch at once and the next prompt of the queue is prefilled alone and joins (its cache rows
 padded in), so the batch stays full while prompts remain.
 
-Draft trees are built per sequence (the draft head's caches are per sequence); the target
-forward, which dominates on a real MoE model, is batched. At T = 0 every sequence's output is the
+Draft trees are built for the whole batch at once (:func:`eagle.tree.build_trees`: one draft
+forward per tree level for all sequences, each draft cache padded and masked), and the target
+forward is batched. At T = 0 every sequence's output is the
 one it gets at b = 1 (``tests/test_batched.py``, every embedded family, b ∈ {2, 4, 8}).
 """
 
@@ -34,7 +35,7 @@ import torch
 
 from eagle import acceptance, verify
 from eagle.decoding import EagleDecoder, Generation, StepRecord, _sync
-from eagle.tree import DraftCache, DraftTree, build_tree
+from eagle.tree import DraftCache, DraftInput, DraftTree, build_trees
 
 
 @dataclass
@@ -178,13 +179,13 @@ class BatchedDecoder:
         index = 0
         while queue or active:
             while queue and free:  # continuous batching: fill every free slot
-                key, prompt_ids = queue.popleft()
-                seq, single = self._admit(key, prompt_ids, free, eos, max_new_tokens, seed)
-                if seq is None:
-                    yield key, single
-                    continue
-                active.append(seq)
-                cache = self._join(cache, single)
+                entries = [queue.popleft() for _ in range(min(len(queue), len(free)))]
+                joined, stopped, rows = self._admit(entries, free, eos, max_new_tokens, seed)
+                for key, generation in stopped:
+                    yield key, generation
+                if joined:
+                    active.extend(joined)
+                    cache = self._join(cache, rows)
             if not active:
                 break
             finished = [s for s in active if s.prefix + tree_size + 1 > dec.max_length]
@@ -204,9 +205,9 @@ class BatchedDecoder:
                 continue
             _sync(dec.device)
             t0 = time.perf_counter()
-            trees = [None if autoregressive else
-                     build_tree(dec.head, s.draft_cache, s.new_feats, s.new_tokens, s.root,
-                                dec.tree_settings) for s in active]
+            trees = [None] * len(active) if autoregressive else build_trees(
+                dec.head, [DraftInput(s.draft_cache, s.new_feats, s.new_tokens, s.root)
+                           for s in active], dec.tree_settings)
             _sync(dec.device)
             t1 = time.perf_counter()
             width = cache.layers[0].keys.shape[-2]
@@ -273,29 +274,71 @@ class BatchedDecoder:
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
 
-    def _admit(self, key, prompt_ids, free, eos, max_new_tokens, seed):
-        """Prefill one prompt alone; returns (Sequence, its cache) or (None, Generation) when its
-        first token already stops it."""
+    def _prefill(self, prompt_ids: list[list[int]]):
+        """Prefill prompts in one forward: right-padded to the longest, each row causal over its
+        own tokens with explicit positions (padding keys hidden; a sliding-window model's
+        sliding layers also hide keys ``≤ query − window``). Returns each prompt's last logits
+        ``[V]`` and features ``[P_i, F]``, and the batch cache (row i holds prompt i in columns
+        ``[0, P_i)``). One prompt runs exactly as :func:`eagle.verify.prefill`."""
         dec = self.decoder
-        s = seed(key) if callable(seed) else seed
-        gen = torch.Generator(device=dec.device).manual_seed(s)
+        if len(prompt_ids) == 1:
+            logits, feats, cache = verify.prefill(
+                dec.target, dec.tap, torch.tensor(prompt_ids, device=dec.device))
+            return [logits], [feats], cache
+        device = dec.device
+        lengths = torch.tensor([len(p) for p in prompt_ids], device=device)
+        width = int(lengths.max())
+        ids = torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompt_ids], device=device)
+        pos = torch.arange(width, device=device)
+        allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None,
+                                                                                        None])
+        dtype = next(dec.target.parameters()).dtype
+
+        def additive(ok):
+            return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(
+                ~ok, torch.finfo(dtype).min)[:, None]
+
+        mask = additive(allowed) if self.window is None else {
+            "full_attention": additive(allowed),
+            "sliding_attention": additive(allowed & (pos[None, :] > pos[:, None] - self.window))}
+        with dec.tap.active():
+            out = dec.target(input_ids=ids, position_ids=pos[None].expand(len(ids), -1),
+                             attention_mask=mask, cache=verify.new_cache(dec.target),
+                             use_cache=True)
+            feats = dec.tap.features()
+        last = lengths - 1
+        return (list(out.logits[torch.arange(len(ids), device=device), last]),
+                [feats[i, :n] for i, n in enumerate(lengths.tolist())], out.cache)
+
+    def _admit(self, entries, free, eos, max_new_tokens, seed):
+        """Prefill ``entries`` (key, prompt_ids) together; returns the sequences that join, the
+        (key, Generation) of those whose first token already stops them, and the joiners'
+        cache rows (in joining order)."""
+        dec = self.decoder
         start = time.perf_counter()
-        ids = torch.tensor([prompt_ids], device=dec.device)
-        logits, feats, single = verify.prefill(dec.target, dec.tap, ids)
-        root = acceptance.next_token(logits, dec.sampling, gen)
-        result = Generation(list(prompt_ids), [])
-        out, reason = dec._stop([root], eos, max_new_tokens)
-        result.output_ids = out
-        if reason:
-            result.stop_reason = reason
-            result.seconds = time.perf_counter() - start
-            return None, result
-        free.sort()
-        seq = Sequence(key, free.pop(0), list(prompt_ids), gen, result, out, len(prompt_ids), root,
-                       new_feats=feats,
-                       new_tokens=torch.tensor(prompt_ids[1:] + [root], device=dec.device),
-                       start=start)
-        return seq, single
+        logits, feats, cache = self._prefill([list(ids) for _, ids in entries])
+        joined, stopped, rows = [], [], []
+        for i, (key, prompt_ids) in enumerate(entries):
+            s = seed(key) if callable(seed) else seed
+            gen = torch.Generator(device=dec.device).manual_seed(s)
+            root = acceptance.next_token(logits[i], dec.sampling, gen)
+            result = Generation(list(prompt_ids), [])
+            out, reason = dec._stop([root], eos, max_new_tokens)
+            result.output_ids = out
+            if reason:
+                result.stop_reason = reason
+                result.seconds = time.perf_counter() - start
+                stopped.append((key, result))
+                continue
+            free.sort()
+            joined.append(Sequence(key, free.pop(0), list(prompt_ids), gen, result, out,
+                                   len(prompt_ids), root, new_feats=feats[i],
+                                   new_tokens=torch.tensor(list(prompt_ids[1:]) + [root],
+                                                           device=dec.device), start=start))
+            rows.append(i)
+        if rows and len(rows) < len(entries):
+            self._keep_rows(cache, rows)
+        return joined, stopped, cache if rows else None
 
     @staticmethod
     def _finish(s: Sequence, reason: str) -> None:

@@ -105,9 +105,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope(positions: torch.Tensor, dim: int, theta: float, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Llama rotary tables ``[T, dim]`` for integer positions ``[T]``."""
+    """Llama rotary tables ``[T, dim]`` for integer positions ``[T]`` (``[B, 1, T, dim]`` for
+    per-sequence positions ``[B, T]``, broadcasting over heads)."""
     inv = 1.0 / theta ** (torch.arange(0, dim, 2, device=positions.device).float() / dim)
-    ang = positions.float()[:, None] * inv[None]
+    ang = positions.float()[..., None] * inv
+    if ang.dim() == 3:
+        ang = ang[:, None]
     emb = torch.cat((ang, ang), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -125,7 +128,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(nh * hd, cfg.hidden_size, bias=False)
 
     def forward(self, x, positions, past: tuple | None, mask: torch.Tensor):
-        """x ``[B, T, in]``, positions ``[T]``, past ``(k, v)`` each ``[B, nkv, P, hd]``,
+        """x ``[B, T, in]``, positions ``[T]`` or ``[B, T]``, past ``(k, v)`` each ``[B, nkv, P, hd]``,
         mask ``[B or 1, 1, T, P+T]`` (True = attend). Returns (out, (k_all, v_all))."""
         b, t, _ = x.shape
         hd, nh, nkv = self.cfg.dim_head, self.cfg.num_attention_heads, self.cfg.num_key_value_heads

@@ -45,6 +45,57 @@ def test_greedy_batched_outputs_equal_batch_size_one(pair):
     assert all(g.stop_reason == "max_new_tokens" for g in full)
 
 
+def test_batched_drafting_builds_each_sequence_its_own_tree(pair):
+    """build_trees over sequences with different cache lengths and new-token counts gives the
+    trees each sequence builds alone (same tokens and parents; scores to float noise), and
+    leaves each draft cache as its own round would."""
+    import torch
+
+    from eagle import verify
+    from eagle.tree import DraftCache, DraftInput, build_tree, build_trees
+
+    loaded, head = pair
+    dec = EagleDecoder(loaded.model, head)
+    ids = prompts(loaded.tokenizer, 4)
+    firsts = []
+    for p in ids:
+        logits, feats, _ = verify.prefill(dec.target, dec.tap, torch.tensor([p]))
+        root = int(logits.argmax())
+        firsts.append((feats, torch.tensor(p[1:] + [root]), root))
+    seconds = [(f[: j + 1], t[: j + 1], int(t[j])) for j, (f, t, _) in enumerate(firsts)]
+    alone, together = [DraftCache() for _ in ids], [DraftCache() for _ in ids]
+    for round_inputs in (firsts, seconds):  # the second round starts from unequal caches
+        ref = [build_tree(head, c, *x, dec.tree_settings) for c, x in zip(alone, round_inputs)]
+        got = build_trees(head, [DraftInput(c, *x) for c, x in zip(together, round_inputs)],
+                          dec.tree_settings)
+        for r, g in zip(ref, got):
+            assert torch.equal(r.tokens, g.tokens) and torch.equal(r.parents, g.parents)
+            assert torch.allclose(r.scores, g.scores, atol=1e-4)
+        for a, t in zip(alone, together):
+            assert a.length == t.length
+            for (ka, va), (kt, vt) in zip(a.past, t.past):
+                assert ka.shape == kt.shape and torch.allclose(ka, kt, atol=1e-5)
+
+
+def test_prompts_prefilled_together_match_each_prefilled_alone(pair):
+    import torch
+
+    from eagle import verify
+
+    loaded, head = pair
+    dec = EagleDecoder(loaded.model, head)
+    ids = prompts(loaded.tokenizer, 3)
+    logits, feats, cache = BatchedDecoder(dec, 3)._prefill(ids)
+    for i, p in enumerate(ids):
+        ref_logits, ref_feats, ref_cache = verify.prefill(dec.target, dec.tap, torch.tensor([p]))
+        assert torch.allclose(logits[i], ref_logits, atol=1e-4)
+        assert int(logits[i].argmax()) == int(ref_logits.argmax())
+        assert feats[i].shape == ref_feats.shape and torch.allclose(feats[i], ref_feats,
+                                                                    atol=1e-4)
+        for mine, theirs in zip(cache.layers, ref_cache.layers):
+            assert torch.allclose(mine.keys[i, :, :len(p)], theirs.keys[0], atol=1e-4)
+
+
 def test_batch_stays_full_while_prompts_remain_and_ar_matches(pair):
     loaded, head = pair
     dec = EagleDecoder(loaded.model, head)
