@@ -21,6 +21,7 @@ from pathlib import Path
 import console
 from analysis import quality
 from catalog import Catalog, CatalogError
+from errors import UserError, fail
 from tasks import benchmarks
 
 
@@ -52,9 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             raise CatalogError(f"no complete runs match under {args.traces}")
         prompt_sets = {b: {p.prompt_id: p for p in benchmarks.load(b, root=args.benchmarks)}
                        for b in sorted({r.bench for r in runs})}
-    except (CatalogError, benchmarks.BenchmarkError, OSError) as exc:
-        print(f"evaluate: error: {exc}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as exc:
+        return fail("evaluate", exc)
     from transformers import AutoTokenizer
     try:
         # unbudgeted runs first, so twins are scored before the runs compared with them
@@ -76,9 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             results[run.name] = dict(model=run.model, bench=run.bench,
                                      **quality.summary(table, seed=args.seed),
                                      failures=dict(quality.failures(table)))
-    except (CatalogError, benchmarks.BenchmarkError, OSError) as exc:
-        print(f"evaluate: error: {exc}", file=sys.stderr)
-        return 2
+    except (UserError, OSError) as exc:
+        return fail("evaluate", exc)
     for name, r in results.items():
         mean = "—" if r["mean"] is None else f"{r['mean']:.3f} [{r['ci95'][0]:.3f}, " \
             f"{r['ci95'][1]:.3f}]"
@@ -97,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             console.write_json(args.output, results)
         except OSError as exc:
-            print(f"evaluate: error: cannot write --output {args.output}: "
-                  f"{exc.strerror or exc}; the quality table is written, choose a writable "
-                  "--output", file=sys.stderr)
-            return 2
+            return fail("evaluate", f"cannot write --output {args.output}: "
+                        f"{exc.strerror or exc}; the quality table is written, choose a writable "
+                        "--output")
     return 0
 
 

@@ -17,6 +17,7 @@ import polars as pl
 from analysis import cost, replay_views, routing
 from analysis.sql import views
 from catalog import partition_value
+from catalog.runs import profile_parts
 
 
 @functools.lru_cache(maxsize=16)
@@ -308,6 +309,72 @@ def batch_regime(con) -> pl.DataFrame:
                                              for n, k, x in zip(t["n"], t["k"], t["tokens"])]))
 
 
+def batch_speedup(con) -> pl.DataFrame:
+    """``profile-batch``'s measured speedup per model, benchmark, profile run, b and budget (null:
+    none): ``speedup(b) = tokens/s(EAGLE, b) / tokens/s(AR, b)``, the same prompts decoded b at a
+    time both ways (prefill and drafting included), with τ and both speeds."""
+    return con.sql("""
+        SELECT e.model, e.bench, e.run, e.batch_size, e.budget,
+               e.tokens_per_s AS eagle_tokens_per_s, a.tokens_per_s AS ar_tokens_per_s,
+               e.tokens_per_s / a.tokens_per_s AS speedup, e.tau, e.num_experts AS n,
+               e.top_k AS k, e.device
+        FROM batch_profile e JOIN batch_profile a
+          ON a.model = e.model AND a.bench = e.bench AND a.run = e.run
+         AND a.batch_size = e.batch_size AND a.mode = 'ar'
+        WHERE e.mode = 'eagle'
+        ORDER BY e.model, e.bench, e.run, e.budget NULLS FIRST, e.batch_size""").pl()
+
+
+def batch_fit(con, model: str, bench: str, run: str, speed: pl.DataFrame) -> dict | None:
+    """MoESD's pass-time model ``T(b, γ) ≈ c₀ + c₁·E(bγ) + c₂·bγ`` fitted to one profile run's
+    unbudgeted verification passes (median seconds per measured (sequences, γ)), and the
+    verification-only speedup it predicts per b, ``τ(b) · T(b, 1) / T(b, M)``; None with fewer
+    than three points."""
+    from analysis import moesd
+    points = con.sql(f"""
+        SELECT batch, gamma, median(verify_seconds) AS seconds, count(*) AS passes
+        FROM batch_profile_passes
+        WHERE model = '{partition_value(model)}' AND bench = '{bench}' AND run = '{run}'
+          AND budget IS NULL
+        GROUP BY ALL ORDER BY ALL""").pl()
+    mine = speed.filter((pl.col("model") == partition_value(model)) & (pl.col("bench") == bench)
+                        & (pl.col("run") == run) & pl.col("budget").is_null())
+    if points.height < 3 or not mine.height:
+        return None
+    n, k = int(mine["n"][0]), int(mine["k"][0])
+    coef = moesd.fit(points, n, k)
+    gamma = int(points.filter(pl.col("gamma") > 1)["gamma"].max() or 1)
+
+    def seconds(b: int, g: int) -> float:
+        return coef["c0"] + coef["c1"] * float(moesd.moesd_uniform(n, k, np.array([b * g]))[0]) \
+            + coef["c2"] * b * g
+
+    predicted = mine.select("batch_size", "tau").with_columns(predicted=pl.Series([
+        r["tau"] * seconds(r["batch_size"], 1) / seconds(r["batch_size"], gamma)
+        for r in mine.iter_rows(named=True)]))
+    return dict(coef=coef, points=points, gamma=gamma, predicted=predicted)
+
+
+def batch_projection(speed: pl.DataFrame, shape: cost.ModelShape, hw: cost.Hardware,
+                     tree_tokens: int, prefix: int = 512) -> pl.DataFrame:
+    """The roofline's verification-only speedup vs b on a real shape and device
+    (:func:`analysis.cost.projected_batch_speedup`), with the measured τ at each b and budget;
+    experts per pass from MoESD's uniform ``N(t)`` (an assumption: real routing is skewed, so
+    fewer experts load) capped at the budget."""
+    from analysis.routing import moesd_uniform
+    rows = []
+    for r in speed.iter_rows(named=True):
+        b = int(r["batch_size"])
+        spec = float(moesd_uniform(shape.num_experts, shape.top_k, np.array([b * tree_tokens]))[0])
+        ar = float(moesd_uniform(shape.num_experts, shape.top_k, np.array([b]))[0])
+        if r["budget"] is not None:
+            spec = min(spec, float(r["budget"]))
+        rows.append(dict(batch_size=b, budget=r["budget"], projected=cost.projected_batch_speedup(
+            shape, hw, b, r["tau"], tree_tokens, prefix, spec, ar)))
+    return pl.DataFrame(rows, schema=dict(batch_size=pl.Int64, budget=pl.Int64,
+                                          projected=pl.Float64))
+
+
 ANALYSES = {
     "tails": routing.heavy_tails_by_layer,
     "coverage": routing.coverage_curve,
@@ -316,8 +383,10 @@ ANALYSES = {
     "errors": replay_views.error_vs_budget,
     "closed": replay_views.closed_loop,
     "batch": batch_regime,
+    "batch_speed": batch_speedup,
 }
-NEEDS = {"errors": "replay_open", "closed": "replay_closed", "batch": "trees"}
+NEEDS = {"errors": "replay_open", "closed": "replay_closed", "batch": "trees",
+         "batch_speed": "batch_profile"}
 
 
 def all_frames(con) -> dict[str, pl.DataFrame]:
@@ -350,7 +419,7 @@ def efficiency_frame(root: Path | None, model: str) -> pl.DataFrame | None:
     from analysis import moesd
     if root is None:
         return None
-    parts = sorted(Path(root).glob(f"profile/model={partition_value(model)}/device=*/*.parquet"))
+    parts = profile_parts(root, model)
     if not parts:
         return None
     points = pl.read_parquet(parts[-1])

@@ -1,7 +1,8 @@
 """MoESD's target efficiency ``η(b, γ) = T(b, 1) / T(b, γ)``: profile, fit, regimes.
 
 ``profile-target`` times the target's forward for batch size b and γ tokens per sequence (after a
-cached prefix) on the current device and stores the points as Parquet. The fit models a pass as
+cached prefix) on the current device and stores the points as the catalog's ``profile`` table
+(:data:`catalog.schema.PROFILE`). The fit models a pass as
 
     T(b, γ) ≈ c₀ + c₁ · E(bγ) + c₂ · bγ,     E(t) = N·[1 − ((N−k)/N)^t]  (activated experts)
 
@@ -23,6 +24,7 @@ import polars as pl
 
 import console
 from analysis.routing import moesd_uniform
+from errors import UserError, fail
 
 
 def time_forward(model, batch: int, gamma: int, prefix: int, repeats: int, vocab: int,
@@ -124,37 +126,29 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         msg = str(exc) if "must" in str(exc) else \
             f"cannot read --batches/--gammas ({exc}); use comma-separated whole numbers ≥ 1"
-        print(f"profile-target: error: {msg}", file=sys.stderr)
-        return 2
+        return fail("profile-target", msg)
     try:  # before torch and transformers load
         models.check_available(args.model)
-    except models.ModelError as exc:
-        print(f"profile-target: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("profile-target", exc)
     threads = console.threads.apply(args.threads)
-    from catalog import atomic, partition_value
+    from catalog.writer import write_profile
     from moe.adapter import MoEAdapter
-    from moe.families import UnsupportedModelError
     models.quiet_transformers()
     try:
         loaded = models.load(args.model, device=args.device, dtype=args.dtype)
         adapter = MoEAdapter(loaded.model)
-    except (models.ModelError, UnsupportedModelError) as exc:
-        print(f"profile-target: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("profile-target", exc)
     points = profile(loaded.model, batches, gammas, args.prefix, args.repeats)
-    folder = (args.out / "profile" / f"model={partition_value(loaded.name)}" /
-              f"device={loaded.device.type}")
     table = points.with_columns(prefix=pl.lit(args.prefix),
                                 num_experts=pl.lit(adapter.num_experts),
                                 top_k=pl.lit(adapter.top_k)).to_arrow()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic.write_table(folder / "part-0.parquet", table)
+        folder = write_profile(args.out, loaded.name, loaded.device.type, table)
     except OSError as exc:
-        print(f"profile-target: error: cannot write to {args.out}: {exc.strerror or exc}; "
-              "choose a writable --out", file=sys.stderr)
-        return 2
+        return fail("profile-target", f"cannot write to {args.out}: {exc.strerror or exc}; "
+                    "choose a writable --out")
     eff = efficiency(points)
     coef = fit(points, adapter.num_experts, adapter.top_k)
     with pl.Config(tbl_rows=100):

@@ -14,8 +14,9 @@ from pathlib import Path
 import duckdb
 
 import console
-from analysis.sql import QueryRefused, connect, damaged_file, run_query, views
-from catalog import CatalogError, atomic
+from analysis.sql import connect, damaged_file, run_query, views
+from catalog import atomic
+from errors import UserError, fail
 
 FORMATS = ("table", "csv", "json", "parquet")
 
@@ -42,14 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-rows", type=int, default=40, help="rows shown by --format table")
     args = p.parse_args(argv)
     if not args.traces.is_dir():
-        print(f"query: error: no traces folder at {args.traces}; run "
-              f"`{console.command('capture')}` first or pass --traces", file=sys.stderr)
-        return 2
+        return fail("query", f"no traces folder at {args.traces}; run "
+                    f"`{console.command('capture')}` first or pass --traces")
     try:
         con = connect(args.traces, roles=None if args.role == "all" else (args.role,))
-    except CatalogError as exc:
-        print(f"query: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("query", exc)
     names = views(con)
     if args.schema:
         if not names:
@@ -61,11 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: " + ", ".join(f"{c[0]} {c[1]}" for c in cols))
         return 0
     if not args.sql:
-        print("query: error: give a SQL query or --schema", file=sys.stderr)
-        return 2
+        return fail("query", "give a SQL query or --schema")
     if args.format == "parquet" and not args.out:
-        print("query: error: --format parquet needs --out FILE", file=sys.stderr)
-        return 2
+        return fail("query", "--format parquet needs --out FILE")
     try:
         rel = run_query(con, args.sql)
         if args.format == "parquet" and str(args.out) == "-":  # stdout, on purpose
@@ -81,28 +78,22 @@ def main(argv: list[str] | None = None) -> int:
             atomic.write_table(args.out, rel.to_arrow_table())
             return 0
         df = rel.pl()
-    except QueryRefused as exc:
-        print(f"query: error: {exc}", file=sys.stderr)
-        return 2
     except duckdb.Error as exc:
         damaged = damaged_file(args.traces, args.sql, exc)  # a corrupt page names no file
         if damaged:
-            print(f"query: error: {damaged}", file=sys.stderr)
-            return 2
+            return fail("query", damaged)
         first = str(exc).strip().splitlines()[0]
-        print(f"query: error: {first} (views: {', '.join(names) or 'none'})", file=sys.stderr)
-        return 2
+        return fail("query", f"{first} (views: {', '.join(names) or 'none'})")
     except OSError as exc:
-        print(f"query: error: cannot write {args.out}: {exc.strerror or exc}; choose a writable "
-              "--out", file=sys.stderr)
-        return 2
+        return fail("query", f"cannot write {args.out}: {exc.strerror or exc}; choose a writable "
+                    "--out")
+    except UserError as exc:  # a refused query
+        return fail("query", exc)
     if args.format == "csv":
         nested = [name for name, dtype in df.schema.items() if dtype.is_nested()]
         if nested:
-            print(f"query: error: CSV cannot hold the list columns {', '.join(nested)}; select "
-                  "other columns, or use --format json or --format parquet --out FILE",
-                  file=sys.stderr)
-            return 2
+            return fail("query", f"CSV cannot hold the list columns {', '.join(nested)}; select "
+                        "other columns, or use --format json or --format parquet --out FILE")
         text = df.write_csv()
     elif args.format == "json":
         text = df.write_json()
@@ -115,9 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             atomic.write_bytes(args.out, text.encode("utf-8"))
         except OSError as exc:
-            print(f"query: error: cannot write {args.out}: {exc.strerror or exc}; choose a "
-                  "writable --out", file=sys.stderr)
-            return 2
+            return fail("query", f"cannot write {args.out}: {exc.strerror or exc}; choose a "
+                        "writable --out")
     else:
         print(text)
     return 0

@@ -23,16 +23,18 @@ import duckdb
 import numpy as np
 import polars as pl
 
+from catalog import replay_metrics
+from catalog.replay_metrics import CLOSED_TABLE, OPEN_TABLE
+from policy import index  # torch-free: the rankings' table (tests/test_layering.py)
+
 
 def error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
+    """Per ranking × coverage × budget: the open-loop metrics' means as declared in
+    :mod:`catalog.replay_metrics` (RSE with its interval), and the tree-layers counted."""
     return con.sql(f"""
-        SELECT {by}, ranking, coverage, budget, avg(rse) AS rse,
-               greatest(avg(rse) - 1.96 * coalesce(stddev_samp(rse), 0) / sqrt(count(*)), 0)
-                   AS rse_lo,
-               avg(rse) + 1.96 * coalesce(stddev_samp(rse), 0) / sqrt(count(*)) AS rse_hi,
-               avg(token_error) AS token_error, avg(mass_excluded) AS mass_excluded,
-               avg(experts_loaded) AS experts_loaded, count(*) AS tree_layers
-        FROM replay_open GROUP BY ALL ORDER BY ALL
+        SELECT {by}, ranking, coverage, budget, {replay_metrics.view_select(OPEN_TABLE)},
+               count(*) AS tree_layers
+        FROM {OPEN_TABLE} GROUP BY ALL ORDER BY ALL
     """).pl()
 
 
@@ -89,7 +91,7 @@ ABLATION_NOTE = ("Share of the router→oracle gap (mean RSE) each ranking close
                  "mixing mass, coact-diag = × calibration output energy G_ii, coact = + "
                  "co-activation (off-diagonal G); under substitution coact also picks, per "
                  "budget, the prefix with the lowest predicted substitution error.")
-ABLATION = ("sqmass", "coact-diag", "coact", "coact-online", "learned")
+ABLATION = index.ablation_ladder()  # the rankings with an ablation step, in order
 
 
 def ablation(curves: pl.DataFrame) -> pl.DataFrame:
@@ -106,15 +108,10 @@ def ablation(curves: pl.DataFrame) -> pl.DataFrame:
 
 
 def closed_loop(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
+    """Per ranking × coverage × budget: the closed-loop metrics' means as declared in
+    :mod:`catalog.replay_metrics` (τ with its interval), and the trees counted."""
     return con.sql(f"""
-        SELECT {by}, ranking, coverage, budget, avg(accepted_length) AS tau,
-               avg(accepted_length) - 1.96 * coalesce(stddev_samp(accepted_length), 0)
-                   / sqrt(count(*)) AS tau_lo,
-               avg(accepted_length) + 1.96 * coalesce(stddev_samp(accepted_length), 0)
-                   / sqrt(count(*)) AS tau_hi,
-               avg(captured_accepted_length) AS tau_captured,
-               avg(path_unchanged::DOUBLE) AS path_unchanged, avg(top1_agreement) AS top1,
-               avg(mean_kl) AS kl, avg(list_avg(experts_loaded)) AS experts_loaded,
+        SELECT {by}, ranking, coverage, budget, {replay_metrics.view_select(CLOSED_TABLE)},
                count(*) AS trees
-        FROM replay_closed GROUP BY ALL ORDER BY ALL
+        FROM {CLOSED_TABLE} GROUP BY ALL ORDER BY ALL
     """).pl()

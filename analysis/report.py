@@ -19,18 +19,22 @@ import console
 from analysis import coactivation, cost, figures, replay_views, summaries
 from analysis.frames import (
     all_frames,
+    batch_fit,
+    batch_projection,
     calibration_frame,
     efficiency_frame,
     frontier_frame,
     headline,
     mapping_note,
     model_shape,
+    real_targets,
     routing_statistics,
     speedup_frame,
     speedup_note,
 )
 from analysis.sql import connect, views
-from catalog import Catalog, CatalogError, atomic, dataset_version, partition_value
+from catalog import Catalog, atomic, dataset_version, partition_value
+from errors import UserError, fail
 from moe import shapes
 
 
@@ -57,6 +61,7 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
             figs.append(figures.oracle_gap(replay_views.oracle_gap(curves)))
     if "closed" in frames and pick("closed").height:
         figs.append(figures.closed_loop(pick("closed"), n))
+    figs += batch_figures(con, frames, model, bench, n)
     stats = routing_statistics(con, model, bench)
     captured_shape = model_shape(manifest["model_location"])
     if stats is not None and captured_shape is not None:
@@ -83,6 +88,32 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
     if front is not None:
         flat = front["quality"].drop_nulls().n_unique() <= 1
         figs.append(figures.frontier(front, "agreement" if flat else "quality"))
+    return figs
+
+
+def batch_figures(con, frames: dict, model: str, bench: str, n: int) -> list:
+    """The batch regime: experts a pass loads vs b (batched captures at two or more b), and
+    profile-batch's measured speedup vs b with MoESD's fit and the roofline projection for
+    OLMoE on an H100 (the latest profile run of this dataset)."""
+    part = partition_value(model)
+    figs = []
+    batch = frames.get("batch")
+    if batch is not None and batch.height:
+        mine = batch.filter((pl.col("model") == part) & (pl.col("bench") == bench))
+        if mine["batch_size"].n_unique() >= 2:
+            figs.append(figures.batch_regime(mine, n))
+    speed = frames.get("batch_speed")
+    if speed is not None and speed.height:
+        mine = speed.filter((pl.col("model") == part) & (pl.col("bench") == bench))
+        if mine.height:
+            run = mine["run"][-1]
+            mine = mine.filter(pl.col("run") == run)
+            fit = batch_fit(con, model, bench, run, mine)
+            name, target = next(iter(real_targets().items()))
+            hw = "H100-SXM"
+            projection = batch_projection(mine, target, cost.PROFILES[hw],
+                                          fit["gamma"] if fit else 63)
+            figs.append(figures.batch_speedup(mine, fit, projection, f"{name} on {hw}"))
     return figs
 
 
@@ -302,18 +333,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"unchanged {path} (same traces and report code; --force rewrites)")
             return 0
         written = write_report(args.traces, args.out, roles)
-    except (FileNotFoundError, CatalogError) as exc:
-        print(f"report: error: {exc}", file=sys.stderr)
-        return 2
+    except FileNotFoundError as exc:  # no traces to report on
+        return fail("report", exc)
     except duckdb.Error as exc:
         first = str(exc).strip().splitlines()[0]
-        print(f"report: error: a trace table could not be read ({first[:200]}); recapture the "
-              "affected run", file=sys.stderr)
-        return 2
+        return fail("report", f"a trace table could not be read ({first[:200]}); recapture the "
+                    "affected run")
     except OSError as exc:
-        print(f"report: error: cannot write to {args.out}: {exc.strerror or exc}; choose a "
-              "writable --out", file=sys.stderr)
-        return 2
+        return fail("report", f"cannot write to {args.out}: {exc.strerror or exc}; choose a "
+                    "writable --out")
+    except UserError as exc:
+        return fail("report", exc)
     for path in written:
         print(f"wrote {path}")
     return 0

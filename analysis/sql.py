@@ -32,8 +32,10 @@ import console
 from analysis import summaries
 from catalog import Catalog, CatalogError, partition_value, reader, schema
 from catalog.results import RESULT_TABLES, complete_blocks
+from errors import UserError
 
-VIEWS = (*schema.TRACE_TABLES, "runs", "quality", *RESULT_TABLES, *summaries.TABLES)
+VIEWS = (*schema.TRACE_TABLES, "runs", "quality", *RESULT_TABLES, *summaries.TABLES,
+         *schema.BATCH_PROFILE_TABLES)
 
 
 _WARNED: set[str] = set()
@@ -94,6 +96,8 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
         elif name in summaries.TABLES:  # fresh summaries of complete runs only
             body = (f"SELECT t.*, c.role FROM {scan} t JOIN _complete_runs c "
                     "USING (model, bench, run) WHERE c.summarised")
+        elif name in schema.BATCH_PROFILE_TABLES:  # measurements, not runs: every one
+            body = f"SELECT * FROM {scan}"
         elif name == "runs":
             body = f"SELECT t.* FROM {scan} t SEMI JOIN _complete_runs c USING (model, bench, run)"
         else:
@@ -126,7 +130,7 @@ def lock_down(con: duckdb.DuckDBPyConnection, root: Path) -> None:
 QUERY_STATEMENTS = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
 
 
-class QueryRefused(ValueError):
+class QueryRefused(UserError, ValueError):
     """SQL that is not a read-only query; the message is one line for the user."""
 
 

@@ -35,15 +35,11 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from catalog import atomic, schema  # noqa: E402
+from catalog import schema  # noqa: E402
+from catalog.writer import RunWriter, list_column  # noqa: E402
 
 N, K, LAYERS, M = 64, 8, 16, 63
 MODEL, BENCH, RUN = "synthetic-olmoe", "mbpp", "scale"
-
-
-def _lists(a: np.ndarray, t: pa.DataType) -> pa.ListArray:
-    offsets = pa.array(np.arange(0, a.size + 1, a.shape[1], dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(a.reshape(-1), type=t))
 
 
 def _parents(m: int) -> np.ndarray:
@@ -55,11 +51,10 @@ def _parents(m: int) -> np.ndarray:
 
 
 def write_prompt(args) -> int:
-    """One prompt's parts of every table (one chunk per prompt)."""
+    """One prompt's parts of every table (one chunk per prompt), ``sequences`` last."""
     root, prompt, steps, seed = args
     rng = np.random.default_rng([seed, prompt])
-    run_dir = lambda t: Path(root) / t / f"model={MODEL}" / f"bench={BENCH}" / f"run={RUN}"  # noqa: E731
-    name = f"part-{prompt:06d}-0000.parquet"
+    writer = RunWriter(root, MODEL, BENCH, RUN)  # the driver's holds the run's lock
     popularity = -1.2 * np.log(np.arange(1, N + 1))  # Zipf-like, per layer permuted
     perms = np.stack([np.random.default_rng([seed, 99, layer]).permutation(N)
                       for layer in range(LAYERS)])
@@ -77,11 +72,11 @@ def write_prompt(args) -> int:
     node = np.tile(np.arange(M, dtype=np.int16), steps * LAYERS)
     key = dict(prompt_index=pa.array(np.full(rows, prompt, np.int32)),
                prompt_id=pa.array([f"p{prompt}"] * rows))
-    atomic.write_table(run_dir("routing") / name, pa.table({
+    writer.write_part("routing", prompt, 0, pa.table({
         **key, "step": pa.array(step), "layer": pa.array(layer), "node": pa.array(node),
-        "router_probs": _lists(probs, pa.float32()),
-        "topk_ids": _lists(top.astype(np.int16), pa.int16()),
-        "topk_weights": _lists(np.take_along_axis(probs, top, 1), pa.float32()),
+        "router_probs": list_column(probs, pa.float32()),
+        "topk_ids": list_column(top.astype(np.int16), pa.int16()),
+        "topk_weights": list_column(np.take_along_axis(probs, top, 1), pa.float32()),
         "applied_ids": pa.nulls(rows, pa.list_(pa.int16())),
         "applied_weights": pa.nulls(rows, pa.list_(pa.float32()))}, schema=schema.TABLES["routing"]))
     unique = np.array([[len(np.unique(top[(s * LAYERS + la) * M:(s * LAYERS + la + 1) * M]))
@@ -89,14 +84,14 @@ def write_prompt(args) -> int:
     accepted = rng.integers(1, 6, size=steps).astype(np.int16)
     tkey = dict(prompt_index=pa.array(np.full(steps, prompt, np.int32)),
                 prompt_id=pa.array([f"p{prompt}"] * steps))
-    atomic.write_table(run_dir("trees") / name, pa.table({
+    writer.write_part("trees", prompt, 0, pa.table({
         **tkey, "step": pa.array(np.arange(steps, dtype=np.int32)),
         "prefix_len": pa.array((100 + np.cumsum(accepted)).astype(np.int32)),
         "nodes": pa.array(np.full(steps, M, np.int16)),
         "depth": pa.array(np.full(steps, 7, np.int16)), "accepted_length": pa.array(accepted),
         "draft_seconds": pa.array(np.full(steps, 0.01)),
         "verify_seconds": pa.array(np.full(steps, 0.03)),
-        "unique_experts": _lists(unique, pa.int16()), "experts_loaded": _lists(unique, pa.int16()),
+        "unique_experts": list_column(unique, pa.int16()), "experts_loaded": list_column(unique, pa.int16()),
         "budget": pa.nulls(steps, pa.int16()), "ranking": pa.nulls(steps, pa.string()),
         "coverage": pa.nulls(steps, pa.string()),
         **{f.name: pa.nulls(steps, f.type) for f in schema.TABLES["trees"]  # b = 1: no batch
@@ -117,7 +112,7 @@ def write_prompt(args) -> int:
             acc[s, j] = True
     nkey = dict(prompt_index=pa.array(np.full(n_rows, prompt, np.int32)),
                 prompt_id=pa.array([f"p{prompt}"] * n_rows))
-    atomic.write_table(run_dir("nodes") / name, pa.table({
+    writer.write_part("nodes", prompt, 0, pa.table({
         **nkey, "step": pa.array(np.repeat(np.arange(steps, dtype=np.int32), M)),
         "node": pa.array(np.tile(np.arange(M, dtype=np.int16), steps)),
         "parent": pa.array(np.tile(parents.astype(np.int16), steps)),
@@ -125,9 +120,9 @@ def write_prompt(args) -> int:
         "token_id": pa.array(rng.integers(0, 50000, n_rows).astype(np.int32)),
         "draft_logprob": pa.array(-np.tile(depth, steps).astype(np.float32)),
         "accepted": pa.array(acc.reshape(-1))}, schema=schema.TABLES["nodes"]))
-    atomic.write_table(run_dir("moe_io") / name,  # no MoE tensors kept (as --store-layers none)
-                       schema.storage_schema("moe_io", "bfloat16").empty_table())
-    atomic.write_table(run_dir("sequences") / name, pa.table({
+    writer.write_part("moe_io", prompt, 0,  # no MoE tensors kept (as --store-layers none)
+                      schema.storage_schema("moe_io", "bfloat16").empty_table())
+    writer.write_part("sequences", prompt, 0, pa.table({
         "prompt_index": pa.array([prompt], pa.int32()), "prompt_id": pa.array([f"p{prompt}"]),
         "prompt_token_ids": pa.array([[1, 2, 3]], pa.list_(pa.int32())),
         "output_token_ids": pa.array([list(range(int(accepted.sum())))], pa.list_(pa.int32())),
@@ -140,8 +135,6 @@ def write_prompt(args) -> int:
 
 def write_synthetic(root: Path, prompts: int, steps: int, seed: int = 0) -> int:
     """A complete run of ``prompts × steps`` trees; returns tree-layers written."""
-    from capture.run import runs_row
-    from capture.writer import RunWriter
     from moe.shapes import REAL_SHAPES
     shape_dir = root.parent / f"{root.name}-olmoe-shape"  # OLMoE's config, for the cost model
     REAL_SHAPES["olmoe"].build_config().save_pretrained(shape_dir)
@@ -158,7 +151,7 @@ def write_synthetic(root: Path, prompts: int, steps: int, seed: int = 0) -> int:
     with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         tree_layers = sum(pool.map(write_prompt, [(str(root), i, steps, seed)
                                                   for i in range(prompts)]))
-    writer.finish({**manifest, "prompts_done": prompts}, runs_row(manifest))
+    writer.finish({**manifest, "prompts_done": prompts})
     writer.close()
     return tree_layers
 

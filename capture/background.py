@@ -14,8 +14,10 @@ import queue
 import threading
 from typing import Callable
 
+from errors import UserError
 
-class WriterFailed(RuntimeError):
+
+class WriterFailed(UserError, RuntimeError):
     """The background writer failed; ``__cause__`` holds the original error."""
 
 

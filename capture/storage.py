@@ -22,12 +22,14 @@ import hashlib
 import math
 from dataclasses import asdict, dataclass
 
+from errors import UserError
+
 DTYPES = ("bfloat16", "float16", "float32")
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 OUTPUTS = ("store", "recompute")
 
 
-class StorageError(ValueError):
+class StorageError(UserError, ValueError):
     """A storage policy that cannot be read; the message is one line for the user."""
 
 

@@ -18,13 +18,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from errors import UserError
+
 
 def temporary_name(path: Path) -> Path:
     """Where ``path`` is written before it is renamed into place."""
     return path.with_name(f".{path.name}.tmp")
 
 
-class UnsafeTarget(OSError):
+class UnsafeTarget(UserError, OSError):
     """An output path that is not a regular file (a device, FIFO, folder or symlink): never
     replaced. ``str()`` is one line for the user (callers print ``exc.strerror or exc``)."""
 

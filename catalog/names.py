@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import re
 
+from errors import UserError
+
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class InvalidName(ValueError):
+class InvalidName(UserError, ValueError):
     """A name that cannot become a path; the message is one line for the user."""
 
 

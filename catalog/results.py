@@ -1,8 +1,9 @@
 """Where replay results live, so that a finished sweep answers any subset and nothing is stored
 twice.
 
-A *unit* is what makes results comparable: mode, ranking, coverage and the calibration runs
-(name and run id). Its results sit in one folder per captured run::
+A *unit* is what makes results comparable: mode, ranking, coverage, the calibration runs
+(name and run id) and the layout of the result table (:func:`layout_key`). Its results sit in
+one folder per captured run::
 
     <root>/<table>/model=…/bench=…/run=…/config=<unit hash>/_config.json
     <root>/<table>/model=…/bench=…/run=…/config=<unit hash>/block=<id>/part-<prompt>.parquet
@@ -27,12 +28,27 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from catalog import atomic
+from catalog import atomic, replay_metrics
 from catalog.names import check_name
 from catalog.runs import CatalogError, Run, run_dir
 from catalog.schema import RESULT_CONFIG
 
-RESULT_TABLES = ("replay_open", "replay_closed")
+RESULT_TABLES = (replay_metrics.OPEN_TABLE, replay_metrics.CLOSED_TABLE)
+
+
+def layout_key(table: str, unit: dict) -> dict:
+    """``unit`` with the version of the table's metric layout
+    (:data:`catalog.replay_metrics.LAYOUT_VERSION`; version 1 is left out, so keys written
+    before the layout was versioned stay as they were). Results of another layout have another
+    key: recomputed, and left out by readers (:func:`complete_blocks`), never read with NULLs."""
+    version = replay_metrics.LAYOUT_VERSION[table]
+    unit = {k: v for k, v in unit.items() if k != "layout"}
+    return unit if version == 1 else dict(unit, layout=version)
+
+
+def current_layout(table: str, unit: dict) -> bool:
+    """Whether a stored unit's results have the table's current metric layout."""
+    return unit.get("layout", 1) == replay_metrics.LAYOUT_VERSION[table]
 
 
 def digest(obj) -> str:
@@ -73,6 +89,7 @@ class UnitResults:
     def __init__(self, root: Path, table: str, run: Run, unit: dict):
         if table not in RESULT_TABLES:
             raise ValueError(f"unknown result table {table!r}")
+        unit = layout_key(table, unit)
         self.run, self.unit, self.table = run, unit, table
         self.folder = run_dir(root, table, run.model, run.bench, run.name) / f"config={digest(unit)}"
         self.lock = unit_lock(self.folder)
@@ -221,8 +238,9 @@ class UnitResults:
 
 def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) -> list[dict]:
     """(model, bench, run, config, block) of every complete block under ``root``: what readers
-    may treat as final (an interrupted sweep's blocks are left out). A torn or foreign config is
-    left out too, with one line saying so appended to ``skipped``."""
+    may treat as final (an interrupted sweep's blocks are left out, and so are blocks of an older
+    metric layout: :func:`current_layout`). A torn or foreign config is left out too, with one
+    line saying so appended to ``skipped``."""
     rows = []
     for path in sorted(Path(root).glob(f"{table}/model=*/bench=*/run=*/config=*/{RESULT_CONFIG}")):
         try:
@@ -235,6 +253,8 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
                 skipped.append(f"corrupt replay result config {path}: its results are left out; "
                                f"delete {path.parent} and replay again")
             continue
+        if isinstance(state.get("unit"), dict) and not current_layout(table, state["unit"]):
+            continue  # recomputed by the next replay, which deletes it (drop_superseded)
         parts = {p.split("=", 1)[0]: p.split("=", 1)[1] for p in path.parent.parts[-4:]}
         for b in blocks:
             if isinstance(b, dict) and b.get("status") == "complete" \

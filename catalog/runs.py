@@ -22,15 +22,62 @@ from pathlib import Path
 
 from catalog import schema
 from catalog.names import InvalidName, check_name, partition_value
+from errors import UserError
 
 
-class CatalogError(RuntimeError):
+class CatalogError(UserError, RuntimeError):
     """Missing, corrupt or incompatible traces; the message is one line for the user."""
 
 
 def run_dir(root: Path, table: str, model: str, bench: str, run: str) -> Path:
     """The one place partition paths are built: ``<root>/<table>/model=…/bench=…/run=…``."""
     return Path(root) / table / f"model={partition_value(model)}" / f"bench={bench}" / f"run={run}"
+
+
+def profile_dir(root: Path, model: str, device: str) -> Path:
+    """Where ``profile-target`` stores a model's timings on one device type (``cpu``, ``cuda``):
+    ``<root>/profile/model=…/device=…`` (:data:`catalog.schema.PROFILE`)."""
+    return Path(root) / schema.PROFILE_TABLE / f"model={partition_value(model)}" / f"device={device}"
+
+
+def profile_parts(root: Path, model: str) -> list[Path]:
+    """The stored profiles of ``model``, one per device type, sorted by device."""
+    return sorted(p for p in (Path(root) / schema.PROFILE_TABLE /
+                              f"model={partition_value(model)}").glob(f"device=*/{WHOLE_PART}"))
+
+
+def batch_profile_dir(root: Path, table: str, model: str, bench: str, run: str) -> Path:
+    """Where ``profile-batch`` stores one run's ``table`` (:data:`catalog.schema.BATCH_PROFILE_TABLES`):
+    ``<root>/<table>/model=…/bench=…/run=…``."""
+    if table not in schema.BATCH_PROFILE_TABLES:
+        raise ValueError(f"{table!r} is not a profile-batch table")
+    return Path(root) / table / f"model={partition_value(model)}" / f"bench={bench}" / f"run={run}"
+
+
+# --- part files: the one place their names are built and parsed ------------------------------
+PART_GLOB = "part-*.parquet"  # every part of a table in one run folder
+WHOLE_PART = "part-0.parquet"  # a table written whole, in one file (runs, profile)
+
+
+def part_name(prompt_index: int, chunk: int = 0) -> str:
+    """One chunk of one prompt's rows of a trace table: ``part-<prompt>-<chunk>.parquet``, both
+    zero-padded (``part-000012-0003.parquet``), so names sort by prompt, then chunk."""
+    return f"part-{prompt_index:06d}-{chunk:04d}.parquet"
+
+
+def prompt_parts_glob(prompt_index: int) -> str:
+    """Every chunk of one prompt: ``part-<prompt>-*.parquet``."""
+    return f"part-{prompt_index:06d}-*.parquet"
+
+
+def prompt_of_part(path: Path) -> int:
+    """The prompt index in a part's name (:func:`part_name`); a file named otherwise is not one
+    capture writes."""
+    try:
+        return int(Path(path).name.split("-")[1])
+    except (IndexError, ValueError):
+        raise CatalogError(f"{path} is not a part capture writes (part-<prompt>-<chunk>.parquet)"
+                           "; remove it or recapture the run") from None
 
 
 REQUIRED = ("model", "bench", "run", "status", "role", "settings", "schema_version")
@@ -164,10 +211,10 @@ class Run:
     def prompt_indices(self) -> list[int]:
         """Prompts written completely (their ``sequences`` part exists), in order."""
         folder = self.dir(schema.COMPLETION_TABLE)
-        return sorted(prompt_of_part(p) for p in folder.glob("part-*.parquet"))
+        return sorted(prompt_of_part(p) for p in folder.glob(PART_GLOB))
 
     def parts(self, table: str, prompt_index: int) -> list[Path]:
-        return sorted(self.dir(table).glob(f"part-{prompt_index:06d}-*.parquet"))
+        return sorted(self.dir(table).glob(prompt_parts_glob(prompt_index)))
 
     def expected_prompts(self) -> list[int]:
         offset = self.settings.get("offset", 0)
@@ -180,7 +227,7 @@ class Run:
             return self
         expected = self.expected_prompts()
         for table in ("sequences", "trees", "nodes", "routing"):
-            present = {prompt_of_part(p) for p in self.dir(table).glob("part-*.parquet")}
+            present = {prompt_of_part(p) for p in self.dir(table).glob(PART_GLOB)}
             missing = sorted(set(expected) - present)
             if missing:
                 raise CatalogError(f"{self.dir(table)} lacks prompt {missing[0]} of complete run "
@@ -188,9 +235,9 @@ class Run:
                                    "recapture the run")
         if not self.dir("moe_io").is_dir():  # a synthetic run without MoE tensors
             return self
-        routing = {p.name for p in self.dir("routing").glob("part-*.parquet")
+        routing = {p.name for p in self.dir("routing").glob(PART_GLOB)
                    if prompt_of_part(p) in set(expected)}
-        io = {p.name for p in self.dir("moe_io").glob("part-*.parquet")}
+        io = {p.name for p in self.dir("moe_io").glob(PART_GLOB)}
         lost = sorted(routing - io)
         if lost:  # capture writes a moe_io part (empty where nothing is kept) for every chunk
             raise CatalogError(f"{self.dir('moe_io') / lost[0]} is missing ({len(lost)} moe_io "
@@ -199,14 +246,6 @@ class Run:
         return self
 
 
-def prompt_of_part(path: Path) -> int:
-    """The prompt index in a part's name (``part-<prompt>-<chunk>.parquet``); a file named
-    otherwise is not one capture writes."""
-    try:
-        return int(path.name.split("-")[1])
-    except (IndexError, ValueError):
-        raise CatalogError(f"{path} is not a part capture writes (part-<prompt>-<chunk>.parquet)"
-                           "; remove it or recapture the run") from None
 
 
 class Catalog:

@@ -6,6 +6,9 @@ Layout (hive partitioning, readable by DuckDB, pyarrow and polars with no projec
     <root>/runs/model=<model>/bench=<bench>/run=<run>/_manifest.json  (+ part-0.parquet when complete)
     <root>/replay_open/model=…/bench=…/run=…/config=<unit>/block=<id>/part-<prompt>.parquet
     <root>/replay_open/model=…/bench=…/run=…/config=<unit>/_config.json   (and replay_closed alike)
+    <root>/profile/model=<model>/device=<device type>/part-0.parquet   (profile-target's timings)
+    <root>/batch_profile/model=…/bench=…/run=batch-<hash>/part-0.parquet  (profile-batch; and
+    batch_profile_passes alike)
 
 Partition columns (``model``, ``bench``, ``run``) are not stored in the files; readers get them
 from the paths. A prompt's files are written to ``.<name>.tmp`` and renamed; ``sequences`` is
@@ -19,6 +22,8 @@ Notation as in DESIGN.md: for tree node t and MoE layer ℓ, ``g_t`` router soft
 from __future__ import annotations
 
 import pyarrow as pa
+
+from catalog import replay_metrics
 
 SCHEMA_VERSION = 3  # 2: runs carry a role and a run_id; replay results are stored in blocks;
 # 3: trees say which batched verification pass they were in (batch_pass, slot, batch_size, …)
@@ -113,28 +118,63 @@ QUALITY = pa.schema(_KEY + [
 ])
 COMPLETION_TABLE = "sequences"
 
+# Forward-pass timings of a target on one device type (``profile-target``, analysis/moesd.py),
+# one row per (b, γ) point, each profile written whole (catalog.writer.write_profile):
+# profile/model=…/device=<cpu|cuda|…>/part-0.parquet; a new profile replaces the old one
+PROFILE_TABLE = "profile"
+PROFILE = pa.schema([
+    pa.field("batch", pa.int64()),  # b, sequences per pass
+    pa.field("gamma", pa.int64()),  # γ, tokens per sequence after the cached prefix
+    pa.field("seconds", pa.float64()),  # T(b, γ), median of the timed repeats
+    pa.field("prefix", pa.int32()),  # cached tokens before the pass
+    pa.field("num_experts", pa.int32()),  # N of the target
+    pa.field("top_k", pa.int32()),  # k of the target
+])
+
+# profile-batch's measurements (capture/profile_batch.py): one row per decoding (mode, b, budget)
+# and one per verification pass, per run of the command (its settings' hash names it; a rerun
+# replaces its own points): batch_profile*/model=…/bench=…/run=batch-<hash>/part-0.parquet
+_DECODING = [
+    pa.field("mode", pa.string()),  # ar | eagle
+    pa.field("batch_size", pa.int32()),  # b, sequences decoded together
+    pa.field("budget", pa.int32()),  # expert budget over the batch's union; null: none
+]
+BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
+    "batch_profile": pa.schema(_DECODING + [
+        pa.field("tokens", pa.int64()),  # output tokens of every prompt
+        pa.field("seconds", pa.float64()),  # wall time of the whole decoding (prefill included)
+        pa.field("tokens_per_s", pa.float64()),
+        pa.field("passes", pa.int32()),  # verification passes
+        pa.field("tau", pa.float64()),  # mean tokens a sequence gains per pass
+        pa.field("num_experts", pa.int32()),
+        pa.field("top_k", pa.int32()),
+        pa.field("device", pa.string()),
+        pa.field("threads", pa.int32()),
+        pa.field("ranking", pa.string()),  # of the budget; null without budgets
+        pa.field("coverage", pa.string()),
+    ]),
+    "batch_profile_passes": pa.schema(_DECODING + [
+        pa.field("pass_index", pa.int32()),
+        pa.field("batch", pa.int32()),  # sequences in this pass (≤ b as the queue drains)
+        pa.field("gamma", pa.int32()),  # tokens verified per sequence (1 for ar, M for eagle)
+        pa.field("verify_seconds", pa.float64()),  # the target forward, device-synchronised
+        pa.field("draft_seconds", pa.float64()),
+    ]),
+}
+
 _REPLAY_KEY = _KEY + _STEP + [pa.field("ranking", pa.string()), pa.field("coverage", pa.string()),
                               pa.field("budget", pa.int16())]
 
-# Replay results, partitioned like the traces plus config=<hash> (replay/run.py).
+# Replay results, partitioned like the traces plus config=<hash> (replay/run.py); the metric
+# columns are declared in catalog/replay_metrics.py
 REPLAY_TABLES: dict[str, pa.Schema] = {
     # one row per (tree, layer, ranking, coverage, budget)
-    "replay_open": pa.schema(_REPLAY_KEY[:3] + [pa.field("layer", pa.int16())] + _REPLAY_KEY[3:] + [
-        pa.field("rse", pa.float64()),  # Σ_t ||O*_t − Ô_t||² / Σ_t ||O*_t||²
-        pa.field("token_error", pa.float64()),  # mean_t ||O*_t − Ô_t|| / ||O*_t||
-        pa.field("mass_excluded", pa.float64()),  # Σ_{i∉S} s_i / Σ_i s_i
-        pa.field("experts_loaded", pa.int16()),  # experts with non-zero weight somewhere
-        pa.field("unique_experts", pa.int16()),  # |∪_t T_k(t)| without a budget
-    ]),
+    replay_metrics.OPEN_TABLE: pa.schema(
+        _REPLAY_KEY[:3] + [pa.field("layer", pa.int16())] + _REPLAY_KEY[3:]
+        + replay_metrics.fields(replay_metrics.OPEN_TABLE)),
     # one row per (tree, ranking, coverage, budget)
-    "replay_closed": pa.schema(_REPLAY_KEY + [
-        pa.field("accepted_length", pa.int16()),  # under the budget (drafts + bonus)
-        pa.field("captured_accepted_length", pa.int16()),
-        pa.field("path_unchanged", pa.bool_()),  # same accepted path and bonus token
-        pa.field("top1_agreement", pa.float64()),  # share of nodes whose argmax is unchanged
-        pa.field("mean_kl", pa.float64()),  # mean_t KL(p_t ‖ p_t^B) over nodes, nats
-        pa.field("experts_loaded", pa.list_(pa.int16())),  # per MoE layer
-    ]),
+    replay_metrics.CLOSED_TABLE: pa.schema(
+        _REPLAY_KEY + replay_metrics.fields(replay_metrics.CLOSED_TABLE)),
 }
 
 RUNS_SCHEMA = pa.schema([
@@ -144,7 +184,9 @@ RUNS_SCHEMA = pa.schema([
     pa.field("draft", pa.string()),
     pa.field("num_experts", pa.int16()),
     pa.field("top_k", pa.int16()),
-    pa.field("renormalize", pa.bool_()),
+    pa.field("renormalize", pa.bool_()),  # the rule's renormalize flag (all older runs have)
+    pa.field("routing_rule", pa.string()),  # JSON of policy.routing.RoutingRule.to_dict(); null
+    # in runs captured before it (RoutingRule.from_manifest reads them from top_k, renormalize)
     pa.field("num_layers", pa.int16()),
     pa.field("moe_layers", pa.list_(pa.int16())),
     pa.field("hidden_size", pa.int32()),

@@ -11,8 +11,10 @@ import os
 import socket
 import sys
 
+from errors import UserError
 
-class ClusterError(RuntimeError):
+
+class ClusterError(UserError, RuntimeError):
     """Ray missing or unreachable; the message is one line for the user."""
 
 

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 # pyproject.toml's [project.scripts] (a test checks they agree)
-COMMANDS = ("capture", "replay", "query", "report", "evaluate", "profile-target", "workbench-app",
-            "inspect-model", "train-tiny", "train-draft")
+COMMANDS = ("capture", "replay", "query", "report", "evaluate", "profile-target", "profile-batch",
+            "workbench-app", "inspect-model", "train-tiny", "train-draft")
 
 
 def bin_dir() -> Path:

@@ -208,6 +208,12 @@ class MoEAdapter:
         return self.layers[0].renormalize
 
     @property
+    def rule(self) -> RoutingRule:
+        """The family's routing rule, as a run's manifest records it (layer 0's: the layers'
+        rules differ only in their selection biases, see :meth:`batch_rule`)."""
+        return self.layers[0].rule
+
+    @property
     def moe_layers(self) -> list[int]:
         return [layer.index for layer in self.layers]
 

@@ -37,10 +37,11 @@ from typing import Callable
 
 from torch import nn
 
+from errors import UserError
 from policy.routing import RoutingRule
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     """A model the workbench cannot replay faithfully; the message is one line."""
 
 
@@ -62,41 +63,49 @@ def _qwen3_dense_layers(config) -> set[int]:
 
 @dataclass(frozen=True)
 class FamilySpec:
+    """One family's MoE routing, as data: every flag of its :class:`RoutingRule` is either a
+    constant here or the name of the config attribute (or router buffer) that holds it, under the
+    names serving engines use (vLLM ``FusedMoE``, SGLang ``select_experts``)."""
+
     model_type: str
-    score: str  # "softmax" | "sigmoid"
-    mixing: str  # "raw" | "renormalised" | "norm_topk_prob" (the config decides)
+    scoring_func: str  # "softmax" | "sigmoid"
+    renormalize: bool | str  # constant, or the config flag that decides (e.g. "norm_topk_prob")
+    renormalize_eps: float = 0.0  # added to the renormalisation's denominator
+    routed_scaling_factor: str | None = None  # config attribute the weights are multiplied by
+    e_score_correction_bias: str | None = None  # router buffer added to scores for selection only
+    grouped_topk: tuple[str, str] | None = None  # config (num_expert_group, topk_group)
     router: str = "gate"  # attribute of the sparse block holding the router module
-    scaled: bool = False  # mixing weights × config.routed_scaling_factor
-    selection_bias: str | None = None  # router buffer added to scores for selection only
-    group_limited: bool = False  # top-k within config.topk_group of config.n_group groups
     shared_experts: str | None = None  # attribute of the sparse block, always computed
     dense_layers: Callable[[object], set[int]] = _no_dense_layers
     attention: str = "sdpa"  # the implementation tree verification runs with (4-D masks)
 
     def rule(self, config, router: nn.Module) -> RoutingRule:
         """The routing rule of one layer (its router holds any per-layer selection bias)."""
-        renormalize = {"raw": False, "renormalised": True}.get(
-            self.mixing, bool(getattr(config, "norm_topk_prob", False)))
-        bias = getattr(router, self.selection_bias).detach().float() if self.selection_bias \
-            else None
+        renormalize = self.renormalize if isinstance(self.renormalize, bool) else \
+            bool(getattr(config, self.renormalize, False))
+        scale = float(getattr(config, self.routed_scaling_factor)) \
+            if self.routed_scaling_factor else 1.0
+        bias = getattr(router, self.e_score_correction_bias).detach().float() \
+            if self.e_score_correction_bias else None
+        groups, groups_kept = (int(getattr(config, name)) for name in self.grouped_topk) \
+            if self.grouped_topk else (1, 1)
         return RoutingRule(
-            top_k=config.num_experts_per_tok, score=self.score, renormalize=renormalize,
-            scale=float(config.routed_scaling_factor) if self.scaled else 1.0,
-            renormalize_eps=1e-20 if self.model_type == "deepseek_v3" else 0.0,
-            selection_bias=bias,
-            groups=config.n_group if self.group_limited else 1,
-            groups_kept=config.topk_group if self.group_limited else 1)
+            top_k=config.num_experts_per_tok, score=self.scoring_func, renormalize=renormalize,
+            scale=scale, renormalize_eps=self.renormalize_eps, selection_bias=bias,
+            groups=groups, groups_kept=groups_kept)
 
 
 FAMILIES: dict[str, FamilySpec] = {s.model_type: s for s in (
-    FamilySpec("olmoe", score="softmax", mixing="norm_topk_prob"),
-    FamilySpec("qwen3_moe", score="softmax", mixing="norm_topk_prob",
+    FamilySpec("olmoe", scoring_func="softmax", renormalize="norm_topk_prob"),
+    FamilySpec("qwen3_moe", scoring_func="softmax", renormalize="norm_topk_prob",
                dense_layers=_qwen3_dense_layers),
-    FamilySpec("mixtral", score="softmax", mixing="renormalised"),
-    FamilySpec("deepseek_v3", score="sigmoid", mixing="norm_topk_prob", scaled=True,
-               selection_bias="e_score_correction_bias", group_limited=True,
-               shared_experts="shared_experts", dense_layers=_first_k_dense),
-    FamilySpec("gpt_oss", score="softmax", mixing="renormalised", router="router",
+    FamilySpec("mixtral", scoring_func="softmax", renormalize=True),
+    FamilySpec("deepseek_v3", scoring_func="sigmoid", renormalize="norm_topk_prob",
+               renormalize_eps=1e-20, routed_scaling_factor="routed_scaling_factor",
+               e_score_correction_bias="e_score_correction_bias",
+               grouped_topk=("n_group", "topk_group"), shared_experts="shared_experts",
+               dense_layers=_first_k_dense),
+    FamilySpec("gpt_oss", scoring_func="softmax", renormalize=True, router="router",
                attention="eager"),  # transformers has no sdpa path for its attention sinks
 )}
 

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 import console
+from errors import UserError, fail
 from moe import models
 from tasks import benchmarks
 
@@ -56,16 +57,10 @@ def probe(loaded: models.LoadedModel, adapter: MoEAdapter, bench: str, root) -> 
 
 
 def describe_rule(adapter: MoEAdapter) -> str:
-    """The family's routing in words (moe.families)."""
-    rule = adapter.layers[0].rule
-    parts = [f"{rule.score} scores"]
-    if rule.selection_bias is not None:
-        parts.append("selection bias")
-    if rule.group_limited:
-        parts.append(f"top-k within {rule.groups_kept} of {rule.groups} groups")
-    parts.append("renormalised weights" if rule.renormalize else "raw weights")
-    if rule.scale != 1.0:
-        parts.append(f"× {rule.scale:g}")
+    """The family's routing in words: the rule's own description
+    (:meth:`policy.routing.RoutingRule.describe`), then the block's shared experts and dense
+    layers, which are not routed."""
+    parts = [adapter.rule.describe()]
     if adapter.has_shared_experts:
         parts.append("shared experts (always on, not in a budget)")
     dense = adapter.num_decoder_layers - len(adapter)
@@ -120,20 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     try:  # before torch and transformers load
         models.check_available(args.model)
         benchmarks.load(args.bench, root=args.benchmarks, limit=1)
-    except (models.ModelError, benchmarks.BenchmarkError) as exc:
-        print(f"inspect-model: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("inspect-model", exc)
     console.threads.apply(args.threads)
     from moe.adapter import MoEAdapter
-    from moe.families import UnsupportedModelError
     models.quiet_transformers()
     try:
         loaded = models.load(args.model, device=args.device, dtype=args.dtype)
         adapter = MoEAdapter(loaded.model)
         touched = probe(loaded, adapter, args.bench, args.benchmarks)
-    except (models.ModelError, UnsupportedModelError, benchmarks.BenchmarkError) as exc:
-        print(f"inspect-model: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("inspect-model", exc)
     record_path = loaded.source.path / "quality.json" if loaded.source.path else None
     record = json.loads(record_path.read_text()) if record_path and record_path.is_file() else None
     if args.json:
@@ -142,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                               architecture=type(loaded.model).__name__,
                               num_experts=adapter.num_experts, top_k=adapter.top_k,
                               renormalize=adapter.renormalize,
+                              routing_rule=adapter.rule.to_dict(),
                               moe_layers=[layer.index for layer in adapter],
                               parameters=total, active_parameters=active,
                               probe_unique_experts=touched, quality=record)))

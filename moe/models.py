@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from errors import UserError
+
 if TYPE_CHECKING:
     import torch
 
@@ -25,7 +27,7 @@ DRAFTS_DIR = REPO_ROOT / "data" / "drafts"
 DEFAULT_MODEL = "tiny-olmoe"
 
 
-class ModelError(ValueError):
+class ModelError(UserError, ValueError):
     """A model that cannot be resolved or loaded; the message is one line for the user."""
 
 

@@ -10,9 +10,10 @@ fired together; an expert never selected gets its layer's mean energy as ``G_ii`
 statistics are sums, so runs can be added in any order and split across workers; ``sources``
 records which runs (name and run id) they came from.
 
-``learned`` also needs *examples*: calibration tree-layers with the truncation oracle's order
-(collected on request, at most ``max_examples``, the first ones in run order), and ``fitted``
-caches what rankings fit on the statistics, so one calibration is fitted once.
+Rankings whose :mod:`policy.index` line says ``examples`` (``learned``) also need *examples*:
+calibration tree-layers with the truncation oracle's order (collected on request, at most
+``max_examples``, the first ones in run order), and ``fitted`` caches what rankings fit on the
+statistics, so one calibration is fitted once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Callable, Iterable, Protocol
 import numpy as np
 import torch
 
+from policy import index
 from policy.greedy import oracle_order
 
 
@@ -66,9 +68,10 @@ def empty_calibration(stats: CalibrationStats, runs: Iterable) -> str | None:
 
 
 def examples_for(rankings: list[str] | tuple[str, ...]) -> int:
-    """How many examples a calibration for these rankings collects (0 unless one learns, or the
-    oracle, which starts from the learned ranking's shortlists where it can fit it)."""
-    return MAX_EXAMPLES if {"learned", "oracle"} & set(rankings) else 0
+    """How many examples a calibration for these rankings collects: 0 unless one of them says
+    ``examples`` in :mod:`policy.index` (one that learns, or the oracle, which starts from the
+    learned ranking's shortlists where it can fit it)."""
+    return MAX_EXAMPLES if index.needs_examples(rankings) else 0
 
 
 @dataclass

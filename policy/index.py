@@ -1,9 +1,13 @@
-"""What the policy package offers, by name, without importing torch.
+"""What the policy package offers, by name, without importing torch: the one source of truth.
 
-Command-line parsers build their choices and ``--help`` from this table, so ``--help`` stays
-instant; the classes themselves register in :mod:`policy.rankings` and :mod:`policy.coverage`
-(imported when a run starts) and a test checks both agree. To add a ranking: its module under
-``policy/rankings/``, its import in ``policy/rankings/__init__.py`` and one line here.
+Each ranking is one line of :data:`RANKINGS`: the module that defines it (imported on demand by
+:func:`policy.rankings.get`), whether it works inside a verification pass, its one-line summary,
+whether its calibration collects examples, its step in the ablation ladder and what a CLI says
+when it skips budgets. Command-line parsers build their choices and ``--help`` from this table, so
+``--help`` stays instant; :func:`policy.rankings.register` gives each class the ``runtime`` its
+line holds and refuses a class without one. To add a ranking: its module under
+``policy/rankings/`` (a ``@register``-ed :class:`policy.rankings.Ranking` subclass) and one line
+here.
 """
 
 from __future__ import annotations
@@ -12,35 +16,54 @@ from typing import NamedTuple
 
 
 class Entry(NamedTuple):
+    module: str  # the module that registers the ranking, imported on first use
     runtime: bool  # usable inside a verification pass (needs router scores only)
     summary: str  # one line, shown in --help
+    examples: bool = False  # its calibration collects examples (oracle orders) to learn from
+    ablation_step: int | None = None  # place in the ablation ladder analysis shows (1 = first)
+    skip_message: str | None = None  # why the CLI skips budgets; ``{limit}``: the class's limit
 
 
 RANKINGS: dict[str, Entry] = {
-    "router": Entry(True, "router mass summed over the tree's tokens (MoE-Spec)"),
-    "static": Entry(True, "calibration selection counts per layer (input-independent)"),
-    "coact": Entry(True, "co-activation-aware: mixing weights x calibration expert-output Gram "
-                         "(this project; under substitution, predicted substitution error)"),
-    "sqmass": Entry(True, "squared mixing mass sum_t g_i(t)^2 (coact with G = I: ablation)"),
-    "coact-diag": Entry(True, "squared mixing mass x calibration output energy G_ii (coact "
-                              "without co-activation: ablation)"),
-    "coact-online": Entry(True, "coact with G refined from the outputs of experts the prompt's "
-                                "earlier passes executed"),
-    "learned": Entry(True, "gradient-boosted score per expert from router and calibration "
-                           "features, trained to reproduce the oracle's order"),
-    "previous": Entry(True, "experts loaded by the previous pass at the layer first, then "
-                            "router mass"),
-    "oracle": Entry(False, "best shortlist found with every expert's output (offline "
-                           "reference): exact where C(N,B) is small, else every runtime "
-                           "ranking's shortlist and the greedies, improved by swaps"),
-    "exact": Entry(False, "exhaustive search over all B-subsets while C(N, B) is small "
-                          "(offline only)"),
+    "router": Entry("policy.rankings.router", True,
+                    "router mass summed over the tree's tokens (MoE-Spec)"),
+    "static": Entry("policy.rankings.static", True,
+                    "calibration selection counts per layer (input-independent)"),
+    "coact": Entry("policy.rankings.coact", True,
+                   "co-activation-aware: mixing weights x calibration expert-output Gram "
+                   "(this project; under substitution, predicted substitution error)",
+                   ablation_step=3),
+    "sqmass": Entry("policy.rankings.sqmass", True,
+                    "squared mixing mass sum_t g_i(t)^2 (coact with G = I: ablation)",
+                    ablation_step=1),
+    "coact-diag": Entry("policy.rankings.coact_diag", True,
+                        "squared mixing mass x calibration output energy G_ii (coact "
+                        "without co-activation: ablation)", ablation_step=2),
+    "coact-online": Entry("policy.rankings.coact_online", True,
+                          "coact with G refined from the outputs of experts the prompt's "
+                          "earlier passes executed", ablation_step=4),
+    "learned": Entry("policy.rankings.learned", True,
+                     "gradient-boosted score per expert from router and calibration "
+                     "features, trained to reproduce the oracle's order",
+                     examples=True, ablation_step=5),
+    "previous": Entry("policy.rankings.previous", True,
+                      "experts loaded by the previous pass at the layer first, then router mass"),
+    # examples: the oracle starts from every runtime ranking's shortlist, learned's included
+    "oracle": Entry("policy.rankings.oracle", False,
+                    "best shortlist found with every expert's output (offline reference): exact "
+                    "where C(N,B) is small, else every runtime ranking's shortlist and the "
+                    "greedies, improved by swaps", examples=True),
+    "exact": Entry("policy.rankings.exact", False,
+                   "exhaustive search over all B-subsets while C(N, B) is small (offline only)",
+                   skip_message="C(N, B) exceeds its limit of {limit} subsets"),
 }
 
 COVERAGES: dict[str, str] = {
     "truncation": "natural top-k, experts outside the budget dropped (weights not renormalised)",
     "substitution": "the model's own routing rule within the budget (needs B >= k)",
 }
+
+SKIPPED = "the ranking cannot evaluate them"  # a skip_message for rankings that name none
 
 
 def ranking_names(*, runtime: bool | None = None) -> list[str]:
@@ -52,6 +75,24 @@ def ranking_names(*, runtime: bool | None = None) -> list[str]:
 def ranking_help(*, runtime: bool | None = None) -> str:
     """One clause per ranking, for --help."""
     return "; ".join(f"{n}: {RANKINGS[n].summary}" for n in ranking_names(runtime=runtime))
+
+
+def needs_examples(rankings) -> bool:
+    """Whether a calibration for these rankings collects examples (some ranking's ``examples``)."""
+    return any(RANKINGS[name].examples for name in rankings if name in RANKINGS)
+
+
+def ablation_ladder() -> tuple[str, ...]:
+    """The rankings with an ablation step, in the ladder's order (analysis's ablation table)."""
+    steps = {name: e.ablation_step for name, e in RANKINGS.items() if e.ablation_step is not None}
+    return tuple(sorted(steps, key=steps.__getitem__))
+
+
+def skip_reason(name: str, limit: int | None = None) -> str:
+    """What the CLI says when ``name`` skips budgets: its ``skip_message`` (``{limit}`` filled
+    in), or :data:`SKIPPED`."""
+    message = RANKINGS[name].skip_message if name in RANKINGS else None
+    return SKIPPED if message is None else message.format(limit=limit)
 
 
 def coverage_help() -> str:

@@ -13,6 +13,24 @@ Ties are broken the same way everywhere: among equal selection scores the lower 
 (:func:`top_k_lowest_id`), and a token's slots are stored by decreasing weight, ties by id
 (:func:`canonical_slots`).
 
+The rule's flags are those serving engines take (vLLM ``FusedMoE`` / SGLang ``select_experts``;
+groups > 1 is their ``use_grouped_topk``):
+
+| RoutingRule | vLLM / SGLang | HF config |
+|---|---|---|
+| ``top_k`` | ``top_k`` | ``num_experts_per_tok`` |
+| ``score`` | ``scoring_func`` | (family) |
+| ``renormalize`` | ``renormalize`` | ``norm_topk_prob`` (or the family) |
+| ``scale`` | ``routed_scaling_factor`` | ``routed_scaling_factor`` |
+| ``selection_bias`` | ``e_score_correction_bias`` | router buffer |
+| ``groups``, ``groups_kept`` | ``num_expert_group``, ``topk_group`` | ``n_group``, ``topk_group`` |
+
+Mixing is owned by one object, :class:`Mixing` (``rule.mixing``): the routers' weights
+(:meth:`Mixing.weights`) and the closed form ``ḡ_i = a(Z) g_i`` the substitution oracle scores
+with (:meth:`Mixing.coefficient`). A run's manifest records the rule as a dict
+(:meth:`RoutingRule.to_dict`; :meth:`RoutingRule.from_manifest` also reads older manifests, which
+carry only ``top_k`` and the ``renormalize`` bool).
+
 Under an expert budget S, substitution applies the same rule with every expert outside S
 removed (selection among S only, mixing over what was selected); a token whose natural top-k
 lies inside S keeps its experts and weights unchanged (:mod:`policy.coverage`). Group-limited
@@ -23,7 +41,8 @@ rule per model family from its config; tests build them directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -62,6 +81,42 @@ def canonical_slots(idx: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Ten
 
 
 @dataclass(frozen=True)
+class Mixing:
+    """How a token's selected scores become mixing weights. With ``Z = Σ_{j∈T_k(t)} g_j`` the
+    selected experts' score mass, every weight is the score times one coefficient::
+
+        ḡ_i(t) = a(Z) · g_i(t),   a(Z) = s / (Z + ε)   when ``renormalize`` (0 where Z = 0)
+                                  a(Z) = s             otherwise
+
+    with s = ``scale`` (``routed_scaling_factor``) and ε = ``eps`` (DeepSeek-V3: 1e-20). The one
+    place mixing is defined: a renormalisation not of this form must change both methods here,
+    and the substitution oracle, which scores with :meth:`coefficient`, follows."""
+
+    renormalize: bool = False
+    scale: float = 1.0
+    eps: float = 0.0
+
+    def coefficient(self, mass: torch.Tensor) -> torch.Tensor | float:
+        """``a(Z)`` of the class docstring for score masses ``mass`` (a float when constant)."""
+        if not self.renormalize:
+            return self.scale
+        return torch.where(mass > 0, self.scale / (mass + self.eps), torch.zeros_like(mass))
+
+    def weights(self, kept: torch.Tensor) -> torch.Tensor:
+        """``ḡ [..., k]`` from the selected scores ``kept [..., k]`` (0 in slots to leave out),
+        computed as the routers do (divide by ``Z + ε``, then scale): the same values as
+        ``coefficient(Z) · kept`` up to rounding, bit for bit the model's."""
+        if self.renormalize:
+            kept = kept / (kept.sum(-1, keepdim=True) + self.eps)
+        return kept * self.scale if self.scale != 1.0 else kept
+
+    def describe(self) -> str:
+        """In words, for ``inspect-model``."""
+        text = "renormalised weights" if self.renormalize else "raw weights"
+        return text if self.scale == 1.0 else f"{text} × {self.scale:g}"
+
+
+@dataclass(frozen=True)
 class RoutingRule:
     top_k: int
     score: str = "softmax"
@@ -77,6 +132,11 @@ class RoutingRule:
     def __post_init__(self):
         if self.score not in SCORES:
             raise ValueError(f"unknown score function {self.score!r}; use one of {SCORES}")
+
+    @property
+    def mixing(self) -> Mixing:
+        """The rule's mixing weights (:class:`Mixing`)."""
+        return Mixing(self.renormalize, self.scale, self.renormalize_eps)
 
     @property
     def group_limited(self) -> bool:
@@ -129,9 +189,7 @@ class RoutingRule:
         w = g.gather(-1, idx)
         if valid is not None:
             w = w * valid
-        if self.renormalize:
-            w = w / (w.sum(-1, keepdim=True) + self.renormalize_eps)
-        w = w * self.scale if self.scale != 1.0 else w
+        w = self.mixing.weights(w)
         if self.weight_dtype is not None and self.weight_dtype != w.dtype:
             w = w.to(self.weight_dtype).to(w.dtype)
         return w
@@ -158,5 +216,60 @@ class RoutingRule:
 
     def for_layers(self, biases: torch.Tensor | None) -> RoutingRule:
         """The same rule with per-row selection biases ``[T, 1, N]`` (a batch of layers)."""
-        from dataclasses import replace
         return replace(self, selection_bias=biases)
+
+    def describe(self) -> str:
+        """The rule in words (``inspect-model``), e.g. ``sigmoid scores, selection bias, top-k
+        within 4 of 8 groups, renormalised weights × 2.5``."""
+        parts = [f"{self.score} scores"]
+        if self.selection_bias is not None:
+            parts.append("selection bias")
+        if self.group_limited:
+            parts.append(f"top-k within {self.groups_kept} of {self.groups} groups")
+        parts.append(self.mixing.describe())
+        return ", ".join(parts)
+
+    # --- the record in a run's manifest ---------------------------------------------------------
+    def to_dict(self) -> dict:
+        """The rule as JSON-ready values, one key per field. A selection bias is a per-layer
+        router buffer, not part of the record: ``selection_bias`` says only whether there is one
+        (:meth:`from_dict` takes the tensor)."""
+        record = {f.name: getattr(self, f.name) for f in fields(self)}
+        record["selection_bias"] = self.selection_bias is not None
+        if self.weight_dtype is not None:
+            record["weight_dtype"] = str(self.weight_dtype).removeprefix("torch.")
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict, selection_bias: torch.Tensor | None = None) -> RoutingRule:
+        """The rule :meth:`to_dict` recorded; ``selection_bias`` supplies the tensor a biased rule
+        needs (a record that says it has one cannot be rebuilt without it)."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(record) - known
+        if unknown:
+            raise ValueError(f"unknown routing rule field(s) {', '.join(sorted(unknown))}")
+        if bool(record.get("selection_bias")) != (selection_bias is not None):
+            raise ValueError("the recorded rule " + ("selects with a bias: pass selection_bias"
+                             if record.get("selection_bias") else "has no selection bias"))
+        values = {**record, "selection_bias": selection_bias}
+        if values.get("weight_dtype") is not None:
+            values["weight_dtype"] = getattr(torch, values["weight_dtype"])
+        return cls(**values)
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as the JSON text of the ``routing_rule`` column (catalog.schema)."""
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, selection_bias: torch.Tensor | None = None
+                      ) -> RoutingRule:
+        """A run's rule from its manifest: the ``routing_rule`` record (a dict, or its JSON text
+        as in the ``runs`` table), or, in manifests written before it, the plain softmax top-k
+        rule that ``top_k`` and the ``renormalize`` bool describe."""
+        record = manifest.get("routing_rule")
+        if record is None:
+            return cls(top_k=int(manifest["top_k"]),
+                       renormalize=bool(manifest.get("renormalize", False)))
+        if isinstance(record, str):
+            record = json.loads(record)
+        return cls.from_dict(record, selection_bias)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import console
 from catalog import ROLES
+from errors import UserError, fail
 from policy import index
+from replay import modes
 
 EXAMPLES = """
 replay --ranking oracle --budget 24
@@ -57,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-evaluation-calibration", action="store_true",
                    help="accept --calibration runs captured with --role evaluation (refused "
                         "by default)")
-    p.add_argument("--mode", default="open", choices=("open", "closed"),
+    p.add_argument("--mode", default="open", choices=tuple(modes.MODES),
                    help="open: per-layer reconstruction error; closed: re-verify every tree "
                         "with the budget in all layers (acceptance under budget)")
     p.add_argument("--out", type=Path, default=None, help="results root (default --traces)")
@@ -121,7 +123,7 @@ def preflight(args):
         raise ReplayError(f"cannot read --layers {args.layers!r}; use decoder layer numbers "
                           "like 0,4,7") from None
     offline = [r for r in args.ranking if not index.RANKINGS[r].runtime]
-    if args.mode == "closed" and offline:
+    if modes.get(args.mode).runtime_rankings_only and offline:
         raise ReplayError(f"closed loop takes runtime rankings only "
                           f"({', '.join(index.ranking_names(runtime=True))}), not "
                           f"{', '.join(offline)}")
@@ -144,10 +146,6 @@ def preflight(args):
 
 
 # --- the summary -----------------------------------------------------------------------------
-METRIC = {"open": ("rse", "mean RSE (lower is better)", "tree_layers", "tree-layers"),
-          "closed": ("accepted_length", "mean accepted length τ under the budget (higher is "
-                                        "better)", "trees", "trees")}
-
 
 def _names(values) -> str:
     values = sorted(set(values))
@@ -161,27 +159,27 @@ def _gap(router, oracle, other) -> float | None:
     return (router - other) / (router - oracle)
 
 
-def summary_lines(frame, mode: str, runs: list, rankings: list[str],
+def summary_lines(frame, mode, runs: list, rankings: list[str],
                   coverages: list[str]) -> list[str]:
     """The summary as a few small pivots: one block per coverage policy, budget rows × ranking
     columns of the mean metric, and where router and oracle are both there, the share of their
     gap each other ranking closes (per budget as a column when there is one such ranking, over
-    all budgets as a last row). Every metric of every cell: --output, or ``query``."""
-    metric, what, count, unit = METRIC[mode]
+    all budgets as a last row). Every metric of every cell: --output, or ``query``. ``mode``:
+    a :class:`replay.modes.ReplayMode` or its name."""
+    mode = modes.get(mode)
+    metric, count = mode.headline, mode.counted
     if frame.is_empty():
         return ["nothing to replay: no verification pass in these runs (every prompt stopped "
                 "before its first pass)"]
     counts = sorted(set(frame[count].to_list()))
     per = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
     lines = [f"{_names(r.model for r in runs)} / {_names(r.bench for r in runs)} / run "
-             f"{_names(r.name for r in runs)}: {mode}-loop replay, {what}; {per} {unit} per cell"]
-    if mode == "closed" and "captured_accepted_length" in frame.columns:
-        lines[0] += f"; captured τ {frame['captured_accepted_length'].mean():.3f}"
+             f"{_names(r.name for r in runs)}: {mode.name}-loop replay, {mode.headline_text}; "
+             f"{per} {mode.counted_unit} per cell{mode.summary_note(frame)}"]
     present = [r for r in rankings if r in set(frame["ranking"].to_list())]
     others = [r for r in present if r not in ("router", "oracle")] \
         if {"router", "oracle"} <= set(present) else []
-    fmt = (lambda v: "—" if v is None else f"{v:.4f}") if mode == "open" else \
-        (lambda v: "—" if v is None else f"{v:.3f}")
+    fmt = lambda v: "—" if v is None else f"{v:.{mode.digits}f}"  # noqa: E731
     pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731
     for cov in [c for c in coverages if c in set(frame["coverage"].to_list())]:
         rows = frame.filter(frame["coverage"] == cov)
@@ -241,12 +239,9 @@ def compute(args, catalog, runs, layers, coverages):
     """Load the model and replay what is missing: (exit code, outcome, request, budgets,
     loaded model)."""
     console.threads.apply(args.threads)  # torch's pools
-    from catalog import CatalogError
     from moe import models
     from moe.adapter import MoEAdapter
-    from moe.families import UnsupportedModelError
     from policy import coverage, rankings
-    from replay.open_loop import GoldMismatch
     from replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay
     models.quiet_transformers()
     model = runs[0].model
@@ -273,27 +268,21 @@ def compute(args, catalog, runs, layers, coverages):
                          device=loaded.device, progress=not args.no_progress,
                          max_batch=args.batch, workers=args.workers,
                          ray_address=args.ray_address)
-    except (ReplayError, CatalogError, GoldMismatch, models.ModelError, UnsupportedModelError,
-            rankings.RankingError) as exc:
-        print(f"replay: error: {exc}", file=sys.stderr)
-        return 2, None, None, None, None
     except KeyError as exc:
-        print(f"replay: error: {exc.args[0]}", file=sys.stderr)
-        return 2, None, None, None, None
+        return fail("replay", exc.args[0]), None, None, None, None
     except OSError as exc:
         where = getattr(exc, "filename", None) or args.out or args.traces
-        print(f"replay: error: cannot write results to {where}: {exc.strerror or exc}; choose a "
-              "writable --out", file=sys.stderr)
-        return 2, None, None, None, None
+        return fail("replay", f"cannot write results to {where}: {exc.strerror or exc}; choose "
+                    "a writable --out"), None, None, None, None
+    except UserError as exc:
+        return fail("replay", exc), None, None, None, None
     return 0, outcome, request, budgets, loaded
 
 
 @console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from catalog import CatalogError
     from replay import plan
-    from replay.plan import ReplayError
     coverages = tuple(index.COVERAGES) if args.coverage == "both" else (args.coverage,)
     threads = console.threads.apply(args.threads, torch=False)  # before any pool starts
     outcome, loaded = None, None
@@ -309,9 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             # every cell stored already: answered without the model (or torch)
             outcome = plan.stored_outcome(catalog, runs, request, args.calibration,
                                           args.out or args.traces, facts)
-    except (ReplayError, CatalogError) as exc:
-        print(f"replay: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("replay", exc)
     if outcome is None:
         code, outcome, request, budgets, loaded = compute(args, catalog, runs, layers, coverages)
         if code:
@@ -321,9 +309,9 @@ def main(argv: list[str] | None = None) -> int:
             limit = plan.policy_facts(n, k).rankings[name].limit
         else:
             from policy import rankings
-            limit = rankings.get(name).limit
-        print(f"replay: {name} skipped budgets {', '.join(map(str, skipped))}: C(N, B) exceeds "
-              f"its limit of {limit} subsets", file=sys.stderr)
+            limit = getattr(rankings.get(name), "limit", None)
+        print(f"replay: {name} skipped budgets {', '.join(map(str, skipped))}: "
+              f"{index.skip_reason(name, limit)}", file=sys.stderr)
     for note in outcome.notes:
         print(f"replay: {note}", file=sys.stderr)
     for name in outcome.reused:
@@ -341,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"re-verified {outcome.trees} trees in {outcome.seconds:.1f} s")
     print(f"results: {', '.join(folders)}")
     if frame is not None:
-        table = "replay_open" if args.mode == "open" else "replay_closed"
+        table = modes.get(args.mode).table
         print(f"every metric per cell: --output FILE.csv, or {console.command('query')} --traces "
               f"{args.out or args.traces} \"SELECT * FROM {table}\"")
     payload = {"tool": "replay", "mode": args.mode, "traces": str(args.traces),
@@ -358,9 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.output is not None:
             write_output(args.output, payload, frame)
     except OSError as exc:
-        print(f"replay: error: cannot write --output {args.output}: {exc.strerror or exc}",
-              file=sys.stderr)
-        return 1
+        return fail("replay", f"cannot write --output {args.output}: {exc.strerror or exc}", 1)
     return 0
 
 

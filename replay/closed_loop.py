@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from catalog import schema
+from catalog import replay_metrics, schema
 from catalog.results import Block, UnitResults
 from catalog.runs import CatalogError, Run
 from eagle import acceptance, verify
@@ -121,18 +121,35 @@ def replay_prompt(run: Run, prompt: int, adapter: MoEAdapter, tasks: list[Closed
                     logits, _ = verify.verify_tree(model, None, cache, tree, prefix)
                 verify.compact_cache(cache, prefix, empty)
                 got = acceptance.accept_greedy(tree, logits)
-                logp = torch.log_softmax(logits.float(), -1)
-                kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
                 loaded = [r.experts_loaded for r in rec.take()[0][1]]
                 rows[i].append(dict(
                     prompt_index=prompt, prompt_id=pid, step=t["step"], ranking=task.ranking.name,
-                    coverage=task.coverage.name, budget=b, accepted_length=len(got.path),
-                    captured_accepted_length=t["accepted_length"],
-                    path_unchanged=got.path == captured_path and got.bonus == ref.bonus,
-                    top1_agreement=float((logits.argmax(-1) == ref_logits.argmax(-1))
-                                         .float().mean()),
-                    mean_kl=float(kl.mean()), experts_loaded=loaded))
+                    coverage=task.coverage.name, budget=b,
+                    **tree_metrics(got, ref, captured_path, t["accepted_length"], logits,
+                                   ref_logits, ref_logp, loaded)))
     return rows
+
+
+def tree_metrics(got, ref, captured_path: list[int], captured_accepted: int,
+                 logits: torch.Tensor, ref_logits: torch.Tensor, ref_logp: torch.Tensor,
+                 loaded: list[int]) -> dict:
+    """One tree's closed-loop metrics, one value per metric that
+    :data:`catalog.replay_metrics.METRICS` declares for ``replay_closed``, by its name: for the
+    acceptance ``got`` under the budget and ``ref`` without it (``path``, ``bonus``), the logits
+    under the budget and the unbudgeted ones (and their log-softmax ``ref_logp``):
+
+        accepted_length = |path under B|            captured_accepted_length = τ captured
+        path_unchanged  = path = captured path and bonus = unbudgeted bonus
+        top1_agreement  = mean_t [argmax p_t^B = argmax p_t]
+        mean_kl         = mean_t KL(p_t ‖ p_t^B)     experts_loaded = per MoE layer
+    """
+    logp = torch.log_softmax(logits.float(), -1)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+    return dict(
+        accepted_length=len(got.path), captured_accepted_length=captured_accepted,
+        path_unchanged=got.path == captured_path and got.bonus == ref.bonus,
+        top1_agreement=float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
+        mean_kl=float(kl.mean()), experts_loaded=loaded)
 
 
 def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress,
@@ -149,7 +166,7 @@ def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress,
         rows = replay_prompt(run, prompt, adapter, [tasks[i] for i in todo])
         for j, i in enumerate(todo):
             tasks[i].unit.write_part(tasks[i].block, prompt, pa.Table.from_pylist(
-                rows[j], schema=schema.REPLAY_TABLES["replay_closed"]))
+                rows[j], schema=schema.REPLAY_TABLES[replay_metrics.CLOSED_TABLE]))
         verified += len(rows[0]) // max(1, len(tasks[todo[0]].block.budgets))
     if finish:
         for task in tasks:

@@ -23,7 +23,7 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from catalog import schema
+from catalog import replay_metrics, schema
 from catalog.reader import prompt_chunks
 from catalog.results import Block, UnitResults
 from catalog.runs import Run
@@ -54,21 +54,26 @@ def batch_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
     return max(1, min(1024, budget_bytes // per_tree_layer))
 
 
+OPEN_METRICS = replay_metrics.names(replay_metrics.OPEN_TABLE)
+
+
 def columns(keys: dict, task: Task, budgets: list[int], m: dict) -> dict:
-    """One columnar block of ``replay_open`` rows: the tree-layers of ``keys`` × ``budgets``."""
+    """One columnar block of ``replay_open`` rows: the tree-layers of ``keys`` × ``budgets``,
+    with the metrics ``m`` (``[T, B]`` each, exactly the declared ones)."""
+    if sorted(m) != sorted(OPEN_METRICS):
+        raise ValueError(f"open-loop metrics {sorted(m)} differ from the declared "
+                         f"{sorted(OPEN_METRICS)} (catalog/replay_metrics.py)")
     t, nb = len(keys["step"]), len(budgets)
     rep = lambda a: np.repeat(np.asarray(a), nb)  # noqa: E731
-    cpu = {k: v.detach().cpu().numpy().reshape(-1) for k, v in m.items()}
+    sch = schema.REPLAY_TABLES[replay_metrics.OPEN_TABLE]
+    metric_columns = {k: v.detach().cpu().numpy().reshape(-1).astype(
+        sch.field(k).type.to_pandas_dtype()) for k, v in m.items()}
     return dict(
         prompt_index=rep(keys["prompt_index"]).astype(np.int32),
         prompt_id=list(rep(keys["prompt_id"])),
         step=rep(keys["step"]).astype(np.int32), layer=rep(keys["layer"]).astype(np.int16),
         ranking=[task.ranking.name] * (t * nb), coverage=[task.coverage.name] * (t * nb),
-        budget=np.tile(np.asarray(budgets, np.int16), t),
-        rse=cpu["rse"], token_error=cpu["token_error"],
-        mass_excluded=cpu["mass_excluded"].astype(np.float64),
-        experts_loaded=cpu["experts_loaded"].astype(np.int16),
-        unique_experts=rep(keys["unique"]).astype(np.int16))
+        budget=np.tile(np.asarray(budgets, np.int16), t), **metric_columns)
 
 
 def blocks_to_table(blocks: list[dict], table: str) -> pa.Table:
@@ -146,8 +151,7 @@ class OpenLoopEngine:
             prompt_index=np.array([s.data.prompt_index for s in slices for _ in s.rows]),
             prompt_id=np.array([s.data.prompt_id for s in slices for _ in s.rows], dtype=object),
             step=np.array([int(s.data.step[r]) for s in slices for r in s.rows]),
-            layer=np.array([int(s.data.layer[r]) for s in slices for r in s.rows]),
-            unique=batch.union().sum(-1).cpu().numpy())
+            layer=np.array([int(s.data.layer[r]) for s in slices for r in s.rows]))
         prompts_t = torch.as_tensor(keys["prompt_index"], device=self.device)
         steps_t = torch.as_tensor(keys["step"], device=self.device)
         for task in tasks:

@@ -11,6 +11,7 @@ DESIGN.md's metrics are, per tree-layer:
     token     = mean_t ||O*_t − Ô_t|| / ||O*_t||
     excluded  = Σ_{i∉S} s_i / Σ_i s_i,        s_i = Σ_t g_i(t)
     loaded    = #{i : w_i(t) ≠ 0 for some t}
+    unique    = |∪_t T_k(t)|                   (without a budget)
 
 with ``||O*_t − Ô_t||²`` from the Gram expansion (O(M·k²) per candidate, never O(M·k·H)), so all
 budgets × policies of a batch come out of a few tensor ops.
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from catalog.reader import PromptTreeLayers
+from errors import UserError
 from moe.adapter import MoEAdapter
 from policy.batch import ExpertTerms, RoutingBatch, combine
 from policy.coverage import Coverage, experts_used
@@ -49,7 +51,7 @@ def gold_tolerance(manifest: dict) -> float:
     return max(GOLD_TOLERANCE.get(storage, 3e-2), GOLD_TOLERANCE.get(model, 3e-2))
 
 
-class GoldMismatch(ValueError):
+class GoldMismatch(UserError, ValueError):
     """The recomputed MoE output differs from the captured one: wrong model or corrupt trace."""
 
 
@@ -164,8 +166,9 @@ def _locate(slices: list[Slice], i: int) -> tuple[Slice, int]:
 
 
 def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage) -> dict[str, torch.Tensor]:
-    """RSE, mean per-token relative error, mass excluded and experts loaded, ``[T, B]`` each,
-    for shortlists ``keep [T, B, N]``."""
+    """RSE, mean per-token relative error, mass excluded, experts loaded and unique experts,
+    ``[T, B]`` each, for shortlists ``keep [T, B, N]``: one tensor per metric that
+    :data:`catalog.replay_metrics.METRICS` declares for ``replay_open``, by its name."""
     idx, w = coverage.apply(batch, keep)  # [T, B, M, k]
     sq = coverage.sq_errors(batch, keep, idx, w)  # [T, B, M], exact
     gold_sq = batch.terms.gold_sq[:, None, :]  # [T, 1, M]
@@ -176,7 +179,9 @@ def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage) -> dict
     s = batch.mass()[:, None, :]  # [T, 1, N]
     excluded = (s * ~keep).sum(-1) / s.sum(-1)
     loaded = experts_used(idx, w * real[..., None], batch.n).sum(-1)
-    return dict(rse=rse, token_error=token, mass_excluded=excluded, experts_loaded=loaded)
+    unique = batch.union().sum(-1)[:, None].expand_as(loaded)
+    return dict(rse=rse, token_error=token, mass_excluded=excluded, experts_loaded=loaded,
+                unique_experts=unique)
 
 
 @dataclass

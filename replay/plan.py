@@ -18,14 +18,17 @@ from pathlib import Path
 
 from catalog import Catalog, Run
 from catalog.results import UnitResults
+from errors import UserError
+from replay import modes
+from replay.modes import ReplayMode, storage_note, stored_layers  # noqa: F401 - (re-exported)
 
-TABLES = {"open": "replay_open", "closed": "replay_closed"}
+TABLES = {name: mode.table for name, mode in modes.MODES.items()}
 
 # the paper's budget grids (MoE-Spec, Fig. 5) by number of experts
 SWEEPS = {64: list(range(8, 57, 8)), 128: [16, 24, 32, 48, 64], 8: list(range(2, 8))}
 
 
-class ReplayError(RuntimeError):
+class ReplayError(UserError, RuntimeError):
     """Bad or missing input; the message is one line for the user."""
 
 
@@ -60,31 +63,10 @@ class ReplayRequest:
     coverages: tuple[str, ...] = ("truncation", "substitution")
     budgets: tuple[int, ...] = (24,)
     layers: tuple[int, ...] | None = None  # None: every MoE layer
-    mode: str = "open"
+    mode: ReplayMode | str = "open"  # a mode object, or its --mode name
 
-
-def stored_layers(run: Run, layers: list[int]) -> list[int]:
-    """Of ``layers``, those whose MoE tensors the run's storage policy kept (open loop needs
-    them; routing is always complete)."""
-    kept = run.manifest.get("storage", {}).get("layers")
-    return layers if kept is None else [x for x in layers if x in kept]
-
-
-def storage_note(run: Run) -> str | None:
-    """One line saying what a partially stored run lacks, or None."""
-    storage = run.manifest.get("storage")
-    if not storage:
-        return None
-    moe = run.manifest.get("moe_layers", [])
-    parts = []
-    if storage["layers"] != moe:
-        parts.append(f"MoE layers {','.join(map(str, storage['layers']))} of {len(moe)}")
-    if storage["passes"] != "all":
-        parts.append(f"passes {storage['passes']}")
-    if not parts:
-        return None
-    return (f"run {run.name} keeps MoE tensors for {' and '.join(parts)} ({storage['dtype']}); "
-            "open-loop replay covers those, closed loop and routing analyses everything")
+    def __post_init__(self):
+        object.__setattr__(self, "mode", modes.get(self.mode))
 
 
 @dataclass
@@ -102,18 +84,15 @@ class ReplayOutcome:
 UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration")  # the rest of a key is versions
 
 
-def run_layers_noted(run, layers: list[int], mode: str, outcome: ReplayOutcome) -> list[int]:
+def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,
+                     outcome: ReplayOutcome) -> list[int]:
     """The layers of ``run`` a replay in ``mode`` can score (open loop: those whose MoE inputs
     the storage policy kept), noting in ``outcome`` what the policy left out."""
-    if mode != "open":
-        return layers
-    note = storage_note(run)
-    if note:
-        outcome.notes.append(note)
-    return stored_layers(run, layers)
+    return modes.get(mode).scored_layers(run, layers, outcome.notes)
 
 
-def unit_key(mode: str, ranking, cover, calibration: list[Run], means: int | None = None) -> dict:
+def unit_key(mode: ReplayMode | str, ranking, cover, calibration: list[Run],
+             means: int | None = None) -> dict:
     """What makes results comparable; calibration only where the ranking uses it, with the
     version of how statistics become means (results of an older definition are not reused).
     ``ranking``: a :class:`policy.rankings.Ranking` class or its :class:`RankingFacts`;
@@ -121,7 +100,8 @@ def unit_key(mode: str, ranking, cover, calibration: list[Run], means: int | Non
     :mod:`policy.calibration` when not given)."""
     if means is None and (ranking.needs_calibration or ranking.uses_calibration):
         from policy.calibration import MEANS_VERSION as means
-    key = dict(mode=mode, ranking=ranking.name, coverage=cover.name, calibration=[])
+    key = dict(mode=modes.get(mode).name, ranking=ranking.name, coverage=cover.name,
+               calibration=[])
     if ranking.version != 1:  # (version 1 is left out: keys of unchanged rankings stay as they were)
         key["version"] = ranking.version
     if ranking.needs_calibration or (ranking.uses_calibration and calibration):
@@ -143,15 +123,7 @@ def summary_frame(outcome: ReplayOutcome, request: ReplayRequest):
     if request.layers and "layer" in df.columns:
         df = df.filter(pl.col("layer").is_in(list(request.layers)))
     keys = ["ranking", "coverage", "budget"]
-    if request.mode == "open":
-        aggs = [pl.col("rse").mean(), pl.col("token_error").mean(),
-                pl.col("mass_excluded").mean(), pl.col("experts_loaded").mean(),
-                pl.col("unique_experts").mean(), pl.len().alias("tree_layers")]
-    else:
-        aggs = [pl.col("accepted_length").mean(), pl.col("captured_accepted_length").mean(),
-                pl.col("path_unchanged").mean(), pl.col("top1_agreement").mean(),
-                pl.col("mean_kl").mean(), pl.len().alias("trees")]
-    return df.group_by(keys).agg(aggs).sort(keys)
+    return df.group_by(keys).agg(request.mode.summary_aggregates()).sort(keys)
 
 
 # --- the policy facts results are keyed by, without importing torch -----------------------------
@@ -243,10 +215,10 @@ def stored_outcome(catalog: Catalog, runs: list[Run], request: ReplayRequest,
         return None  # said in one line once the model is loaded
     cal = catalog.calibration_runs(calibration, runs[0].model, set().union(
         *(r.prompt_keys() for r in runs))) if calibration else []
-    table = TABLES[request.mode]
+    mode = request.mode
     outcome = ReplayOutcome()
     for run in runs:
-        run_layers = run_layers_noted(run, layers, request.mode, outcome)
+        run_layers = run_layers_noted(run, layers, mode, outcome)
         if not run_layers:
             continue
         for name in request.rankings:
@@ -259,13 +231,13 @@ def stored_outcome(catalog: Catalog, runs: list[Run], request: ReplayRequest,
                 budgets = [b for b in budgets if b not in skip]
                 if not budgets:
                     continue
-                unit = UnitResults(out, table, run, unit_key(
-                    request.mode, ranking, Named(cov_name), cal, facts.means))
+                unit = UnitResults(out, mode.table, run, unit_key(
+                    mode, ranking, Named(cov_name), cal, facts.means))
                 if ranking.artifact and not (unit.folder / ranking.artifact).exists():
                     return None
                 done = set().union(*(b.cells() for b in unit.complete_blocks()))
-                wanted = {(layer, b) for layer in (run_layers if request.mode == "open"
-                                                   else [None]) for b in budgets}
+                wanted = {(layer, b) for layer in (mode.cell_layers(run_layers) or [None])
+                          for b in budgets}
                 if not wanted <= done:
                     return None
                 outcome.units.append(unit)

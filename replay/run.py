@@ -28,7 +28,7 @@ from moe.adapter import MoEAdapter
 from policy import coverage, rankings
 from policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
 from replay import distributed  # (closed_loop, which imports transformers: when replaying)
-from replay.engine import OpenLoopEngine, Task
+from replay.engine import OpenLoopEngine
 from replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, decided without torch)
     SWEEPS,
     TABLES,
@@ -68,16 +68,15 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
            ray_address: str | None = None) -> ReplayOutcome:
     """Replay ``runs`` for ``request``; with ``workers`` or ``ray_address`` the prompts are
     spread over Ray actors (:mod:`replay.distributed`), each loading the model once."""
-    from replay import closed_loop
-    table = TABLES[request.mode]
+    mode = request.mode
     layers = list(request.layers) if request.layers else [layer.index for layer in adapter]
     outcome = ReplayOutcome()
     start = time.perf_counter()
     engine = OpenLoopEngine(adapter, device, progress=progress, max_batch=max_batch)
     actors = None
     for run in runs:
-        tasks, closed = [], []
-        run_layers = run_layers_noted(run, layers, request.mode, outcome)
+        tasks = []
+        run_layers = run_layers_noted(run, layers, mode, outcome)
         if not run_layers:
             continue
         with ExitStack() as locks:
@@ -92,8 +91,8 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                     budgets = [b for b in budgets if b not in skip]
                     if not budgets:
                         continue
-                    unit = UnitResults(out, table, run, unit_key(request.mode, cls, cover,
-                                                                 calibration))
+                    unit = UnitResults(out, mode.table, run, unit_key(mode, cls, cover,
+                                                                      calibration))
                     locks.enter_context(unit.locked())
                     unit.drop_superseded(UNIT_IDENTITY)
                     outcome.units.append(unit)
@@ -102,13 +101,9 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                         # (a unit names its calibration runs, so a saved model is this one)
                         unit.folder.mkdir(parents=True, exist_ok=True)
                         cls().fit(stats).save(saved)
-                    for block in unit.plan(run_layers if request.mode == "open" else None,
-                                           budgets):
-                        if request.mode == "open":
-                            tasks.append(Task(unit, block, cls().fit(stats), cover))
-                        else:
-                            closed.append(closed_loop.ClosedTask(unit, block, cls, cover, stats))
-            if not tasks and not closed:
+                    for block in unit.plan(mode.cell_layers(run_layers), budgets):
+                        tasks.append(mode.task(unit, block, cls, cover, stats))
+            if not tasks:
                 outcome.reused.append(run.name)
                 continue
             if workers or ray_address:
@@ -117,28 +112,16 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                     ray, actors = actors_for(runs[0].model, str(device), workers, ray_address,
                                              items=sum(len(r.prompt_indices()) for r in runs))
                     outcome.start_seconds = time.perf_counter() - t0
-                specs = [distributed.TaskSpec(table, t.unit.unit, t.block, t.ranking.name,
-                                              t.coverage.name) for t in tasks] + \
-                    [distributed.TaskSpec(table, t.unit.unit, t.block, t.ranking.name,
-                                          t.coverage.name) for t in closed]
+                specs = [distributed.TaskSpec(mode.table, t.unit.unit, t.block, t.ranking.name,
+                                              t.coverage.name) for t in tasks]
                 bar = tqdm(total=len(run.prompt_indices()), desc=f"replay {run.name} "
                            f"({len(actors)} workers)", unit="prompt", disable=not progress)
                 work = distributed.replay_distributed(ray, actors, out, run, specs, stats,
                                                       max_batch, bar)
                 bar.close()
-                if request.mode == "open":
-                    outcome.tree_layers += work
-                else:
-                    outcome.trees += work
-                continue
-            if request.mode == "open":
-                before = engine.tree_layers
-                engine.run(run, tasks)
-                outcome.tree_layers += engine.tree_layers - before
             else:
-                bar = lambda xs: tqdm(xs, desc=f"replay {run.name}", unit="prompt",  # noqa: E731
-                                      disable=not progress)
-                outcome.trees += closed_loop.replay_run(run, adapter, closed, bar)
+                work = mode.compute(run, tasks, engine, adapter, progress)
+            setattr(outcome, mode.counted, getattr(outcome, mode.counted) + work)
     for actor in actors or []:
         ray.kill(actor)
     outcome.seconds = time.perf_counter() - start

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from errors import UserError
+
 ENV_VAR = "MOESPEC_BENCHMARKS"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO_ROOT.parent / "shared" / "data" / "benchmarks"
@@ -26,7 +28,7 @@ MBPP_TEST_IDS = range(11, 511)
 MBPP_TRAIN_IDS = range(601, 975)
 
 
-class BenchmarkError(ValueError):
+class BenchmarkError(UserError, ValueError):
     """A benchmark name or file that cannot be used; the message is one line for the user."""
 
 

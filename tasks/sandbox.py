@@ -47,6 +47,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from errors import UserError
+
 TIMEOUT = 10.0  # seconds of wall time
 MEMORY = 1 << 30  # bytes of address space per process
 PROCESSES = 16  # per sandbox, its init included
@@ -59,7 +61,7 @@ SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 LEGACY_REMOUNT = False  # tests: remount each bind read-only one by one, as without mount_setattr
 
 
-class SandboxUnavailable(OSError):
+class SandboxUnavailable(UserError, OSError):
     """The sandbox cannot be built here; untrusted code is not run at all."""
 
 

@@ -70,7 +70,7 @@ def test_absurd_values_in_a_trace_are_caught_naming_the_file(pristine, tmp_path)
     t = pq.read_table(part)
     from catalog.reader import bfloat16_bits, matrix
     hidden = matrix(t["hidden"]) * 1e25  # what flipped exponent bits look like
-    from capture.run import _lists
+    from catalog.writer import list_column as _lists
     t = t.set_column(t.schema.get_field_index("hidden"), "hidden",
                      _lists(bfloat16_bits(hidden), pa.uint16()))
     pq.write_table(t, part)

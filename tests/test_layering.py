@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("catalog", "policy", "tasks", "console", "cluster", "moe", "eagle", "capture",
+PACKAGES = ("errors", "catalog", "policy", "tasks", "console", "cluster", "moe", "eagle", "capture",
             "replay", "analysis", "app", "training")
-# package -> project packages it may import (anything else is a layering violation)
+# package -> project packages it may import besides ``errors`` (anything else is a layering
+# violation); ``errors`` (the user errors' base class and the CLIs' error line) imports nothing
 ALLOWED = {
+    "errors": set(),
     "catalog": set(),  # traces on disk: pyarrow only
     "policy": set(),  # expert budgets: torch/numpy only
     "tasks": set(),
@@ -21,10 +23,12 @@ ALLOWED = {
     "eagle": {"moe"},
     "capture": {"catalog", "policy", "moe", "eagle", "tasks", "console", "cluster"},
     "replay": {"catalog", "policy", "moe", "eagle", "console", "cluster"},
-    "analysis": {"catalog", "moe", "tasks", "console"},
+    "analysis": {"catalog", "moe", "tasks", "console", "policy"},  # policy: its torch-free index
+    # only (the rankings' table: the ablation ladder), checked by tests/test_ranking_index.py
     "app": {"analysis", "catalog", "console"},
     "training": {"catalog", "moe", "eagle", "tasks", "console"},
 }
+ALLOWED = {p: allowed | {"errors"} if p != "errors" else allowed for p, allowed in ALLOWED.items()}
 
 
 def imports(path: Path) -> set[str]:
@@ -55,23 +59,88 @@ def test_package_imports_only_what_its_layer_allows(package):
     assert not extra, f"{package} imports {sorted(extra)}; allowed: {sorted(ALLOWED[package])}"
 
 
-def test_the_package_graph_has_no_cycle():
-    graph = edges()
-    seen, stack = set(), []
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (node -> nodes it imports) as ``[a, b, …, a]``, or None."""
+    done, stack = set(), []
 
     def visit(node):
         if node in stack:
-            raise AssertionError(f"import cycle: {' -> '.join(stack[stack.index(node):] + [node])}")
-        if node in seen:
-            return
+            return stack[stack.index(node):] + [node]
+        if node in done:
+            return None
         stack.append(node)
-        for nxt in graph[node]:
-            visit(nxt)
+        for nxt in sorted(graph.get(node, ())):
+            cycle = visit(nxt)
+            if cycle:
+                return cycle
         stack.pop()
-        seen.add(node)
+        done.add(node)
+        return None
 
-    for package in PACKAGES:
-        visit(package)
+    for node in sorted(graph):
+        cycle = visit(node)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_the_package_graph_has_no_cycle():
+    cycle = find_cycle(edges())
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def module_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> project modules it imports (at module level or inside functions), for every
+    module of ``packages`` under ``root``. ``from p import m`` is an edge to the module ``p.m``
+    when there is one, else to ``p`` itself (its ``__init__``)."""
+    paths = {}
+    for package in packages:
+        for path in (root / package).rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in paths}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importing module's package, then up
+                    package = module.split(".")[:None if path.name == "__init__.py" else -1]
+                    package = package[:len(package) - (node.level - 1)]
+                    base = ".".join([*package, *([node.module] if node.module else [])])
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    found.add(target if target in paths else base)
+        graph[module] = (found & set(paths)) - {module}
+    return graph
+
+
+def test_the_module_graph_has_no_cycle():
+    """No two project modules import each other, directly or around a circle (a lazy import
+    inside a function counts: it only hides the circle)."""
+    cycle = find_cycle(module_graph(ROOT, PACKAGES))
+    assert cycle is None, f"import cycle between modules: {' -> '.join(cycle)}"
+
+
+def test_the_module_checker_catches_a_circle(tmp_path):
+    """The circle capture/run.py <-> capture/distributed.py had (each importing the other inside
+    functions) is found; without it the graph is clean."""
+    (tmp_path / "capture").mkdir()
+    (tmp_path / "capture" / "__init__.py").write_text("")
+    (tmp_path / "capture" / "run.py").write_text(
+        "def capture_run():\n    from capture.distributed import capture_distributed\n")
+    (tmp_path / "capture" / "distributed.py").write_text(
+        "import time\n\n\nclass CaptureWorker:\n    def __init__(self):\n"
+        "        from capture.run import Target\n")
+    graph = module_graph(tmp_path, ("capture",))
+    assert graph["capture.run"] == {"capture.distributed"}
+    assert find_cycle(graph) == ["capture.distributed", "capture.run", "capture.distributed"]
+    (tmp_path / "capture" / "distributed.py").write_text("from . import settings\n")
+    (tmp_path / "capture" / "settings.py").write_text("")
+    graph = module_graph(tmp_path, ("capture",))
+    assert graph["capture.distributed"] == {"capture.settings"} and find_cycle(graph) is None
 
 
 def test_the_checker_catches_a_violation(tmp_path):

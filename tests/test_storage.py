@@ -12,8 +12,8 @@ import torch
 
 from capture import cli as capture_cli
 from capture.run import CaptureSettings, capture_run
+from capture.settings import CaptureError
 from capture.storage import StorageError, StoragePolicy
-from capture.writer import CaptureError
 from catalog import Catalog, reader
 from moe import shapes
 from replay import cli as replay_cli
@@ -113,7 +113,7 @@ def test_a_corrupt_recomputed_run_is_caught_by_the_stored_norms(tmp_path):
 
 def test_a_failing_writer_stops_the_capture_and_leaves_only_complete_prompts(tmp_path,
                                                                             monkeypatch):
-    from capture import writer as writer_module
+    from catalog import writer as writer_module
     original = writer_module.RunWriter.write_part
 
     def failing(self, table, prompt_index, chunk, rows):

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import console
+from errors import UserError, fail
 from moe import models
 from tasks import benchmarks
 
@@ -67,9 +68,8 @@ def train_tiny(argv: list[str] | None = None) -> int:
     refuse_overwrite(p, out, args.force)
     try:
         benchmarks.benchmarks_dir(args.benchmarks)
-    except benchmarks.BenchmarkError as exc:
-        print(f"train-tiny: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("train-tiny", exc)
     console.threads.apply(args.threads)  # before torch and transformers start their pools
     from training.tiny_moe import train
     models.quiet_transformers()
@@ -112,9 +112,8 @@ def train_draft(argv: list[str] | None = None) -> int:
         out = args.out or models.DRAFTS_DIR / source.name
         refuse_overwrite(p, out, args.force)
         benchmarks.benchmarks_dir(args.benchmarks)
-    except (models.ModelError, benchmarks.BenchmarkError) as exc:
-        print(f"train-draft: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("train-draft", exc)
     console.threads.apply(args.threads)  # before torch and transformers start their pools
     from training.draft import train
     models.quiet_transformers()
@@ -123,9 +122,8 @@ def train_draft(argv: list[str] | None = None) -> int:
                        lr=args.lr, seed=args.seed, ttt=args.ttt, draft_vocab=args.draft_vocab,
                        intermediate=args.intermediate, new_tokens=args.new_tokens, out=out,
                        benchmarks_root=args.benchmarks)
-    except (models.ModelError, benchmarks.BenchmarkError) as exc:
-        print(f"train-draft: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("train-draft", exc)
     print(json.dumps(record, indent=2))
     print(f"wrote {out}")
     return 0

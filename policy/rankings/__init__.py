@@ -4,22 +4,11 @@ Runtime rankings need only the tree's router scores (and offline calibration sta
 work inside verification passes (capture's online mode, closed-loop replay) as well as in
 open-loop replay. Offline rankings need every expert's output and are upper bounds.
 
-To add one: write ``policy/rankings/<name>.py`` with a ``@register``-ed :class:`Ranking` subclass
-and add ``<name>`` to the import line below.
+:data:`policy.index.RANKINGS` lists them and names each one's module; :func:`get` imports it on
+first use. To add one: write ``policy/rankings/<name>.py`` with a ``@register``-ed
+:class:`Ranking` subclass and add its line to :data:`policy.index.RANKINGS`.
 """
 
-from policy.rankings import (  # noqa: F401 - each module registers its ranking
-    coact,
-    coact_diag,
-    coact_online,
-    exact,
-    learned,
-    oracle,
-    previous,
-    router,
-    sqmass,
-    static,
-)
 from policy.rankings.base import REGISTRY, Ranking, RankingError, get, help_text, names, register
 
 __all__ = ["REGISTRY", "Ranking", "RankingError", "get", "help_text", "names", "register"]

@@ -10,17 +10,21 @@ order they join the shortlist, so budget B keeps the first B (:func:`policy.cove
     ranking.observe_outputs(layers, idx, w, out)   # ... and what it executed (observes_outputs)
 
 Class attributes say what a ranking needs; the CLIs derive their choices, help text and error
-messages from them. A new ranking is one module with a ``@register``-ed subclass, plus its name
-in the import line of :mod:`policy.rankings`.
+messages from them and from its line in :mod:`policy.index`, which also says where the class lives:
+:func:`get` imports that module on first use. A new ranking is one module with a ``@register``-ed
+subclass, plus its line in :data:`policy.index.RANKINGS`.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
 from typing import ClassVar
 
 import torch
 
+from errors import UserError
 from policy import index
 from policy.batch import RoutingBatch
 from policy.calibration import CalibrationStats
@@ -28,13 +32,14 @@ from policy.coverage import Coverage, Truncation, prefix_masks
 from policy.substitution import best_prefixes, predicted_sq_errors
 
 
-class RankingError(ValueError):
+class RankingError(UserError, ValueError):
     """A ranking used where it cannot work; the message is one line for the user."""
 
 
 class Ranking(ABC):
     name: ClassVar[str]
-    runtime: ClassVar[bool] = True  # needs only what a verification pass has (router scores)
+    runtime: ClassVar[bool]  # needs only what a verification pass has (router scores): set by
+    # register() from the ranking's line in policy.index, never declared by the class
     needs_calibration: ClassVar[bool] = False  # fit() needs calibration statistics
     stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
     observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget)
@@ -92,20 +97,58 @@ class Ranking(ABC):
         return []
 
 
-REGISTRY: dict[str, type[Ranking]] = {}
+class Registry(Mapping):
+    """Ranking classes by name, the names those of :data:`policy.index.RANKINGS`: looking one up
+    imports its module (which registers the class) the first time; ``in`` and iterating list
+    the names without importing anything, ``items()``/``values()`` import every ranking."""
+
+    def __init__(self) -> None:
+        self.classes: dict[str, type[Ranking]] = {}  # registered so far (modules imported)
+
+    def __getitem__(self, name: str) -> type[Ranking]:
+        if name not in self.classes:
+            entry = index.RANKINGS[name]  # KeyError for an unknown name, as a dict
+            importlib.import_module(entry.module)
+            if name not in self.classes:
+                raise ValueError(f"module {entry.module} registers no ranking {name!r} "
+                                 "(policy.index says it does)")
+        return self.classes[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in index.RANKINGS
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(index.RANKINGS)
+
+    def __len__(self) -> int:
+        return len(index.RANKINGS)
+
+
+REGISTRY = Registry()
 
 
 def register(cls: type[Ranking]) -> type[Ranking]:
-    if cls.name in REGISTRY:
+    """Class decorator: ``cls`` becomes :func:`get`'s answer for ``cls.name``, with the
+    ``runtime`` of its line in :mod:`policy.index` (the one place that says it)."""
+    entry = index.RANKINGS.get(cls.name)
+    if entry is None:
+        raise ValueError(f"ranking {cls.name!r} has no line in policy.index.RANKINGS")
+    if entry.module != cls.__module__:
+        raise ValueError(f"ranking {cls.name!r} is defined in {cls.__module__}, policy.index "
+                         f"says {entry.module}")
+    if cls.name in REGISTRY.classes:
         raise ValueError(f"ranking {cls.name!r} registered twice")
-    REGISTRY[cls.name] = cls
+    if "runtime" in vars(cls):
+        raise ValueError(f"ranking {cls.name!r} declares runtime; policy.index holds it")
+    cls.runtime = entry.runtime
+    REGISTRY.classes[cls.name] = cls
     return cls
 
 
 def names(*, runtime: bool | None = None) -> list[str]:
-    """Registered rankings (runtime ones first), optionally only runtime or only offline."""
-    found = [n for n, c in REGISTRY.items() if runtime is None or c.runtime == runtime]
-    return sorted(found, key=lambda n: (not REGISTRY[n].runtime, n))
+    """Every ranking (runtime ones first), optionally only runtime or only offline; from
+    :mod:`policy.index`, importing none."""
+    return index.ranking_names(runtime=runtime)
 
 
 def summary(name: str) -> str:
@@ -114,10 +157,10 @@ def summary(name: str) -> str:
 
 
 def get(name: str) -> type[Ranking]:
-    try:
-        return REGISTRY[name]
-    except KeyError:
-        raise RankingError(f"unknown ranking {name!r}; use one of {', '.join(names())}") from None
+    """The ranking class called ``name``, its module imported on first use."""
+    if name not in index.RANKINGS:
+        raise RankingError(f"unknown ranking {name!r}; use one of {', '.join(names())}")
+    return REGISTRY[name]
 
 
 def mass_tiebreak(batch: RoutingBatch) -> torch.Tensor:

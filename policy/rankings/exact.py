@@ -20,7 +20,6 @@ EXACT_LIMIT = 5000
 @register
 class Exact(Ranking):
     name = "exact"
-    runtime = False  # as listed in policy.index
     limit = EXACT_LIMIT
 
     def order(self, batch, coverage, max_budget):

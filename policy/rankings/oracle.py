@@ -35,7 +35,7 @@ policy, for every tree-layer of a batch at once (``max_budget`` steps per batch)
 
       L' = L − g_m b_m + g_c b_c
       Q' = Q − 2 g_m C_m + g_m² Q_mm + 2 g_c (C_c − g_m Q_cm) + g_c² Q_cc
-      err = ||R*||² − 2 s L' / Z' + s² Q' / Z'²    (s = scale; Z' → 1 without renormalisation)
+      err = ||R*||² − 2 a(Z') L' + a(Z')² Q'    (a: the rule's mixing, policy.routing.Mixing)
 
   so each step scores all N candidates of all T tree-layers in O(T·M·N). Once no candidate
   changes any token (S covers every token's top-k), the rest of the order is filled by expert
@@ -68,7 +68,6 @@ from policy.substitution import best_shortlists
 @register
 class Oracle(Ranking):
     name = "oracle"
-    runtime = False  # as listed in policy.index
     version = 4  # 2: substitution takes the best of three candidates, 3: of four, 4: exact search
     # where it fits, every runtime ranking's shortlist as a start, then swap local search
     uses_calibration = True  # fitted with calibration, it also starts from the calibrated
@@ -273,10 +272,12 @@ def substitution_order(batch, max_budget) -> torch.Tensor:
     diag = q.diagonal(dim1=-2, dim2=-1)
     real = batch.mask
 
+    mixing = rule.mixing
+
     def error(r, L, Q, Z):
-        """``||R*||² − 2 a L + a² Q`` with a the weight scale of the selection."""
-        a = torch.where(Z > 0, rule.scale / (Z + rule.renormalize_eps), torch.zeros_like(Z)) \
-            if rule.renormalize else rule.scale
+        """``||R*||² − 2 a L + a² Q`` with a = a(Z) the rule's mixing coefficient
+        (:meth:`policy.routing.Mixing.coefficient`)."""
+        a = mixing.coefficient(Z)
         return r - 2 * a * L + a * a * Q
 
     count = torch.zeros(t, m, dtype=torch.long, device=dev)

@@ -1,0 +1,150 @@
+"""The two replay modes as objects: what each stores, scores and prints, asked instead of
+testing a mode string (``--mode open|closed`` looks one up in :data:`MODES`).
+
+* :class:`OpenLoop`: one MoE layer at a time on captured inputs, one row per tree-layer
+  (per-layer cells; only the layers whose MoE tensors the storage policy kept);
+* :class:`ClosedLoop`: the budget in every layer of a re-verified tree, one row per tree
+  (cells per budget; runtime rankings only).
+
+Importing this module imports neither torch nor the model code (the planner uses it); running a
+mode's tasks imports them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from catalog import replay_metrics
+from catalog.replay_metrics import Metric
+
+
+def stored_layers(run, layers: list[int]) -> list[int]:
+    """Of ``layers``, those whose MoE tensors the run's storage policy kept (open loop needs
+    them; routing is always complete)."""
+    kept = run.manifest.get("storage", {}).get("layers")
+    return layers if kept is None else [x for x in layers if x in kept]
+
+
+def storage_note(run) -> str | None:
+    """One line saying what a partially stored run lacks, or None."""
+    storage = run.manifest.get("storage")
+    if not storage:
+        return None
+    moe = run.manifest.get("moe_layers", [])
+    parts = []
+    if storage["layers"] != moe:
+        parts.append(f"MoE layers {','.join(map(str, storage['layers']))} of {len(moe)}")
+    if storage["passes"] != "all":
+        parts.append(f"passes {storage['passes']}")
+    if not parts:
+        return None
+    return (f"run {run.name} keeps MoE tensors for {' and '.join(parts)} ({storage['dtype']}); "
+            "open-loop replay covers those, closed loop and routing analyses everything")
+
+
+class ReplayMode(ABC):
+    name: str  # the --mode value, and the unit keys' "mode"
+    table: str  # the result table
+    per_layer: bool  # cells are layer × budget (else budget)
+    counted: str  # what a summary row counts (a column and a ReplayOutcome field)
+    counted_unit: str  # its name in the summary's first line
+    headline: str  # the metric the summary's pivots show
+    headline_text: str
+    digits: int  # of the headline in the summary
+    runtime_rankings_only: bool  # offline rankings (needing the whole tree's routing) refused
+
+    @property
+    def metrics(self) -> tuple[Metric, ...]:
+        return replay_metrics.METRICS[self.table]
+
+    def summary_aggregates(self) -> list:
+        """The run summary's polars aggregates: the mean of each declared summary metric and the
+        rows counted."""
+        import polars as pl
+        return [pl.col(m.name).mean() for m in self.metrics if m.summary] + \
+            [pl.len().alias(self.counted)]
+
+    def cell_layers(self, run_layers: list[int]) -> list[int] | None:
+        """The layers a unit's cells are keyed by (None: cells are budgets alone)."""
+        return run_layers if self.per_layer else None
+
+    def scored_layers(self, run, layers: list[int], notes: list[str]) -> list[int]:
+        """The layers of ``run`` this mode can score, appending to ``notes`` what a partial
+        storage policy left out."""
+        return layers
+
+    def summary_note(self, frame) -> str:
+        """What the summary's first line adds after the cell counts."""
+        return ""
+
+    @abstractmethod
+    def task(self, unit, block, ranking_cls, cover, stats):
+        """One pending block as a task of this mode's engine."""
+
+    @abstractmethod
+    def compute(self, run, tasks: list, engine, adapter, progress: bool) -> int:
+        """Score ``tasks`` of ``run`` in this process; returns what was computed, counted in
+        :attr:`counted` (tree-layers or trees)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class OpenLoop(ReplayMode):
+    name, table, per_layer = "open", replay_metrics.OPEN_TABLE, True
+    counted, counted_unit = "tree_layers", "tree-layers"
+    headline, headline_text, digits = "rse", "mean RSE (lower is better)", 4
+    runtime_rankings_only = False
+
+    def scored_layers(self, run, layers: list[int], notes: list[str]) -> list[int]:
+        note = storage_note(run)
+        if note:
+            notes.append(note)
+        return stored_layers(run, layers)
+
+    def task(self, unit, block, ranking_cls, cover, stats):
+        from replay.engine import Task
+        return Task(unit, block, ranking_cls().fit(stats), cover)
+
+    def compute(self, run, tasks: list, engine, adapter, progress: bool) -> int:
+        before = engine.tree_layers
+        engine.run(run, tasks)
+        return engine.tree_layers - before
+
+
+class ClosedLoop(ReplayMode):
+    name, table, per_layer = "closed", replay_metrics.CLOSED_TABLE, False
+    counted, counted_unit = "trees", "trees"
+    headline, headline_text, digits = \
+        "accepted_length", "mean accepted length τ under the budget (higher is better)", 3
+    runtime_rankings_only = True
+
+    def summary_note(self, frame) -> str:
+        if "captured_accepted_length" not in frame.columns:
+            return ""
+        return f"; captured τ {frame['captured_accepted_length'].mean():.3f}"
+
+    def task(self, unit, block, ranking_cls, cover, stats):
+        from replay.closed_loop import ClosedTask
+        return ClosedTask(unit, block, ranking_cls, cover, stats)
+
+    def compute(self, run, tasks: list, engine, adapter, progress: bool) -> int:
+        from tqdm import tqdm
+
+        from replay import closed_loop
+        bar = lambda xs: tqdm(xs, desc=f"replay {run.name}", unit="prompt",  # noqa: E731
+                              disable=not progress)
+        return closed_loop.replay_run(run, adapter, tasks, bar)
+
+
+MODES: dict[str, ReplayMode] = {m.name: m for m in (OpenLoop(), ClosedLoop())}
+
+
+def get(mode: str | ReplayMode) -> ReplayMode:
+    """The mode named by ``--mode`` (a mode object is returned as it is)."""
+    if isinstance(mode, ReplayMode):
+        return mode
+    try:
+        return MODES[mode]
+    except KeyError:
+        raise ValueError(f"unknown replay mode {mode!r}; use {' or '.join(MODES)}") from None
