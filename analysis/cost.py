@@ -82,37 +82,43 @@ class ModelShape:
     def attention_params(self) -> int:
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
 
-    def layer_terms(self, tokens: int, prefix: int, experts_loaded: float):
-        """(bytes, flops) of one MoE decoder layer: attention, router, the ``experts_loaded``
-        routed experts' weights and the always-on shared experts."""
+    def layer_terms(self, tokens: int, prefix: int, experts_loaded: float, batch: int = 1):
+        """(bytes, flops) of one MoE decoder layer for ``batch`` sequences of ``tokens`` new
+        tokens each after ``prefix`` cached ones: attention, router, the ``experts_loaded``
+        routed experts' weights (the union over the batch: read once) and the always-on shared
+        experts; each sequence reads its own KV cache and computes its own tokens."""
         always = (self.attention_params + self.num_experts * self.hidden + 2 * self.hidden
                   + 3 * self.hidden * self.shared_inter)
         kv = 2 * prefix * self.kv_heads * self.head_dim * self.bytes_per_param
-        bytes_ = always * self.bytes_per_param + experts_loaded * self.expert_bytes + kv
-        flops = (2 * tokens * self.attention_params + 4 * tokens * (prefix + tokens) * self.hidden
-                 + 2 * tokens * 3 * self.hidden * (self.top_k * self.expert_inter
-                                                   + self.shared_inter))
+        bytes_ = always * self.bytes_per_param + experts_loaded * self.expert_bytes + batch * kv
+        flops = batch * (2 * tokens * self.attention_params
+                         + 4 * tokens * (prefix + tokens) * self.hidden
+                         + 2 * tokens * 3 * self.hidden * (self.top_k * self.expert_inter
+                                                           + self.shared_inter))
         return bytes_, flops
 
-    def dense_layer_terms(self, tokens: int, prefix: int):
+    def dense_layer_terms(self, tokens: int, prefix: int, batch: int = 1):
         """(bytes, flops) of one dense decoder layer (attention and a dense MLP)."""
         kv = 2 * prefix * self.kv_heads * self.head_dim * self.bytes_per_param
         params = self.attention_params + 3 * self.hidden * self.dense_inter + 2 * self.hidden
-        flops = (2 * tokens * self.attention_params + 4 * tokens * (prefix + tokens) * self.hidden
-                 + 2 * tokens * 3 * self.hidden * self.dense_inter)
-        return params * self.bytes_per_param + kv, flops
+        flops = batch * (2 * tokens * self.attention_params
+                         + 4 * tokens * (prefix + tokens) * self.hidden
+                         + 2 * tokens * 3 * self.hidden * self.dense_inter)
+        return params * self.bytes_per_param + batch * kv, flops
 
-    def head_terms(self, tokens: int):
-        return 2 * self.vocab * self.hidden * self.bytes_per_param, 2 * tokens * self.vocab * self.hidden
+    def head_terms(self, tokens: int, batch: int = 1):
+        return (2 * self.vocab * self.hidden * self.bytes_per_param,
+                2 * batch * tokens * self.vocab * self.hidden)
 
 
 def pass_time(shape: ModelShape, hw: Hardware, tokens: int, prefix: int,
-              experts_loaded: float) -> tuple[float, float, float]:
-    """(roofline time, memory-only time, compute-only time) of one forward, seconds."""
+              experts_loaded: float, batch: int = 1) -> tuple[float, float, float]:
+    """(roofline time, memory-only time, compute-only time) of one forward of ``batch``
+    sequences with ``tokens`` new tokens each, seconds."""
     moe_layers = shape.layers - shape.dense_layers
-    terms = [(moe_layers, *shape.layer_terms(tokens, prefix, experts_loaded)),
-             (shape.dense_layers, *shape.dense_layer_terms(tokens, prefix)),
-             (1, *shape.head_terms(tokens))]
+    terms = [(moe_layers, *shape.layer_terms(tokens, prefix, experts_loaded, batch)),
+             (shape.dense_layers, *shape.dense_layer_terms(tokens, prefix, batch)),
+             (1, *shape.head_terms(tokens, batch))]
     mem = sum(n * b / hw.bandwidth for n, b, _ in terms)
     comp = sum(n * f / hw.peak_flops for n, _, f in terms)
     roof = sum(n * max(b / hw.bandwidth, f / hw.peak_flops) for n, b, f in terms)
@@ -129,6 +135,20 @@ def projected_speedup(shape: ModelShape, hw: Hardware, tau: float, experts_loade
         roof, mem, comp = pass_time(shape, hw, tokens, prefix, experts)
         return roof if calibration is None else float(calibration.predict(mem, comp))
     return tau * seconds(1, shape.top_k) / (draft_seconds + seconds(tree_tokens, experts_loaded))
+
+
+def projected_batch_speedup(shape: ModelShape, hw: Hardware, batch: int, tau: float,
+                            tree_tokens: int, prefix: int, experts_verify: float,
+                            experts_ar: float) -> float:
+    """Verification-only speedup of speculative over autoregressive decoding at batch size b:
+
+        speedup(b) = τ · T(b, 1, E_AR) / T(b, M, E_spec)
+
+    T the roofline of ``shape`` on ``hw`` for b sequences (:func:`pass_time`), E the experts a
+    pass loads per layer: the union over its b·1 (AR) or b·M (tree) tokens, at most a budget.
+    Draft time is left out (it grows with b like the AR pass it replaces a share of)."""
+    return tau * pass_time(shape, hw, 1, prefix, experts_ar, batch)[0] / \
+        pass_time(shape, hw, tree_tokens, prefix, experts_verify, batch)[0]
 
 
 # A calibration is usable only when the fit explains the timings: R² ≥ MIN_R2, relative RMSE ≤

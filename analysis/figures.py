@@ -103,11 +103,52 @@ def batch_regime(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
                         name=f"{bench[0]}: MoESD uniform N(b·M)")
     if n:
         fig.add_hline(y=n, line=dict(dash="dot", color="grey"), annotation_text=f"N = {n}")
-    fig.update_xaxes(title="batch size b (sequences verified in one pass)", type="log",
-                     dtick=0.30103)
+    _batch_axis(fig, frame["batch_size"])
     fig.update_yaxes(title=f"unique experts per layer per pass (of {n})" if n else
                      "unique experts per layer per pass")
     return _style(fig, "Experts a verification pass loads vs batch size (no budget)")
+
+
+def _batch_axis(fig: go.Figure, sizes) -> None:
+    """A log x axis ticked at the batch sizes measured (never fractional b)."""
+    ticks = sorted({int(b) for b in sizes})
+    fig.update_xaxes(title="batch size b (sequences verified in one pass)", type="log",
+                     tickvals=ticks, ticktext=[str(b) for b in ticks])
+
+
+def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
+                  projection: pl.DataFrame | None = None, projection_name: str = "") -> go.Figure:
+    """Measured speedup of EAGLE over autoregressive decoding vs b (``profile-batch``), without
+    and with each budget; beside it MoESD's fitted verification-only speedup and the roofline's
+    projection for a real shape (dashed, same colour per budget)."""
+    fig = go.Figure()
+    budgets = list(dict.fromkeys(speed["budget"].to_list()))
+    for i, budget in enumerate(budgets):
+        g = speed.filter(pl.col("budget").is_null() if budget is None
+                         else pl.col("budget") == budget)
+        color = COLORS[i % len(COLORS)]
+        label = "no budget" if budget is None else f"B = {budget}"
+        fig.add_scatter(x=g["batch_size"], y=g["speedup"], mode="lines+markers",
+                        name=f"measured, {label}", line=dict(color=color),
+                        customdata=np.c_[g["eagle_tokens_per_s"], g["ar_tokens_per_s"], g["tau"]],
+                        hovertemplate="b=%{x}: %{y:.2f}×<br>EAGLE %{customdata[0]:.1f} tok/s, "
+                                      "AR %{customdata[1]:.1f} tok/s, τ %{customdata[2]:.2f}"
+                                      "<extra></extra>")
+        if projection is not None and projection.height:
+            p = projection.filter(pl.col("budget").is_null() if budget is None
+                                  else pl.col("budget") == budget)
+            fig.add_scatter(x=p["batch_size"], y=p["projected"], mode="lines",
+                            line=dict(color=color, dash="dash"),
+                            name=f"roofline {projection_name}, {label}")
+    if fit is not None:
+        f = fit["predicted"]
+        fig.add_scatter(x=f["batch_size"], y=f["predicted"], mode="lines",
+                        line=dict(color="grey", dash="dot"),
+                        name=f"MoESD fit (verify only), rel. RMSE {fit['coef']['relative_rmse']:.0%}")
+    fig.add_hline(y=1, line=dict(color="#999", width=1))
+    _batch_axis(fig, speed["batch_size"])
+    fig.update_yaxes(title="speedup over autoregressive decoding (tokens/s ratio)")
+    return _style(fig, "Speculative decoding's speedup vs batch size (measured)")
 
 
 LIFT_TITLE = "lift: observed / expected if independent (log scale)"

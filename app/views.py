@@ -17,6 +17,8 @@ import streamlit as st
 
 from analysis import coactivation, cost, figures, replay_views
 from analysis.frames import (
+    batch_fit,
+    batch_projection,
     calibration_frame,
     efficiency_frame,
     frontier_frame,
@@ -265,10 +267,51 @@ def batch_regime() -> None:
                  f"relative RMSE {coef['relative_rmse']:.1%} over {frame.height} batch sizes.")
     else:
         st.caption("Capture at two or more batch sizes to fit MoESD's pass-time model here.")
+    _batch_speed(page)
     st.caption("Budgets across a batch: `capture --batch-size b --budget B` caps the union over "
-               "the whole pass; `python bench/batch_regime.py` measures the error of a budget "
-               "over each pass's union (router, coact) and EAGLE vs autoregressive tokens/s "
-               "with and without it, per b.")
+               "the whole pass; `replay --batch-size b` replays every ranking's budget over "
+               "each pass's union; `python bench/batch_regime.py` tabulates both.")
+
+
+def _batch_speed(page: Page) -> None:
+    """profile-batch's measured speedup vs b, with MoESD's fit and a roofline projection."""
+    every = data.frame("batch_speed", str(page.ds.root), page.ds.version, page.roles)
+    speed = _pick(every, page.model, page.bench) if every.height else every
+    st.subheader("Speedup over autoregressive decoding vs b")
+    if speed.height == 0:
+        st.caption("Not measured for this dataset: `profile-batch --model … --bench … "
+                   "--batch-sizes 1,2,4,8,16 --budget 16` decodes the same prompts b at a time "
+                   "autoregressively and with EAGLE, with and without a budget.")
+        return
+    runs = speed["run"].unique(maintain_order=True).to_list()
+    run = runs[-1] if len(runs) == 1 else st.selectbox("profile run", runs, key="batch_run")
+    speed = speed.filter(pl.col("run") == run)
+    with data.pristine(str(page.ds.root), None) as con:
+        fit = batch_fit(con, page.model, page.bench, run, speed)
+    targets = real_targets()
+    left, right = st.columns(2)
+    shape_name = left.selectbox("roofline projection for", list(targets), key="batch_shape")
+    hw_name = right.selectbox("on", list(cost.PROFILES), key="batch_hw")
+    target = targets[shape_name]
+    gamma = fit["gamma"] if fit else 63
+    projection = batch_projection(speed, target, cost.PROFILES[hw_name], gamma)
+    st.plotly_chart(figures.batch_speedup(speed, fit, projection, f"{shape_name} on {hw_name}"),
+                    width="stretch")
+    st.dataframe(speed.select(
+        pl.col("batch_size").alias("b"), pl.col("budget").alias("budget B"),
+        pl.col("ar_tokens_per_s").round(1).alias("AR tok/s"),
+        pl.col("eagle_tokens_per_s").round(1).alias("EAGLE tok/s"),
+        pl.col("tau").round(2).alias("τ"), pl.col("speedup").round(2).alias("speedup")),
+        hide_index=True)
+    if fit:
+        c = fit["coef"]
+        st.write(f"MoESD's pass-time model fitted to {fit['points'].height} measured "
+                 f"(sequences, γ) points: T = {c['c0'] * 1e3:.2f} ms + {c['c1'] * 1e3:.3f} ms × "
+                 f"E(bγ) + {c['c2'] * 1e3:.4f} ms × bγ, relative RMSE {c['relative_rmse']:.1%}.")
+    st.caption(f"Measured on {speed['device'][0]}; tokens/s over each whole decoding (prefill and "
+               "drafting included). The fit and the roofline are verification-only (τ·T(b,1)/"
+               "T(b,M)); the roofline assumes MoESD's uniform routing for the experts a pass "
+               "loads, capped at the budget.")
 
 
 def coact() -> None:

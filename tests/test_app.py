@@ -239,6 +239,16 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     experts = dict(zip(table["b"], table["unique experts / layer (measured)"]))
     assert experts[max(experts)] > experts[1]  # the union over more trees loads more experts
     assert any("MoESD's pass-time model fitted" in m.value for m in at.markdown)
+    assert any("profile-batch --model" in c.value for c in at.caption)  # not measured yet
+    from capture import profile_batch
+    assert profile_batch.main(["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "3",
+                               "--max-new-tokens", "4", "--batch-sizes", "1,2,3", "--budget",
+                               "16", "--out", str(tmp_path), "--no-progress"]) == 0
+    at = goto(app_on(tmp_path, monkeypatch), "Batch regime")
+    assert any("speedup vs batch size (measured)" in spec for spec in chart_json(at))
+    speed = at.dataframe[1].value
+    assert sorted(set(speed["b"])) == [1, 2, 3] and speed["budget B"].isna().sum() == 3
+    assert (speed["speedup"] > 0).all()
 
 
 @pytest.mark.parametrize("example", ["τ and experts by benchmark",

@@ -1,0 +1,346 @@
+"""``profile-batch``: MoESD's question measured — speculative decoding's speedup over
+autoregressive decoding as a function of the batch size b, with and without an expert budget.
+
+For each b in ``--batch-sizes`` the same real prompts are decoded b at a time with continuous
+batching (:class:`eagle.batched.BatchedDecoder`) three ways:
+
+* **ar**: autoregressive decoding, one token per sequence per pass (γ = 1);
+* **eagle**: EAGLE dynamic trees, one target forward verifying all b trees (γ = M tokens each);
+* **eagle** with ``--budget B`` (each budget in turn): the union of experts per MoE layer over
+  the whole batch's b·M tree tokens capped at B (``--ranking``, ``--coverage``), applied inside
+  the verification forward (MoE-Spec's online mode, :class:`policy.budget.Budget`).
+
+Each decoding gives tokens/s over the whole run (prefill and drafting included; the first b of
+the batch sizes is decoded once more before timing so start-up costs are not charged to it) and
+every verification pass's device-synchronised seconds with its b and γ:
+
+    speedup(b) = tokens/s(eagle, b) / tokens/s(ar, b)
+
+The passes are the points MoESD's pass-time model ``T(b, γ) ≈ c₀ + c₁·E(bγ) + c₂·bγ`` is fitted
+to (:func:`analysis.moesd.fit`, reported with its relative RMSE); ``analysis`` sets the measured
+curve beside that fit and beside the roofline projection for real shapes.
+
+Points are stored in the traces folder as the ``batch_profile`` and ``batch_profile_passes``
+tables (:mod:`catalog.schema`), one run per (model, bench, settings), and shown on the
+dashboard's *Batch regime* page and in the report.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import console
+from errors import UserError, fail
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class ProfileBatchSettings:
+    """What one ``profile-batch`` run measures (its identity, apart from device and threads)."""
+
+    model: str
+    bench: str = "mbpp"
+    draft: str | None = None
+    limit: int = 16
+    offset: int = 0
+    max_new_tokens: int = 32
+    batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES
+    budgets: tuple[int, ...] = ()
+    ranking: str = "router"
+    coverage: str = "substitution"
+    device: str = "auto"
+    dtype: str = "auto"
+    chat_template: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def identity(self) -> dict:
+        """The settings that decide the numbers (device and dtype included: timings are)."""
+        return {k: v for k, v in asdict(self).items() if k != "extra"}
+
+
+@dataclass
+class Decoding:
+    """One way of decoding at one b: its speed, its passes."""
+
+    mode: str  # ar | eagle
+    batch_size: int
+    budget: int | None
+    tokens: int
+    seconds: float
+    passes: list[dict]  # batch (sequences), gamma (tokens each), verify_seconds, draft_seconds
+    accepted: int  # tokens added over all (sequence, pass) pairs
+    trees: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens a sequence gains per pass (1 for AR)."""
+        return self.accepted / self.trees if self.trees else float("nan")
+
+    def row(self) -> dict:
+        return dict(mode=self.mode, batch_size=self.batch_size, budget=self.budget,
+                    tokens=self.tokens, seconds=self.seconds, tokens_per_s=self.tokens_per_s,
+                    passes=len(self.passes), tau=self.tau)
+
+
+def decode(decoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, *,
+           eos: set[int], autoregressive: bool = False, verify_context=None,
+           budget: int | None = None) -> Decoding:
+    """Decode every prompt ``batch_size`` at a time; tokens/s counts every output token of every
+    prompt over the wall time of the whole decoding."""
+    from eagle.batched import BatchedDecoder, BatchPass
+
+    start = time.perf_counter()
+    tokens = accepted = trees = 0
+    passes = []
+    for event in BatchedDecoder(decoder, batch_size, verify_context=verify_context).run(
+            enumerate(prompts), max_new_tokens=max_new_tokens, eos_token_ids=eos,
+            autoregressive=autoregressive):
+        finished = event.finished if isinstance(event, BatchPass) else [event]
+        tokens += sum(len(g.output_ids) for _, g in finished)
+        if isinstance(event, BatchPass) and event.slots:
+            passes.append(dict(batch=len(event.slots),
+                               gamma=event.tokens_verified // len(event.slots),
+                               verify_seconds=event.verify_seconds,
+                               draft_seconds=event.draft_seconds))
+            accepted += sum(r.accepted_length for r in event.records)
+            trees += len(event.records)
+    return Decoding("ar" if autoregressive else "eagle", batch_size, budget, tokens,
+                    time.perf_counter() - start, passes, accepted, trees)
+
+
+def measure(settings: ProfileBatchSettings, loaded, head, prompts: list[list[int]], *,
+            progress=None, done=None):
+    """Every (mode, b, budget) decoding of ``settings`` on ``prompts``, yielded in turn;
+    ``progress(label)`` is called before each and ``done(decoding)`` after."""
+    from eagle.decoding import EagleDecoder
+    from moe.adapter import MoEAdapter
+    from moe.recorder import VerifyRecorder
+    from policy import coverage, rankings
+    from policy.budget import Budget
+
+    decoder = EagleDecoder(loaded.model, head)
+    adapter = MoEAdapter(loaded.model)
+    eos = {loaded.tokenizer.eos_token_id} - {None}
+    ranking = rankings.get(settings.ranking)().fit(None) if settings.budgets else None
+    cover = coverage.get(settings.coverage)
+    warm = settings.batch_sizes[0]  # start-up (allocations, lazy imports) off the clock
+    decode(decoder, prompts[:warm], warm, 2, eos=eos)
+    for b in settings.batch_sizes:
+        for label, kwargs in [("ar", dict(autoregressive=True)), ("eagle", {})] + [
+                (f"eagle B={budget}", dict(budget=budget, verify_context=VerifyRecorder(
+                    adapter, record_tensors=False, budget=Budget(budget, ranking, cover))))
+                for budget in settings.budgets]:
+            if progress:
+                progress(f"b={b} {label}")
+            decoding = decode(decoder, prompts, b, settings.max_new_tokens, eos=eos, **kwargs)
+            if done:
+                done(decoding)
+            yield decoding
+
+
+# --- storage ------------------------------------------------------------------------------------
+def run_name(settings: ProfileBatchSettings) -> str:
+    """``batch-<hash>`` of the settings that decide the numbers: the same command overwrites
+    its own points, other settings are kept beside them."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(settings.identity(), sort_keys=True).encode())
+    return f"batch-{digest.hexdigest()[:8]}"
+
+
+def tables(settings: ProfileBatchSettings, decodings: list[Decoding], *, num_experts: int,
+           top_k: int, device: str, threads: int) -> dict:
+    """The ``batch_profile`` (one row per decoding) and ``batch_profile_passes`` (one row per
+    verification pass) tables of a run (:data:`catalog.schema.BATCH_PROFILE_TABLES`)."""
+    import pyarrow as pa
+
+    from catalog import schema
+
+    common = dict(num_experts=num_experts, top_k=top_k, device=device, threads=threads,
+                  ranking=settings.ranking if settings.budgets else None,
+                  coverage=settings.coverage if settings.budgets else None)
+    rows = [{**d.row(), **common} for d in decodings]
+    passes = [dict(mode=d.mode, batch_size=d.batch_size, budget=d.budget, pass_index=i, **p)
+              for d in decodings for i, p in enumerate(d.passes)]
+    return {name: pa.Table.from_pylist(data, schema=schema.BATCH_PROFILE_TABLES[name])
+            for name, data in (("batch_profile", rows), ("batch_profile_passes", passes))}
+
+
+# --- command line -------------------------------------------------------------------------------
+EXAMPLES = """
+profile-batch --model tiny-olmoe --batch-sizes 1,4,16 --limit 16
+profile-batch --model tiny-olmoe --budget 16,32 --threads 1      # with online budgets
+profile-batch --model olmoe --device cuda --batch-sizes 1,2,4,8,16,32 --budget 32   # on a GPU
+"""
+
+
+def _numbers(text: str, flag: str, *, minimum: int = 1) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < minimum or len(set(values)) != len(values):
+        raise ValueError(f"{flag} {text!r}: give distinct whole numbers ≥ {minimum}, "
+                         "comma-separated (e.g. 1,4,16)")
+    return values
+
+
+def parser():
+    from moe import models
+    from policy import index
+    from tasks import benchmarks
+
+    d = ProfileBatchSettings(model=models.DEFAULT_MODEL)
+    p = console.ArgumentParser(
+        prog="profile-batch", examples=EXAMPLES,
+        description="Measure tokens/s of autoregressive and of EAGLE decoding at each batch size "
+                    "b (real prompts, continuous batching), with and without an expert budget "
+                    "over the batch's union, and store the points and every verification pass's "
+                    "time (MoESD's cost model is fitted to them by report and the dashboard).")
+    p.add_argument("--model", default=d.model,
+                   help=f"alias ({', '.join(models.ALIASES)}), hub id or local folder")
+    p.add_argument("--draft", default=None, help="EAGLE head folder or hub id (default: the "
+                                                  "model's own)")
+    p.add_argument("--bench", default=d.bench, choices=benchmarks.BENCHMARKS)
+    p.add_argument("--benchmarks", default=None,
+                   help=f"benchmarks folder (default ${benchmarks.ENV_VAR} or "
+                        "../shared/data/benchmarks)")
+    p.add_argument("--offset", type=int, default=d.offset, help="first prompt")
+    p.add_argument("--limit", type=int, default=d.limit,
+                   help="prompts decoded at every b (at least the largest b keeps the batch full)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--batch-sizes", default=",".join(map(str, d.batch_sizes)),
+                   help="batch sizes b, comma-separated")
+    p.add_argument("--budget", default="", help="expert budgets B over the batch's union, "
+                                                "comma-separated (none: no budgeted decoding)")
+    p.add_argument("--ranking", default=d.ranking, choices=index.ranking_names(runtime=True),
+                   help="ranking that picks the budget's experts (no calibration)")
+    p.add_argument("--coverage", default=d.coverage, choices=list(index.COVERAGES))
+    p.add_argument("--chat-template", action="store_true",
+                   help="wrap each prompt in the tokenizer's chat template")
+    p.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, "
+                                                    "bfloat16, float16")
+    p.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--output", type=Path, default=None, metavar="FILE.json",
+                   help="also write the summary as JSON (machine-readable)")
+    console.threads.add_argument(p, what="torch (CPU timings depend on it)")
+    return p
+
+
+def settings_from(args) -> ProfileBatchSettings:
+    """Validated settings (ValueError: one line)."""
+    if args.limit < 1 or args.max_new_tokens < 1 or args.offset < 0:
+        raise ValueError("--limit and --max-new-tokens must be ≥ 1 and --offset ≥ 0")
+    batch_sizes = _numbers(args.batch_sizes, "--batch-sizes")
+    budgets = _numbers(args.budget, "--budget") if args.budget.strip() else ()
+    return ProfileBatchSettings(
+        model=args.model, bench=args.bench, draft=args.draft, limit=args.limit,
+        offset=args.offset, max_new_tokens=args.max_new_tokens, batch_sizes=batch_sizes,
+        budgets=budgets, ranking=args.ranking, coverage=args.coverage, device=args.device,
+        dtype=args.dtype, chat_template=args.chat_template)
+
+
+def summary_lines(decodings: list[Decoding]) -> list[str]:
+    """One line per b: AR and EAGLE tokens/s, the speedup, and the speedup under each budget."""
+    by = {(d.mode, d.batch_size, d.budget): d for d in decodings}
+    budgets = sorted({d.budget for d in decodings if d.budget is not None})
+    head = (f"{'b':>4} {'AR tok/s':>9} {'EAGLE tok/s':>11} {'tau':>5} {'speedup':>8}"
+            + "".join(f" {'B=' + str(b):>8}" for b in budgets))
+    lines = [head]
+    for b in sorted({d.batch_size for d in decodings}):
+        ar, eagle = by[("ar", b, None)], by[("eagle", b, None)]
+        lines.append(f"{b:>4} {ar.tokens_per_s:>9.1f} {eagle.tokens_per_s:>11.1f} "
+                     f"{eagle.tau:>5.2f} {eagle.tokens_per_s / ar.tokens_per_s:>7.2f}x"
+                     + "".join(f" {by[('eagle', b, B)].tokens_per_s / ar.tokens_per_s:>7.2f}x"
+                               for B in budgets))
+    return lines
+
+
+@console.pipes.quiet_broken_pipe
+def main(argv: list[str] | None = None) -> int:
+    from moe import models
+    from tasks import benchmarks
+
+    args = parser().parse_args(argv)
+    try:
+        settings = settings_from(args)
+        models.check_available(settings.model)
+        prompts_found = benchmarks.load(settings.bench, offset=settings.offset,
+                                        limit=settings.limit, root=args.benchmarks)
+        console.check_output_option(args.output, ValueError)
+    except (ValueError, UserError) as exc:
+        return fail("profile-batch", exc)
+    threads = console.threads.apply(args.threads)
+
+    from tqdm import tqdm
+
+    from eagle import loading
+    from moe.adapter import MoEAdapter
+    from policy import rankings
+
+    models.quiet_transformers()
+    try:
+        if settings.budgets and rankings.get(settings.ranking).needs_calibration:
+            raise ValueError(f"--ranking {settings.ranking} needs calibration statistics; "
+                             "profile-batch budgets use a ranking without them (router, "
+                             "sqmass, previous)")
+        loaded, head = loading.load_with_draft(settings.model, settings.draft,
+                                               device=settings.device, dtype=settings.dtype)
+        adapter = MoEAdapter(loaded.model)
+        if settings.budgets and settings.coverage == "substitution" \
+                and min(settings.budgets) < adapter.top_k:
+            raise ValueError(f"--budget {min(settings.budgets)} is below k = {adapter.top_k}; "
+                             "substitution needs B ≥ k (or use --coverage truncation)")
+    except (ValueError, UserError) as exc:
+        return fail("profile-batch", exc)
+    from capture.target import prompt_ids
+    from catalog.writer import write_batch_profile
+    ids = [prompt_ids(loaded.tokenizer, p.text, settings.chat_template) for p in prompts_found]
+    runs = len(settings.batch_sizes) * (2 + len(settings.budgets))
+    with tqdm(total=runs, desc="profile-batch", unit="decoding",
+              disable=args.no_progress) as bar:
+        def step(label):
+            bar.set_postfix_str(label)
+            bar.update(0)
+        decodings = []
+        for d in measure(settings, loaded, head, ids, progress=step,
+                         done=lambda d: bar.update(1)):
+            decodings.append(d)
+    name = run_name(settings)
+    found = tables(settings, decodings, num_experts=adapter.num_experts,
+                   top_k=adapter.top_k, device=str(loaded.device), threads=threads)
+    try:
+        folders = write_batch_profile(args.out, loaded.name, settings.bench, name, found)
+    except OSError as exc:
+        return fail("profile-batch", f"cannot write under {args.out}: {exc.strerror or exc}", 1)
+    print(f"profile-batch {loaded.name}/{settings.bench}: {len(ids)} prompts x "
+          f"{settings.max_new_tokens} new tokens at each b (tokens/s over the whole decoding)")
+    for line in summary_lines(decodings):
+        print(line)
+    print(f"stored: {', '.join(str(f) for f in folders)}")
+    print("look at it:\n  " + console.commandline(
+        f"query --traces {args.out} \"SELECT batch_size, mode, budget, tokens_per_s FROM "
+        f"batch_profile ORDER BY ALL\""))
+    try:
+        console.write_json(args.output, {
+            "tool": "profile-batch", "run": name, "model": loaded.name, "threads": threads,
+            "settings": settings.identity(), "rows": found["batch_profile"].to_pylist()})
+    except OSError as exc:
+        return fail("profile-batch", f"cannot write --output {args.output}: "
+                                     f"{exc.strerror or exc}", 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
