@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import resource
 import tempfile
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from capture.run import CaptureSettings, capture_run
 from capture.storage import StoragePolicy
+from catalog import Catalog, Run, reader
 from eagle import loading
 from eagle.decoding import EagleDecoder
 from eagle.fixtures import real_width_pair
@@ -54,8 +54,14 @@ def untraced(model: str, draft: str | None, prompts, max_new: int) -> tuple[floa
     return time.perf_counter() - t0, trees
 
 
-def table_bytes(root: Path, table: str) -> int:
-    return sum(p.stat().st_size for p in (root / table).rglob("*.parquet"))
+def table_bytes(run: Run, table: str) -> int:
+    """Bytes on disk of one table of a run (its parts, found through the catalog)."""
+    return sum(p.stat().st_size for i in run.prompt_indices() for p in run.parts(table, i))
+
+
+def captured(root: Path) -> Run:
+    (run,) = Catalog(root).runs()
+    return run
 
 
 def projected(shape, per_layer: dict, nodes: int = 63) -> list[tuple[str, float]]:
@@ -79,7 +85,9 @@ def main() -> None:
                    help=f"tiny-olmoe or real shapes: {', '.join(shapes.REAL_SHAPES)}")
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     args = p.parse_args()
+    results = {}
     models.quiet_transformers()
     prompts = benchmarks.load("mbpp", limit=args.prompts)
     for name in args.shape:
@@ -102,11 +110,17 @@ def main() -> None:
             capture_run(CaptureSettings(**common, store_layers="all", hidden_dtype="float32",
                                         store_output="store"), tmp / "f", "fp32", progress=False)
             trees = summary.trees
-            layers = len(pq.read_table(next((tmp / "t" / "routing").rglob("*.parquet")),
-                                       columns=["layer"]).column(0).unique())
-            per_layer = {"routing": table_bytes(tmp / "t", "routing") / trees / layers,
-                         "bf16": table_bytes(tmp / "t", "moe_io") / trees / layers,
-                         "fp32": table_bytes(tmp / "f", "moe_io") / trees / layers}
+            bf16, fp32 = captured(tmp / "t"), captured(tmp / "f")
+            first = bf16.prompt_indices()[0]
+            layers = len(reader.read_parts(bf16, "routing", first, ["layer"]).column(0).unique())
+            per_layer = {"routing": table_bytes(bf16, "routing") / trees / layers,
+                         "bf16": table_bytes(bf16, "moe_io") / trees / layers,
+                         "fp32": table_bytes(fp32, "moe_io") / trees / layers}
+            results[name] = dict(prompts=args.prompts, trees=trees, untraced_trees=plain_trees,
+                                 tau=summary.tau, traced_s=traced_s, untraced_s=plain_s,
+                                 slowdown=traced_s / plain_s, peak_rss_gib=peak,
+                                 rss_above_model_gib=max(0.0, peak - base),
+                                 bytes_per_tree_layer=per_layer)
             print(f"{name}: {args.prompts} prompts, {trees} trees (untraced {plain_trees}), "
                   f"τ {summary.tau:.2f}")
             print(f"  traced / untraced wall time: {traced_s / plain_s:.3f}x ({traced_s:.1f} s vs "
@@ -125,6 +139,8 @@ def main() -> None:
                           f"{label}: {size / 2**20:.2f} MiB per tree, MBPP "
                           f"{full / 2**30:.1f} GiB at {per_prompt:.1f} trees per prompt, "
                           f"{math.ceil(size * 36_000 / 2**30)} GiB at 36k trees")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,21 +29,17 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from capture import cli as capture_cli  # noqa: E402
-from replay import cli as replay_cli  # noqa: E402
+from pipeline import capture, replay_runs, run_names  # noqa: E402
+
+from catalog import Catalog, reader  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 METRICS = ("accepted_length", "path_unchanged", "top1_agreement", "mean_kl")
 
 
-def run_exists(root: Path, model: str, name: str) -> bool:
-    return any((root / "runs" / f"model={model}").glob(f"bench=*/run={name}/part-0.parquet"))
-
-
 def calibration_runs(root: Path, model: str) -> list[str]:
     """Every complete calibration run of ``bench/cross_domain.py`` (the mixed-domain source)."""
-    return sorted(p.parent.name.removeprefix("run=") for p in
-                  (root / "runs" / f"model={model}").glob("bench=*/run=cal-*/part-0.parquet"))
+    return run_names(root, model, prefix="cal-")
 
 
 def bootstrap(values: np.ndarray, rng: np.random.Generator, draws: int = 2000):
@@ -56,11 +52,9 @@ def bootstrap(values: np.ndarray, rng: np.random.Generator, draws: int = 2000):
 
 def closed_table(root: Path, model: str, bench: str, args) -> list[dict]:
     out = root / "results" / "closed"
-    assert replay_cli.main(["--traces", str(root), "--model", model, "--bench", bench,
-                            "--run", f"eval-{bench}", "--mode", "closed", "--ranking",
-                            *args.rankings, "--calibration", *calibration_runs(root, model),
-                            "--coverage", "both", "--budget", args.budgets, "--out", str(out),
-                            "--no-progress"]) == 0
+    replay_runs(root, model, [f"eval-{bench}"], bench=bench, mode="closed",
+                rankings=tuple(args.rankings), coverages=("truncation", "substitution"),
+                calibration=tuple(calibration_runs(root, model)), budgets=args.budgets, out=out)
     df = pl.read_parquet(f"{out}/replay_closed/model={model}/bench={bench}/**/*.parquet",
                          hive_partitioning=True)
     rng = np.random.default_rng(args.seed)
@@ -77,7 +71,10 @@ def closed_table(root: Path, model: str, bench: str, args) -> list[dict]:
 
 
 def outputs(root: Path, model: str, bench: str, run: str) -> dict[int, list[int]]:
-    seq = pl.read_parquet(f"{root}/sequences/model={model}/bench={bench}/run={run}/*.parquet")
+    """Each prompt's output token ids in a run (read through the catalog)."""
+    (found,) = Catalog(root).runs(model=model, bench=bench, names=[run])
+    seq = pl.concat([pl.from_arrow(reader.read_parts(found, "sequences", i, [
+        "prompt_index", "output_token_ids"])) for i in found.prompt_indices()])
     return dict(zip(seq["prompt_index"].to_list(), seq["output_token_ids"].to_list()))
 
 
@@ -94,13 +91,11 @@ def online_table(root: Path, model: str, bench: str, args) -> list[dict]:
     for ranking in args.rankings:
         for budget in args.online_budgets.split(","):
             name = f"online-{bench}-{ranking}-{budget}"
-            if not run_exists(root, model, name):
-                assert capture_cli.main([
-                    "--model", model, "--bench", bench, "--limit", str(args.eval_prompts),
-                    "--max-new-tokens", str(args.max_new_tokens), "--seed", str(args.seed),
-                    "--out", str(root), "--run", name, "--no-progress", "--budget", budget,
-                    "--ranking", ranking, "--coverage", args.online_coverage,
-                    "--calibration", *calibration_runs(root, model)]) == 0
+            if name not in run_names(root, model, bench=bench):
+                capture(root, name, model=model, bench=bench, limit=args.eval_prompts,
+                        max_new_tokens=args.max_new_tokens, seed=args.seed, budget=int(budget),
+                        ranking=ranking, coverage=args.online_coverage,
+                        calibration=tuple(calibration_runs(root, model)))
             ours, twin = outputs(root, model, bench, name), outputs(root, model, bench,
                                                                     f"eval-{bench}")
             first = [first_divergence(ours[p], twin[p]) for p in sorted(twin)]

@@ -15,14 +15,14 @@ and the experts saved at matched error: for the router's RSE at budget B, the bu
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import numpy as np
 import polars as pl
+from pipeline import capture, replay_runs
 
 from analysis.replay_views import budget_at
-from capture import cli as capture_cli
-from replay import cli as replay_cli
 
 
 def main() -> None:
@@ -33,17 +33,18 @@ def main() -> None:
     p.add_argument("--cal-prompts", type=int, default=24)
     p.add_argument("--cal-offset", type=int, default=200)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the curves as JSON (ranking, coverage, budget, mean RSE)")
     args = p.parse_args()
-    common = ["--model", args.model, "--bench", "mbpp", "--max-new-tokens",
-              str(args.max_new_tokens), "--out", str(args.traces), "--no-progress"]
-    assert capture_cli.main([*common, "--limit", str(args.eval_prompts), "--run", "eval"]) == 0
-    assert capture_cli.main([*common, "--limit", str(args.cal_prompts), "--offset",
-                             str(args.cal_offset), "--run", "cal", "--role", "calibration"]) == 0
-    out = args.traces / "results"
-    assert replay_cli.main(["--traces", str(args.traces), "--run", "eval", "--calibration", "cal",
-                            "--ranking", "static", "router", "oracle", "coact", "--budget",
-                            "sweep", "--out", str(out), "--no-progress"]) == 0
-    df = pl.read_parquet(f"{out}/replay_open/**/*.parquet", hive_partitioning=True)
+    common = dict(model=args.model, bench="mbpp", max_new_tokens=args.max_new_tokens)
+    capture(args.traces, "eval", **common, limit=args.eval_prompts)
+    capture(args.traces, "cal", role="calibration", **common, limit=args.cal_prompts,
+            offset=args.cal_offset)
+    results = args.traces / "results"
+    replay_runs(args.traces, args.model, ["eval"], calibration=("cal",),
+                rankings=("static", "router", "oracle", "coact"),
+                coverages=("truncation", "substitution"), budgets="sweep", out=results)
+    df = pl.read_parquet(f"{results}/replay_open/**/*.parquet", hive_partitioning=True)
     mean = df.group_by("ranking", "coverage", "budget").agg(pl.col("rse").mean()).sort("budget")
     for coverage in ("truncation", "substitution"):
         rows = df.filter(pl.col("coverage") == coverage).height // 4
@@ -59,6 +60,9 @@ def main() -> None:
             gap = (r_ - c_) / (r_ - o_) if r_ > o_ else np.nan
             saved = b - budget_at(curves["coact"]["budget"], curves["coact"]["rse"], r_)
             print(f"{b:4d} {s_:9.4f} {r_:9.4f} {c_:9.4f} {o_:9.4f} {gap:10.0%} {saved:14.1f}")
+    if args.out:
+        args.out.write_text(json.dumps(mean.sort("ranking", "coverage", "budget").to_dicts(),
+                                       indent=1))
 
 
 if __name__ == "__main__":

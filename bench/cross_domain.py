@@ -30,8 +30,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from capture import cli as capture_cli  # noqa: E402
-from replay import cli as replay_cli  # noqa: E402
+from pipeline import capture, replay_runs  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 BUDGETS = (8, 16, 24, 32)
@@ -40,37 +39,33 @@ ABLATION_ONLY = {"coact-diag"}  # replayed for the diagonal, all and others only
 
 
 def capture_all(root: Path, model: str, args) -> None:
-    common = ["--model", model, "--max-new-tokens", str(args.max_new_tokens), "--out",
-              str(root), "--no-progress", "--seed", str(args.seed)]
+    common = dict(model=model, max_new_tokens=args.max_new_tokens, seed=args.seed)
     for bench in args.benches:
-        assert capture_cli.main([*common, "--bench", bench, "--limit", str(args.eval_prompts),
-                                 "--run", f"eval-{bench}"]) == 0
-        assert capture_cli.main([*common, "--bench", bench, "--offset", str(args.eval_prompts),
-                                 "--limit", str(args.cal_prompts), "--run", f"cal-{bench}",
-                                 "--role", "calibration"]) == 0
+        capture(root, f"eval-{bench}", **common, bench=bench, limit=args.eval_prompts)
+        capture(root, f"cal-{bench}", role="calibration", **common, bench=bench,
+                offset=args.eval_prompts, limit=args.cal_prompts)
 
 
 def replay_all(root: Path, model: str, args) -> None:
     budgets = ",".join(map(str, BUDGETS))
     sources = {**{b: [f"cal-{b}"] for b in args.benches},
                "all": [f"cal-{b}" for b in args.benches]}
+    both = ("truncation", "substitution")
     for bench in args.benches:
         # mixed-domain calibration that has never seen the evaluated benchmark
         sources["others"] = [f"cal-{b}" for b in args.benches if b != bench]
-        common = ["--traces", str(root), "--model", model, "--bench", bench, "--run",
-                  f"eval-{bench}", "--budget", budgets, "--no-progress"]
-        assert replay_cli.main([*common, "--coverage", "both", "--ranking", *BASE, "--out",
-                                str(root / "results" / "base")]) == 0
+        evaluated = dict(bench=bench, runs=[f"eval-{bench}"], budgets=budgets)
+        replay_runs(root, model, **evaluated, coverages=both, rankings=BASE,
+                    out=root / "results" / "base")
         for source, runs in sources.items():
             if source not in ("all", "others") and not args.full_matrix \
                     and source not in (bench, *args.sources):
                 continue
             core = source in (bench, "all", "others")
             ranks = [r for r in args.rankings if r not in ABLATION_ONLY or core]
-            cover = "both" if core or not args.off_diagonal_truncation_only else "truncation"
-            assert replay_cli.main([*common, "--coverage", cover, "--ranking", *ranks,
-                                    "--calibration", *runs,
-                                    "--out", str(root / "results" / f"cal={source}")]) == 0
+            cover = both if core or not args.off_diagonal_truncation_only else ("truncation",)
+            replay_runs(root, model, **evaluated, coverages=cover, rankings=tuple(ranks),
+                        calibration=tuple(runs), out=root / "results" / f"cal={source}")
 
 
 def mean_rse(root: Path, model: str) -> pl.DataFrame:

@@ -15,7 +15,9 @@ autoregressively, once with EAGLE trees — at T=0, and reports
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -96,16 +98,21 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=7)
     p.add_argument("--top-k", type=int, default=10)
     p.add_argument("--benchmarks", default=None)
+    p.add_argument("--out", type=Path, default=None, help="also write the rows as JSON")
     args = p.parse_args()
+    rows = []
     tree = TreeSettings(args.total_tokens, args.depth, args.top_k)
     print(f"{'model':16} {'bench':8} {'prompts':>7} {'tau':>6} {'EAGLE/AR tok/s':>15} "
           f"{'experts/layer: verify':>22} {'AR step':>8}")
     for model in args.model:
         for bench in args.bench:
             r = run(model, bench, args.prompts, args.max_new_tokens, tree, args.benchmarks)
+            rows.append(r)
             print(f"{r['model']:16} {r['bench']:8} {r['prompts']:7d} {r['tau']:6.2f} "
                   f"{r['speed_ratio']:14.2f}x {r['unique_verify']:15.1f} of {r['experts']:<3d} "
                   f"{r['unique_ar']:8.1f}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

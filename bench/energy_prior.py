@@ -74,6 +74,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, default=Path("traces-xdomain"))
     p.add_argument("--model", default="tiny-olmoe")
+    p.add_argument("--benches", nargs="+", default=list(BENCHES),
+                   help="evaluation benchmarks and calibration sources (runs of cross_domain.py)")
     p.add_argument("--kappa", type=float, nargs="+", default=[0.0, 256.0])
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
@@ -83,9 +85,9 @@ def main() -> None:
     adapter = MoEAdapter(models.load(args.model, device="cpu").model)
     ref = base_rse(root, args.model)
     rows = []
-    for bench in BENCHES:
+    for bench in args.benches:
         run = catalog.runs(model=args.model, bench=bench, names=[f"eval-{bench}"])
-        for source in BENCHES:
+        for source in args.benches:
             stats, cal = calibration_stats(catalog, [f"cal-{source}"], args.model, run, adapter,
                                            progress=False)
             for kappa in args.kappa:

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import polars as pl
 import torch
+from pipeline import capture, replay_runs
 
-from capture import cli as capture_cli
 from moe.models import EMBEDDED
 from policy import index
-from replay import cli as replay_cli
 
 TOLERANCE = 1e-9  # relative
 KEYS = ["prompt_index", "step", "layer", "coverage", "budget"]
@@ -69,18 +68,14 @@ def main() -> None:
     report = {}
     for model in args.models:
         t0 = time.perf_counter()
-        common = ["--model", model, "--bench", args.bench, "--max-new-tokens",
-                  str(args.max_new_tokens), "--out", str(args.traces), "--no-progress"]
-        assert capture_cli.main([*common, "--limit", str(args.eval_prompts), "--run",
-                                 f"{model}-eval"]) == 0
-        assert capture_cli.main([*common, "--limit", str(args.cal_prompts), "--offset",
-                                 str(args.cal_offset), "--run", f"{model}-cal", "--role",
-                                 "calibration"]) == 0
+        common = dict(model=model, bench=args.bench, max_new_tokens=args.max_new_tokens)
+        capture(args.traces, f"{model}-eval", **common, limit=args.eval_prompts)
+        capture(args.traces, f"{model}-cal", role="calibration", **common,
+                limit=args.cal_prompts, offset=args.cal_offset)
         out = args.traces / "results"
-        assert replay_cli.main(["--traces", str(args.traces), "--model", model, "--run",
-                                f"{model}-eval", "--calibration", f"{model}-cal", "--ranking",
-                                *runtime, "oracle", "exact", "--coverage", "both", "--budget",
-                                "sweep", "--out", str(out), "--no-progress"]) == 0
+        replay_runs(args.traces, model, [f"{model}-eval"], calibration=(f"{model}-cal",),
+                    rankings=(*runtime, "oracle", "exact"),
+                    coverages=("truncation", "substitution"), budgets="sweep", out=out)
         df = pl.read_parquet(f"{out}/replay_open/model={model}/**/*.parquet",
                              hive_partitioning=True)
         report[model] = dict(rows=count(df), exact=versus_exact(df),

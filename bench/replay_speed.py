@@ -21,6 +21,7 @@ synthetic calibration run for static and coact), vs tiny-olmoe.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
 import shutil
 import subprocess
@@ -87,7 +88,7 @@ def timed_replay(cat, runs, adapter, rankings, budgets, stats, cal, device) -> t
         shutil.rmtree(out)
 
 
-def sweep(args) -> None:
+def sweep(args) -> dict:
     torch.set_num_threads(args.threads)
     cat = Catalog(args.traces)
     runs = cat.runs(names=[args.run])
@@ -100,14 +101,18 @@ def sweep(args) -> None:
     print(f"{runs[0].model}, run {args.run}: {len(items)} tree-layers, {args.threads} torch "
           "threads")
     print(f"  one all-experts recompute: {base:.3f} s")
+    found = dict(model=runs[0].model, tree_layers=len(items), recompute_s=base)
     gram = gram_seconds(items, adapter)
     print(f"  float64 Gram of every tree-layer alone (the substitution oracle's floor): "
           f"{gram:.3f} s = {gram / base:.2f}x the recompute")
-    for label, ranks in (("full sweep (static router oracle coact)",
-                          ["static", "router", "oracle", "coact"]),
-                         ("sweep without the oracle (static router coact)",
-                          ["static", "router", "coact"])):
+    found["gram_s"] = gram
+    for key, label, ranks in (("full_sweep", "full sweep (static router oracle coact)",
+                               ["static", "router", "oracle", "coact"]),
+                              ("sweep_without_oracle",
+                               "sweep without the oracle (static router coact)",
+                               ["static", "router", "coact"])):
         sec, tl = timed_replay(cat, runs, adapter, ranks, budgets, stats, cal, loaded.device)
+        found[key] = dict(seconds=sec, tree_layers=tl, budgets=budgets)
         print(f"  {label} × 2 policies × {len(budgets)} budgets: {sec:.3f} s = "
               f"{sec / base:.2f}x the recompute ({tl / sec:.0f} tree-layers/s)")
     sec, tl = timed_replay(cat, runs, adapter, ["oracle"], [24], None, [], loaded.device)
@@ -116,17 +121,21 @@ def sweep(args) -> None:
     print(f"  replay --ranking oracle --budget 24 (both policies): {sec:.3f} s "
           f"({tl / sec:.0f} tree-layers/s) vs capture decoding the same prompts {decode:.3f} s "
           f"= {sec / decode:.2f}x")
+    found["oracle_24"] = dict(seconds=sec, tree_layers=tl, capture_decode_s=decode)
+    return found
 
 
-def rss(args) -> None:
+def rss(args) -> dict:
+    found = {}
     for trees in args.trees:
         root = Path(tempfile.mkdtemp(prefix="replay-rss-"))
+        per_prompt = min(50, trees)  # 50 trees a prompt (fewer trees: one prompt)
         try:
             code = ("import sys; sys.path.insert(0, 'bench'); from synthetic import write_run; "
                     "from moe import models; from pathlib import Path; "
                     "m = models.load('tiny-olmoe', device='cpu').model; "
-                    f"write_run(Path('{root}'), 'tiny-olmoe', m, prompts={trees // 50}, "
-                    "trees_per_prompt=50)")
+                    f"write_run(Path('{root}'), 'tiny-olmoe', m, prompts={trees // per_prompt}, "
+                    f"trees_per_prompt={per_prompt})")
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
             gen = time.perf_counter() - t0
@@ -143,14 +152,18 @@ def rss(args) -> None:
                   f"traces, generated in {gen:.0f} s): replay {sec:.0f} s "
                   f"({trees * 8 / sec:.0f} tree-layers/s incl. start-up), peak RSS "
                   f"{peak / 2**20:.2f} GiB{note}")
+            found[str(trees)] = dict(tree_layers=trees * 8, traces_gib=size, replay_s=sec,
+                                     peak_rss_gib=peak / 2**20, above_earlier_peak=not note)
         finally:
             shutil.rmtree(root)
+    return found
 
 
-def width(args) -> None:
+def width(args) -> dict:
     sys.path.insert(0, str(ROOT / "bench"))
     from synthetic import write_run
     torch.set_num_threads(args.threads)
+    found = {}
     for name in ("tiny-olmoe", args.shape):
         root = Path(tempfile.mkdtemp(prefix="replay-width-"))
         try:
@@ -173,22 +186,27 @@ def width(args) -> None:
                     f"experts, top-{adapter.top_k}): {n} tree-layers,")
             sec, tl = timed_replay(cat, runs, adapter, ["router", "oracle"], [24], None, [],
                                    torch.device("cpu"))
+            found[name] = dict(tree_layers=n, recompute_s=base,
+                               router_oracle_24=dict(seconds=sec, tree_layers=tl))
             print(f"{head} router+oracle@24 both policies {tl / sec:.1f} tree-layers/s = "
                   f"{sec / base:.2f}x one all-experts recompute")
             stats, cal = calibration_stats(cat, ["cal"], model_path, runs, adapter, False)
             budgets = parse_budgets("sweep", adapter.num_experts)
             sec, tl = timed_replay(cat, runs, adapter, ["static", "router", "oracle", "coact"],
                                    budgets, stats, cal, torch.device("cpu"))
+            found[name]["full_sweep"] = dict(seconds=sec, tree_layers=tl, budgets=budgets)
             print(f"{head} full sweep (static router oracle coact × 2 policies × "
                   f"{len(budgets)} budgets) {tl / sec:.1f} tree-layers/s = {sec / base:.2f}x "
                   f"one all-experts recompute")
             del model, adapter
         finally:
             shutil.rmtree(root)
+    return found
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     sub = p.add_subparsers(dest="what", required=True)
     s = sub.add_parser("sweep")
     s.add_argument("--traces", type=Path, default=Path("traces"))
@@ -204,7 +222,9 @@ def main() -> None:
     w.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     models.quiet_transformers()
-    {"sweep": sweep, "rss": rss, "width": width}[args.what](args)
+    found = {"sweep": sweep, "rss": rss, "width": width}[args.what](args)
+    if args.out:
+        args.out.write_text(json.dumps({args.what: found}, indent=1))
 
 
 if __name__ == "__main__":

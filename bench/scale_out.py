@@ -15,6 +15,7 @@ actor), and is also given without that start-up (the throughput a long study see
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import tempfile
 import time
@@ -34,9 +35,11 @@ TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds"}
 
 
 def same_tables(root: Path, a: str, b: str) -> bool:
+    """Whether runs ``a`` and ``b`` hold the same rows (timings aside) in every table."""
+    cat = Catalog(root)
+    pair = [run for name in (a, b) for run in cat.runs(names=[name])]
     for name in ("sequences", "trees", "nodes", "routing", "moe_io"):
-        t = [pq.read_table(root / name / "model=tiny-olmoe" / "bench=mbpp" / f"run={r}")
-             for r in (a, b)]
+        t = [pq.read_table(run.dir(name)) for run in pair]
         keep = [c for c in t[0].column_names if c not in TIMINGS]
         sort = [(c, "ascending") for c in ("prompt_index", "step", "layer", "node") if c in keep]
         if not t[0].select(keep).sort_by(sort).equals(t[1].select(keep).sort_by(sort)):
@@ -62,7 +65,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
     args = p.parse_args()
+    found = {}
     models.quiet_transformers()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     root = Path(tempfile.mkdtemp(prefix="scale-out-"))
@@ -74,8 +79,10 @@ def main() -> None:
             s = capture_run(settings, root, f"w{workers}", workers=workers, progress=False)
             rate[workers] = rates(f"capture, {workers} worker(s): {s.trees} trees,", s.prompts,
                                   "prompts", time.perf_counter() - t0, s.load_seconds)
+        same = same_tables(root, "w1", "w2")
         print(f"capture prompts/s, 2 workers vs 1: {speedups(rate)} (goal >= 1.6x); "
-              f"tables identical: {same_tables(root, 'w1', 'w2')}")
+              f"tables identical: {same}")
+        found["capture"] = dict(prompts_per_s=rate, tables_identical=same)
 
         cat = Catalog(root)
         runs = cat.runs(names=["w1"])
@@ -95,6 +102,10 @@ def main() -> None:
         diff = max((a[c] - b[c]).abs().max() for c in ("rse", "token_error"))
         print(f"replay tree-layers/s, 2 workers vs 1: {speedups(tl_rate)} (goal >= 1.6x); "
               f"results equal: {a.height == b.height} rows, max difference {diff:.1e}")
+        found["replay"] = dict(tree_layers_per_s=tl_rate, rows=[a.height, b.height],
+                               max_difference=float(diff))
+        if args.out:
+            args.out.write_text(json.dumps(found, indent=1))
     finally:
         ray.shutdown()
         shutil.rmtree(root)

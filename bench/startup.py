@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from catalog import Catalog
+
 GOAL = 1.5  # seconds
 BIN = Path(os.path.abspath(sys.executable)).parent
 HEAVY = ("torch", "transformers", "polars", "duckdb", "pyarrow", "plotly")
@@ -73,7 +75,7 @@ def import_seconds(module: str, repeats: int) -> float:
 
 def prepare(traces: Path) -> None:
     """A one-prompt capture of tiny-olmoe and one replay of it (so the next is fully reused)."""
-    if not any(traces.glob("runs/**/_manifest.json")):
+    if not Catalog(traces).runs():
         subprocess.run([str(BIN / "capture"), "--limit", "1", "--max-new-tokens", "8", "--out",
                         str(traces), "--run", "startup", "--no-progress"], check=True, env=env(),
                        capture_output=True)

@@ -12,11 +12,10 @@ import sys
 from pathlib import Path
 
 import console
-from capture.settings import CaptureError, CaptureSettings
-from capture.storage import DTYPES, OUTPUTS
+from capture.settings import CaptureError, CaptureSettings, option_flag
 from catalog import ROLES
+from errors import UserError, fail
 from moe import models
-from policy import index
 from tasks import benchmarks
 
 EXAMPLES = """
@@ -28,8 +27,32 @@ capture --config run.toml --output summary.json
 """
 
 
+OPTION_TYPES = {"int": int, "float": float}  # a field's annotation's first word -> argparse type
+
+
+def add_settings_option(group, field: dataclasses.Field) -> None:
+    """One CaptureSettings field as an option, from its ``option`` metadata and its default."""
+    spec = field.metadata["option"]
+    flag = option_flag(field)
+    help_text = spec["help"]() if callable(spec["help"]) else spec["help"]
+    if spec["store_true"]:
+        group.add_argument(flag, dest=field.name, action="store_true", help=help_text)
+        return
+    kwargs = {"dest": field.name, "default": field.default, "help": help_text or None}
+    kind = OPTION_TYPES.get(str(field.type).split(" ")[0].split("[")[0])
+    if kind is not None:
+        kwargs["type"] = kind
+    if spec["choices"] is not None:
+        kwargs["choices"] = spec["choices"]()
+    if spec["many"]:
+        kwargs.update(nargs="+", default=list(field.default))
+    group.add_argument(flag, **kwargs)
+
+
 def parser() -> argparse.ArgumentParser:
-    d = CaptureSettings()
+    """The options: every CaptureSettings option (declared once, in capture/settings.py) and
+    those of the run itself (where traces go, workers, role, output)."""
+    from capture import settings as declared
     p = console.ArgumentParser(
         prog="capture", examples=EXAMPLES,
         description="Run real EAGLE tree drafting and verification on a Hugging Face MoE model "
@@ -37,83 +60,36 @@ def parser() -> argparse.ArgumentParser:
                     "router probabilities, top-k and mixing weights, MoE input and output to "
                     "hive-partitioned Parquet. Interrupted runs resume where they stopped.")
     p.add_config_option()
-    g = p.add_argument_group("what to run")
-    g.add_argument("--model", default=d.model,
-                   help=f"alias ({', '.join(models.ALIASES)}), hub id or local folder")
-    g.add_argument("--draft", default=None,
-                   help="EAGLE-3 or EAGLE-1 head folder or hub id (default: the model's own)")
-    g.add_argument("--bench", default=d.bench, choices=benchmarks.BENCHMARKS)
+    groups = {name: p.add_argument_group(name) for name in (
+        declared.RUN, declared.TREE, declared.SAMPLING, declared.DEVICE,
+        "scale-out on Ray (pip install -e .[ray])", "output", declared.STORAGE, declared.ONLINE)}
+    for field in CaptureSettings.options():
+        add_settings_option(groups[field.metadata["option"]["group"]], field)
+    g = groups[declared.RUN]
     g.add_argument("--benchmarks", default=None,
                    help=f"benchmarks folder (default ${benchmarks.ENV_VAR} or "
                         "../shared/data/benchmarks)")
-    g.add_argument("--offset", type=int, default=d.offset, help="first prompt")
-    g.add_argument("--limit", type=int, default=d.limit, help="number of prompts (0: all)")
-    g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
-                   help="tokens generated per prompt")
-    g.add_argument("--chat-template", action="store_true",
-                   help="wrap each prompt in the tokenizer's chat template as one user turn "
-                        "(instruction-tuned targets; their EAGLE heads were trained so)")
-    g.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="decode this many prompts together: each keeps its own draft tree, one "
-                        "target forward verifies all trees (continuous batching; a --budget caps "
-                        "the union over the whole batch)")
-    g = p.add_argument_group("draft tree (EAGLE-2)")
-    g.add_argument("--total-tokens", type=int, default=d.total_tokens,
-                   help="tokens per verification tree, root included")
-    g.add_argument("--depth", type=int, default=d.depth, help="expansion steps")
-    g.add_argument("--tree-top-k", type=int, default=d.tree_top_k, help="beams and children")
-    g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=d.top_p, help="nucleus sampling mass")
-    g.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
-    g.add_argument("--seed", type=int, default=d.seed, help="prompt i uses seed + i")
-    g = p.add_argument_group("device")
-    g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
-    g.add_argument("--dtype", default=d.dtype, help="auto (bf16 on CUDA, fp32 on CPU), float32, "
-                                                    "bfloat16, float16")
-    console.threads.add_argument(p, g, what="torch (with --workers: shared among the workers)")
-    g = p.add_argument_group("scale-out on Ray (pip install -e .[ray])")
+    console.threads.add_argument(p, groups[declared.DEVICE],
+                                 what="torch (with --workers: shared among the workers)")
+    g = groups["scale-out on Ray (pip install -e .[ray])"]
     g.add_argument("--workers", type=int, default=0,
                    help="capture with N Ray actors on a local cluster started for the run (one "
                         "per GPU, or per CPU slot with one torch thread each)")
     g.add_argument("--ray-address", default=None,
                    help="join an existing Ray cluster (e.g. auto, or ray://host:10001); --out "
                         "must be on storage every node sees")
-    g = p.add_argument_group("output")
+    g = groups["output"]
     g.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
     g.add_argument("--run", default=None,
                    help="run name (default: derived from the settings, so reruns resume)")
     g.add_argument("--role", default="evaluation", choices=ROLES,
                    help="what the run is for: replay evaluates evaluation runs and learns "
                         "static/coact statistics from calibration runs")
-    g = p.add_argument_group("storage policy (routing, trees and nodes are always complete)")
-    g.add_argument("--store-layers", default=d.store_layers,
-                   help="MoE layers whose inputs/outputs are kept: auto (the smallest layer "
-                        "stride under ~1.5 MB per tree), all, every:N or a list 0,4,8")
-    g.add_argument("--store-passes", default=d.store_passes,
-                   help="verification passes that keep them: all, every:N or fraction:F "
-                        "(seeded by --seed)")
-    g.add_argument("--hidden-dtype", default=d.hidden_dtype, choices=DTYPES,
-                   help="storage dtype of MoE inputs/outputs (bfloat16 is stored losslessly)")
-    g.add_argument("--store-output", default=d.store_output, choices=OUTPUTS,
-                   help="store the MoE output, or recompute it at replay (per-token output "
-                        "norms are kept to check the model)")
-    g.add_argument("--store-expert-outputs", action="store_true",
-                   help="also store each used expert's own output E_i(h_t)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_output_option()
-    g = p.add_argument_group("MoE-Spec online mode (budget inside verification passes only)")
-    g.add_argument("--budget", type=int, default=None, help="experts per layer per tree")
-    g.add_argument("--ranking", default=d.ranking, choices=index.ranking_names(runtime=True),
-                   help=index.ranking_help(runtime=True))
-    g.add_argument("--coverage", default=d.coverage, choices=list(index.COVERAGES),
-                   help=index.coverage_help())
-    g.add_argument("--calibration", nargs="+", default=[],
-                   help="captured runs under --out that static counts / coact statistics are "
-                        "learned from (other prompts)")
-    g.add_argument("--allow-evaluation-calibration", action="store_true",
-                   help="accept --calibration runs captured with --role evaluation (refused "
-                        "by default)")
+    groups[declared.ONLINE].add_argument(
+        "--allow-evaluation-calibration", action="store_true",
+        help="accept --calibration runs captured with --role evaluation (refused by default)")
     return p
 
 
@@ -145,19 +121,7 @@ def print_summary(s) -> None:
 
 def settings_from(args) -> CaptureSettings:
     """The capture settings the options describe (checked: one line for anything invalid)."""
-    if args.limit is not None and args.limit < 0:
-        raise CaptureError(f"--limit {args.limit} is out of range: it must be 0 (all) or more")
-    return CaptureSettings(
-        model=args.model, bench=args.bench, draft=args.draft, offset=args.offset,
-        limit=args.limit or None, max_new_tokens=args.max_new_tokens,
-        total_tokens=args.total_tokens, depth=args.depth, tree_top_k=args.tree_top_k,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-        store_layers=args.store_layers, store_passes=args.store_passes,
-        hidden_dtype=args.hidden_dtype, store_output=args.store_output,
-        store_expert_outputs=args.store_expert_outputs,
-        budget=args.budget, ranking=args.ranking, coverage=args.coverage,
-        calibration=tuple(args.calibration), device=args.device, dtype=args.dtype,
-        chat_template=args.chat_template, batch_size=args.batch_size)
+    return CaptureSettings.from_options(vars(args))
 
 
 def preflight(settings: CaptureSettings, args) -> None:
@@ -191,25 +155,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from(args)
         preflight(settings, args)
-    except (CaptureError, models.ModelError, benchmarks.BenchmarkError) as exc:
-        print(f"capture: error: {exc}", file=sys.stderr)
-        return 2
+    except UserError as exc:
+        return fail("capture", exc)
     threads = console.threads.apply(args.threads)  # before torch and transformers start pools
 
     from capture.run import capture_run
-    from eagle.draft_head import DraftHeadError
-    from moe.families import UnsupportedModelError
-    from policy.rankings import RankingError
     models.quiet_transformers()
     try:
         summary = capture_run(settings, args.out, args.run, role=args.role,
                               benchmarks_root=args.benchmarks, progress=not args.no_progress,
                               workers=args.workers, ray_address=args.ray_address,
                               allow_evaluation_calibration=args.allow_evaluation_calibration)
-    except (models.ModelError, benchmarks.BenchmarkError, CaptureError, DraftHeadError,
-            UnsupportedModelError, RankingError, ValueError) as exc:
-        print(f"capture: error: {exc}", file=sys.stderr)
-        return 2
+    except (UserError, ValueError) as exc:  # ValueError: a library's refusal, in one line too
+        return fail("capture", exc)
     except KeyboardInterrupt:
         print("capture: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
@@ -219,9 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                                          "role": args.role, "threads": threads,
                                          "settings": dataclasses.asdict(settings)})
     except OSError as exc:
-        print(f"capture: error: cannot write --output {args.output}: {exc.strerror or exc}",
-              file=sys.stderr)
-        return 1
+        return fail("capture", f"cannot write --output {args.output}: {exc.strerror or exc}", 1)
     return 0
 
 

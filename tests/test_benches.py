@@ -1,5 +1,8 @@
-"""Smoke runs of the round-3 benches on tiny inputs, so the README's figures cannot rot: each
-script runs end to end through the same code as the full run and writes its result file."""
+"""Smoke runs of every bench on tiny inputs, so the README's and docs/results.md's figures cannot
+rot: each script runs end to end through the same code as the full run (one torch thread) and
+writes its result file, and each result is checked for what the bench claims. A bench script
+(a ``bench/*.py`` with a ``__main__`` block) added without a smoke run here fails
+:func:`test_every_bench_script_has_a_smoke_run`."""
 
 import json
 import os
@@ -10,17 +13,41 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+# PYTHONPATH: the scripts import the working tree's packages even where the installed
+# (editable) package list predates a new one
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+       "TOKENIZERS_PARALLELISM": "false"}
+SMOKE_RUNS: set[str] = set()  # bench scripts a test below runs
 
 
-def run(*args, timeout=900):
+def smoke(script: str):
+    """Mark a test as the smoke run of ``bench/<script>`` (slow: it runs the script)."""
+    SMOKE_RUNS.add(script)
+    return pytest.mark.slow
+
+
+def run(*args, timeout=300):
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
 
-@pytest.mark.slow
+def bench_scripts() -> set[str]:
+    """Every runnable bench: the ``bench/*.py`` files with a ``__main__`` block (libraries such as
+    synthetic.py and pipeline.py have none)."""
+    return {p.name for p in (ROOT / "bench").glob("*.py")
+            if 'if __name__ == "__main__":' in p.read_text()}
+
+
+def test_every_bench_script_has_a_smoke_run():
+    scripts = bench_scripts()
+    assert {"oracle_bound.py", "cross_domain.py", "startup.py"} <= scripts  # the finder works
+    assert scripts - SMOKE_RUNS == set(), "bench scripts without a smoke run in this file"
+    assert SMOKE_RUNS - scripts == set(), "smoke runs of scripts that are no longer benches"
+
+
+@smoke("oracle_bound.py")
 def test_oracle_bound_bench_counts_no_cell_below_the_oracle(tmp_path):
     out = run("bench/oracle_bound.py", "--traces", str(tmp_path), "--models", "tiny-mixtral",
               "--eval-prompts", "1", "--cal-prompts", "2", "--max-new-tokens", "6")
@@ -29,7 +56,7 @@ def test_oracle_bound_bench_counts_no_cell_below_the_oracle(tmp_path):
     assert sum(r["below"] for r in found["rows"]) == 0 and "total cells below" in out
 
 
-@pytest.mark.slow
+@smoke("batch_regime.py")
 def test_batch_regime_bench_measures_every_batch_size(tmp_path):
     out = run("bench/batch_regime.py", "--models", "tiny-olmoe", "--batch-sizes", "1", "2",
               "--prompts", "2", "--cal-prompts", "1", "--new-tokens", "6", "--out",
@@ -39,3 +66,161 @@ def test_batch_regime_bench_measures_every_batch_size(tmp_path):
     assert all(r["eagle_tokens_per_s"] > 0 and r["unique_experts"] > 0 for r in rows)
     assert rows[1]["unique_experts"] >= rows[0]["unique_experts"]  # a union only grows
     assert "MoESD pass-time fit" in out
+
+
+BENCHES = ("gsm8k", "mbpp")
+
+
+@pytest.fixture(scope="module")
+def cross_domain(tmp_path_factory):
+    """One tiny cross-domain study (two benchmarks, coact): the traces closed_loop.py and
+    energy_prior.py reuse, its result file and its output."""
+    root = tmp_path_factory.mktemp("xdomain")
+    out = run("bench/cross_domain.py", "--traces", str(root / "traces"), "--models",
+              "tiny-olmoe", "--benches", *BENCHES, "--rankings", "coact", "--eval-prompts", "1",
+              "--cal-prompts", "1", "--max-new-tokens", "4", "--output", str(root / "x.json"))
+    return root / "traces", json.loads((root / "x.json").read_text()), out
+
+
+@smoke("cross_domain.py")
+def test_cross_domain_bench_fills_the_matrix(cross_domain):
+    _, found, out = cross_domain
+    cells = found["tiny-olmoe"]["cells"]
+    sources = {c["calibration"] for c in cells if c["ranking"] == "coact"}
+    assert sources == {*BENCHES, "all", "others"}  # the diagonal, off it, and mixed sources
+    assert {c["bench"] for c in cells} == set(BENCHES)
+    oracle_below_router = [c["oracle"] <= c["router"] + 1e-9 for c in cells]
+    assert all(oracle_below_router) and all(c["rse"] >= 0 for c in cells)
+    assert set(found["tiny-olmoe"]["worst"]) == {"coact"} and "coact" in out
+
+
+@smoke("closed_loop.py")
+def test_closed_loop_bench_bootstraps_every_cell(cross_domain, tmp_path):
+    traces = cross_domain[0]
+    run("bench/closed_loop.py", "--traces", str(traces), "--models", "tiny-olmoe", "--benches",
+        "mbpp", "--rankings", "router", "coact", "--budgets", "8,16", "--online-budgets", "16",
+        "--eval-prompts", "1", "--max-new-tokens", "4", "--output", str(tmp_path / "c.json"))
+    found = json.loads((tmp_path / "c.json").read_text())
+    cells = {(r["ranking"], r["coverage"], r["budget"]) for r in found["closed"]}
+    assert cells == {(r, c, b) for r in ("router", "coact") for c in ("truncation",
+                                                                       "substitution")
+                     for b in (8, 16)}
+    for row in found["closed"]:
+        mean, low, high = row["accepted_length"]  # the mean and its 95% interval
+        assert 1 <= low <= mean <= high and row["captured_accepted_length"] >= 1
+        assert all(0 <= row[m][0] <= 1 for m in ("path_unchanged", "top1_agreement"))
+        assert row["mean_kl"][0] >= 0
+    assert [(r["ranking"], r["budget"], r["prompts"]) for r in found["online"]] == [
+        ("router", 16, 1), ("coact", 16, 1)]
+    assert all(0 <= r["first_divergence"] <= r["output_tokens"] for r in found["online"])
+
+
+@smoke("energy_prior.py")
+def test_energy_prior_bench_scores_every_source_and_kappa(cross_domain, tmp_path):
+    traces = cross_domain[0]
+    run("bench/energy_prior.py", "--traces", str(traces), "--benches", *BENCHES, "--kappa", "0",
+        "256", "--output", str(tmp_path / "e.json"))
+    rows = json.loads((tmp_path / "e.json").read_text())
+    assert {(r["bench"], r["source"], r["kappa"]) for r in rows} == {
+        (b, s, k) for b in BENCHES for s in BENCHES for k in (0.0, 256.0)}
+    assert all(set(r) >= {"B=8", "B=16", "B=24", "B=32"} for r in rows)
+
+
+@pytest.fixture(scope="module")
+def coact_gap(tmp_path_factory):
+    """One tiny coact-gap study: its traces (runs eval and cal, reused by replay_speed.py) and
+    its curves."""
+    root = tmp_path_factory.mktemp("coact")
+    out = run("bench/coact_gap.py", "--traces", str(root / "traces"), "--eval-prompts", "1",
+              "--cal-prompts", "1", "--max-new-tokens", "4", "--out", str(root / "g.json"))
+    return root / "traces", json.loads((root / "g.json").read_text()), out
+
+
+@smoke("coact_gap.py")
+def test_coact_gap_bench_curves_put_the_oracle_lowest(coact_gap):
+    _, curves, out = coact_gap
+    rse = {(r["ranking"], r["coverage"], r["budget"]): r["rse"] for r in curves}
+    budgets = sorted({b for _, _, b in rse})
+    assert len(budgets) > 3 and {r for r, _, _ in rse} == {"static", "router", "oracle", "coact"}
+    for coverage in ("truncation", "substitution"):
+        for b in budgets:
+            assert rse["oracle", coverage, b] <= min(rse[r, coverage, b] for r in (
+                "static", "router", "coact")) + 1e-9
+    assert "gap closed" in out
+
+
+@smoke("replay_speed.py")
+def test_replay_speed_bench_times_the_sweep_and_the_replay_process(coact_gap, tmp_path):
+    traces = coact_gap[0]
+    run("bench/replay_speed.py", "--out", str(tmp_path / "s.json"), "sweep", "--traces",
+        str(traces), "--run", "eval", "--calibration", "cal", "--threads", "1")
+    found = json.loads((tmp_path / "s.json").read_text())["sweep"]
+    assert found["model"] == "tiny-olmoe" and found["tree_layers"] > 0
+    for key in ("full_sweep", "sweep_without_oracle"):
+        assert found[key]["tree_layers"] == found["tree_layers"] and found[key]["seconds"] > 0
+    assert found["oracle_24"]["capture_decode_s"] > 0
+    run("bench/replay_speed.py", "--out", str(tmp_path / "r.json"), "rss", "--trees", "4")
+    found = json.loads((tmp_path / "r.json").read_text())["rss"]["4"]
+    assert found["tree_layers"] == 32 and found["peak_rss_gib"] > 0 and found["replay_s"] > 0
+
+
+@smoke("capture_overhead.py")
+def test_capture_overhead_bench_measures_bytes_and_time(tmp_path):
+    out = run("bench/capture_overhead.py", "--prompts", "1", "--max-new-tokens", "4", "--out",
+              str(tmp_path / "o.json"))
+    found = json.loads((tmp_path / "o.json").read_text())["tiny-olmoe"]
+    assert found["trees"] >= 1 and found["traced_s"] > 0 and found["untraced_s"] > 0
+    per_layer = found["bytes_per_tree_layer"]
+    assert 0 < per_layer["bf16"] < per_layer["fp32"]  # fp32 and stored outputs take more
+    assert "traced / untraced wall time" in out
+
+
+@smoke("eagle_vs_ar.py")
+def test_eagle_vs_ar_bench_compares_both_decoders(tmp_path):
+    run("bench/eagle_vs_ar.py", "--model", "tiny-olmoe", "--bench", "mbpp", "--prompts", "1",
+        "--max-new-tokens", "4", "--out", str(tmp_path / "e.json"))
+    (row,) = json.loads((tmp_path / "e.json").read_text())
+    assert (row["model"], row["bench"], row["prompts"]) == ("tiny-olmoe", "mbpp", 1)
+    assert row["tau"] >= 1 and row["speed_ratio"] > 0
+    assert row["unique_ar"] <= row["unique_verify"] <= row["experts"]  # a tree loads more
+
+
+@smoke("scale_out.py")
+def test_scale_out_bench_gets_the_same_tables_from_two_workers(tmp_path):
+    pytest.importorskip("ray")
+    run("bench/scale_out.py", "--prompts", "2", "--max-new-tokens", "4", "--out",
+        str(tmp_path / "s.json"))
+    found = json.loads((tmp_path / "s.json").read_text())
+    assert found["capture"]["tables_identical"] is True
+    assert set(found["capture"]["prompts_per_s"]) == {"1", "2"}
+    rows = found["replay"]["rows"]
+    assert rows[0] == rows[1] > 0 and found["replay"]["max_difference"] == 0
+
+
+@smoke("startup.py")
+def test_startup_bench_gets_every_expected_exit_status(tmp_path):
+    run("bench/startup.py", "--repeats", "1", "--output", str(tmp_path / "s.json"))
+    found = json.loads((tmp_path / "s.json").read_text())
+    assert len(found["cases"]) >= 10 and all(c["ok"] for c in found["cases"])
+    assert {"torch", "polars"} <= set(found["imports"]) and found["goal"] == 1.5
+
+
+@smoke("full_size.py")
+def test_full_size_bench_runs_the_user_commands_at_small_width(tmp_path):
+    run("bench/full_size.py", "--small", "--prompts", "1", "--max-new-tokens", "4", "--threads",
+        "1", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "f.json"), timeout=600)
+    found = json.loads((tmp_path / "f.json").read_text())
+    assert found["capture"]["trees"] >= 1 and found["capture"]["bytes_per_tree"] > 0
+    assert found["replay"]["tree_layers"] == found["capture"]["trees"] * int(
+        found["checkpoint"]["config"]["num_hidden_layers"])
+    assert "overview" in found["app"]["pages"] and found["app"]["peak_rss_gib"] > 0
+
+
+@smoke("analysis_scale.py")
+def test_analysis_scale_bench_times_every_page(tmp_path):
+    # (it writes no result file: what it measures is printed)
+    out = run("bench/analysis_scale.py", "--prompts", "2", "--steps", "4", "--keep",
+              str(tmp_path / "traces"), timeout=600)
+    assert "summaries:" in out and "tree-layers/s" in out
+    assert "every dashboard page" in out and "slowest page" in out
+    assert (tmp_path / "traces").is_dir()

@@ -1,0 +1,58 @@
+"""What the benches run, through the Python API the command-line tools share: a checked
+:class:`capture.settings.CaptureSettings` and the capture driver (:func:`capture.run.capture_run`),
+a :class:`replay.plan.ReplayRequest` and :func:`replay.run.replay`; runs found through the
+catalog (:class:`catalog.Catalog`), never by globbing trace paths. A library, not a bench."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from capture.run import CaptureSettings, CaptureSummary, capture_run  # noqa: F401
+from catalog import Catalog
+from replay.run import ReplayOutcome, ReplayRequest, calibration_stats, parse_budgets, replay
+
+
+def capture(out: Path, run: str, *, role: str = "evaluation", **settings) -> CaptureSummary:
+    """``capture --out OUT --run RUN --role ROLE --no-progress`` with ``settings`` as options
+    (resumes, so a finished run is not captured again)."""
+    return capture_run(CaptureSettings(**settings), out, run, role=role, progress=False)
+
+
+@functools.cache
+def loaded_model(model: str, device: str = "cpu"):
+    """The model and its MoE adapter, loaded once per process."""
+    from moe import models
+    from moe.adapter import MoEAdapter
+    models.quiet_transformers()
+    loaded = models.load(model, device=device)
+    return loaded, MoEAdapter(loaded.model)
+
+
+def run_names(traces: Path, model: str, *, prefix: str = "", bench: str | None = None,
+              roles: tuple[str, ...] | None = None) -> list[str]:
+    """Names of the complete runs of ``model`` under ``traces`` starting with ``prefix``."""
+    found = Catalog(traces).runs(model=model, bench=bench, roles=roles)
+    return sorted({r.name for r in found if r.name.startswith(prefix)})
+
+
+def replay_runs(traces: Path, model: str, runs: list[str], *, rankings: tuple[str, ...],
+                coverages: tuple[str, ...], budgets: str, out: Path, bench: str | None = None,
+                calibration: tuple[str, ...] = (), mode: str = "open",
+                device: str = "cpu") -> ReplayOutcome:
+    """``replay --traces TRACES --model MODEL [--bench BENCH] --run RUNS --ranking RANKINGS
+    --coverage COVERAGES --budget BUDGETS --calibration CALIBRATION --mode MODE --out OUT``
+    (results already stored are reused)."""
+    catalog = Catalog(traces)
+    evaluated = catalog.runs(model=model, bench=bench, names=list(runs))
+    if not evaluated:
+        raise ValueError(f"no complete run {', '.join(runs)} of {model} under {traces}")
+    loaded, adapter = loaded_model(model, device)
+    stats, cal = None, []
+    if calibration:
+        stats, cal = calibration_stats(catalog, list(calibration), model, evaluated, adapter,
+                                       progress=False, rankings_used=tuple(rankings))
+    request = ReplayRequest(tuple(rankings), tuple(coverages),
+                            tuple(parse_budgets(budgets, adapter.num_experts)), None, mode)
+    return replay(catalog, evaluated, adapter, request, stats, cal, out, device=loaded.device,
+                  progress=False)
