@@ -28,8 +28,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from errors import UserError
 
-class DraftHeadError(ValueError):
+
+class DraftHeadError(UserError, ValueError):
     """A draft head that cannot be loaded or does not fit its target; one line for the user."""
 
 
@@ -338,6 +340,12 @@ def load_draft(folder: str | Path, target: nn.Module, eagle_version: int | None 
             head.embed_tokens = embed
         if cfg.feature_layers is None:
             cfg.feature_layers = default_feature_layers(tcfg.num_hidden_layers)
+        outside = [i for i in cfg.feature_layers if not 0 <= i < tcfg.num_hidden_layers]
+        if outside:
+            raise DraftHeadError(f"draft head {folder} fuses the inputs of decoder layers "
+                                 f"{cfg.feature_layers}, but the target has layers 0.."
+                                 f"{tcfg.num_hidden_layers - 1}; fix feature_layers in its "
+                                 "config.json")
     else:
         head = Eagle1Draft(cfg, embed, target.get_output_embeddings())
         state.pop("embed_tokens.weight", None)
