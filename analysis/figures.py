@@ -116,6 +116,31 @@ def _batch_axis(fig: go.Figure, sizes) -> None:
                      tickvals=ticks, ticktext=[str(b) for b in ticks])
 
 
+def batch_errors(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
+    """RSE vs budget with one shortlist per pass of b trees (``replay --batch-size b``), one
+    colour per b, one dash per ranking (b = 1: each tree its own shortlist)."""
+    fig = go.Figure()
+    dashes = ["solid", "dash", "dot", "dashdot", "longdash"]
+    sizes = sorted(set(frame["batch_size"].to_list()))
+    rankings_ = list(dict.fromkeys(frame["ranking"].to_list()))
+    for i, b in enumerate(sizes):
+        for j, ranking in enumerate(rankings_):
+            g = frame.filter((pl.col("batch_size") == b) & (pl.col("ranking") == ranking)) \
+                .sort("budget")
+            if not g.height:
+                continue
+            fig.add_scatter(x=g["budget"], y=g["rse"], mode="lines+markers",
+                            name=f"b = {b}, {ranking}",
+                            line=dict(color=COLORS[i % len(COLORS)],
+                                      dash=dashes[j % len(dashes)]),
+                            hovertemplate=f"b={b}, {ranking}: B=%{{x}}, RSE %{{y:.4f}}"
+                                          "<extra></extra>")
+    fig.update_xaxes(title=f"expert budget B per layer per pass (of {n})" if n else
+                     "expert budget B per layer per pass")
+    fig.update_yaxes(title="mean RSE over (pass, layer)", type="log")
+    return _style(fig, "Error of a budget shared by a batch's trees vs B")
+
+
 def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
                   projection: pl.DataFrame | None = None, projection_name: str = "") -> go.Figure:
     """Measured speedup of EAGLE over autoregressive decoding vs b (``profile-batch``), without

@@ -384,9 +384,10 @@ ANALYSES = {
     "closed": replay_views.closed_loop,
     "batch": batch_regime,
     "batch_speed": batch_speedup,
+    "batch_errors": replay_views.batch_error_vs_budget,
 }
 NEEDS = {"errors": "replay_open", "closed": "replay_closed", "batch": "trees",
-         "batch_speed": "batch_profile"}
+         "batch_speed": "batch_profile", "batch_errors": "replay_batch"}
 
 
 def all_frames(con) -> dict[str, pl.DataFrame]:

@@ -24,7 +24,7 @@ import numpy as np
 import polars as pl
 
 from catalog import replay_metrics
-from catalog.replay_metrics import CLOSED_TABLE, OPEN_TABLE
+from catalog.replay_metrics import BATCH_TABLE, CLOSED_TABLE, OPEN_TABLE
 from policy import index  # torch-free: the rankings' table (tests/test_layering.py)
 
 
@@ -36,6 +36,24 @@ def error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench") ->
                count(*) AS tree_layers
         FROM {OPEN_TABLE} GROUP BY ALL ORDER BY ALL
     """).pl()
+
+
+def batch_error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench"
+                          ) -> pl.DataFrame:
+    """Per batch size b × ranking × coverage × budget: the open-loop metrics' means over
+    (batch pass, layer) cells of ``replay --batch-size b`` (one shortlist per pass, all its
+    trees' tokens), with b = 1 from ``replay_open`` (one tree per shortlist) where stored."""
+    present = {r[0] for r in con.sql("SELECT view_name FROM duckdb_views()").fetchall()}
+    select = replay_metrics.view_select(BATCH_TABLE)
+    parts = [f"""SELECT {by}, batch_size, ranking, coverage, budget, {select},
+                        count(*) AS pass_layers, avg(trees) AS trees
+                 FROM {BATCH_TABLE} GROUP BY ALL"""]
+    if OPEN_TABLE in present:
+        parts.append(f"""SELECT {by}, 1 AS batch_size, ranking, coverage, budget,
+                                {replay_metrics.view_select(OPEN_TABLE)},
+                                count(*) AS pass_layers, 1.0 AS trees
+                         FROM {OPEN_TABLE} GROUP BY ALL""")
+    return con.sql(" UNION ALL BY NAME ".join(parts) + " ORDER BY ALL").pl()
 
 
 def budget_at(budgets, rse, target: float) -> float:

@@ -92,7 +92,8 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
 
 
 def batch_figures(con, frames: dict, model: str, bench: str, n: int) -> list:
-    """The batch regime: experts a pass loads vs b (batched captures at two or more b), and
+    """The batch regime: experts a pass loads vs b (batched captures at two or more b), the error
+    of a budget shared by each pass's trees (replay --batch-size, substitution), and
     profile-batch's measured speedup vs b with MoESD's fit and the roofline projection for
     OLMoE on an H100 (the latest profile run of this dataset)."""
     part = partition_value(model)
@@ -102,6 +103,13 @@ def batch_figures(con, frames: dict, model: str, bench: str, n: int) -> list:
         mine = batch.filter((pl.col("model") == part) & (pl.col("bench") == bench))
         if mine["batch_size"].n_unique() >= 2:
             figs.append(figures.batch_regime(mine, n))
+    errors = frames.get("batch_errors")
+    if errors is not None and errors.height:
+        mine = errors.filter((pl.col("model") == part) & (pl.col("bench") == bench))
+        if mine.height and mine["batch_size"].max() > 1:
+            cover = "substitution" if "substitution" in set(mine["coverage"]) else \
+                mine["coverage"][0]
+            figs.append(figures.batch_errors(mine.filter(pl.col("coverage") == cover), n))
     speed = frames.get("batch_speed")
     if speed is not None and speed.height:
         mine = speed.filter((pl.col("model") == part) & (pl.col("bench") == bench))

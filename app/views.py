@@ -267,10 +267,32 @@ def batch_regime() -> None:
                  f"relative RMSE {coef['relative_rmse']:.1%} over {frame.height} batch sizes.")
     else:
         st.caption("Capture at two or more batch sizes to fit MoESD's pass-time model here.")
+    _batch_errors(page)
     _batch_speed(page)
     st.caption("Budgets across a batch: `capture --batch-size b --budget B` caps the union over "
                "the whole pass; `replay --batch-size b` replays every ranking's budget over "
                "each pass's union; `python bench/batch_regime.py` tabulates both.")
+
+
+def _batch_errors(page: Page) -> None:
+    """RSE vs B with one shortlist per (virtual) batch pass, per b (replay --batch-size)."""
+    every = data.frame("batch_errors", str(page.ds.root), page.ds.version, page.roles)
+    errors = _pick(every, page.model, page.bench) if every.height else every
+    st.subheader("A budget shared by a batch's trees")
+    if errors.height == 0 or errors["batch_size"].max() == 1:
+        st.caption("Not replayed over batches yet: `replay --batch-size 4 --ranking router coact "
+                   "oracle --budget sweep` gives each pass of 4 trees one shortlist (virtual "
+                   "batches of b = 1 captures: same decoding step, grouped by --batch-seed).")
+        return
+    cover = st.radio("coverage", sorted(set(errors["coverage"])), horizontal=True,
+                     key="batch_cover")
+    shown = errors.filter(pl.col("coverage") == cover)
+    st.plotly_chart(figures.batch_errors(shown, page.n), width="stretch")
+    st.dataframe(shown.select(
+        pl.col("batch_size").alias("b"), "ranking", pl.col("budget").alias("B"),
+        pl.col("rse").round(4).alias("mean RSE"),
+        pl.col("trees").round(2).alias("trees a pass"),
+        pl.col("experts_loaded").round(1).alias("experts loaded")), hide_index=True)
 
 
 def _batch_speed(page: Page) -> None:

@@ -159,6 +159,7 @@ class PromptTreeLayers:
     hidden: np.ndarray | None  # [rows, H] float32
     output: np.ndarray | None  # [rows, H] float32; None where the storage policy recomputes it
     output_norm: np.ndarray | None = None  # [rows] ||O*_t||
+    trees: np.ndarray | None = None  # [R] trees merged into each (replay.virtual_batch); None: 1
 
     def __len__(self) -> int:
         return len(self.step)

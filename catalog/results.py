@@ -33,7 +33,8 @@ from catalog.names import check_name
 from catalog.runs import CatalogError, Run, run_dir
 from catalog.schema import RESULT_CONFIG
 
-RESULT_TABLES = (replay_metrics.OPEN_TABLE, replay_metrics.CLOSED_TABLE)
+RESULT_TABLES = (replay_metrics.OPEN_TABLE, replay_metrics.CLOSED_TABLE,
+                 replay_metrics.BATCH_TABLE)
 
 
 def layout_key(table: str, unit: dict) -> dict:

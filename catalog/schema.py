@@ -175,6 +175,13 @@ REPLAY_TABLES: dict[str, pa.Schema] = {
     # one row per (tree, ranking, coverage, budget)
     replay_metrics.CLOSED_TABLE: pa.schema(
         _REPLAY_KEY + replay_metrics.fields(replay_metrics.CLOSED_TABLE)),
+    # one row per (batch, pass, layer, ranking, coverage, budget): prompt_index numbers the
+    # batch, prompt_id joins its prompts' ids with "+", step is the pass (replay/virtual_batch.py)
+    replay_metrics.BATCH_TABLE: pa.schema(
+        _REPLAY_KEY[:3] + [pa.field("layer", pa.int16()),
+                           pa.field("batch_size", pa.int16()),  # b asked (virtual or captured)
+                           pa.field("trees", pa.int16())]  # trees verified in the pass (≤ b)
+        + _REPLAY_KEY[3:] + replay_metrics.fields(replay_metrics.BATCH_TABLE)),
 }
 
 RUNS_SCHEMA = pa.schema([

@@ -62,6 +62,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="open", choices=tuple(modes.MODES),
                    help="open: per-layer reconstruction error; closed: re-verify every tree "
                         "with the budget in all layers (acceptance under budget)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="B",
+                   help="budgets across a batch: one shortlist per verification pass of b trees "
+                        "(runs captured at b = 1: prompts grouped into virtual batches of b by "
+                        "--batch-seed, trees of the same decoding step together; runs captured "
+                        "with --batch-size b: their real passes); open loop, results in "
+                        "replay_batch")
+    p.add_argument("--batch-seed", type=int, default=0,
+                   help="seed of the virtual batches' grouping")
     p.add_argument("--out", type=Path, default=None, help="results root (default --traces)")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA if present), cpu, cuda, cuda:N: where the whole engine runs")
@@ -113,9 +121,17 @@ def preflight(args):
     catalog, the runs, the budgets (when the manifests name N) and the layers."""
     from catalog import Catalog
     from replay.plan import ReplayError, parse_budgets
-    for flag, value, low in (("--batch", args.batch, 1), ("--workers", args.workers, 0)):
+    for flag, value, low in (("--batch", args.batch, 1), ("--workers", args.workers, 0),
+                             ("--batch-size", args.batch_size, 1)):
         if value is not None and value < low:
             raise ReplayError(f"{flag} {value} must be at least {low}")
+    try:
+        modes.batched(args.mode, args.batch_size, args.batch_seed)
+    except ValueError as exc:
+        raise ReplayError(str(exc)) from None
+    if args.batch_size > 1 and (args.workers or args.ray_address):
+        raise ReplayError("--batch-size with --workers/--ray-address is not supported: a batch's "
+                          "prompts are replayed together in one process; drop --workers")
     console.check_output_option(args.output, ReplayError)  # before any work, not after it
     try:
         layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
@@ -133,6 +149,12 @@ def preflight(args):
                           f"`{console.command('capture')}` first or point --traces at a traces "
                           "folder")
     runs = select_runs(catalog, args)
+    captured = {r.name: int(r.settings.get("batch_size") or 1) for r in runs}
+    other = [n for n, b in captured.items() if args.batch_size > 1 and b > 1 and b != args.batch_size]
+    if other:
+        raise ReplayError(f"run {other[0]} was captured with --batch-size {captured[other[0]]}; "
+                          f"replay it with --batch-size {captured[other[0]]} (its real passes) "
+                          "or 1 (each tree alone), or pick other runs with --run")
     if args.calibration:
         found = catalog.runs(model=runs[0].model, names=args.calibration)
         if not args.allow_evaluation_calibration and any(r.role == "evaluation" for r in found):
@@ -174,7 +196,7 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
     counts = sorted(set(frame[count].to_list()))
     per = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
     lines = [f"{_names(r.model for r in runs)} / {_names(r.bench for r in runs)} / run "
-             f"{_names(r.name for r in runs)}: {mode.name}-loop replay, {mode.headline_text}; "
+             f"{_names(r.name for r in runs)}: {mode.title()}, {mode.headline_text}; "
              f"{per} {mode.counted_unit} per cell{mode.summary_note(frame)}"]
     present = [r for r in rankings if r in set(frame["ranking"].to_list())]
     others = [r for r in present if r not in ("router", "oracle")] \
@@ -263,7 +285,8 @@ def compute(args, catalog, runs, layers, coverages):
             stats, cal = calibration_stats(catalog, args.calibration, model, runs, adapter,
                                            progress=not args.no_progress,
                                            rankings_used=tuple(args.ranking))
-        request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers, args.mode)
+        request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers, args.mode,
+                                args.batch_size, args.batch_seed)
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
                          device=loaded.device, progress=not args.no_progress,
                          max_batch=args.batch, workers=args.workers,
@@ -294,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             facts = plan.policy_facts(n, k)
             check_request(args, budgets, coverages, k, facts)
             request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers,
-                                         args.mode)
+                                         args.mode, args.batch_size, args.batch_seed)
             # every cell stored already: answered without the model (or torch)
             outcome = plan.stored_outcome(catalog, runs, request, args.calibration,
                                           args.out or args.traces, facts)
@@ -319,20 +342,22 @@ def main(argv: list[str] | None = None) -> int:
               ("" if loaded else " (model not loaded)"), file=sys.stderr)
     frame = plan.summary_frame(outcome, request)
     if frame is not None:
-        print("\n".join(summary_lines(frame, args.mode, runs, list(args.ranking),
+        print("\n".join(summary_lines(frame, request.mode, runs, list(args.ranking),
                                        list(coverages))))
     folders = sorted({str(u.folder.parent) for u in outcome.units})
     if outcome.tree_layers:
-        print(f"replayed {outcome.tree_layers} tree-layers in {outcome.seconds:.1f} s "
-              f"({outcome.tree_layers / max(outcome.seconds, 1e-9):.0f} tree-layers/s)")
+        unit = request.mode.counted_unit
+        print(f"replayed {outcome.tree_layers} {unit} in {outcome.seconds:.1f} s "
+              f"({outcome.tree_layers / max(outcome.seconds, 1e-9):.0f} {unit}/s)")
     if outcome.trees:
         print(f"re-verified {outcome.trees} trees in {outcome.seconds:.1f} s")
     print(f"results: {', '.join(folders)}")
     if frame is not None:
-        table = modes.get(args.mode).table
+        table = request.mode.table
         print(f"every metric per cell: --output FILE.csv, or {console.command('query')} --traces "
               f"{args.out or args.traces} \"SELECT * FROM {table}\"")
-    payload = {"tool": "replay", "mode": args.mode, "traces": str(args.traces),
+    payload = {"tool": "replay", "mode": args.mode, "batch_size": args.batch_size,
+               "batch_seed": args.batch_seed, "traces": str(args.traces),
                "model": model, "runs": [r.name for r in runs],
                "calibration": list(args.calibration), "rankings": list(args.ranking),
                "coverages": list(coverages), "budgets": list(budgets),

@@ -24,7 +24,6 @@ import torch
 from tqdm import tqdm
 
 from catalog import replay_metrics, schema
-from catalog.reader import prompt_chunks
 from catalog.results import Block, UnitResults
 from catalog.runs import Run
 from moe.adapter import MoEAdapter
@@ -54,26 +53,35 @@ def batch_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
     return max(1, min(1024, budget_bytes // per_tree_layer))
 
 
-OPEN_METRICS = replay_metrics.names(replay_metrics.OPEN_TABLE)
+OPEN_TABLE = replay_metrics.OPEN_TABLE
+OPEN_METRICS = replay_metrics.names(OPEN_TABLE)
 
 
-def columns(keys: dict, task: Task, budgets: list[int], m: dict) -> dict:
-    """One columnar block of ``replay_open`` rows: the tree-layers of ``keys`` × ``budgets``,
-    with the metrics ``m`` (``[T, B]`` each, exactly the declared ones)."""
+def columns(keys: dict, task: Task, budgets: list[int], m: dict, table: str = OPEN_TABLE,
+            constants: dict | None = None) -> dict:
+    """One columnar block of ``table``'s rows (``replay_open``, or ``replay_batch`` whose tree-
+    layers are merged passes): the tree-layers of ``keys`` × ``budgets``, with the metrics ``m``
+    (``[T, B]`` each, exactly the declared ones); key columns the schema has beyond the
+    open-loop ones come from ``keys`` (per tree-layer) or ``constants``."""
     if sorted(m) != sorted(OPEN_METRICS):
         raise ValueError(f"open-loop metrics {sorted(m)} differ from the declared "
                          f"{sorted(OPEN_METRICS)} (catalog/replay_metrics.py)")
     t, nb = len(keys["step"]), len(budgets)
     rep = lambda a: np.repeat(np.asarray(a), nb)  # noqa: E731
-    sch = schema.REPLAY_TABLES[replay_metrics.OPEN_TABLE]
+    sch = schema.REPLAY_TABLES[table]
     metric_columns = {k: v.detach().cpu().numpy().reshape(-1).astype(
         sch.field(k).type.to_pandas_dtype()) for k, v in m.items()}
-    return dict(
+    out = dict(
         prompt_index=rep(keys["prompt_index"]).astype(np.int32),
         prompt_id=list(rep(keys["prompt_id"])),
         step=rep(keys["step"]).astype(np.int32), layer=rep(keys["layer"]).astype(np.int16),
         ranking=[task.ranking.name] * (t * nb), coverage=[task.coverage.name] * (t * nb),
         budget=np.tile(np.asarray(budgets, np.int16), t), **metric_columns)
+    for name in sch.names:
+        if name not in out:
+            value = rep(keys[name]) if name in keys else np.full(t * nb, (constants or {})[name])
+            out[name] = value.astype(sch.field(name).type.to_pandas_dtype())
+    return out
 
 
 def blocks_to_table(blocks: list[dict], table: str) -> pa.Table:
@@ -98,16 +106,22 @@ class OpenLoopEngine:
         self.seconds = 0.0
 
     def run(self, run: Run, tasks: list[Task], prompts: list[int] | None = None,
-            finish: bool = True) -> None:
+            finish: bool = True, source=None, constants: dict | None = None) -> None:
         """Score every pending prompt (or only ``prompts``) of ``run`` for every task; with
-        ``finish`` mark the tasks' blocks complete afterwards (a Ray driver does that itself)."""
+        ``finish`` mark the tasks' blocks complete afterwards (a Ray driver does that itself).
+        ``source`` gives the units scored and their tree-layers (default: the run's prompts,
+        :class:`replay.virtual_batch.PromptSource`; batches: ``BatchSource``), ``constants``
+        the key columns every row of this run gets (``batch_size``)."""
+        from replay.virtual_batch import PromptSource
         if not tasks:
             return
+        source = source or PromptSource(run)
+        self.constants = constants or {}
         start = time.perf_counter()
         for task in tasks:
             task.done = task.unit.done_prompts(task.block)
         layers = sorted({x for t in tasks for x in t.block.layers})
-        prompts = [p for p in (run.prompt_indices() if prompts is None else prompts)
+        prompts = [p for p in (source.keys() if prompts is None else prompts)
                    if any(p not in t.done for t in tasks)]
         tolerance = open_loop.gold_tolerance(run.manifest)
         self.weight_dtype = open_loop.captured_weight_dtype(run.manifest)
@@ -119,7 +133,7 @@ class OpenLoopEngine:
         size = None
         for prompt in prompts:
             left[prompt] = 1  # held open until the prompt's last chunk is read
-            for data in prompt_chunks(run, prompt):
+            for data in source.chunks(prompt):
                 rows = data.select(layers)
                 left[prompt] += len(rows)
                 if size is None and rows:
@@ -151,7 +165,9 @@ class OpenLoopEngine:
             prompt_index=np.array([s.data.prompt_index for s in slices for _ in s.rows]),
             prompt_id=np.array([s.data.prompt_id for s in slices for _ in s.rows], dtype=object),
             step=np.array([int(s.data.step[r]) for s in slices for r in s.rows]),
-            layer=np.array([int(s.data.layer[r]) for s in slices for r in s.rows]))
+            layer=np.array([int(s.data.layer[r]) for s in slices for r in s.rows]),
+            trees=np.array([1 if s.data.trees is None else int(s.data.trees[r])
+                            for s in slices for r in s.rows]))
         prompts_t = torch.as_tensor(keys["prompt_index"], device=self.device)
         steps_t = torch.as_tensor(keys["step"], device=self.device)
         for task in tasks:
@@ -169,7 +185,8 @@ class OpenLoopEngine:
             for prompt in np.unique(sel["prompt_index"]).tolist():
                 at = sel["prompt_index"] == prompt
                 block = columns({k: v[at] for k, v in sel.items()}, task, budgets,
-                                {k: v[torch.as_tensor(at, device=v.device)] for k, v in m.items()})
+                                {k: v[torch.as_tensor(at, device=v.device)] for k, v in m.items()},
+                                task.unit.table, self.constants)
                 task.rows.setdefault(prompt, []).append(block)
         for s in slices:
             left[s.data.prompt_index] -= len(s.rows)
@@ -184,7 +201,7 @@ class OpenLoopEngine:
             if prompt in task.done:
                 continue
             task.unit.write_part(task.block, prompt,
-                                 blocks_to_table(task.rows.pop(prompt, []), "replay_open"))
+                                 blocks_to_table(task.rows.pop(prompt, []), task.unit.table))
             task.done.add(prompt)
 
 

@@ -86,6 +86,13 @@ class ReplayMode(ABC):
         """Score ``tasks`` of ``run`` in this process; returns what was computed, counted in
         :attr:`counted` (tree-layers or trees)."""
 
+    def title(self) -> str:
+        return f"{self.name}-loop replay"
+
+    def key(self) -> dict:
+        """What besides the name makes this mode's results comparable (a result unit's key)."""
+        return {}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -137,7 +144,49 @@ class ClosedLoop(ReplayMode):
         return closed_loop.replay_run(run, adapter, tasks, bar)
 
 
+class BatchedOpenLoop(OpenLoop):
+    """Open loop with one shortlist per (virtual) batch pass (:mod:`replay.virtual_batch`): a
+    pass's trees merged into one tree-layer of all their tokens, one row per pass × layer.
+    Not in :data:`MODES`: ``--mode open --batch-size b`` makes one (:func:`batched`)."""
+
+    table = replay_metrics.BATCH_TABLE
+    counted, counted_unit = "tree_layers", "pass-layers"
+
+    def __init__(self, batch_size: int, seed: int = 0):
+        self.batch_size, self.seed = batch_size, seed
+
+    def key(self) -> dict:
+        return dict(batch_size=self.batch_size, batch_seed=self.seed)
+
+    def title(self) -> str:
+        return f"open-loop replay over batches of {self.batch_size} (one shortlist per pass)"
+
+    def compute(self, run, tasks: list, engine, adapter, progress: bool) -> int:
+        from replay.virtual_batch import BatchSource
+        before = engine.tree_layers
+        engine.run(run, tasks, source=BatchSource(run, self.batch_size, self.seed),
+                   constants=dict(batch_size=self.batch_size))
+        return engine.tree_layers - before
+
+    def __repr__(self) -> str:
+        return f"BatchedOpenLoop(batch_size={self.batch_size}, seed={self.seed})"
+
+
 MODES: dict[str, ReplayMode] = {m.name: m for m in (OpenLoop(), ClosedLoop())}
+
+
+def batched(mode: ReplayMode | str, batch_size: int, seed: int = 0) -> ReplayMode:
+    """``mode`` over batches of ``batch_size`` (1: ``mode`` itself); open loop only."""
+    mode = get(mode)
+    if batch_size == 1:
+        return mode
+    if batch_size < 1:
+        raise ValueError(f"--batch-size {batch_size} must be at least 1")
+    if not isinstance(mode, OpenLoop):
+        raise ValueError(f"--batch-size {batch_size} replays open loop only (one shortlist per "
+                         "pass over captured inputs); closed-loop budgets across a batch run "
+                         "online: capture --batch-size b --budget B")
+    return BatchedOpenLoop(batch_size, seed)
 
 
 def get(mode: str | ReplayMode) -> ReplayMode:

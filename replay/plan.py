@@ -64,9 +64,12 @@ class ReplayRequest:
     budgets: tuple[int, ...] = (24,)
     layers: tuple[int, ...] | None = None  # None: every MoE layer
     mode: ReplayMode | str = "open"  # a mode object, or its --mode name
+    batch_size: int = 1  # > 1: one shortlist per (virtual) batch pass (replay.virtual_batch)
+    batch_seed: int = 0  # how b = 1 runs' prompts are grouped into virtual batches
 
     def __post_init__(self):
-        object.__setattr__(self, "mode", modes.get(self.mode))
+        object.__setattr__(self, "mode", modes.batched(self.mode, self.batch_size,
+                                                       self.batch_seed))
 
 
 @dataclass
@@ -81,7 +84,8 @@ class ReplayOutcome:
     start_seconds: float = 0.0  # of which: starting Ray actors and loading their models
 
 
-UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration")  # the rest of a key is versions
+UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size", "batch_seed")
+# (the rest of a key is versions)
 
 
 def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,
@@ -100,8 +104,9 @@ def unit_key(mode: ReplayMode | str, ranking, cover, calibration: list[Run],
     :mod:`policy.calibration` when not given)."""
     if means is None and (ranking.needs_calibration or ranking.uses_calibration):
         from policy.calibration import MEANS_VERSION as means
-    key = dict(mode=modes.get(mode).name, ranking=ranking.name, coverage=cover.name,
-               calibration=[])
+    mode = modes.get(mode)
+    key = dict(mode=mode.name, ranking=ranking.name, coverage=cover.name, calibration=[],
+               **mode.key())
     if ranking.version != 1:  # (version 1 is left out: keys of unchanged rankings stay as they were)
         key["version"] = ranking.version
     if ranking.needs_calibration or (ranking.uses_calibration and calibration):

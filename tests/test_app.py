@@ -249,6 +249,18 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     speed = at.dataframe[1].value
     assert sorted(set(speed["b"])) == [1, 2, 3] and speed["budget B"].isna().sum() == 3
     assert (speed["speedup"] > 0).all()
+    assert any("replay --batch-size 4" in c.value for c in at.caption)  # not replayed yet
+    from replay import cli as replay_cli
+    for b in ("1", "2"):
+        assert replay_cli.main(["--traces", str(tmp_path), "--run", "one", "--ranking", "router",
+                                "oracle", "--budget", "8,16", "--batch-size", b,
+                                "--no-progress"]) == 0
+    at = goto(app_on(tmp_path, monkeypatch), "Batch regime")
+    assert any("shared by a batch's trees" in spec for spec in chart_json(at))
+    errors = at.dataframe[1].value
+    assert set(errors["b"]) == {1, 2} and set(errors["ranking"]) == {"router", "oracle"}
+    by = {(r["b"], r["ranking"], r["B"]): r["mean RSE"] for _, r in errors.iterrows()}
+    assert by[(2, "oracle", 8)] <= by[(2, "router", 8)]  # the oracle bounds every ranking
 
 
 @pytest.mark.parametrize("example", ["τ and experts by benchmark",

@@ -14,7 +14,8 @@ from replay import cli as replay_cli
 SCRIPTS = {  # console script -> module:function (pyproject's [project.scripts])
     "capture": "capture.cli:main", "replay": "replay.cli:main", "query": "analysis.query_cli:main",
     "report": "analysis.report:main", "evaluate": "analysis.evaluate_cli:main",
-    "profile-target": "analysis.moesd:main", "workbench-app": "app.launch:main",
+    "profile-target": "analysis.moesd:main", "profile-batch": "capture.profile_batch:main",
+    "workbench-app": "app.launch:main",
     "inspect-model": "moe.inspect_model:main", "train-tiny": "training.cli:train_tiny",
     "train-draft": "training.cli:train_draft",
 }

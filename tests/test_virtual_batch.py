@@ -1,0 +1,99 @@
+"""Virtual batches (replay.virtual_batch): grouping and merging of tree-layers."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from catalog.reader import PromptTreeLayers
+from replay import virtual_batch
+
+
+def data(prompt: int, steps: int, layers=(0, 1), n=4, k=2, m=3, seed=0) -> PromptTreeLayers:
+    rng = np.random.default_rng([seed, prompt])
+    keys = [(s, layer) for s in range(steps) for layer in layers]
+    sizes = [m + (s % 2) for s, _ in keys]  # trees of different sizes
+    rows = sum(sizes)
+    probs = rng.random((rows, n)).astype(np.float32)
+    return PromptTreeLayers(
+        prompt, f"p{prompt}", np.array([s for s, _ in keys]), np.array([lay for _, lay in keys]),
+        np.r_[0, np.cumsum(sizes)], probs, np.argsort(-probs, 1)[:, :k],
+        np.sort(probs, 1)[:, ::-1][:, :k].copy(), rng.random((rows, 5)).astype(np.float32),
+        None, rng.random(rows).astype(np.float32))
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 500), min_size=1, max_size=40, unique=True),
+       st.integers(1, 9), st.integers(0, 2**31))
+def test_groups_partition_the_prompts_in_batches_of_b(prompts, b, seed):
+    found = virtual_batch.groups(prompts, b, seed)
+    assert sorted(p for g in found for p in g) == sorted(prompts)
+    assert all(len(g) == b for g in found[:-1]) and 1 <= len(found[-1]) <= b
+    assert all(g == sorted(g) for g in found)
+    assert found == virtual_batch.groups(list(reversed(prompts)), b, seed)  # seeded, not ordered
+
+
+def test_merge_puts_each_step_of_the_group_in_one_tree_layer():
+    datas = [data(3, steps=4), data(7, steps=2), data(9, steps=3)]
+    merged = virtual_batch.merge(datas, virtual_batch.virtual_passes(datas), index=0, name="g0")
+    assert list(zip(merged.step.tolist(), merged.layer.tolist())) == [
+        (s, layer) for s in range(4) for layer in (0, 1)]
+    for r in range(len(merged)):
+        s, layer = int(merged.step[r]), int(merged.layer[r])
+        parts = [d.probs[d.rows(q)] for d in datas for q in range(len(d))
+                 if d.step[q] == s and d.layer[q] == layer]
+        assert np.array_equal(merged.probs[merged.rows(r)], np.concatenate(parts))
+        hidden = [d.hidden[d.rows(q)] for d in datas for q in range(len(d))
+                  if d.step[q] == s and d.layer[q] == layer]
+        assert np.array_equal(merged.hidden[merged.rows(r)], np.concatenate(hidden))
+    # a step only the longest prompt reached holds its tree alone
+    last = [r for r in range(len(merged)) if merged.step[r] == 3]
+    assert all(merged.rows(r).stop - merged.rows(r).start == datas[0].rows(6).stop
+               - datas[0].rows(6).start for r in last[:1])
+
+
+def test_real_passes_follow_the_trees_table():
+    datas = [data(0, steps=3), data(1, steps=2)]
+    passes = {(0, 0): 0, (1, 0): 0, (0, 1): 1, (1, 1): 2, (0, 2): 2}
+    merged = virtual_batch.merge(datas, virtual_batch.real_passes(passes), index=0, name="b")
+    sizes = {(int(merged.step[r]), int(merged.layer[r])): merged.rows(r).stop - merged.rows(r).start
+             for r in range(len(merged))}
+    per = {(d.prompt_index, int(d.step[r]), int(d.layer[r])): d.rows(r).stop - d.rows(r).start
+           for d in datas for r in range(len(d))}
+    assert sizes[(2, 0)] == per[(1, 1, 0)] + per[(0, 2, 0)]
+    assert sizes[(1, 1)] == per[(0, 1, 1)]
+
+
+def test_a_virtual_batch_replays_as_the_real_batched_capture_of_the_same_grouping(tmp_path):
+    """Two prompts captured one at a time and replayed as virtual batches of 2 give the
+    shortlists and errors of the same two prompts captured together (--batch-size 2: each
+    pass holds step s of both) replayed over their real passes."""
+    import polars as pl
+    import pytest
+
+    from analysis.sql import connect
+    from capture import cli as capture_cli
+    from replay import cli as replay_cli
+
+    cap = ["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "2", "--max-new-tokens", "10",
+           "--out", str(tmp_path), "--no-progress", "--threads", "1"]
+    assert capture_cli.main([*cap, "--run", "alone"]) == 0
+    assert capture_cli.main([*cap, "--run", "together", "--batch-size", "2"]) == 0
+    rep = ["--traces", str(tmp_path), "--ranking", "router", "sqmass", "oracle", "--budget",
+           "8,16,24", "--batch-size", "2", "--no-progress", "--threads", "1"]
+    for run in ("alone", "together"):
+        assert replay_cli.main([*rep, "--run", run]) == 0
+    assert replay_cli.main([*rep, "--run", "together", "--batch-size", "3"]) == 2  # not its b
+    rows = connect(tmp_path).sql(
+        "SELECT run, step, layer, ranking, coverage, budget, trees, batch_size, rse, "
+        "experts_loaded, unique_experts FROM replay_batch").pl()
+    keys = ["step", "layer", "ranking", "coverage", "budget"]
+    alone = rows.filter(pl.col("run") == "alone").sort(keys)
+    together = rows.filter(pl.col("run") == "together").sort(keys)
+    assert alone.height == together.height > 0
+    assert alone.select(keys).equals(together.select(keys))
+    assert (alone["trees"] == together["trees"]).all() and alone["trees"].max() == 2
+    assert (alone["batch_size"] == 2).all()
+    assert (alone["unique_experts"] == together["unique_experts"]).all()
+    assert (alone["experts_loaded"] == together["experts_loaded"]).all()
+    assert alone["rse"].to_numpy() == pytest.approx(together["rse"].to_numpy(), rel=1e-3,
+                                                      abs=1e-6)
