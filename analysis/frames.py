@@ -385,9 +385,12 @@ ANALYSES = {
     "batch": batch_regime,
     "batch_speed": batch_speedup,
     "batch_errors": replay_views.batch_error_vs_budget,
+    "saved_open": replay_views.experts_saved_open,
+    "saved_closed": replay_views.experts_saved_closed,
 }
 NEEDS = {"errors": "replay_open", "closed": "replay_closed", "batch": "trees",
-         "batch_speed": "batch_profile", "batch_errors": "replay_batch"}
+         "batch_speed": "batch_profile", "batch_errors": "replay_batch",
+         "saved_open": "replay_open", "saved_closed": "replay_closed"}
 
 
 def all_frames(con) -> dict[str, pl.DataFrame]:

@@ -13,6 +13,10 @@
   coact-diag (× calibration output energy G_ii) → coact (+ co-activation, off-diagonal G_ij), as
   the share of the router→oracle gap each closes: ``(RSE_router − RSE_X) / (RSE_router −
   RSE_oracle)`` per coverage × budget.
+* ``experts_saved`` (the paper's headline, for every ranking): per router budget B, the budget
+  B_X the oracle and each runtime ranking need for router's quality at B (open loop mean RSE;
+  closed loop mean τ and mean KL), the share saved ``(B − B_X) / B`` with a bootstrap 95%
+  interval over prompts, and ``experts_saved_summary``, its mean over the budgets inside X's sweep.
 * ``closed_loop``: accepted length under budget (with a 95% interval over trees), the captured
   accepted length of the same trees, path-unchanged rate, top-1 agreement, KL.
 """
@@ -133,3 +137,239 @@ def closed_loop(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.
                count(*) AS trees
         FROM {CLOSED_TABLE} GROUP BY ALL ORDER BY ALL
     """).pl()
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts saved at matched quality, with a bootstrap interval over prompts (the paper's headline)
+
+# The metrics each replay table is matched on, by view column (catalog.replay_metrics), and
+# whether a higher value is better: open loop mean RSE; closed loop mean τ and mean KL.
+MATCHED_METRICS: dict[str, dict[str, bool]] = {
+    OPEN_TABLE: {"rse": False},
+    CLOSED_TABLE: {"tau": True, "kl": False},
+}
+LOOPS = {OPEN_TABLE: "open", CLOSED_TABLE: "closed"}
+BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 200, 0
+PROMPT = ("run", "prompt_index")  # one bootstrap unit: a prompt of a run
+SWEEP = np.array(["inside", "below", "beyond"])  # codes of :func:`budgets_needed`
+SAVED_NOTE = ("Experts saved vs router at matched quality: for each router budget B, the budget "
+              "B_X ranking X needs to reach router's mean at B (RSE open loop; τ and KL closed "
+              "loop), linearly interpolated on X's sweep; share saved = (B − B_X) / B, averaged "
+              "over the router budgets whose B_X lies inside X's sweep. 95% interval: bootstrap "
+              f"over prompts ({BOOTSTRAP_RESAMPLES} resamples, seed {BOOTSTRAP_SEED}).")
+
+
+def _metric_column(table: str, view_name: str) -> replay_metrics.Metric:
+    """The declared metric whose analysis-view column is ``view_name``."""
+    return next(m for m in replay_metrics.METRICS[table] if m.view_name == view_name)
+
+
+def budgets_needed(budgets, curves, targets) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`budget_at` and :func:`sweep_position` for many curves and targets at once.
+
+    ``budgets`` [n] (any order), ``curves`` [..., n] (decreasing metric on those budgets),
+    ``targets`` [..., m] → (budget needed [..., m], sweep code [..., m]: 0 inside, 1 below,
+    2 beyond; :data:`SWEEP` names them). Same rule as :func:`budget_at`: B₀ where the target
+    is at or above the curve's first value, else the first segment ``i`` with
+    ``curve[i] ≤ target``, ``B_{i−1} + (B_i − B_{i−1}) · (r_{i−1} − target) / (r_{i−1} − r_i)``,
+    NaN (beyond) where none."""
+    b = np.asarray(budgets, dtype=float)
+    order = np.argsort(b)
+    b, r = b[order], np.asarray(curves, dtype=float)[..., order]
+    t = np.asarray(targets, dtype=float)
+    first = r[..., :1]
+    # padded with -inf so that a one-budget sweep has a (never used) segment end
+    r = np.concatenate([r, np.full((*r.shape[:-1], 1), -np.inf)], axis=-1)[..., :max(b.size, 2)]
+    b = np.append(b, np.inf)[:max(b.size, 2)]
+    reached = r[..., None, 1:] <= t[..., :, None]  # [..., m, n-1]
+    hit = reached.any(axis=-1) & (order.size > 1)
+    i = reached.argmax(axis=-1) + 1  # first segment end reaching the target
+    r_all = np.broadcast_to(r[..., None, :], (*t.shape, b.size))
+    r_prev = np.take_along_axis(r_all, (i - 1)[..., None], -1)[..., 0]
+    r_next = np.take_along_axis(r_all, i[..., None], -1)[..., 0]
+    b_prev, b_next = b[i - 1], b[i]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        inside = b_prev + (b_next - b_prev) * (r_prev - t) / (r_prev - r_next)
+    at_start = t >= first
+    needed = np.where(at_start, b[0], np.where(hit, inside, np.nan))
+    code = np.where(t > first, 1, np.where(np.isnan(needed), 2, 0))
+    return needed, code
+
+
+def prompt_totals(rows: pl.DataFrame, metrics: list[str], by: tuple[str, ...] = ("model", "bench")
+                  ) -> pl.DataFrame:
+    """Per dataset × prompt × ranking × coverage × budget: each metric's sum (``<m>_sum``) and
+    count of non-null rows (``<m>_n``), from row-level replay results (what
+    :func:`experts_saved_frame` resamples; :func:`experts_saved` computes the same in SQL)."""
+    return rows.group_by([*by, *PROMPT, "ranking", "coverage", "budget"]).agg(
+        *(e for m in metrics for e in (pl.col(m).cast(pl.Float64).sum().alias(f"{m}_sum"),
+                                       pl.col(m).is_not_null().sum().alias(f"{m}_n"))))
+
+
+def _resampled_means(rows: pl.DataFrame, ranking: str, metric: str, weights: np.ndarray,
+                     sign: float) -> tuple[np.ndarray, np.ndarray]:
+    """(budgets, [resamples, budgets] means × ``sign``) of one ranking's sweep: per resample
+    (a row of prompt ``weights``), Σ_p w_p·sum_p / Σ_p w_p·n_p."""
+    mine = rows.filter((pl.col("ranking") == ranking) & (pl.col(f"{metric}_n") > 0))
+    budgets = np.array(sorted(set(mine["budget"])), dtype=float)
+    total = np.zeros((weights.shape[1], budgets.size))
+    count = np.zeros_like(total)
+    col = np.searchsorted(budgets, mine["budget"].to_numpy())
+    prompt = mine["prompt"].to_numpy()
+    np.add.at(total, (prompt, col), mine[f"{metric}_sum"].to_numpy())
+    np.add.at(count, (prompt, col), mine[f"{metric}_n"].to_numpy())
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return budgets, sign * (weights @ total) / (weights @ count)
+
+
+def experts_saved_frame(totals: pl.DataFrame, metrics: dict[str, bool], loop: str,
+                        by: tuple[str, ...] = ("model", "bench"), reference: str = "router",
+                        resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+                        ) -> pl.DataFrame:
+    """Experts each ranking saves vs ``reference`` at matched quality, per dataset, metric,
+    coverage and reference budget B, from :func:`prompt_totals` (``metrics``: name → whether
+    higher is better; a higher-is-better curve is negated so that every curve decreases):
+
+        target     = reference's mean metric at B
+        B_X        = budget X needs for the target (:func:`budgets_needed`, on X's own sweep)
+        saved      = (B − B_X) / B   (a lower bound, ≥ (B − B₀) / B, where the target is "below"
+                                      X's sweep; NaN "beyond" it)
+
+    A mean is over rows (tree-layers open loop, trees closed loop), as the views' are.
+    Bootstrap, per dataset: the prompts (``run``, ``prompt_index``, sorted) are drawn with
+    replacement, ``numpy.random.default_rng(seed).integers(0, P, size=(resamples, P))``; each
+    resample's mean of every ranking × coverage × budget is Σ_p w_p·sum_p / Σ_p w_p·n_p (w_p:
+    times prompt p was drawn), and its saved share is recomputed from those means.
+    ``saved_lo``/``saved_hi`` are the 2.5th/97.5th percentiles of the finite resampled shares
+    (a resample where B_X is beyond X's sweep is left out); ``resampled`` keeps every
+    resample's share (NaN beyond) for :func:`experts_saved_summary`. Rankings: the oracle and
+    every runtime ranking replayed beside the reference."""
+    keep = [r for r in sorted(set(totals["ranking"])) if r != reference
+            and r in index.RANKINGS and (index.RANKINGS[r].runtime or r == "oracle")]
+    rows = []
+    for key, data in totals.group_by(list(by), maintain_order=True):
+        prompts = data.select(*PROMPT).unique().sort(*PROMPT)
+        p = prompts.height
+        draws = np.random.default_rng(seed).integers(0, p, size=(resamples, p))
+        weights = np.zeros((resamples + 1, p))  # row 0: every prompt once (the point estimate)
+        weights[0] = 1.0
+        np.add.at(weights, (np.repeat(np.arange(1, resamples + 1), p), draws.ravel()), 1.0)
+        data = data.join(prompts.with_row_index("prompt"), on=list(PROMPT))
+        for (coverage,), cov in data.group_by(["coverage"], maintain_order=True):
+            if reference not in set(cov["ranking"]):
+                continue
+            for metric, higher in metrics.items():
+                sign = -1.0 if higher else 1.0
+                ref_budgets, targets = _resampled_means(cov, reference, metric, weights, sign)
+                if ref_budgets.size == 0:
+                    continue
+                for ranking in keep:
+                    if ranking not in set(cov["ranking"]):
+                        continue
+                    budgets, curves = _resampled_means(cov, ranking, metric, weights, sign)
+                    if budgets.size == 0:
+                        continue
+                    needed, code = budgets_needed(budgets, curves, targets)
+                    shares = (ref_budgets - needed) / ref_budgets
+                    for j, b in enumerate(ref_budgets):
+                        finite = shares[1:, j][np.isfinite(shares[1:, j])]
+                        lo, hi = np.percentile(finite, [2.5, 97.5]) if finite.size else (
+                            np.nan, np.nan)
+                        rows.append(dict(
+                            zip(by, key), loop=loop, metric=metric, coverage=coverage,
+                            ranking=ranking, budget=int(b), target=sign * targets[0, j],
+                            budget_needed=needed[0, j], sweep=str(SWEEP[code[0, j]]),
+                            saved=shares[0, j], saved_lo=float(lo), saved_hi=float(hi),
+                            resampled=shares[1:, j].tolist()))
+    schema = {**{c: pl.String for c in by}, "loop": pl.String, "metric": pl.String,
+              "coverage": pl.String, "ranking": pl.String, "budget": pl.Int64,
+              "target": pl.Float64, "budget_needed": pl.Float64, "sweep": pl.String,
+              "saved": pl.Float64, "saved_lo": pl.Float64, "saved_hi": pl.Float64,
+              "resampled": pl.List(pl.Float64)}
+    return pl.DataFrame(rows, schema=schema).sort(*by, "loop", "metric", "coverage", "ranking",
+                                                  "budget")
+
+
+def experts_saved_summary(saved: pl.DataFrame, by: tuple[str, ...] = ("model", "bench")
+                          ) -> pl.DataFrame:
+    """Per dataset × loop × metric × coverage × ranking, from :func:`experts_saved_frame`: the
+    mean saved share over the reference budgets whose B_X lies inside X's sweep
+    (``budgets_inside`` of ``budgets``), and its bootstrap 95% interval: the 2.5th/97.5th
+    percentiles, over resamples, of the mean of those same budgets' resampled shares (NaN
+    beyond left out of a resample's mean; a resample with none left is left out)."""
+    rows = []
+    group = [*by, "loop", "metric", "coverage", "ranking"]
+    for key, frame in saved.group_by(group, maintain_order=True):
+        inside = frame.filter(pl.col("sweep") == "inside")
+        lo = hi = mean = float("nan")
+        if inside.height:
+            mean = float(inside["saved"].mean())
+            resampled = np.array(inside["resampled"].to_list(), dtype=float)  # [budgets, R]
+            finite = np.isfinite(resampled).any(axis=0)
+            if finite.any():
+                with np.errstate(invalid="ignore"):
+                    per = np.nanmean(resampled[:, finite], axis=0)
+                lo, hi = (float(v) for v in np.percentile(per, [2.5, 97.5]))
+        rows.append(dict(zip(group, key), budgets_inside=inside.height, budgets=frame.height,
+                         saved=mean, saved_lo=lo, saved_hi=hi))
+    schema = {**{c: pl.String for c in group}, "budgets_inside": pl.Int64, "budgets": pl.Int64,
+              "saved": pl.Float64, "saved_lo": pl.Float64, "saved_hi": pl.Float64}
+    return pl.DataFrame(rows, schema=schema)
+
+
+def experts_saved(con: duckdb.DuckDBPyConnection, table: str = OPEN_TABLE,
+                  resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+                  ) -> pl.DataFrame:
+    """:func:`experts_saved_frame` of one replay table (open loop: RSE; closed loop: τ, KL) for
+    every model × benchmark, the per-prompt sums computed in DuckDB from the columns
+    :mod:`catalog.replay_metrics` declares for the matched view columns."""
+    metrics = MATCHED_METRICS[table]
+    sums = ", ".join(
+        f"sum({c}::DOUBLE) AS {m}_sum, count({c}) AS {m}_n"
+        for m in metrics for c in [_metric_column(table, m).name])
+    totals = con.sql(f"""SELECT model, bench, run, prompt_index, ranking, coverage, budget, {sums}
+                         FROM {table} GROUP BY ALL""").pl()
+    return experts_saved_frame(totals, metrics, LOOPS[table], resamples=resamples, seed=seed)
+
+
+def experts_saved_open(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Open loop: experts saved at matched mean RSE (:func:`experts_saved`)."""
+    return experts_saved(con, OPEN_TABLE)
+
+
+def experts_saved_closed(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    """Closed loop: experts saved at matched mean τ and mean KL (:func:`experts_saved`)."""
+    return experts_saved(con, CLOSED_TABLE)
+
+
+METRIC_LABELS = {"rse": "mean RSE", "tau": "mean τ", "kl": "mean KL"}
+
+
+def experts_saved_display(saved: pl.DataFrame) -> pl.DataFrame:
+    """One dataset's :func:`experts_saved_frame` (open and closed loop rows together) as the
+    table the report and the dashboard show: per loop × matched metric × coverage × ranking the
+    mean share saved with its interval (:func:`experts_saved_summary`), the router budgets
+    inside the ranking's sweep, and per router budget ``B → B_X (share)`` ("≤ B₀ (≥ share)"
+    below the sweep, "beyond" past it)."""
+    if saved.is_empty():
+        return pl.DataFrame()
+    summary = experts_saved_summary(saved, by=())
+    per_budget = {}
+    for r in saved.iter_rows(named=True):
+        if r["sweep"] == "inside":
+            text = f"{r['budget']} → {r['budget_needed']:.1f} ({r['saved']:.0%})"
+        elif r["sweep"] == "below":
+            text = f"{r['budget']} → ≤ {r['budget_needed']:.0f} (≥ {r['saved']:.0%})"
+        else:
+            text = f"{r['budget']} → beyond"
+        key = (r["loop"], r["metric"], r["coverage"], r["ranking"])
+        per_budget.setdefault(key, []).append(text)
+    return summary.select(
+        pl.col("loop"), pl.col("metric").replace_strict(METRIC_LABELS, default=pl.col("metric"))
+        .alias("matched on"), "coverage", "ranking", "saved", "saved_lo", "saved_hi",
+        pl.format("{} of {}", "budgets_inside", "budgets").alias("router budgets inside"),
+        pl.Series("per router budget: B → B_X (saved)", [
+            ", ".join(per_budget[k]) for k in summary.select(
+                "loop", "metric", "coverage", "ranking").iter_rows()]),
+    ).sort(pl.col("loop").replace_strict({"open": 0, "closed": 1}, default=2), "matched on",
+           "coverage", "ranking")

@@ -222,6 +222,33 @@ def ablation_table(frames: dict, model: str, bench: str) -> str:
             f"<tr>{head}</tr>{rows}</table>")
 
 
+def experts_saved_table(frames: dict, model: str, bench: str) -> str:
+    """Experts each ranking saves vs router at matched quality, open loop and, where replayed,
+    closed loop (``replay_views.experts_saved_display``), as an HTML table."""
+    part = partition_value(model)
+    mine = [f.filter((pl.col("model") == part) & (pl.col("bench") == bench))
+            for f in (frames.get("saved_open"), frames.get("saved_closed")) if f is not None]
+    mine = [f for f in mine if f.height]
+    if not mine:
+        return ""
+    table = replay_views.experts_saved_display(pl.concat(mine))
+    pct = lambda v: "—" if v is None or v != v else f"{v:.0%}"  # noqa: E731 (NaN: none inside)
+    head = "".join(f"<th>{escape(h)}</th>" for h in (
+        "loop", "matched on", "coverage", "ranking", "experts saved (mean share)", "95% interval",
+        *table.columns[-2:]))
+    rows = "".join(
+        f"<tr><td>{r['loop']}</td><td>{escape(r['matched on'])}</td><td>{r['coverage']}</td>"
+        f"<td>{escape(r['ranking'])}</td><td align='right'>{pct(r['saved'])}</td>"
+        f"<td>{pct(r['saved_lo'])} – {pct(r['saved_hi'])}</td>"
+        f"<td>{r['router budgets inside']}</td>"
+        f"<td>{escape(r['per router budget: B → B_X (saved)'])}</td></tr>"
+        for r in table.iter_rows(named=True))
+    return ("<h2>Experts saved at matched quality vs router</h2>"
+            f"<p>{escape(replay_views.SAVED_NOTE)}</p>"
+            "<table border='1' cellpadding='4' style='border-collapse:collapse'>"
+            f"<tr>{head}</tr>{rows}</table>")
+
+
 def _dtype(value) -> str:
     """A dtype as a reader writes it: ``float32``, not ``torch.float32``."""
     return str(value or "").removeprefix("torch.")
@@ -301,7 +328,8 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
         numbers = "".join(f"<tr><th align='left'>{escape(k)}</th><td>{escape(v)}</td></tr>"
                           for k, v in key_numbers(con, frames, run.model, run.bench, mine))
         steps = projection_section(con, run.model, run.bench, run.manifest) + \
-            ablation_table(frames, run.model, run.bench)
+            ablation_table(frames, run.model, run.bench) + \
+            experts_saved_table(frames, run.model, run.bench)
         html = (f"<html><head><meta charset='utf-8'><title>MoE-Spec workbench: {run.model} / "
                 f"{run.bench}</title></head><body style='font-family:sans-serif;max-width:1200px;"
                 f"margin:auto'><h1>{escape(run.model)} / {escape(run.bench)}</h1>"

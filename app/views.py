@@ -422,6 +422,15 @@ def replay() -> None:
     if cl.height:
         st.plotly_chart(figures.closed_loop(cl, n), width="stretch")
         st.dataframe(cl, hide_index=True)
+    saved = [data.frame(name, str(ds.root), ds.version, roles)
+             for name in ("saved_open", "saved_closed")]
+    saved = [f for f in (_pick(f, *picked) for f in saved if f.height) if f.height]
+    if saved:
+        st.subheader("Experts saved at matched quality vs router")
+        st.caption(replay_views.SAVED_NOTE)
+        st.dataframe(replay_views.experts_saved_display(pl.concat(saved)), hide_index=True,
+                     column_config={c: st.column_config.NumberColumn(c, format="percent")
+                                    for c in ("saved", "saved_lo", "saved_hi")})
 
 
 def speedup() -> None:
