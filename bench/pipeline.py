@@ -39,10 +39,10 @@ def run_names(traces: Path, model: str, *, prefix: str = "", bench: str | None =
 def replay_runs(traces: Path, model: str, runs: list[str], *, rankings: tuple[str, ...],
                 coverages: tuple[str, ...], budgets: str, out: Path, bench: str | None = None,
                 calibration: tuple[str, ...] = (), mode: str = "open",
-                device: str = "cpu") -> ReplayOutcome:
+                device: str = "cpu", batch_size: int = 1, batch_seed: int = 0) -> ReplayOutcome:
     """``replay --traces TRACES --model MODEL [--bench BENCH] --run RUNS --ranking RANKINGS
-    --coverage COVERAGES --budget BUDGETS --calibration CALIBRATION --mode MODE --out OUT``
-    (results already stored are reused)."""
+    --coverage COVERAGES --budget BUDGETS --calibration CALIBRATION --mode MODE --out OUT
+    --batch-size B --batch-seed S`` (results already stored are reused)."""
     catalog = Catalog(traces)
     evaluated = catalog.runs(model=model, bench=bench, names=list(runs))
     if not evaluated:
@@ -53,6 +53,7 @@ def replay_runs(traces: Path, model: str, runs: list[str], *, rankings: tuple[st
         stats, cal = calibration_stats(catalog, list(calibration), model, evaluated, adapter,
                                        progress=False, rankings_used=tuple(rankings))
     request = ReplayRequest(tuple(rankings), tuple(coverages),
-                            tuple(parse_budgets(budgets, adapter.num_experts)), None, mode)
+                            tuple(parse_budgets(budgets, adapter.num_experts)), None, mode,
+                            batch_size, batch_seed)
     return replay(catalog, evaluated, adapter, request, stats, cal, out, device=loaded.device,
                   progress=False)

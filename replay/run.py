@@ -69,6 +69,8 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
     """Replay ``runs`` for ``request``; with ``workers`` or ``ray_address`` the prompts are
     spread over Ray actors (:mod:`replay.distributed`), each loading the model once."""
     mode = request.mode
+    if mode.key() and (workers or ray_address):
+        raise ReplayError(f"{mode.title()} runs in one process; drop --workers/--ray-address")
     layers = list(request.layers) if request.layers else [layer.index for layer in adapter]
     outcome = ReplayOutcome()
     start = time.perf_counter()

@@ -65,6 +65,9 @@ def test_batch_regime_bench_measures_every_batch_size(tmp_path):
     assert [r["batch_size"] for r in rows] == [1, 2]
     assert all(r["eagle_tokens_per_s"] > 0 and r["unique_experts"] > 0 for r in rows)
     assert rows[1]["unique_experts"] >= rows[0]["unique_experts"]  # a union only grows
+    # one shortlist for two trees' tokens errs at least as much as one per tree (same B)
+    assert rows[1]["rse"]["router@16"] >= rows[0]["rse"]["router@16"] - 1e-9
+    assert all(r["replay_speed_vs_first"] > 0 and r["speedup"] > 0 for r in rows)
     assert "MoESD pass-time fit" in out
 
 
