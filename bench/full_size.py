@@ -238,6 +238,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rankings", nargs="+", default=["router", "oracle"],
+                   help="rankings replayed (the oracle computes every expert of every layer)")
     p.add_argument("--traces", type=Path, default=None, help="keep the traces here")
     p.add_argument("--out", type=Path, default=Path("full_size.json"))
     args = p.parse_args()
@@ -275,7 +277,7 @@ def main() -> None:
         report["capture"]["measured_over_projected"] = round(
             report["capture"]["bytes_per_tree"] / projection, 3)
         rep = timed_run([bin_path("replay"), "--traces", str(traces / "full"), "--ranking",
-                         "router", "oracle", "--budget", BUDGETS, "--threads", str(args.threads),
+                         *args.rankings, "--budget", BUDGETS, "--threads", str(args.threads),
                          "--output", str(traces / "replay.json"), "--no-progress"], env)
         found = json.loads((traces / "replay.json").read_text())
         layers = int(made["config"]["num_hidden_layers"])
@@ -301,7 +303,7 @@ def main() -> None:
           f"verification pass; {c['bytes_per_tree']:,} bytes per tree vs projected "
           f"{c['projected_bytes_per_tree']:,} ({c['measured_over_projected']}x)")
     r = report["replay"]
-    print(f"replay (router, oracle; B = {BUDGETS}; both policies): {r['tree_layers']} "
+    print(f"replay ({', '.join(args.rankings)}; B = {BUDGETS}; both policies): {r['tree_layers']} "
           f"tree-layers in {r['seconds']} s after loading = {r['tree_layers_per_s']} "
           f"tree-layers/s (wall {r['wall_seconds']} s), peak RSS {r['peak_rss_gib']} GiB")
     print(f"report: {report['report']['seconds']} s; app pages: {report['app']}")

@@ -73,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="results root (default --traces)")
     p.add_argument("--device", default="auto",
                    help="auto (CUDA if present), cpu, cuda, cuda:N: where the whole engine runs")
+    p.add_argument("--dtype", default="captured",
+                   help="dtype the model is loaded in: captured (the dtype the runs were "
+                        "captured in; a bf16 capture replayed on a CPU stays bf16 in memory, "
+                        "experts are upcast per call), auto, float32, bfloat16, float16")
     p.add_argument("--batch", type=int, default=None, metavar="TREE_LAYERS",
                    help="tree-layers per batch (default: as many as fit in ~256 MiB of work "
                         "arrays)")
@@ -113,6 +117,13 @@ def select_runs(catalog, args) -> list:
         raise ReplayError("replay needs plain EAGLE captures; some selected runs were captured "
                           "under a budget (pick runs with --run)")
     return runs
+
+
+def load_dtype(option: str, runs: list) -> str:
+    """``--dtype``: ``captured`` is the dtype the first run's model ran in when captured."""
+    if option != "captured":
+        return option
+    return str(runs[0].manifest.get("dtype") or "auto").removeprefix("torch.")
 
 
 def preflight(args):
@@ -273,7 +284,7 @@ def compute(args, catalog, runs, layers, coverages):
         if need_cal and not args.calibration:
             raise ReplayError(f"--ranking {' '.join(need_cal)} needs --calibration RUN (captured "
                               "on other prompts)")
-        loaded = models.load(model, device=args.device)
+        loaded = models.load(model, device=args.device, dtype=load_dtype(args.dtype, runs))
         adapter = MoEAdapter(loaded.model)
         budgets = parse_budgets(args.budget, adapter.num_experts)
         if all(b < coverage.get(c).min_budget(adapter.top_k) for c in coverages for b in budgets):
@@ -290,7 +301,7 @@ def compute(args, catalog, runs, layers, coverages):
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
                          device=loaded.device, progress=not args.no_progress,
                          max_batch=args.batch, workers=args.workers,
-                         ray_address=args.ray_address)
+                         ray_address=args.ray_address, dtype=load_dtype(args.dtype, runs))
     except KeyError as exc:
         return fail("replay", exc.args[0]), None, None, None, None
     except OSError as exc:
@@ -364,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                "tree_layers": outcome.tree_layers, "trees": outcome.trees,
                "seconds": outcome.seconds, "results": folders, "threads": threads,
                "model_loaded": loaded is not None,
+               "model_dtype": None if loaded is None else str(loaded.dtype).removeprefix("torch."),
                "reused": list(outcome.reused), "notes": list(outcome.notes),
                "skipped": {name: list(b) for name, b in outcome.skipped.items()},
                "summary": frame.to_dicts() if frame is not None else []}

@@ -27,7 +27,7 @@ class TaskSpec:
 
 
 class ReplayWorker:
-    def __init__(self, model: str, device: str, threads: int = 1):
+    def __init__(self, model: str, device: str, threads: int = 1, dtype: str = "auto"):
         import torch
 
         from moe import models
@@ -35,7 +35,7 @@ class ReplayWorker:
         torch.set_num_threads(threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         models.quiet_transformers()
-        loaded = models.load(model, device=device)
+        loaded = models.load(model, device=device, dtype=dtype)
         self.adapter = MoEAdapter(loaded.model)
         self.device = loaded.device
 

@@ -65,7 +65,7 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
            stats: CalibrationStats | None, calibration: list[Run], out: Path, *,
            device: torch.device, progress: bool = True,
            max_batch: int | None = None, workers: int = 0,
-           ray_address: str | None = None) -> ReplayOutcome:
+           ray_address: str | None = None, dtype: str = "auto") -> ReplayOutcome:
     """Replay ``runs`` for ``request``; with ``workers`` or ``ray_address`` the prompts are
     spread over Ray actors (:mod:`replay.distributed`), each loading the model once."""
     mode = request.mode
@@ -112,7 +112,8 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                 if actors is None:
                     t0 = time.perf_counter()
                     ray, actors = actors_for(runs[0].model, str(device), workers, ray_address,
-                                             items=sum(len(r.prompt_indices()) for r in runs))
+                                             items=sum(len(r.prompt_indices()) for r in runs),
+                                             dtype=dtype)
                     outcome.start_seconds = time.perf_counter() - t0
                 specs = [distributed.TaskSpec(mode.table, t.unit.unit, t.block, t.ranking.name,
                                               t.coverage.name) for t in tasks]
@@ -131,7 +132,7 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
 
 
 def actors_for(model: str, device: str, workers: int, ray_address: str | None,
-               items: int | None = None):
+               items: int | None = None, dtype: str = "auto"):
     """The Ray module and the replay actors (started once per replay, never more than the
     ``items`` prompts), each with its model loaded: a model that cannot load fails here, in one
     line, before any work is handed out."""
@@ -145,7 +146,7 @@ def actors_for(model: str, device: str, workers: int, ray_address: str | None,
     cls = ray.remote(**worker_options(device))(distributed.ReplayWorker)
     # a local cluster shares this process's --threads; a joined one gives each actor its slot
     threads = 1 if ray_address else console.threads.share(n)
-    actors = [cls.remote(model, device, threads) for _ in range(n)]
+    actors = [cls.remote(model, device, threads, dtype) for _ in range(n)]
     try:
         ray.get([a.ready.remote() for a in actors])
     except ray.exceptions.RayActorError as exc:

@@ -97,3 +97,22 @@ def test_a_virtual_batch_replays_as_the_real_batched_capture_of_the_same_groupin
     assert (alone["experts_loaded"] == together["experts_loaded"]).all()
     assert alone["rse"].to_numpy() == pytest.approx(together["rse"].to_numpy(), rel=1e-3,
                                                       abs=1e-6)
+
+
+def test_replay_loads_the_model_in_the_dtype_it_was_captured_in(tmp_path):
+    """A bf16 capture replayed on a CPU stays bf16 in memory (a full-size model in fp32 would
+    not fit); --dtype overrides."""
+    import json
+
+    from capture import cli as capture_cli
+    from replay import cli as replay_cli
+
+    assert capture_cli.main(["--model", "tiny-olmoe", "--limit", "1", "--max-new-tokens", "4",
+                             "--dtype", "bfloat16", "--device", "cpu", "--out", str(tmp_path),
+                             "--no-progress"]) == 0
+    for option, expected, budget in ((None, "bfloat16", "16"), ("float32", "float32", "24")):
+        extra = [] if option is None else ["--dtype", option]  # (a new budget: computed)
+        assert replay_cli.main(["--traces", str(tmp_path), "--ranking", "router", "--budget",
+                                budget, "--no-progress", "--output", str(tmp_path / "r.json"),
+                                *extra]) == 0
+        assert json.loads((tmp_path / "r.json").read_text())["model_dtype"] == expected
