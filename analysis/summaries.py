@@ -54,24 +54,29 @@ COLUMNS = ["prompt_index", "step", "layer", "node", "router_probs", "topk_ids"]
 # --- one routing part --------------------------------------------------------------------------
 @dataclass
 class PartSums:
-    """What one routing part contributes: per-tree-layer rows and per-layer sums."""
+    """What one routing part contributes: per-tree-layer rows and per-layer sums, stacked
+    (``sums[name][i]`` belongs to MoE layer ``layers[i]``: a few arrays cross the process
+    boundary, not a dict per layer)."""
 
     rows: dict[str, np.ndarray]  # summary_tree_layers columns
-    layers: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    layers: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [count]
+    sums: dict[str, np.ndarray] = field(default_factory=dict)  # each [count, ...]
 
 
 def _lists(column: pa.ChunkedArray, width_hint: int | None = None) -> np.ndarray:
     """A list column as a ``[rows, width]`` array (zero-copy where the column allows)."""
-    arr = column.combine_chunks()
+    arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     flat = arr.flatten().to_numpy(zero_copy_only=False)
     return flat.reshape(len(arr), -1 if len(arr) else (width_hint or 0))
 
 
 def _read_checked(path: str, n: int, k: int, max_nodes: int) -> pa.Table:
     """The part's columns, or :class:`CatalogError` naming the file: unreadable (page
-    checksums), mistyped, or holding values no capture writes."""
+    checksums), mistyped, or holding values no capture writes. One thread: the parts are
+    already read in parallel processes."""
     try:
-        t = pq.read_table(path, columns=COLUMNS, page_checksum_verification=True)
+        with pq.ParquetFile(path, page_checksum_verification=True) as part:
+            t = part.read(columns=COLUMNS, use_threads=False)
         reader._expected_types(t, "routing")
     except (pa.ArrowException, OSError, ValueError) as exc:
         raise CatalogError(f"{path}: corrupt or unreadable routing part ({reader._reason(exc, path)})"
@@ -144,7 +149,6 @@ def reduce_part(path: str, n: int, k: int, max_nodes: int) -> PartSums:
                 experts_50=experts[0.5].astype(np.int16), experts_90=experts[0.9].astype(np.int16),
                 experts_99=experts[0.99].astype(np.int16), gini=gini.astype(np.float32),
                 top_half_share=cum[:, n // 2 - 1].astype(np.float32))
-    out = PartSums(rows)
     # per-layer sums, all layers at once: li = the layer's position among this part's layers
     layers_here, li_g = np.unique(g_layer, return_inverse=True)
     li_row = li_g[g_of_row]
@@ -152,26 +156,32 @@ def reduce_part(path: str, n: int, k: int, max_nodes: int) -> PartSums:
     side = max_nodes + 1  # new experts at node f in tree-layers of m nodes: H[li, m, f]
     hist = np.bincount((np.repeat(li_g * side + nodes, n)[seen.reshape(-1)] * side
                         + first[seen]), minlength=count * side * side)
-    iu = np.triu_indices(k, 1)
-    by_id = np.sort(ids, axis=1)  # a token's experts are distinct: pairs (i < j) by position
-    base = (li_row * (n * n))[:, None]
-    pairs = np.bincount((base + by_id[:, iu[0]] * n + by_id[:, iu[1]]).reshape(-1),
-                        minlength=count * n * n)
-    adjacent = np.bincount(np.r_[(base + ids[:, :-1] * n + ids[:, 1:]).reshape(-1),
-                                 (base + ids[:, 1:] * n + ids[:, :-1]).reshape(-1)],
-                           minlength=count * n * n)
-    selections = np.bincount((li_row[:, None] * n + ids).reshape(-1), minlength=count * n)
-    tokens = np.bincount(li_row, minlength=count)
-    trees = np.bincount(li_g, minlength=count)
-    for i, lay in enumerate(layers_here.tolist()):
-        out.layers[lay] = dict(
-            tree_layers=np.int64(trees[i]), tokens=np.int64(tokens[i]),
-            coverage_sum=cum[li_g == i].sum(0),
-            new_at=hist[i * side * side:(i + 1) * side * side].reshape(side, side),
-            selections=selections[i * n:(i + 1) * n],
-            pairs=pairs[i * n * n:(i + 1) * n * n],
-            adjacent=adjacent[i * n * n:(i + 1) * n * n])
-    return out
+    # token-level counts, one bincount each over codes li·N² + a·N + b built a top-k position
+    # pair at a time (rows of ids.T, long contiguous adds, not [R, 28] fancy indexing); for
+    # positions p < q, pairs + pairsᵀ counts the tokens holding both (a token's experts are
+    # distinct) and adjacent + adjacentᵀ the adjacent-rank pairs both ways
+    by_position = np.ascontiguousarray(ids.T)  # [k, R]
+    high = by_position * n + (li_row * (n * n))[None, :]
+    codes = np.empty((k * (k - 1) // 2, len(li_row)), np.int64)
+    for j, (p, q) in enumerate(zip(*np.triu_indices(k, 1))):
+        np.add(high[p], by_position[q], out=codes[j])
+    pairs = np.bincount(codes.reshape(-1), minlength=count * n * n)
+    codes = codes[:k - 1]
+    for p in range(k - 1):
+        np.add(high[p], by_position[p + 1], out=codes[p])
+    adjacent = np.bincount(codes.reshape(-1), minlength=count * n * n).reshape(count, n, n)
+    selections = np.bincount((li_row[None, :] * n + by_position).reshape(-1),
+                             minlength=count * n)
+    cover = np.zeros((count, n))
+    np.add.at(cover, li_g, cum)
+    return PartSums(rows, layers_here.astype(np.int64), dict(
+        tree_layers=np.bincount(li_g, minlength=count),
+        tokens=np.bincount(li_row, minlength=count),
+        coverage_sum=cover,
+        new_at=hist.reshape(count, side, side),
+        selections=selections.reshape(count, n),
+        pairs=pairs.reshape(count, n, n),
+        adjacent=(adjacent + adjacent.transpose(0, 2, 1)).reshape(count, n * n)))
 
 
 def _reduce_part_args(args) -> PartSums:
@@ -265,19 +275,29 @@ def build_run(root: Path, run: Run, workers: int | None = None) -> int:
     jobs = [(p, n, k, max_nodes) for p in parts]
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
     if workers > 1 and len(jobs) > 1:
-        with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-            results = list(pool.map(_reduce_part_args, jobs, chunksize=max(1, len(jobs) // 64)))
+        workers = min(workers, len(jobs))
+        with ProcessPoolExecutor(max_workers=workers) as pool:  # one part (~50 ms) a task:
+            results = list(pool.map(_reduce_part_args, jobs))  # no worker idles at the end
     else:
         results = [reduce_part(*j) for j in jobs]
     rows = {c: np.concatenate([r.rows[c] for r in results]) if results else
             np.zeros(0, dtype=SCHEMAS["summary_tree_layers"].field(c).type.to_pandas_dtype())
             for c in SCHEMAS["summary_tree_layers"].names}
-    layers: dict[int, dict] = {}
+    # parts with the same layers (all of them, as a rule) add as stacks, in part order
+    stacks: dict[tuple, dict[str, np.ndarray]] = {}
     for r in results:
-        for lay, s in r.layers.items():
-            acc = layers.setdefault(lay, {key: np.zeros_like(v) for key, v in s.items()})
-            for key, v in s.items():
-                acc[key] = acc[key] + v
+        if len(r.layers):
+            acc = stacks.setdefault(tuple(r.layers.tolist()), {})
+            for key, v in r.sums.items():
+                acc[key] = acc[key] + v if key in acc else v
+    layers: dict[int, dict] = {}
+    for layer_ids, acc in stacks.items():
+        for i, lay in enumerate(layer_ids):
+            if lay in layers:
+                for key, v in acc.items():
+                    layers[lay][key] = layers[lay][key] + v[i]
+            else:
+                layers[lay] = {key: v[i] for key, v in acc.items()}
     for lay, s in layers.items():  # tree-layers by node count, for the growth denominators
         g = rows["layer"] == lay
         s["tree_count_by_nodes"] = np.bincount(rows["nodes"][g].astype(np.int64),

@@ -2,12 +2,15 @@
 
     python bench/analysis_scale.py                          # 576,000 tree-layers (OLMoE on MBPP)
     python bench/analysis_scale.py --prompts 50 --keep /tmp/scale   # smaller, keep the traces
+    python bench/analysis_scale.py --prompts 100 --out scale.json     # the numbers, as JSON
 
 1. Writes a complete synthetic capture in the trace schema: OLMoE's shape (N = 64, k = 8,
    16 MoE layers, 63-node trees), ``prompts`` × ``steps`` trees. Routing has a realistic heavy
    tail: per layer a Zipf-like expert popularity, per tree a preference, per token noise; the
    top-k by probability, trees with a parent structure and an accepted path.
-2. Builds the routing summaries (:func:`analysis.summaries.ensure`) and prints tree-layers/s.
+2. Builds the routing summaries (:func:`analysis.summaries.ensure`) and prints tree-layers/s,
+   and the CPU time of one routing part reduced in this process (warm cache: steadier than the
+   build's wall clock on a shared machine).
 3. Times, in a fresh process, every analysis the app's routing pages call, then drives every
    page of the real dashboard with Streamlit's AppTest (first render: caches cold) and prints
    each page's time and the peak RSS of that process.
@@ -208,12 +211,33 @@ def _run(code: str, root: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def part_seconds(root: Path, repeats: int = 5) -> dict:
+    """CPU time of :func:`analysis.summaries.reduce_part` on one routing part in this process
+    (the fastest of ``repeats`` after one warm-up read)."""
+    from analysis import summaries
+    from catalog import Catalog
+    run = Catalog(root).runs(complete=True)[0]
+    path = str(sorted(run.dir("routing").glob("part-*.parquet"))[0])
+    shape = (int(run.manifest["num_experts"]), int(run.manifest["top_k"]),
+             int(run.settings.get("total_tokens", M)))
+    tree_layers = len(summaries.reduce_part(path, *shape).rows["layer"])
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        summaries.reduce_part(path, *shape)
+        best = min(best, time.process_time() - t0)
+    return dict(tree_layers=tree_layers, cpu_seconds=best,
+                tree_layers_per_cpu_s=tree_layers / max(best, 1e-9))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=500)
     p.add_argument("--steps", type=int, default=72, help="trees per prompt")
     p.add_argument("--keep", type=Path, default=None, help="write the traces here and keep them")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the measured numbers here (JSON)")
     args = p.parse_args()
     from analysis import summaries
     tmp = Path(tempfile.mkdtemp(prefix="scale-")) if args.keep is None else args.keep
@@ -231,6 +255,10 @@ def main() -> None:
         print(f"summaries: {report.tree_layers:,} tree-layers in {report.seconds:.1f} s = "
               f"{report.tree_layers / report.seconds:,.0f} tree-layers/s "
               f"({os.cpu_count()} processes; {size / 2**20:.1f} MiB on disk)")
+        part = part_seconds(root)
+        print(f"one routing part ({part['tree_layers']:,} tree-layers), one process, warm: "
+              f"{part['cpu_seconds'] * 1e3:.0f} ms CPU = {part['tree_layers_per_cpu_s']:,.0f} "
+              "tree-layers per CPU-second")
         probe = _run(PROBE, root)
         print(f"\nanalyses the routing pages call (fresh process, peak RSS "
               f"{probe['peak_rss_gib']:.2f} GiB):")
@@ -245,6 +273,15 @@ def main() -> None:
         print(f"\nslowest page {worst:.2f} s (goal ≤ 1.5 s); build "
               f"{report.tree_layers / report.seconds:,.0f} tree-layers/s (goal ≥ 50,000); app "
               f"peak RSS {app['peak_rss_gib']:.2f} GiB (goal ≤ 2)")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(dict(
+                prompts=args.prompts, steps=args.steps, processes=os.cpu_count(),
+                summaries=dict(tree_layers=report.tree_layers, seconds=report.seconds,
+                               tree_layers_per_s=report.tree_layers / report.seconds,
+                               mib_on_disk=size / 2**20, one_part=part),
+                analyses=probe, pages=app), indent=2))
+            print(f"wrote {args.out}")
     finally:
         if args.keep is None:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -221,9 +221,17 @@ def test_full_size_bench_runs_the_user_commands_at_small_width(tmp_path):
 
 @smoke("analysis_scale.py")
 def test_analysis_scale_bench_times_every_page(tmp_path):
-    # (it writes no result file: what it measures is printed)
     out = run("bench/analysis_scale.py", "--prompts", "2", "--steps", "4", "--keep",
-              str(tmp_path / "traces"), timeout=600)
-    assert "summaries:" in out and "tree-layers/s" in out
+              str(tmp_path / "traces"), "--out", str(tmp_path / "scale.json"), timeout=600)
+    assert "summaries:" in out and "tree-layers/s" in out and "one routing part" in out
     assert "every dashboard page" in out and "slowest page" in out
     assert (tmp_path / "traces").is_dir()
+    numbers = json.loads((tmp_path / "scale.json").read_text())
+    built = numbers["summaries"]
+    assert built["tree_layers"] == 2 * 4 * 16 and built["tree_layers_per_s"] > 0
+    assert built["one_part"]["tree_layers"] == 4 * 16 and built["one_part"]["cpu_seconds"] > 0
+    assert set(numbers["analyses"]["timings"]) >= {"tails", "coverage", "growth", "balance"}
+    pages = numbers["pages"]
+    assert "Runs overview" in pages["timings"] and len(pages["timings"]) > 1
+    assert all(secs > 0 for secs in pages["timings"].values())
+    assert 0 < pages["peak_rss_gib"] < 64 and 0 < numbers["analyses"]["peak_rss_gib"] < 64

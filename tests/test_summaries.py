@@ -135,3 +135,66 @@ def test_a_damaged_summary_is_rebuilt_not_read(traces, tmp_path, damage):
     assert summaries.ensure(root, workers=1).built == ["a"]
     assert pq.read_table(part).equals(pristine)
     routing.coverage_curve(connect(root))
+
+
+def test_a_part_reduces_to_what_counting_token_by_token_gives(tmp_path):
+    """reduce_part on a shuffled part with trees of every size against plain loops over tokens."""
+    from catalog import schema
+    rng = np.random.default_rng(7)
+    n, k, max_nodes = 8, 3, 6
+    rows = []
+    for prompt in range(2):
+        for step in range(3):
+            for layer in (0, 2, 5):
+                for node in range(int(rng.integers(1, max_nodes + 1))):
+                    probs = rng.dirichlet(np.full(n, 0.3)).astype(np.float32)
+                    rows.append((prompt, step, layer, node, probs,
+                                 np.argsort(-probs, kind="stable")[:k].astype(np.int16)))
+    rows = [rows[i] for i in rng.permutation(len(rows))]  # the reduction must sort them
+    cols = list(zip(*rows))
+    types = {f.name: f.type for f in schema.TABLES["routing"]}
+    part = tmp_path / "part-000000-0000.parquet"
+    pq.write_table(pa.table({
+        name: pa.array([v.tolist() if isinstance(v, np.ndarray) else v for v in col], types[name])
+        for name, col in zip(summaries.COLUMNS, cols)}), part)
+    got = summaries.reduce_part(str(part), n, k, max_nodes)
+
+    trees: dict[tuple, list] = {}
+    for prompt, step, layer, node, probs, ids in sorted(rows, key=lambda r: r[:4]):
+        trees.setdefault((prompt, step, layer), []).append((probs, ids))
+    assert list(zip(got.rows["prompt_index"], got.rows["step"], got.rows["layer"])) == list(trees)
+    assert got.rows["nodes"].tolist() == [len(t) for t in trees.values()]
+    assert got.rows["unique_experts"].tolist() == [
+        len({int(e) for _, ids in t for e in ids}) for t in trees.values()]
+    assert got.layers.tolist() == [0, 2, 5]
+    for i, layer in enumerate((0, 2, 5)):
+        tokens = [ids.tolist() for (_, _, lay), t in trees.items() if lay == layer for _, ids in t]
+        both, adjacent = np.zeros((n, n), int), np.zeros((n, n), int)
+        for ids in tokens:
+            for a in ids:
+                for b in ids:
+                    both[a, b] += a != b
+            for a, b in zip(ids, ids[1:]):
+                adjacent[a, b] += 1
+                adjacent[b, a] += 1
+        sums = {key: v[i] for key, v in got.sums.items()}
+        assert sums["tokens"] == len(tokens)
+        assert sums["tree_layers"] == sum(lay == layer for _, _, lay in trees)
+        assert sums["selections"].tolist() == np.bincount(np.ravel(tokens), minlength=n).tolist()
+        assert (sums["pairs"] + sums["pairs"].T).tolist() == both.tolist()
+        assert sums["adjacent"].reshape(n, n).tolist() == adjacent.tolist()
+        new_at = np.zeros((max_nodes + 1, max_nodes + 1), int)
+        coverage = np.zeros(n)
+        for (_, _, lay), t in trees.items():
+            if lay != layer:
+                continue
+            firsts = {}
+            for node, (_, ids) in enumerate(t):
+                for e in ids:
+                    firsts.setdefault(int(e), node)
+            for f in firsts.values():
+                new_at[len(t), f] += 1
+            mass = np.sum([p.astype(np.float64) for p, _ in t], axis=0)
+            coverage += np.cumsum(np.sort(mass / mass.sum())[::-1])
+        assert sums["new_at"].tolist() == new_at.tolist()
+        np.testing.assert_allclose(sums["coverage_sum"], coverage, rtol=1e-12)
