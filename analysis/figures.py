@@ -121,6 +121,8 @@ def batch_errors(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
     colour per b, one dash per ranking (b = 1: each tree its own shortlist)."""
     fig = go.Figure()
     dashes = ["solid", "dash", "dot", "dashdot", "longdash"]
+    frame = frame.filter(pl.col("rse") > 1e-9)  # zero error (S holds every selected expert,
+    # up to float rounding): off the log axis
     sizes = sorted(set(frame["batch_size"].to_list()))
     rankings_ = list(dict.fromkeys(frame["ranking"].to_list()))
     for i, b in enumerate(sizes):
@@ -137,8 +139,12 @@ def batch_errors(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
                                           "<extra></extra>")
     fig.update_xaxes(title=f"expert budget B per layer per pass (of {n})" if n else
                      "expert budget B per layer per pass")
-    fig.update_yaxes(title="mean RSE over (pass, layer)", type="log")
-    return _style(fig, "Error of a budget shared by a batch's trees vs B")
+    fig.update_yaxes(title="mean RSE over (pass, layer); below 1e-9 not drawn", type="log",
+                     exponentformat="power")
+    fig = _style(fig, "Error of a budget shared by a batch's trees vs B", HEIGHT + 60)
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0),
+                      margin=dict(t=60, b=150))
+    return fig
 
 
 def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
@@ -173,7 +179,10 @@ def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
     fig.add_hline(y=1, line=dict(color="#999", width=1))
     _batch_axis(fig, speed["batch_size"])
     fig.update_yaxes(title="speedup over autoregressive decoding (tokens/s ratio)")
-    return _style(fig, "Speculative decoding's speedup vs batch size (measured)")
+    fig = _style(fig, "Speculative decoding's speedup vs batch size (measured)", HEIGHT + 80)
+    fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0),
+                      margin=dict(t=60, b=170))  # many entries: below the plot, not on the title
+    return fig
 
 
 LIFT_TITLE = "lift: observed / expected if independent (log scale)"

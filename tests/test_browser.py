@@ -46,6 +46,15 @@ def server(tmp_path_factory):
     assert replay_cli.main(["--traces", str(root), "--mode", "closed", "--ranking", "router",
                             "--coverage", "substitution", "--budget", "sweep",
                             "--no-progress"]) == 0
+    # the batch regime: a batched capture, budgets over virtual batches, measured speedups
+    assert capture_cli.main(["--limit", "2", "--max-new-tokens", "16", "--out", str(root),
+                             "--no-progress", "--run", "eval-b2", "--batch-size", "2"]) == 0
+    assert replay_cli.main(["--traces", str(root), "--run", "eval", "--calibration", "cal",
+                            "--ranking", "router", "coact", "oracle", "--budget", "8,16,24,32",
+                            "--batch-size", "2", "--no-progress"]) == 0
+    from capture import profile_batch
+    assert profile_batch.main(["--limit", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2,4",
+                               "--budget", "16", "--out", str(root), "--no-progress"]) == 0
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "app.launch", "--traces", str(root), "--port",
                              str(port), "--headless"], stdout=subprocess.DEVNULL,
