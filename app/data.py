@@ -63,11 +63,6 @@ class Dataset:
         roles = None if set(roles) >= {"evaluation", "calibration"} else tuple(roles)
         return connection(str(self.root), self.version, roles).cursor()
 
-    @property
-    def all_con(self):
-        """A cursor over every complete run, calibration included (``role`` is a column)."""
-        return connection(str(self.root), self.version, None).cursor()
-
 
 def _storage(manifest: dict) -> str:
     s = manifest.get("storage")

@@ -191,11 +191,6 @@ def _reason(exc: Exception, path) -> str:
     return first[:120]
 
 
-def read_prompt(run: Run, prompt_index: int, *, with_io: bool = True) -> PromptTreeLayers:
-    """Routing (and MoE inputs/outputs) of every tree-layer of one prompt."""
-    return _tree_layers(run, prompt_index, None, with_io)
-
-
 def prompt_chunks(run: Run, prompt_index: int, *, with_io: bool = True) \
         -> Iterator[PromptTreeLayers]:
     """One prompt's tree-layers, one written chunk (``chunk_steps`` passes) at a time: memory

@@ -115,7 +115,7 @@ def test_readers_take_runs_with_prompts_without_trees(traces):
         assert {tl.prompt_index for tl in reader.tree_layers([runs["some"]], with_io=with_io)} \
             == {0}
         assert not list(reader.tree_layers([runs["none"]], with_io=with_io))
-        assert len(reader.read_prompt(runs["some"], 1, with_io=with_io)) == 0
+        assert sum(len(c) for c in reader.prompt_chunks(runs["some"], 1, with_io=with_io)) == 0
     report = summaries.ensure(traces, workers=1)
     assert report is not None
 
