@@ -309,6 +309,21 @@ def batch_regime(con) -> pl.DataFrame:
                                              for n, k, x in zip(t["n"], t["k"], t["tokens"])]))
 
 
+def routing_warnings(runs: pl.DataFrame) -> list[tuple[str, str]]:
+    """(model, one line) for each model of ``runs`` (``model``, ``model_location`` columns)
+    whose quality record says its routing is near-uniform (:func:`moe.models.near_uniform_routing`;
+    models without a record, e.g. hub checkpoints, are not judged)."""
+    from moe.models import near_uniform_routing, quality_record
+    found = []
+    for model, location in runs.select("model", "model_location").unique(
+            maintain_order=True).iter_rows():
+        record = quality_record(location) if location else None
+        line = near_uniform_routing(record) if record else None
+        if line:
+            found.append((model, line))
+    return found
+
+
 def batch_speedup(con) -> pl.DataFrame:
     """``profile-batch``'s measured speedup per model, benchmark, profile run, b and budget (null:
     none): ``speedup(b) = tokens/s(EAGLE, b) / tokens/s(AR, b)``, the same prompts decoded b at a

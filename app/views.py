@@ -26,6 +26,7 @@ from analysis.frames import (
     model_shape,
     real_targets,
     routing_statistics,
+    routing_warnings,
     speedup_frame,
     speedup_note,
 )
@@ -170,6 +171,8 @@ def overview() -> None:
                "verification tree, unique experts the experts a tree's tokens route to in one "
                "layer (averaged over layers and trees). The tiles average evaluation runs only.")
     frame = data.overview(str(ds.root), ds.version)
+    for model, line in routing_warnings(ds.runs):
+        st.warning(f"{model}: {line}")
     c1, c2, c3, c4 = st.columns([0.8, 1, 1.2, 2])  # room for the long labels in full
     c1.metric("runs", ds.runs.height)
     c2.metric("verification trees", int(frame["trees"].sum()))

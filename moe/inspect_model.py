@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
                               routing_rule=adapter.rule.to_dict(),
                               moe_layers=[layer.index for layer in adapter],
                               parameters=total, active_parameters=active,
-                              probe_unique_experts=touched, quality=record)))
+                              probe_unique_experts=touched, quality=record,
+                              routing_warning=record and models.near_uniform_routing(record))))
         return 0
     out = Console()
     out.print(summary_table(loaded, adapter))
@@ -148,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if record:
         out.print("quality record (quality.json):")
         out.print(models.format_quality_record(record), highlight=False)
+        warning = models.near_uniform_routing(record)
+        if warning:
+            out.print(f"[bold yellow]warning:[/] {warning}", highlight=False)
     return 0
 
 

@@ -219,6 +219,34 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto
     return LoadedModel(source, net, tokenizer, dev, dt)
 
 
+# Routing that says little about expert budgets (issue 28): top-k mass under this multiple of
+# uniform's k/N, or entropy / log N above this. Meaningful routing has at least / at most these.
+MEANINGFUL_TOPK_MASS_RATIO = 2.5
+MEANINGFUL_ENTROPY_RATIO = 0.9
+
+
+def near_uniform_routing(record: dict) -> str | None:
+    """One line when a quality record's routing is near-uniform, else None."""
+    r = record["routing"]
+    ratio = r["mean"]["topk_mass"] / r["uniform_topk_mass"]
+    entropy = r["mean"]["entropy_ratio"]
+    if ratio >= MEANINGFUL_TOPK_MASS_RATIO and entropy <= MEANINGFUL_ENTROPY_RATIO:
+        return None
+    return (f"routing is near-uniform (top-k mass {ratio:.2f}× uniform, entropy / log N "
+            f"{entropy:.2f}; meaningful routing has ≥ {MEANINGFUL_TOPK_MASS_RATIO}× and ≤ "
+            f"{MEANINGFUL_ENTROPY_RATIO}): rankings and budgets measured on it say little")
+
+
+def quality_record(location: str | Path) -> dict | None:
+    """The ``quality.json`` a local model folder carries (embedded models), or None."""
+    import json
+    path = Path(location) / "quality.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
 def format_quality_record(record: dict) -> str:
     """The ``quality.json`` an embedded model carries, as a few lines of text."""
     h, r = record["heldout"], record["routing"]
