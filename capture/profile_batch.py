@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import console
@@ -55,11 +55,10 @@ class ProfileBatchSettings:
     device: str = "auto"
     dtype: str = "auto"
     chat_template: bool = False
-    extra: dict = field(default_factory=dict)
 
     def identity(self) -> dict:
         """The settings that decide the numbers (device and dtype included: timings are)."""
-        return {k: v for k, v in asdict(self).items() if k != "extra"}
+        return asdict(self)
 
 
 @dataclass
@@ -112,6 +111,8 @@ def decode(decoder, prompts: list[list[int]], batch_size: int, max_new_tokens: i
                                draft_seconds=event.draft_seconds))
             accepted += sum(r.accepted_length for r in event.records)
             trees += len(event.records)
+            if verify_context is not None:
+                verify_context.take()  # the budget's records are not kept: memory stays flat
     return Decoding("ar" if autoregressive else "eagle", batch_size, budget, tokens,
                     time.perf_counter() - start, passes, accepted, trees)
 

@@ -149,8 +149,7 @@ class BatchedDecoder:
         query = prefix[:, None] + depth  # [b, M] positions
 
         def additive(ok):
-            return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(
-                ~ok, torch.finfo(dtype).min)[:, None]
+            return _additive(ok, dtype)
 
         if self.window is None:
             return additive(allowed), query
@@ -293,14 +292,10 @@ class BatchedDecoder:
         allowed = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lengths[:, None,
                                                                                         None])
         dtype = next(dec.target.parameters()).dtype
-
-        def additive(ok):
-            return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(
-                ~ok, torch.finfo(dtype).min)[:, None]
-
-        mask = additive(allowed) if self.window is None else {
-            "full_attention": additive(allowed),
-            "sliding_attention": additive(allowed & (pos[None, :] > pos[:, None] - self.window))}
+        mask = _additive(allowed, dtype) if self.window is None else {
+            "full_attention": _additive(allowed, dtype),
+            "sliding_attention": _additive(allowed & (pos[None, :] > pos[:, None] - self.window),
+                                           dtype)}
         with dec.tap.active():
             out = dec.target(input_ids=ids, position_ids=pos[None].expand(len(ids), -1),
                              attention_mask=mask, cache=verify.new_cache(dec.target),
@@ -345,6 +340,12 @@ class BatchedDecoder:
         s.result.output_ids = s.out
         s.result.stop_reason = reason
         s.result.seconds = time.perf_counter() - s.start
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean ``[b, q, k]`` visibility as the additive ``[b, 1, q, k]`` attention mask."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def generate_batched(decoder: EagleDecoder, prompts: list[list[int]], batch_size: int,

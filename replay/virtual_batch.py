@@ -124,17 +124,16 @@ class BatchSource:
     def name(self, key: int, ids: dict[int, str]) -> str:
         return "+".join(ids[p] for p in self.groups[key])
 
-    def pass_of(self):
+    def pass_of(self) -> Callable[[int, int], int]:
         if not self.real:
-            return lambda prompt, step: step
+            return virtual_passes()
         if self._passes is None:
             import pyarrow.parquet as pq
             t = pq.read_table(self.run.dir("trees"), columns=["prompt_index", "step",
                                                               "batch_pass"])
             self._passes = {(int(p), int(s)): int(b) for p, s, b in zip(
                 *(t[c].to_pylist() for c in ("prompt_index", "step", "batch_pass")))}
-        passes = self._passes
-        return lambda prompt, step: passes[(prompt, step)]
+        return real_passes(self._passes)
 
     def chunks(self, key: int):
         from catalog.reader import prompt_chunks
@@ -145,7 +144,7 @@ class BatchSource:
         yield merge(datas, self.pass_of(), index=key, name=self.name(key, ids))
 
 
-def virtual_passes(datas: list[PromptTreeLayers]) -> Callable[[int, int], int]:
+def virtual_passes() -> Callable[[int, int], int]:
     """A virtual group's pass of (prompt, step): the step itself."""
     return lambda prompt, step: step
 

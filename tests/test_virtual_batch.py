@@ -34,7 +34,7 @@ def test_groups_partition_the_prompts_in_batches_of_b(prompts, b, seed):
 
 def test_merge_puts_each_step_of_the_group_in_one_tree_layer():
     datas = [data(3, steps=4), data(7, steps=2), data(9, steps=3)]
-    merged = virtual_batch.merge(datas, virtual_batch.virtual_passes(datas), index=0, name="g0")
+    merged = virtual_batch.merge(datas, virtual_batch.virtual_passes(), index=0, name="g0")
     assert list(zip(merged.step.tolist(), merged.layer.tolist())) == [
         (s, layer) for s in range(4) for layer in (0, 1)]
     for r in range(len(merged)):
