@@ -104,10 +104,13 @@ class FeatureTap:
 
 @torch.no_grad()
 def prefill(target: nn.Module, tap: FeatureTap, input_ids: torch.Tensor):
-    """Run the prompt ``[1, P]``; returns (last logits ``[V]``, features ``[P, F]``, cache)."""
+    """Run the prompt ``[1, P]``; returns (last logits ``[V]``, features ``[P, F]``, cache).
+    Only the last position's logits are computed (``logits_to_keep=1``, as ``generate`` does):
+    the LM head over every prompt position would cost about a third of a small model's
+    prefill."""
     cache = new_cache(target)
     with tap.active():
-        out = target(input_ids=input_ids, cache=cache, use_cache=True)
+        out = target(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         feats = tap.features()[0]
     return out.logits[0, -1], feats, out.cache
 

@@ -71,6 +71,19 @@ def test_batch_regime_bench_measures_every_batch_size(tmp_path):
     assert "MoESD pass-time fit" in out
 
 
+@smoke("batch_ceiling.py")
+def test_batch_ceiling_bench_sets_the_capture_beside_the_forward(tmp_path):
+    out = run("bench/batch_ceiling.py", "--batch-sizes", "1", "2", "--prompts", "2",
+              "--new-tokens", "6", "--repeats", "1", "--out", str(tmp_path / "c.json"))
+    rows = json.loads((tmp_path / "c.json").read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 2]
+    assert rows[0]["capture_ratio"] == rows[0]["ceiling_ratio"] == 1.0
+    # T = 0: both batch sizes decode the same trees, so the tokens counted are the same
+    assert rows[0]["capture"]["trees"] == rows[1]["capture"]["trees"] > 0
+    assert abs(rows[0]["capture"]["tokens"] - rows[1]["capture"]["tokens"]) < 1e-6
+    assert all(r["forward"]["tokens_per_s"] > 0 for r in rows) and "ceiling ratio" in out
+
+
 BENCHES = ("gsm8k", "mbpp")
 
 
@@ -235,3 +248,14 @@ def test_analysis_scale_bench_times_every_page(tmp_path):
     assert "Runs overview" in pages["timings"] and len(pages["timings"]) > 1
     assert all(secs > 0 for secs in pages["timings"].values())
     assert 0 < pages["peak_rss_gib"] < 64 and 0 < numbers["analyses"]["peak_rss_gib"] < 64
+
+
+@smoke("object_store.py")
+def test_object_store_bench_measures_both_sides_and_compares_the_tables(tmp_path):
+    out = run("bench/object_store.py", "--prompts", "1", "--max-new-tokens", "4", "--repeats",
+              "1", "--budgets", "8,16", "--out", str(tmp_path / "o.json"))
+    found = json.loads((tmp_path / "o.json").read_text())
+    assert found["capture_ratio"] > 0 and found["replay_ratio"] > 0 and found["goal"] == 0.8
+    assert found["local"]["tree_layers"] == found["s3"]["tree_layers"] > 0
+    assert set(found["identical"]) >= {"routing", "moe_io", "trees", "replay_open"}
+    assert all(found["identical"].values()) and "s3 / local" in out
