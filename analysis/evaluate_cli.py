@@ -20,7 +20,7 @@ from pathlib import Path
 
 import console
 from analysis import quality
-from catalog import Catalog, CatalogError
+from catalog import Catalog, CatalogError, location
 from errors import UserError, fail
 from tasks import benchmarks
 
@@ -28,7 +28,9 @@ from tasks import benchmarks
 def parser() -> argparse.ArgumentParser:
     p = console.ArgumentParser(prog="evaluate", description=__doc__.split("\n\n")[2],
                                examples=__doc__.split("\n\n")[1])
-    p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
+    p.add_argument("--traces", default="traces", help="traces root: a folder or "
+                                                      "s3://bucket/prefix")
+    location.add_storage_options_argument(p)
     p.add_argument("--run", nargs="+", default=None, help="only these runs")
     p.add_argument("--model", default=None, help="only runs of this model")
     p.add_argument("--bench", default=None, help="only runs of this benchmark")
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # the runs, benchmarks and --output are checked before transformers loads
         if args.output is not None and str(args.output) != "-":
             console.check_output(args.output)
+        args.traces = location.from_args(args.traces, args.storage_options)
         catalog = Catalog(args.traces)
         everything = catalog.runs()
         runs = catalog.runs(model=args.model, bench=args.bench, names=args.run)

@@ -441,7 +441,8 @@ def efficiency_frame(root: Path | None, model: str) -> pl.DataFrame | None:
     parts = profile_parts(root, model)
     if not parts:
         return None
-    points = pl.read_parquet(parts[-1])
+    from catalog.location import read_frame
+    points = read_frame([parts[-1]])
     n, k = int(points["num_experts"][0]), int(points["top_k"][0])
     eff = moesd.efficiency(points.select("batch", "gamma", "seconds"))
     coef = moesd.fit(points, n, k)

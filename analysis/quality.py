@@ -17,9 +17,8 @@ import re
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from catalog import Run, atomic, schema
+from catalog import Run, atomic, location, schema
 from tasks import benchmarks, scoring
 
 BUDGET_KEYS = ("budget", "ranking", "coverage", "calibration")
@@ -72,8 +71,8 @@ def find_twin(run: Run, runs: list[Run]) -> Run | None:
 
 def outputs(run: Run) -> dict[int, tuple[str, list[int]]]:
     """prompt index → (prompt id, output token ids)."""
-    t = pq.read_table(run.dir("sequences"), columns=["prompt_index", "prompt_id",
-                                                     "output_token_ids"])
+    t = location.read_table(run.dir("sequences"), columns=["prompt_index", "prompt_id",
+                                                           "output_token_ids"])
     return {i: (p, ids) for i, p, ids in zip(t["prompt_index"].to_pylist(),
                                             t["prompt_id"].to_pylist(),
                                             t["output_token_ids"].to_pylist())}
@@ -112,7 +111,7 @@ def write(run: Run, table: pa.Table) -> None:
     folder = run.dir("quality")
     path = folder / "part-0.parquet"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        location.mkdir(folder)
         atomic.write_table(path, table)
     except atomic.UnsafeTarget:
         raise

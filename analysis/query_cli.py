@@ -15,7 +15,7 @@ import duckdb
 
 import console
 from analysis.sql import connect, damaged_file, run_query, views
-from catalog import atomic
+from catalog import atomic, location
 from errors import UserError, fail
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
                     "columns. The views hold evaluation runs unless --role says otherwise. "
                     "Read-only: queries (SELECT, WITH, EXPLAIN) only.")
     p.add_argument("sql", nargs="?", help="the query")
-    p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
+    p.add_argument("--traces", default="traces", help="traces root: a folder or "
+                                                      "s3://bucket/prefix")
+    location.add_storage_options_argument(p)
     p.add_argument("--role", default="evaluation", choices=("evaluation", "calibration", "all"),
                    help="which runs the views hold (default evaluation: calibration runs are "
                         "not pooled into results unless asked; all: every role, `role` is a "
@@ -42,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
                                                           "(required for parquet)")
     p.add_argument("--max-rows", type=int, default=40, help="rows shown by --format table")
     args = p.parse_args(argv)
+    try:
+        args.traces = location.from_args(args.traces, args.storage_options)
+    except UserError as exc:
+        return fail("query", exc)
     if not args.traces.is_dir():
         return fail("query", f"no traces folder at {args.traces}; run "
                     f"`{console.command('capture')}` first or pass --traces")

@@ -33,7 +33,7 @@ from analysis.frames import (
     speedup_note,
 )
 from analysis.sql import connect, views
-from catalog import Catalog, atomic, dataset_version, partition_value
+from catalog import Catalog, atomic, dataset_version, location, partition_value
 from errors import UserError, fail
 from moe import shapes
 
@@ -351,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                                    report --traces traces --out reports
                                    report --traces traces --role calibration
                                    report --traces traces --threads 2""")
-    p.add_argument("--traces", type=Path, default=Path("traces"), help="traces root")
+    p.add_argument("--traces", default="traces", help="traces root: a folder or "
+                                                      "s3://bucket/prefix")
+    location.add_storage_options_argument(p)
     p.add_argument("--out", type=Path, default=Path("reports"), help="folder for the HTML files")
     p.add_argument("--role", default="evaluation", choices=("evaluation", "calibration", "all"),
                    help="which runs the figures draw (calibration runs are never pooled into "
@@ -363,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     console.threads.apply(args.threads, torch=False)
     roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
     try:
+        args.traces = location.from_args(args.traces, args.storage_options)
         kept = None if args.force else unchanged(args.traces, args.out, roles)
         if kept is not None:
             for path in kept:

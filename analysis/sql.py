@@ -7,6 +7,8 @@
 
 The connection is read-only and confined to the traces folder: DuckDB may read files under
 ``root`` only (no other file, no network, no extension installs), its configuration is locked,
+(a root on an object store, ``s3://bucket/prefix``, is read through the fsspec filesystem of
+:mod:`catalog.location`, registered with DuckDB, and confined to that prefix the same way),
 and :func:`run_query` — what ``query`` and the dashboard's console run user SQL through —
 refuses every statement that is not a query, so a typed ``COPY``, ``ATTACH``, ``CREATE`` or
 ``SET`` can neither write anywhere nor change what other users see.
@@ -30,7 +32,7 @@ import pyarrow as pa
 
 import console
 from analysis import summaries
-from catalog import Catalog, CatalogError, partition_value, reader, schema
+from catalog import Catalog, CatalogError, location, partition_value, reader, schema
 from catalog.results import RESULT_TABLES, complete_blocks
 from errors import UserError
 
@@ -74,8 +76,11 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
             roles: tuple[str, ...] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with a view for every table found under ``root``; ``roles`` limits
     every view to runs of those roles (default: all, with ``role`` as a column)."""
-    root = Path(root)
+    root = location.root(root)
     con = duckdb.connect(database)
+    remote = location.duckdb_filesystem(root)
+    if remote is not None:
+        con.register_filesystem(remote)
     con.execute(f"SET threads = {console.threads.current()}")  # never more than this process's CPUs
     runs, blocks = _catalog_tables(root, roles)
     for name, table in (("_complete_runs", runs), ("_complete_blocks", blocks)):
@@ -87,7 +92,7 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
         if not any(folder.rglob("*.parquet")):
             continue
         reader.check_files(folder, name)  # damaged or retyped parts: refused, naming the file
-        glob = folder.as_posix().replace("'", "''") + "/**/*.parquet"
+        glob = location.display(folder).replace("'", "''") + "/**/*.parquet"
         scan = f"read_parquet('{glob}', hive_partitioning = true, union_by_name = true)"
         if name in RESULT_TABLES:
             body = (f"SELECT t.* FROM {scan} t SEMI JOIN (SELECT b.* FROM _complete_blocks b "
@@ -119,7 +124,7 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
 
 def lock_down(con: duckdb.DuckDBPyConnection, root: Path) -> None:
     """Files under ``root`` only, no network or extension installs, configuration locked."""
-    folder = str(Path(root).resolve()).replace("'", "''")
+    folder = location.allowed_prefix(root).replace("'", "''")
     con.execute(f"SET allowed_directories = ['{folder}']")
     con.execute("SET enable_external_access = false")
     con.execute("SET autoinstall_known_extensions = false")
@@ -185,8 +190,7 @@ def damaged_file(root: str | Path, sql: str, error: duckdb.Error) -> str | None:
     if isinstance(error, (duckdb.ParserException, duckdb.BinderException,
                           duckdb.CatalogException)):
         return None
-    import pyarrow.parquet as pq
-    root = Path(root)
+    root = location.root(root)
     words = set(re.findall(r"[A-Za-z_]+", sql.lower()))
     for name in VIEWS:
         if name not in words:
@@ -194,7 +198,7 @@ def damaged_file(root: str | Path, sql: str, error: duckdb.Error) -> str | None:
         folder = root / summaries.FOLDER / name if name in summaries.TABLES else root / name
         for path in sorted(folder.rglob("*.parquet")):
             try:
-                pq.read_table(path, page_checksum_verification=True)
+                location.read_table(path, page_checksum_verification=True)
             except (pa.ArrowException, OSError) as exc:
                 why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 why = why.replace(str(path), "the file")[:200]

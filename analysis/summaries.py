@@ -39,10 +39,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
-from filelock import FileLock
 
-from catalog import Catalog, CatalogError, Run, atomic, partition_value, reader
+from catalog import Catalog, CatalogError, Run, atomic, location, partition_value, reader
 
 FOLDER = "summaries"
 TABLES = ("summary_tree_layers", "summary_layers")
@@ -75,7 +73,7 @@ def _read_checked(path: str, n: int, k: int, max_nodes: int) -> pa.Table:
     checksums), mistyped, or holding values no capture writes. One thread: the parts are
     already read in parallel processes."""
     try:
-        with pq.ParquetFile(path, page_checksum_verification=True) as part:
+        with location.parquet_file(path, page_checksum_verification=True) as part:
             t = part.read(columns=COLUMNS, use_threads=False)
         reader._expected_types(t, "routing")
     except (pa.ArrowException, OSError, ValueError) as exc:
@@ -195,7 +193,7 @@ def stamp_of(run: Run) -> dict:
 
 
 def _folder(root: Path, table: str, run: Run) -> Path:
-    return (Path(root) / FOLDER / table / f"model={partition_value(run.model)}" /
+    return (location.root(root) / FOLDER / table / f"model={partition_value(run.model)}" /
             f"bench={run.bench}" / f"run={run.name}")
 
 
@@ -271,7 +269,8 @@ def build_run(root: Path, run: Run, workers: int | None = None) -> int:
     """Reduce one complete run's routing to its summaries; returns the tree-layers summarised."""
     n, k = int(run.manifest["num_experts"]), int(run.manifest["top_k"])
     max_nodes = int(run.settings.get("total_tokens", 63))
-    parts = sorted(str(p) for p in run.dir("routing").glob("part-*.parquet"))
+    parts = [p if location.is_remote(p) else str(p)  # remote paths go to the workers as paths
+             for p in sorted(run.dir("routing").glob("part-*.parquet"))]
     jobs = [(p, n, k, max_nodes) for p in parts]
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
     if workers > 1 and len(jobs) > 1:
@@ -329,7 +328,7 @@ def ensure(root: Path, workers: int | None = None, progress=None) -> BuildReport
     extended runs); drop those of runs that no longer exist. ``progress(run_name)`` is called
     before each build. Raises :class:`catalog.CatalogError` (one line) if the traces folder
     cannot be written."""
-    root = Path(root)
+    root = location.root(root)
     report = BuildReport()
     start = time.perf_counter()
     runs = Catalog(root).runs(complete=True)
@@ -337,10 +336,10 @@ def ensure(root: Path, workers: int | None = None, progress=None) -> BuildReport
         if is_fresh(root, run):
             report.fresh += 1
             continue
-        lock_dir = Path(root) / FOLDER
+        lock_dir = root / FOLDER
         try:
-            lock_dir.mkdir(parents=True, exist_ok=True)
-            with FileLock(str(lock_dir / ".build.lock"), timeout=600):
+            location.mkdir(lock_dir)
+            with location.lock(lock_dir / ".build.lock", timeout=600):
                 if is_fresh(root, run):  # another process built it meanwhile
                     report.fresh += 1
                     continue
@@ -358,11 +357,10 @@ def ensure(root: Path, workers: int | None = None, progress=None) -> BuildReport
 
 def _drop_orphans(root: Path, runs: list[Run]) -> None:
     """Summaries of runs that are gone (deleted, or no longer complete) are not shown."""
-    import shutil
     live = {(partition_value(r.model), r.bench, r.name) for r in runs}
     for table in TABLES:
-        base = Path(root) / FOLDER / table
+        base = location.root(root) / FOLDER / table
         for folder in base.glob("model=*/bench=*/run=*"):
             key = (folder.parent.parent.name[6:], folder.parent.name[6:], folder.name[4:])
             if key not in live:
-                shutil.rmtree(folder, ignore_errors=True)
+                location.remove_tree(folder, ignore_errors=True)

@@ -3,6 +3,7 @@
     workbench-app --traces traces                      # http://127.0.0.1:8501, this machine only
     workbench-app --traces traces --host 0.0.0.0       # reachable from the network
     workbench-app --traces traces -- --theme.base dark # anything after -- goes to Streamlit
+    workbench-app --traces s3://bucket/traces          # an object store (AWS_* variables)
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import console
+from catalog import location
+from errors import UserError, fail
 
 
 def parser() -> argparse.ArgumentParser:
@@ -20,7 +23,9 @@ def parser() -> argparse.ArgumentParser:
         description="Start the Streamlit dashboard over a traces folder (captures and replay "
                     "results). Binds to 127.0.0.1 unless --host says otherwise.",
         examples=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--traces", default="traces", help="traces root (default traces/)")
+    p.add_argument("--traces", default="traces",
+                   help="traces root: a folder (default traces/) or s3://bucket/prefix")
+    location.add_storage_options_argument(p)
     p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
@@ -34,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 1 <= args.port <= 65535:
         p.error(f"--port {args.port} is not a port; use 1..65535")
-    if not Path(args.traces).is_dir():
+    try:
+        root = location.from_args(args.traces, args.storage_options)
+    except UserError as exc:
+        return fail("workbench-app", exc)
+    if not root.is_dir():
         print(f"workbench-app: note: no traces folder at {args.traces} yet; the dashboard shows "
               "how to create one", file=sys.stderr)
     from streamlit.web import cli as stcli
@@ -46,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                 "--browser.gatherUsageStats", "false",
                 # a local analysis tool: no "Deploy" button or developer menu in the toolbar
                 "--client.toolbarMode", "viewer", *args.streamlit_args, "--",
-                "--traces", args.traces]
+                "--traces", args.traces,
+                *(["--storage-options", args.storage_options] if args.storage_options else [])]
     return stcli.main()
 
 

@@ -22,15 +22,23 @@ if __package__ in (None, ""):  # run as a script by `streamlit run`
 from app import data, views  # noqa: E402
 
 
-def traces_root() -> Path:
+def traces_root():
+    """The traces root the app was started on: a folder or s3://bucket/prefix
+    (:func:`catalog.location.root`, with ``--storage-options`` installed)."""
+    from catalog import location
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--traces", default=os.environ.get("MOESPEC_TRACES", "traces"))
+    p.add_argument("--storage-options", default=None)
     args, _ = p.parse_known_args(sys.argv[1:])
-    return Path(args.traces)
+    return location.from_args(args.traces, args.storage_options)
 
 
 st.set_page_config(page_title="MoE-Spec workbench", layout="wide")
-root = traces_root()
+try:
+    root = traces_root()
+except ValueError as exc:  # catalog.location.LocationError: one line, no traceback
+    st.error(str(exc))
+    st.stop()
 st.session_state["root"] = root
 dataset, problem = data.current(root)
 if dataset is None:

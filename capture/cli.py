@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 
 import console
 from capture.settings import CaptureError, CaptureSettings, option_flag
-from catalog import ROLES
+from catalog import ROLES, location
 from errors import UserError, fail
 from moe import models
 from tasks import benchmarks
@@ -79,7 +78,8 @@ def parser() -> argparse.ArgumentParser:
                    help="join an existing Ray cluster (e.g. auto, or ray://host:10001); --out "
                         "must be on storage every node sees")
     g = groups["output"]
-    g.add_argument("--out", type=Path, default=Path("traces"), help="traces root")
+    g.add_argument("--out", default="traces", help="traces root: a folder or s3://bucket/prefix")
+    location.add_storage_options_argument(g)
     g.add_argument("--run", default=None,
                    help="run name (default: derived from the settings, so reruns resume)")
     g.add_argument("--role", default="evaluation", choices=ROLES,
@@ -107,7 +107,8 @@ def print_summary(s) -> None:
         ("experts loaded / layer / tree", f"{s.experts_loaded:.1f}"),
         ("bytes on disk", f"{s.bytes_written / 2**20:.1f} MiB"),
         ("wall time", f"{s.seconds:.1f} s"),
-        ("data", str(s.root.resolve())),
+        ("data", location.display(s.root) if location.is_remote(s.root)
+         else str(s.root.resolve())),
     ]
     for k, v in rows:
         t.add_row(k, v)
@@ -128,6 +129,7 @@ def preflight(settings: CaptureSettings, args) -> None:
     """What can be refused before torch and transformers load (seconds): the run name, the
     model (an uncached hub model while offline), the prompts, the calibration runs' role."""
     from catalog import Catalog, CatalogError, InvalidName, check_name
+    args.out = location.from_args(args.out, args.storage_options)
     if args.workers < 0:
         raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
     console.check_output_option(args.output, CaptureError)  # before any work, not after it

@@ -24,6 +24,7 @@ import console
 from capture.background import BackgroundWriter, WriterFailed
 from capture.settings import CaptureError, CaptureSettings
 from capture.target import Target
+from catalog import location
 from catalog.writer import RunWriter
 from cluster import ClusterError, cap_workers, count_workers, init_ray, worker_options
 
@@ -36,7 +37,7 @@ class CaptureWorker:
         import torch
         torch.set_num_threads(threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.target = Target.load(settings, Path(out), prompts)
+        self.target = Target.load(settings, location.root(out), prompts)
         self.writer = RunWriter(out, self.target.loaded.name, settings.bench, run)
         self.run, self.role, self.prompts = run, role, prompts
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from capture.background import BackgroundWriter, WriterFailed
 from capture.settings import CaptureError, CaptureSettings
 from capture.target import Target, prompt_ids
-from catalog import Catalog, CatalogError, InvalidName, check_name, schema
+from catalog import Catalog, CatalogError, InvalidName, check_name, location, schema
 from catalog.writer import RunWriter, as_stored
 from moe import models
 from policy import rankings
@@ -261,10 +261,9 @@ class CaptureSummary:
 def summarise(writer: RunWriter, model: str, bench: str, run: str, resumed: int,
               seconds: float, load_seconds: float) -> CaptureSummary:
     """Figures of the whole run, read back from what is on disk (resumed prompts included)."""
-    import pyarrow.parquet as pq
-    trees = pq.read_table(writer.table_dir("trees"),
-                          columns=["accepted_length", "unique_experts", "experts_loaded"])
-    seqs = pq.read_table(writer.table_dir("sequences"), columns=["prompt_index"])
+    trees = location.read_table(writer.table_dir("trees"),
+                                columns=["accepted_length", "unique_experts", "experts_loaded"])
+    seqs = location.read_table(writer.table_dir("sequences"), columns=["prompt_index"])
     mean_of = lambda col: float(np.mean([np.mean(v) for v in trees[col].to_pylist()])) \
         if trees.num_rows else 0.0  # noqa: E731
     return CaptureSummary(writer.root, model, bench, run, seqs.num_rows, resumed, trees.num_rows,

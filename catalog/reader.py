@@ -15,9 +15,8 @@ from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from catalog import schema
+from catalog import location, schema
 from catalog.runs import CatalogError, Run
 
 ROUTING_COLUMNS = ["prompt_id", "step", "layer", "node", "router_probs", "topk_ids",
@@ -98,7 +97,7 @@ def read_parts(run: Run, table: str, prompt_index: int, columns: list[str],
     tables = []
     for path in parts:
         try:
-            t = pq.read_table(path, columns=columns, page_checksum_verification=True)
+            t = location.read_table(path, columns=columns, page_checksum_verification=True)
             tables.append(_expected_types(t, table))
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise CatalogError(f"{path}: corrupt or unreadable {table} part "
@@ -132,9 +131,9 @@ def check_files(folder: Path, table: str) -> None:
     call this so a damaged or retyped file is refused instead of silently coerced."""
     if table not in schema.TABLES:
         return
-    for path in sorted(Path(folder).rglob("*.parquet")):
+    for path in sorted(location.root(folder).rglob("*.parquet")):
         try:
-            found = pq.read_schema(path)
+            found = location.read_schema(path)
             known = [n for n in found.names if n in schema.TABLES[table].names]
             _expected_types(found.empty_table().select(known), table)
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
@@ -203,7 +202,8 @@ def prompt_chunks(run: Run, prompt_index: int, *, with_io: bool = True) \
                 raise CatalogError(f"{io_part} is missing (every routing part has its moe_io "
                                    "part); the trace was damaged, recapture the run")
             try:
-                empty = pq.ParquetFile(io_part).metadata.num_rows == 0
+                with location.parquet_file(io_part) as f:
+                    empty = f.metadata.num_rows == 0
             except (pa.ArrowException, OSError) as exc:
                 raise CatalogError(f"{io_part}: corrupt or unreadable moe_io part "
                                    f"({_reason(exc, io_part)}); recapture the run") from exc

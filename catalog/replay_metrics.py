@@ -57,6 +57,7 @@ class Metric(NamedTuple):
 
 OPEN_TABLE, CLOSED_TABLE = "replay_open", "replay_closed"
 BATCH_TABLE = "replay_batch"  # open loop over (virtual) batches: one row per pass × layer
+CLOSED_BATCH_TABLE = "replay_closed_batch"  # closed loop over batches: one row per tree
 
 METRICS: dict[str, tuple[Metric, ...]] = {
     # per (tree, layer, ranking, coverage, budget)
@@ -85,10 +86,14 @@ METRICS: dict[str, tuple[Metric, ...]] = {
 # a batch's pass is one merged tree-layer (replay.virtual_batch): the open-loop metrics, over
 # all Σ M_i tokens of its trees
 METRICS[BATCH_TABLE] = METRICS[OPEN_TABLE]
+# closed loop over (virtual) batches: a pass's trees re-verified together under one shortlist per
+# layer; the closed-loop metrics per tree (experts_loaded: the pass's, shared by its trees)
+METRICS[CLOSED_BATCH_TABLE] = METRICS[CLOSED_TABLE]
 
 # Bumped whenever a table's metric columns (names or types) change; part of every result unit's
 # key (catalog.results), so blocks of an older layout are recomputed, never mixed with new ones.
-LAYOUT_VERSION: dict[str, int] = {OPEN_TABLE: 1, CLOSED_TABLE: 1, BATCH_TABLE: 1}
+LAYOUT_VERSION: dict[str, int] = {OPEN_TABLE: 1, CLOSED_TABLE: 1, BATCH_TABLE: 1,
+                                  CLOSED_BATCH_TABLE: 1}
 # :func:`fingerprint` of each (table, version): tests/test_replay_metrics.py fails when the
 # declared columns differ from their version's, so a layout never changes without a bump (a new
 # version adds its line here)
@@ -96,6 +101,7 @@ FINGERPRINTS: dict[tuple[str, int], str] = {
     (OPEN_TABLE, 1): "8f953f9016955a70",
     (CLOSED_TABLE, 1): "5b7c7fb80a18f8ed",
     (BATCH_TABLE, 1): "8f953f9016955a70",
+    (CLOSED_BATCH_TABLE, 1): "5b7c7fb80a18f8ed",
 }
 
 

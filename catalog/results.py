@@ -13,28 +13,28 @@ of layers × budgets (open loop) or budgets (closed loop) and is ``running`` unt
 is written, then ``complete``. A request for some layers × budgets computes only the cells no
 complete block holds, as new blocks, so the same cell is never stored twice and ``--budget 24``
 after a sweep recomputes nothing. Results of an older capture (another ``run_id``) or of an
-interrupted block that is not being resumed are deleted, never reused. A file lock per unit
-folder keeps two replays from writing the same unit at once.
+interrupted block that is not being resumed are deleted, never reused. A lock per unit folder
+(a file lock, or a lease on an object store: :func:`catalog.location.lock`) keeps two replays
+from writing the same unit at once.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from filelock import FileLock, Timeout
+from filelock import Timeout
 
-from catalog import atomic, replay_metrics
+from catalog import atomic, location, replay_metrics
 from catalog.names import check_name
 from catalog.runs import CatalogError, Run, run_dir
 from catalog.schema import RESULT_CONFIG
 
 RESULT_TABLES = (replay_metrics.OPEN_TABLE, replay_metrics.CLOSED_TABLE,
-                 replay_metrics.BATCH_TABLE)
+                 replay_metrics.BATCH_TABLE, replay_metrics.CLOSED_BATCH_TABLE)
 
 
 def layout_key(table: str, unit: dict) -> dict:
@@ -79,9 +79,9 @@ class Block:
                     prompts=self.prompts)
 
 
-def unit_lock(folder: Path) -> FileLock:
+def unit_lock(folder: Path):
     """The lock of the unit in ``folder`` (``…/config=<hash>``), kept beside it."""
-    return FileLock(str(folder.parent / f".{folder.name}.lock"))
+    return location.lock(folder.parent / f".{folder.name}.lock")
 
 
 class UnitResults:
@@ -122,7 +122,7 @@ class UnitResults:
         return [b for b in self.blocks() if b.status == "complete" and b.prompts == current]
 
     def _write(self, blocks: list[Block]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
+        location.mkdir(self.folder)
         atomic.write_json(self.folder / RESULT_CONFIG, dict(
             unit=self.unit, run=self.run.name, run_id=self.run.run_id, table=self.table,
             blocks=[b.as_dict() for b in blocks]))
@@ -138,7 +138,7 @@ class UnitResults:
         that are not resumed; a resumable block keeps its finished prompts."""
         state = self._read()
         if state is not None and state.get("run_id") != self.run.run_id:
-            shutil.rmtree(self.folder)  # computed from a capture that no longer exists
+            location.remove_tree(self.folder)  # computed from a capture that no longer exists
             state = None
         existing = state["blocks"] if state else []
         current = self.run.prompt_indices()
@@ -159,7 +159,7 @@ class UnitResults:
         resumed = {b.id for b in todo}
         for b in existing:
             if b.status != "complete" and b.id not in resumed:
-                shutil.rmtree(self.block_dir(b), ignore_errors=True)
+                location.remove_tree(self.block_dir(b), ignore_errors=True)
         self._write(keep + todo)
         return todo
 
@@ -169,7 +169,7 @@ class UnitResults:
 
     def write_part(self, block: Block, prompt_index: int, table) -> None:
         folder = self.block_dir(block)
-        folder.mkdir(parents=True, exist_ok=True)
+        location.mkdir(folder)
         atomic.write_table(folder / f"part-{prompt_index:06d}.parquet", table)
 
     def finish(self, block: Block) -> None:
@@ -215,7 +215,7 @@ class UnitResults:
             except Timeout:
                 continue
             try:
-                shutil.rmtree(path.parent, ignore_errors=True)
+                location.remove_tree(path.parent, ignore_errors=True)
                 dropped.append(path.parent)
             finally:
                 lock.release()
@@ -225,7 +225,7 @@ class UnitResults:
     def locked(self, timeout: float = 0.5):
         """Hold the unit's lock for the block, or fail in one clear line when another replay
         holds it."""
-        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        location.mkdir(self.folder.parent)
         try:
             self.lock.acquire(timeout=timeout)
         except Timeout:
@@ -243,7 +243,7 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
     metric layout: :func:`current_layout`). A torn or foreign config is left out too, with one
     line saying so appended to ``skipped``."""
     rows = []
-    for path in sorted(Path(root).glob(f"{table}/model=*/bench=*/run=*/config=*/{RESULT_CONFIG}")):
+    for path in sorted(location.root(root).glob(f"{table}/model=*/bench=*/run=*/config=*/{RESULT_CONFIG}")):
         try:
             state = json.loads(path.read_text())
             blocks = state["blocks"]

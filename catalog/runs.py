@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from catalog import schema
+from catalog import location, schema
 from catalog.names import InvalidName, check_name, partition_value
 from errors import UserError
 
@@ -31,18 +31,20 @@ class CatalogError(UserError, RuntimeError):
 
 def run_dir(root: Path, table: str, model: str, bench: str, run: str) -> Path:
     """The one place partition paths are built: ``<root>/<table>/model=…/bench=…/run=…``."""
-    return Path(root) / table / f"model={partition_value(model)}" / f"bench={bench}" / f"run={run}"
+    return location.root(root) / table / f"model={partition_value(model)}" / f"bench={bench}" / \
+        f"run={run}"
 
 
 def profile_dir(root: Path, model: str, device: str) -> Path:
     """Where ``profile-target`` stores a model's timings on one device type (``cpu``, ``cuda``):
     ``<root>/profile/model=…/device=…`` (:data:`catalog.schema.PROFILE`)."""
-    return Path(root) / schema.PROFILE_TABLE / f"model={partition_value(model)}" / f"device={device}"
+    return location.root(root) / schema.PROFILE_TABLE / f"model={partition_value(model)}" / \
+        f"device={device}"
 
 
 def profile_parts(root: Path, model: str) -> list[Path]:
     """The stored profiles of ``model``, one per device type, sorted by device."""
-    return sorted(p for p in (Path(root) / schema.PROFILE_TABLE /
+    return sorted(p for p in (location.root(root) / schema.PROFILE_TABLE /
                               f"model={partition_value(model)}").glob(f"device=*/{WHOLE_PART}"))
 
 
@@ -51,7 +53,8 @@ def batch_profile_dir(root: Path, table: str, model: str, bench: str, run: str) 
     ``<root>/<table>/model=…/bench=…/run=…``."""
     if table not in schema.BATCH_PROFILE_TABLES:
         raise ValueError(f"{table!r} is not a profile-batch table")
-    return Path(root) / table / f"model={partition_value(model)}" / f"bench={bench}" / f"run={run}"
+    return location.root(root) / table / f"model={partition_value(model)}" / f"bench={bench}" / \
+        f"run={run}"
 
 
 # --- part files: the one place their names are built and parsed ------------------------------
@@ -74,7 +77,7 @@ def prompt_of_part(path: Path) -> int:
     """The prompt index in a part's name (:func:`part_name`); a file named otherwise is not one
     capture writes."""
     try:
-        return int(Path(path).name.split("-")[1])
+        return int((path if hasattr(path, "name") else Path(path)).name.split("-")[1])
     except (IndexError, ValueError):
         raise CatalogError(f"{path} is not a part capture writes (part-<prompt>-<chunk>.parquet)"
                            "; remove it or recapture the run") from None
@@ -92,7 +95,7 @@ def write_manifest(root: Path, manifest: dict) -> Path:
         raise ValueError(f"a manifest needs {', '.join(missing)}")
     path = run_dir(root, "runs", manifest["model"], manifest["bench"], manifest["run"]) / \
         schema.MANIFEST
-    path.parent.mkdir(parents=True, exist_ok=True)
+    location.mkdir(path.parent)
     atomic.write_json(path, manifest)
     return path
 
@@ -252,7 +255,7 @@ class Catalog:
     """Every run under one traces root."""
 
     def __init__(self, root: str | Path):
-        self.root = Path(root)
+        self.root = location.root(root)
 
     def manifests(self) -> list[Path]:
         return sorted(self.root.glob(f"runs/model=*/bench=*/run=*/{schema.MANIFEST}"))
@@ -307,12 +310,8 @@ def dataset_version(root: Path) -> str:
     The dashboard keys its caches by it and ``report`` skips a report whose traces did not
     change."""
     import hashlib
-    import os
     h = hashlib.sha256()
-    for dirpath, dirs, files in os.walk(root):
-        dirs.sort()
-        for f in sorted(files):
-            if f.endswith((".parquet", "_manifest.json", "config.json")):
-                st_ = os.stat(os.path.join(dirpath, f))
-                h.update(f"{dirpath}/{f}:{st_.st_size}:{st_.st_mtime_ns}".encode())
+    for name, size, version in location.listing(location.root(root)):
+        if name.endswith((".parquet", "_manifest.json", "config.json")):
+            h.update(f"{name}:{size}:{version}".encode())
     return h.hexdigest()[:16]

@@ -182,6 +182,15 @@ REPLAY_TABLES: dict[str, pa.Schema] = {
                            pa.field("batch_size", pa.int16()),  # b asked (virtual or captured)
                            pa.field("trees", pa.int16())]  # trees verified in the pass (≤ b)
         + _REPLAY_KEY[3:] + replay_metrics.fields(replay_metrics.BATCH_TABLE)),
+    # one row per (tree, ranking, coverage, budget) of closed loop over (virtual) batches: the
+    # tree's own prompt and step, and the pass that verified it with the other trees of its
+    # batch under one shortlist per layer (replay/closed_loop.py)
+    replay_metrics.CLOSED_BATCH_TABLE: pa.schema(
+        _REPLAY_KEY[:3] + [pa.field("batch_size", pa.int16()),  # b asked (virtual or captured)
+                           pa.field("batch", pa.int32()),  # the (virtual) batch: its number
+                           pa.field("batch_pass", pa.int32()),  # the pass (virtual: the step)
+                           pa.field("trees", pa.int16())]  # trees verified in the pass (≤ b)
+        + _REPLAY_KEY[3:] + replay_metrics.fields(replay_metrics.CLOSED_BATCH_TABLE)),
 }
 
 RUNS_SCHEMA = pa.schema([

@@ -12,6 +12,8 @@ Capture, the synthetic runs of the benchmarks and the tests all write traces thr
   ``"complete"`` (after the one-row ``runs`` part), so a run is never mistaken for complete.
   Rerunning with a different role or settings is refused; a run started from scratch gets a new
   ``run_id``, so results computed from an older capture of the same name are never reused.
+* One writer at a time: a file lock beside a local run, a lease object on an object store
+  (:func:`catalog.location.lock`: conditional put, renewed while held).
 
 Refusals are :class:`catalog.runs.CatalogError`, one line for the user.
 """
@@ -20,13 +22,14 @@ from __future__ import annotations
 
 import json
 import uuid
+from fnmatch import fnmatch
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-from filelock import FileLock, Timeout
+from filelock import Timeout
 
-from catalog import atomic, schema
+from catalog import atomic, location, schema
 from catalog.runs import (
     PART_GLOB,
     WHOLE_PART,
@@ -52,7 +55,7 @@ class RunWriter:
     """The tables of one run (``model``/``bench``/``run``) under the traces root ``root``."""
 
     def __init__(self, root: str | Path, model: str, bench: str, run: str):
-        self.root = Path(root)
+        self.root = location.root(root)
         self.model, self.bench, self.run = model, bench, run
 
     def table_dir(self, table: str) -> Path:
@@ -72,20 +75,25 @@ class RunWriter:
 
     def lock(self) -> None:
         """Hold the run's lock until :meth:`close`: one writer writes a run at a time (a second
-        one would delete the first one's in-flight files when it cleans up)."""
+        one would delete the first one's in-flight files when it cleans up). On an object
+        store the lock is a lease (:class:`catalog.location.Lease`)."""
         folder = self.table_dir("runs")
         try:
-            folder.mkdir(parents=True, exist_ok=True)
+            location.mkdir(folder)
         except OSError as exc:
             raise CatalogError(f"cannot create {self.root}: {exc.strerror}; choose a writable "
                                "--out") from exc
-        self._lock = FileLock(str(folder / ".lock"))
+        self._lock = location.lock(folder / ".lock")
         try:
             self._lock.acquire(timeout=0)
         except Timeout:
+            held = self._lock.describe() if location.is_remote(folder) else \
+                f"{folder / '.lock'} is held"
             raise CatalogError(f"run {self.run!r} is being written by another capture right now "
-                               f"({folder / '.lock'} is held); wait for it to finish or pass "
-                               "another --run") from None
+                               f"({held}); wait for it to finish or pass another --run") from None
+        except OSError as exc:  # an object store refusing the lease (permissions, network)
+            raise CatalogError(f"cannot take the lease {folder / '.lock'}: {exc}; check the "
+                               "credentials or choose a writable --out") from None
 
     def close(self) -> None:
         lock = getattr(self, "_lock", None)
@@ -106,7 +114,7 @@ class RunWriter:
                                        f"--run or the same {key}")
         try:
             for table in (*schema.TRACE_TABLES, "runs"):
-                self.table_dir(table).mkdir(parents=True, exist_ok=True)
+                location.mkdir(self.table_dir(table))
         except OSError as exc:
             raise CatalogError(f"cannot create {self.root}: {exc.strerror}; choose a writable "
                                "--out") from exc
@@ -136,9 +144,9 @@ class RunWriter:
 
     def _clean_incomplete(self, done: set[int]) -> None:
         for table in schema.TRACE_TABLES:
-            for p in self.table_dir(table).iterdir():
+            for p in location.iterdir(self.table_dir(table)):
                 stale = p.name.endswith(".tmp") or (
-                    p.match(PART_GLOB) and prompt_of_part(p) not in done)
+                    fnmatch(p.name, PART_GLOB) and prompt_of_part(p) not in done)
                 if stale:
                     p.unlink()
 
@@ -153,8 +161,8 @@ class RunWriter:
         self.write_manifest({**manifest, "status": "complete"})
 
     def bytes_written(self) -> int:
-        return sum(p.stat().st_size for t in (*schema.TRACE_TABLES, "runs")
-                   for p in self.table_dir(t).glob("*") if p.is_file())
+        return sum(size for t in (*schema.TRACE_TABLES, "runs")
+                   for name, size, _ in location.listing(self.table_dir(t)) if "/" not in name)
 
 
 def runs_row(manifest: dict) -> dict:
@@ -178,7 +186,7 @@ def write_profile(root: Path, model: str, device: str, points: pa.Table) -> Path
     """Store ``profile-target``'s points (:data:`catalog.schema.PROFILE` columns) for ``model``
     on ``device``, replacing the profile there; returns its folder."""
     folder = profile_dir(root, model, device)
-    folder.mkdir(parents=True, exist_ok=True)
+    location.mkdir(folder)
     atomic.write_table(folder / WHOLE_PART, points.select(schema.PROFILE.names)
                        .cast(schema.PROFILE))
     return folder

@@ -21,11 +21,16 @@ Draft trees are built for the whole batch at once (:func:`eagle.tree.build_trees
 forward per tree level for all sequences, each draft cache padded and masked), and the target
 forward is batched. At T = 0 every sequence's output is the
 one it gets at b = 1 (``tests/test_batched.py``, every embedded family, b ∈ {2, 4, 8}).
+
+The batched forward itself (:func:`verify_batch`: masks and positions from :func:`tree_masks`,
+over a padded cache built by :func:`stack_caches`) is also what closed-loop replay over batches
+re-verifies captured trees with (``replay.closed_loop``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -88,22 +93,9 @@ class BatchedDecoder:
 
     # --- the padded batch cache -----------------------------------------------------------------
     @staticmethod
-    def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
-        if x.shape[-2] >= length:
-            return x
-        pad = x.new_zeros(*x.shape[:-2], length - x.shape[-2], x.shape[-1])
-        return torch.cat([x, pad], dim=-2)
-
-    def _join(self, cache, single) -> object:
-        """Append a prefilled sequence's cache (batch 1) as the last row of the batch cache."""
-        if cache is None:
-            return single
-        length = max(cache.layers[0].keys.shape[-2], single.layers[0].keys.shape[-2])
-        for mine, theirs in zip(cache.layers, single.layers):
-            mine.keys = torch.cat([self._pad(mine.keys, length), self._pad(theirs.keys, length)])
-            mine.values = torch.cat([self._pad(mine.values, length),
-                                     self._pad(theirs.values, length)])
-        return cache
+    def _join(cache, single) -> object:
+        """The batch cache with a prefilled sequence's cache (batch 1) as its last row."""
+        return single if cache is None else stack_caches([cache, single])
 
     @staticmethod
     def _keep_rows(cache, rows: list[int]) -> None:
@@ -128,36 +120,6 @@ class BatchedDecoder:
                 b, h, _, d = x.shape
                 setattr(layer, name, x.gather(2, index[:, None, :, None].expand(b, h, length, d)))
 
-    # --- masks ----------------------------------------------------------------------------------
-    def _mask(self, trees: list[DraftTree | None], prefixes: list[int], width: int,
-              dtype: torch.dtype):
-        """Additive ``[b, 1, M, width + M]`` (or {layer type: mask} with a sliding window)."""
-        device = self.decoder.device
-        m = 1 if trees[0] is None else trees[0].size
-        b = len(trees)
-        prefix = torch.tensor(prefixes, device=device)
-        cols = torch.arange(width, device=device)
-        allowed = torch.zeros(b, m, width + m, dtype=torch.bool, device=device)
-        allowed[:, :, :width] = (cols[None, :] < prefix[:, None])[:, None, :]
-        depth = torch.zeros(b, m, dtype=torch.long, device=device)
-        for i, tree in enumerate(trees):
-            if tree is None:
-                allowed[i, :, width:] = True
-            else:
-                allowed[i, :, width:] = tree.ancestors
-                depth[i] = tree.depth
-        query = prefix[:, None] + depth  # [b, M] positions
-
-        def additive(ok):
-            return _additive(ok, dtype)
-
-        if self.window is None:
-            return additive(allowed), query
-        key = torch.cat([cols[None].expand(b, -1), query], 1)  # [b, width + M]
-        recent = key[:, None, :] > query[:, :, None] - self.window
-        return {"full_attention": additive(allowed),
-                "sliding_attention": additive(allowed & recent)}, query
-
     # --- the loop -------------------------------------------------------------------------------
     @torch.no_grad()
     def run(self, prompts: Iterable[tuple[object, list[int]]], *, max_new_tokens: int = 256,
@@ -174,7 +136,6 @@ class BatchedDecoder:
         free = list(range(self.batch_size))
         cache = None
         tree_size = 1 if autoregressive else dec.tree_settings.total_tokens
-        dtype = next(dec.target.parameters()).dtype
         index = 0
         while queue or active:
             while queue and free:  # continuous batching: fill every free slot
@@ -211,14 +172,12 @@ class BatchedDecoder:
             t1 = time.perf_counter()
             width = cache.layers[0].keys.shape[-2]
             prefixes = [s.prefix for s in active]
-            mask, positions = self._mask(trees, prefixes, width, dtype)
-            tokens = torch.tensor([[s.root] for s in active], device=dec.device) \
-                if autoregressive else torch.stack([t.tokens for t in trees])
+            roots = torch.tensor([[s.root] for s in active], device=dec.device) \
+                if autoregressive else None
             ctx = self.verify_context(index, trees, prefixes) if self.verify_context \
                 else contextlib.nullcontext()
             with ctx, dec.tap.active():
-                out = dec.target(input_ids=tokens, position_ids=positions, attention_mask=mask,
-                                 cache=cache, use_cache=True)
+                out = verify_batch(dec.target, cache, trees, prefixes, self.window, roots)
                 feats = dec.tap.features()
             cache = out.cache
             logits = out.logits
@@ -296,13 +255,14 @@ class BatchedDecoder:
             "full_attention": _additive(allowed, dtype),
             "sliding_attention": _additive(allowed & (pos[None, :] > pos[:, None] - self.window),
                                            dtype)}
+        # the LM head only at the prompts' last positions (``keep``; row i's is ``column[i]``)
+        keep, column = torch.unique(lengths - 1, return_inverse=True)
         with dec.tap.active():
             out = dec.target(input_ids=ids, position_ids=pos[None].expand(len(ids), -1),
                              attention_mask=mask, cache=verify.new_cache(dec.target),
-                             use_cache=True)
+                             use_cache=True, logits_to_keep=keep)
             feats = dec.tap.features()
-        last = lengths - 1
-        return (list(out.logits[torch.arange(len(ids), device=device), last]),
+        return (list(out.logits[torch.arange(len(ids), device=device), column]),
                 [feats[i, :n] for i, n in enumerate(lengths.tolist())], out.cache)
 
     def _admit(self, entries, free, eos, max_new_tokens, seed):
@@ -340,6 +300,80 @@ class BatchedDecoder:
         s.result.output_ids = s.out
         s.result.stop_reason = reason
         s.result.seconds = time.perf_counter() - s.start
+
+
+def verify_batch(target, cache, trees: list[DraftTree | None], prefixes: list[int],
+                 window: int | None, tokens: torch.Tensor | None = None):
+    """One target forward over b trees, sequence i after its ``P_i`` committed tokens in row i of
+    the padded batch ``cache`` (:func:`stack_caches`): inputs ``[b, M]`` (the trees' tokens, or
+    ``tokens`` for an autoregressive pass), mask and positions from :func:`tree_masks`. Returns
+    the model's output (``logits [b, M, V]``; the cache grows by the M tree columns). MoE hooks
+    see all ``b · M`` tokens, row-major, in one call per layer."""
+    dtype = next(target.parameters()).dtype
+    width = cache.layers[0].keys.shape[-2]
+    device = cache.layers[0].keys.device
+    mask, positions = tree_masks(trees, prefixes, width, dtype, window, device)
+    if tokens is None:
+        tokens = torch.stack([t.tokens for t in trees])
+    return target(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
+                  use_cache=True)
+
+
+def stack_caches(caches: list) -> object:
+    """A new cache whose batch rows are those of ``caches`` in order, each padded with zero
+    columns to the longest (padding is always masked). The given caches are left as they are:
+    the new one holds new tensors, or, for a single cache already as long, the same ones (a
+    forward on it grows it by concatenation, never in place)."""
+    length = max(c.layers[0].keys.shape[-2] for c in caches)
+    out = copy.copy(caches[0])
+    out.layers = [copy.copy(layer) for layer in caches[0].layers]
+    for i, layer in enumerate(out.layers):
+        for name in ("keys", "values"):  # MLA: values and keys differ in head size
+            parts = [_pad(getattr(c.layers[i], name), length) for c in caches]
+            setattr(layer, name, parts[0] if len(parts) == 1 else torch.cat(parts))
+    return out
+
+
+def _pad(x: torch.Tensor, length: int) -> torch.Tensor:
+    """``x [..., L, d]`` with zero rows appended up to ``length``."""
+    if x.shape[-2] >= length:
+        return x
+    pad = x.new_zeros(*x.shape[:-2], length - x.shape[-2], x.shape[-1])
+    return torch.cat([x, pad], dim=-2)
+
+
+def tree_masks(trees: list[DraftTree | None], prefixes: list[int], width: int,
+               dtype: torch.dtype, window: int | None, device):
+    """The batched verification forward's attention mask and positions, for b trees (None: an
+    autoregressive pass, one token) over a padded cache of ``width`` columns: additive
+    ``[b, 1, M, width + M]`` with sequence i's prefix columns ``c < P_i`` and each node's ancestors
+    visible (with ``window``, a mapping {layer type: mask} whose sliding-window mask also hides
+    keys at positions ``≤ query − window``), and positions ``P_i + depth`` ``[b, M]``. At b = 1
+    with ``width = P`` it is :func:`eagle.verify.tree_attention_mask`'s mask."""
+    m = 1 if trees[0] is None else trees[0].size
+    b = len(trees)
+    prefix = torch.tensor(prefixes, device=device)
+    cols = torch.arange(width, device=device)
+    allowed = torch.zeros(b, m, width + m, dtype=torch.bool, device=device)
+    allowed[:, :, :width] = (cols[None, :] < prefix[:, None])[:, None, :]
+    depth = torch.zeros(b, m, dtype=torch.long, device=device)
+    for i, tree in enumerate(trees):
+        if tree is None:
+            allowed[i, :, width:] = True
+        else:
+            allowed[i, :, width:] = tree.ancestors
+            depth[i] = tree.depth
+    query = prefix[:, None] + depth  # [b, M] positions
+
+    def additive(ok):
+        return _additive(ok, dtype)
+
+    if window is None:
+        return additive(allowed), query
+    key = torch.cat([cols[None].expand(b, -1), query], 1)  # [b, width + M]
+    recent = key[:, None, :] > query[:, :, None] - window
+    return {"full_attention": additive(allowed),
+            "sliding_attention": additive(allowed & recent)}, query
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import console
-from catalog import ROLES
+from catalog import ROLES, location
 from errors import UserError, fail
 from policy import index
 from replay import modes
@@ -22,6 +22,7 @@ replay --ranking oracle --budget 24
 replay --ranking router oracle --budget 8:56:8 --coverage substitution
 replay --ranking static router oracle coact --budget sweep --calibration cal
 replay --mode closed --ranking router --budget 16,32,48 --threads 4
+replay --mode closed --ranking router sqmass --budget 16,32 --batch-size 8   # one shortlist per pass
 replay --config sweep.toml --output summary.csv     # every summary row (.json, .csv, .parquet)
 """
 
@@ -36,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
                     "budget in every MoE layer. Results go to Parquet beside the traces; cells "
                     "already replayed are reused, never stored twice.")
     p.add_config_option()
-    p.add_argument("--traces", type=Path, default=Path("traces"), help="captured traces root")
+    p.add_argument("--traces", default="traces",
+                   help="captured traces root: a folder or s3://bucket/prefix")
     p.add_argument("--model", default=None,
                    help="only runs of this model (default: the model of the runs found)")
     p.add_argument("--bench", default=None, help="only runs of this benchmark")
@@ -66,11 +68,14 @@ def parser() -> argparse.ArgumentParser:
                    help="budgets across a batch: one shortlist per verification pass of b trees "
                         "(runs captured at b = 1: prompts grouped into virtual batches of b by "
                         "--batch-seed, trees of the same decoding step together; runs captured "
-                        "with --batch-size b: their real passes); open loop, results in "
-                        "replay_batch")
+                        "with --batch-size b: their real passes); open loop: one row per pass "
+                        "× layer in replay_batch; closed loop: each pass's trees re-verified in "
+                        "one batched forward, one row per tree in replay_closed_batch")
     p.add_argument("--batch-seed", type=int, default=0,
                    help="seed of the virtual batches' grouping")
-    p.add_argument("--out", type=Path, default=None, help="results root (default --traces)")
+    p.add_argument("--out", default=None, help="results root (default --traces; a folder or "
+                                               "s3://bucket/prefix)")
+    location.add_storage_options_argument(p)
     p.add_argument("--device", default="auto",
                    help="auto (CUDA if present), cpu, cuda, cuda:N: where the whole engine runs")
     p.add_argument("--dtype", default="captured",
@@ -132,6 +137,9 @@ def preflight(args):
     catalog, the runs, the budgets (when the manifests name N) and the layers."""
     from catalog import Catalog
     from replay.plan import ReplayError, parse_budgets
+    args.traces = location.from_args(args.traces, args.storage_options)
+    if args.out is not None:
+        args.out = location.root(args.out)
     for flag, value, low in (("--batch", args.batch, 1), ("--workers", args.workers, 0),
                              ("--batch-size", args.batch_size, 1)):
         if value is not None and value < low:

@@ -10,22 +10,38 @@ does at run time), and records
     accepted length under the budget vs captured, whether the accepted path (and bonus token) is
     unchanged, top-1 agreement over the tree's nodes, mean_t KL(p_t ‖ p_t^B) over nodes.
 
-A stateful ranking keeps one state per (task, budget) across the trees of a prompt, as it would
-at run time.
+**Over batches** (``replay --mode closed --batch-size b``, table ``replay_closed_batch``): the
+trees of one (virtual or real) verification pass (:mod:`replay.virtual_batch`) are re-verified
+together in ONE batched target forward (:func:`eagle.batched.verify_batch`: each tree over its
+own prompt's cache row, with its own tree mask and positions). The MoE hooks then see all
+``Σ M_i`` tree tokens of the pass in one call per layer, so each layer's shortlist is ranked on
+the router scores of every tree token of the pass, exactly as capture's online budget does
+(``capture --batch-size b --budget B``, the same :class:`moe.recorder.VerifyRecorder`):
+
+    S_l = shortlist_B( {g_t : t ∈ trees of the pass} )       one per (pass, layer)
+
+MoE tokens interact only through S_l, so each tree's metrics are computed from its own rows of
+the batched logits, as at b = 1; ``experts_loaded`` is then the pass's (the union every tree of
+the pass shares). Each tree's cache over its committed prefix is built alone, without a budget
+(the captured tokens), as at b = 1. b = 1 is the same code with one tree per pass (``ClosedLoop``:
+each prompt a group of its own, a pass its step), bit for bit the per-tree replay.
+
+A stateful ranking keeps one state per (task, budget) across the passes of a group (a prompt at
+b = 1, a batch at b > 1), reset before each group, as it would at run time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
-from catalog import replay_metrics, schema
+from catalog import location, schema
 from catalog.results import Block, UnitResults
 from catalog.runs import CatalogError, Run
-from eagle import acceptance, verify
+from eagle import acceptance, batched, verify
 from eagle.tree import DraftTree
 from moe.adapter import MoEAdapter
 from moe.recorder import VerifyRecorder
@@ -61,7 +77,7 @@ def check_replayable(run: Run) -> None:
 
 def _prompt_tables(run: Run, prompt: int):
     def read(table, cols):
-        return pq.read_table([str(p) for p in run.parts(table, prompt)], columns=cols)
+        return location.read_table(run.parts(table, prompt), columns=cols)
     seq = read("sequences", ["prompt_token_ids", "output_token_ids"]).to_pylist()[0]
     trees = read("trees", ["step", "prefix_len", "accepted_length"]).sort_by("step").to_pylist()
     nodes = read("nodes", ["step", "node", "parent", "depth", "token_id", "draft_logprob",
@@ -86,47 +102,98 @@ def _trees_by_step(nodes: dict, device) -> dict[int, tuple[DraftTree, list[int]]
     return out
 
 
+class PromptState:
+    """One prompt of a group: its captured trees, and the target's cache over its committed
+    tokens, extended (without a budget) up to each tree's prefix as its passes come."""
+
+    def __init__(self, run: Run, prompt: int, device):
+        seq, self.trees, nodes = _prompt_tables(run, prompt)
+        self.index = prompt
+        self.id = run.manifest["prompt_ids"][prompt - run.settings["offset"]]
+        self.by_step = _trees_by_step(nodes, device)
+        self.committed = seq["prompt_token_ids"] + seq["output_token_ids"]
+        self.device = device
+        self.cache, self.cached = None, 0
+
+    def cache_at(self, model, prefix: int):
+        """The cache over the first ``prefix`` committed tokens."""
+        if self.cache is None:
+            self.cache = verify.new_cache(model)
+        if prefix > self.cached:
+            verify.forward_tokens(model, None, self.cache, torch.tensor(
+                self.committed[self.cached:prefix], device=self.device), self.cached)
+            self.cached = prefix
+        return self.cache
+
+
+def passes(states: list[PromptState], pass_of: Callable[[int, int], int]) \
+        -> list[tuple[int, list[tuple[PromptState, dict]]]]:
+    """The group's verification passes in order: (pass, [(prompt, its trees row)]), each pass's
+    trees in the order of ``states`` (a prompt has at most one tree per pass)."""
+    out: dict[int, list[tuple[PromptState, dict]]] = {}
+    for state in states:
+        for t in state.trees:
+            members = out.setdefault(pass_of(state.index, t["step"]), [])
+            if any(s is state for s, _ in members):
+                raise CatalogError(f"prompt {state.index} has two trees in pass "
+                                   f"{pass_of(state.index, t['step'])}")
+            members.append((state, t))
+    return sorted(out.items(), key=lambda item: item[0])
+
+
 @torch.no_grad()
-def replay_prompt(run: Run, prompt: int, adapter: MoEAdapter, tasks: list[ClosedTask]) \
-        -> dict[int, list[dict]]:
-    """Rows of one prompt per task (by position in ``tasks``)."""
+def replay_group(run: Run, prompts: list[int], pass_of: Callable[[int, int], int],
+                 adapter: MoEAdapter, tasks: list[ClosedTask]) -> dict[int, list[dict]]:
+    """Rows of one group of prompts per task (by position in ``tasks``): every pass's trees
+    re-verified in one batched forward without a budget, then once per task × budget with the
+    budget in every MoE layer (one shortlist per pass and layer, over all its trees' tokens).
+    Each row is one tree's; ``batch_pass`` and ``trees`` say which pass held it and how many
+    trees that pass had."""
     model = adapter.model
     dev = next(model.parameters()).device
-    seq, trees, nodes = _prompt_tables(run, prompt)
-    by_step = _trees_by_step(nodes, dev)
-    committed = seq["prompt_token_ids"] + seq["output_token_ids"]
-    cache = verify.new_cache(model)
-    cached = 0
-    pid = run.manifest["prompt_ids"][prompt - run.settings["offset"]]
+    window = verify.sliding_window(model)
+    states = [PromptState(run, p, dev) for p in prompts]
+    order = passes(states, pass_of)
+    last = {id(s): number for number, members in order for s, _ in members}
     rows: dict[int, list[dict]] = {i: [] for i in range(len(tasks))}
     for task in tasks:
         for b in task.block.budgets:
             task.budget(b).reset()
-    for t in trees:
-        prefix = t["prefix_len"]
-        if prefix > cached:
-            verify.forward_tokens(model, None, cache, torch.tensor(committed[cached:prefix],
-                                                                   device=dev), cached)
-            cached = prefix
-        tree, captured_path = by_step[t["step"]]
-        empty = torch.zeros(0, dtype=torch.long, device=dev)
-        ref_logits, _ = verify.verify_tree(model, None, cache, tree, prefix)
-        verify.compact_cache(cache, prefix, empty)
-        ref = acceptance.accept_greedy(tree, ref_logits)
+    for number, members in order:
+        trees = [s.by_step[t["step"]][0] for s, t in members]
+        if len({tree.size for tree in trees}) > 1:
+            raise CatalogError(f"run {run.name}: the trees of pass {number} differ in size "
+                               f"({sorted({tree.size for tree in trees})}); a batched pass "
+                               "verifies trees of one size")
+        prefixes = [t["prefix_len"] for _, t in members]
+        padded = batched.stack_caches([s.cache_at(model, p) for (s, _), p in
+                                       zip(members, prefixes)])
+
+        def forward():  # each forward on its own shallow copy: padded keeps its width
+            return batched.verify_batch(model, batched.stack_caches([padded]), trees, prefixes,
+                                        window).logits
+
+        ref_logits = forward()
+        refs = [acceptance.accept_greedy(tree, ref_logits[i]) for i, tree in enumerate(trees)]
         ref_logp = torch.log_softmax(ref_logits.float(), -1)
         for i, task in enumerate(tasks):
             for b in task.block.budgets:
                 rec = VerifyRecorder(adapter, budget=task.budget(b), record_tensors=False)
-                with rec(t["step"], tree, prefix):
-                    logits, _ = verify.verify_tree(model, None, cache, tree, prefix)
-                verify.compact_cache(cache, prefix, empty)
-                got = acceptance.accept_greedy(tree, logits)
+                with rec(number, trees, prefixes):
+                    logits = forward()
                 loaded = [r.experts_loaded for r in rec.take()[0][1]]
-                rows[i].append(dict(
-                    prompt_index=prompt, prompt_id=pid, step=t["step"], ranking=task.ranking.name,
-                    coverage=task.coverage.name, budget=b,
-                    **tree_metrics(got, ref, captured_path, t["accepted_length"], logits,
-                                   ref_logits, ref_logp, loaded)))
+                for j, ((state, t), tree) in enumerate(zip(members, trees)):
+                    got = acceptance.accept_greedy(tree, logits[j])
+                    rows[i].append(dict(
+                        prompt_index=state.index, prompt_id=state.id, step=t["step"],
+                        ranking=task.ranking.name, coverage=task.coverage.name, budget=b,
+                        batch_pass=number, trees=len(members),
+                        **tree_metrics(got, refs[j], state.by_step[t["step"]][1],
+                                       t["accepted_length"], logits[j], ref_logits[j],
+                                       ref_logp[j], loaded)))
+        for state, _ in members:
+            if last[id(state)] == number:  # its last tree: its cache is not needed again
+                state.cache = None
     return rows
 
 
@@ -141,7 +208,7 @@ def tree_metrics(got, ref, captured_path: list[int], captured_accepted: int,
         accepted_length = |path under B|            captured_accepted_length = τ captured
         path_unchanged  = path = captured path and bonus = unbudgeted bonus
         top1_agreement  = mean_t [argmax p_t^B = argmax p_t]
-        mean_kl         = mean_t KL(p_t ‖ p_t^B)     experts_loaded = per MoE layer
+        mean_kl         = mean_t KL(p_t ‖ p_t^B)     experts_loaded = per MoE layer (the pass's)
     """
     logp = torch.log_softmax(logits.float(), -1)
     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
@@ -153,20 +220,30 @@ def tree_metrics(got, ref, captured_path: list[int], captured_accepted: int,
 
 
 def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress,
-               prompts: list[int] | None = None, finish: bool = True) -> int:
-    """Every pending prompt (or only ``prompts``) of every task; returns the trees
-    re-verified. With ``finish`` the tasks' blocks are marked complete afterwards."""
+               prompts: list[int] | None = None, finish: bool = True, source=None,
+               constants: dict | None = None) -> int:
+    """Every pending unit of every task; returns the trees re-verified. ``source`` says what a
+    unit is (default :class:`replay.virtual_batch.PromptSource`: each prompt, its trees one per
+    pass; ``BatchSource``: each (virtual) batch and its passes), ``prompts`` limits the units
+    (the source's keys), ``constants`` are key columns every row gets (``batch_size``). With
+    ``finish`` the tasks' blocks are marked complete afterwards."""
+    from replay.virtual_batch import PromptSource
     check_replayable(run)
+    source = source or PromptSource(run)
     done = {i: task.unit.done_prompts(task.block) for i, task in enumerate(tasks)}
     verified = 0
-    for prompt in progress(run.prompt_indices() if prompts is None else prompts):
-        todo = [i for i in range(len(tasks)) if prompt not in done[i]]
+    for key in progress(source.keys() if prompts is None else prompts):
+        todo = [i for i in range(len(tasks)) if key not in done[i]]
         if not todo:
             continue
-        rows = replay_prompt(run, prompt, adapter, [tasks[i] for i in todo])
+        rows = replay_group(run, source.members(key), source.pass_of(), adapter,
+                            [tasks[i] for i in todo])
         for j, i in enumerate(todo):
-            tasks[i].unit.write_part(tasks[i].block, prompt, pa.Table.from_pylist(
-                rows[j], schema=schema.REPLAY_TABLES[replay_metrics.CLOSED_TABLE]))
+            sch = schema.REPLAY_TABLES[tasks[i].unit.table]
+            extra = dict(batch=key, **(constants or {}))
+            tasks[i].unit.write_part(tasks[i].block, key, pa.Table.from_pylist(
+                [{name: {**extra, **row}[name] for name in sch.names} for row in rows[j]],
+                schema=sch))
         verified += len(rows[0]) // max(1, len(tasks[todo[0]].block.budgets))
     if finish:
         for task in tasks:

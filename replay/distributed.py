@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from catalog import location
 from catalog.results import Block, UnitResults
 from catalog.runs import Run
 
@@ -50,7 +51,7 @@ class ReplayWorker:
         from policy import coverage, rankings
         from replay import closed_loop
         from replay.engine import OpenLoopEngine, Task
-        units = [UnitResults(Path(out), s.table, run, s.unit) for s in specs]
+        units = [UnitResults(location.root(out), s.table, run, s.unit) for s in specs]
         if specs[0].table == "replay_open":
             engine = OpenLoopEngine(self.adapter, self.device, progress=False,
                                     max_batch=max_batch)

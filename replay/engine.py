@@ -23,7 +23,7 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from catalog import replay_metrics, schema
+from catalog import location, replay_metrics, schema
 from catalog.results import Block, UnitResults
 from catalog.runs import Run
 from moe.adapter import MoEAdapter
@@ -207,9 +207,8 @@ class OpenLoopEngine:
 
 def _steps_hint(run: Run) -> int:
     """Verification passes per prompt, for the progress bar's total (from the trees table)."""
-    import pyarrow.parquet as pq
     try:
-        return max(1, pq.read_table(run.dir("trees"), columns=["step"]).num_rows //
+        return max(1, location.read_table(run.dir("trees"), columns=["step"]).num_rows //
                    max(1, len(run.prompt_indices())))
     except (OSError, pa.ArrowInvalid):
         return 1

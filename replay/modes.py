@@ -4,7 +4,10 @@ testing a mode string (``--mode open|closed`` looks one up in :data:`MODES`).
 * :class:`OpenLoop`: one MoE layer at a time on captured inputs, one row per tree-layer
   (per-layer cells; only the layers whose MoE tensors the storage policy kept);
 * :class:`ClosedLoop`: the budget in every layer of a re-verified tree, one row per tree
-  (cells per budget; runtime rankings only).
+  (cells per budget; runtime rankings only);
+* over (virtual) batches of b trees (``--batch-size b``, :func:`batched`): one shortlist per pass
+  and layer, :class:`BatchedOpenLoop` (one row per pass × layer) and :class:`BatchedClosedLoop`
+  (the pass's trees re-verified in one batched forward, one row per tree).
 
 Importing this module imports neither torch nor the model code (the planner uses it); running a
 mode's tasks imports them.
@@ -93,6 +96,15 @@ class ReplayMode(ABC):
         """What besides the name makes this mode's results comparable (a result unit's key)."""
         return {}
 
+    def source(self, run):
+        """The units of ``run`` this mode scores (None: each prompt alone; :class:`Batched`:
+        each (virtual) batch)."""
+        return None
+
+    def constants(self) -> dict:
+        """Key columns every result row gets besides its own keys (``batch_size``)."""
+        return {}
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -115,7 +127,7 @@ class OpenLoop(ReplayMode):
 
     def compute(self, run, tasks: list, engine, adapter, progress: bool) -> int:
         before = engine.tree_layers
-        engine.run(run, tasks)
+        engine.run(run, tasks, source=self.source(run), constants=self.constants())
         return engine.tree_layers - before
 
 
@@ -139,18 +151,19 @@ class ClosedLoop(ReplayMode):
         from tqdm import tqdm
 
         from replay import closed_loop
-        bar = lambda xs: tqdm(xs, desc=f"replay {run.name}", unit="prompt",  # noqa: E731
-                              disable=not progress)
-        return closed_loop.replay_run(run, adapter, tasks, bar)
+        source = self.source(run)
+        bar = lambda xs: tqdm(xs, desc=f"replay {run.name}", disable=not progress,  # noqa: E731
+                              unit="prompt" if source is None else "batch")
+        return closed_loop.replay_run(run, adapter, tasks, bar, source=source,
+                                      constants=self.constants())
 
 
-class BatchedOpenLoop(OpenLoop):
-    """Open loop with one shortlist per (virtual) batch pass (:mod:`replay.virtual_batch`): a
-    pass's trees merged into one tree-layer of all their tokens, one row per pass × layer.
-    Not in :data:`MODES`: ``--mode open --batch-size b`` makes one (:func:`batched`)."""
+class Batched:
+    """A mode over (virtual) batches of ``batch_size`` trees (:mod:`replay.virtual_batch`): one
+    shortlist per pass and layer over all the pass's tree tokens. Not in :data:`MODES`:
+    ``--mode open|closed --batch-size b`` makes one (:func:`batched`)."""
 
-    table = replay_metrics.BATCH_TABLE
-    counted, counted_unit = "tree_layers", "pass-layers"
+    loop: str  # open | closed
 
     def __init__(self, batch_size: int, seed: int = 0):
         self.batch_size, self.seed = batch_size, seed
@@ -158,35 +171,51 @@ class BatchedOpenLoop(OpenLoop):
     def key(self) -> dict:
         return dict(batch_size=self.batch_size, batch_seed=self.seed)
 
-    def title(self) -> str:
-        return f"open-loop replay over batches of {self.batch_size} (one shortlist per pass)"
-
-    def compute(self, run, tasks: list, engine, adapter, progress: bool) -> int:
+    def source(self, run):
+        """The run's units: each (virtual) batch, with its passes."""
         from replay.virtual_batch import BatchSource
-        before = engine.tree_layers
-        engine.run(run, tasks, source=BatchSource(run, self.batch_size, self.seed),
-                   constants=dict(batch_size=self.batch_size))
-        return engine.tree_layers - before
+        return BatchSource(run, self.batch_size, self.seed)
+
+    def constants(self) -> dict:
+        return dict(batch_size=self.batch_size)
+
+    def title(self) -> str:
+        return f"{self.loop}-loop replay over batches of {self.batch_size} (one shortlist per pass)"
 
     def __repr__(self) -> str:
-        return f"BatchedOpenLoop(batch_size={self.batch_size}, seed={self.seed})"
+        return f"{type(self).__name__}(batch_size={self.batch_size}, seed={self.seed})"
+
+
+class BatchedOpenLoop(Batched, OpenLoop):
+    """Open loop over batches: a pass's trees merged into one tree-layer of all their tokens, one
+    row per pass × layer (``replay_batch``)."""
+
+    loop, table = "open", replay_metrics.BATCH_TABLE
+    counted, counted_unit = "tree_layers", "pass-layers"
+
+
+class BatchedClosedLoop(Batched, ClosedLoop):
+    """Closed loop over batches: each pass's trees re-verified in one batched target forward
+    with the budget in every MoE layer (one shortlist per pass and layer), one row per tree with
+    its pass (``replay_closed_batch``; :mod:`replay.closed_loop`)."""
+
+    loop, table = "closed", replay_metrics.CLOSED_BATCH_TABLE
 
 
 MODES: dict[str, ReplayMode] = {m.name: m for m in (OpenLoop(), ClosedLoop())}
 
 
 def batched(mode: ReplayMode | str, batch_size: int, seed: int = 0) -> ReplayMode:
-    """``mode`` over batches of ``batch_size`` (1: ``mode`` itself); open loop only."""
+    """``mode`` over batches of ``batch_size`` (1: ``mode`` itself)."""
     mode = get(mode)
     if batch_size == 1:
         return mode
     if batch_size < 1:
         raise ValueError(f"--batch-size {batch_size} must be at least 1")
-    if not isinstance(mode, OpenLoop):
-        raise ValueError(f"--batch-size {batch_size} replays open loop only (one shortlist per "
-                         "pass over captured inputs); closed-loop budgets across a batch run "
-                         "online: capture --batch-size b --budget B")
-    return BatchedOpenLoop(batch_size, seed)
+    if isinstance(mode, Batched):
+        raise ValueError(f"{mode!r} is over batches already")
+    return (BatchedClosedLoop if isinstance(mode, ClosedLoop) else BatchedOpenLoop)(batch_size,
+                                                                                  seed)
 
 
 def get(mode: str | ReplayMode) -> ReplayMode:

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from catalog import Catalog, Run
+from catalog import Catalog, Run, location
 from catalog.results import UnitResults
 from errors import UserError
 from replay import modes
@@ -123,7 +123,7 @@ def summary_frame(outcome: ReplayOutcome, request: ReplayRequest):
         list(request.layers) if request.layers else None, list(request.budgets))]
     if not files:
         return None
-    df = pl.read_parquet(files)
+    df = location.read_frame(files)
     df = df.filter(pl.col("budget").is_in(list(request.budgets)))
     if request.layers and "layer" in df.columns:
         df = df.filter(pl.col("layer").is_in(list(request.layers)))

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 import console
-from catalog import Catalog, CatalogError, Run, reader
+from catalog import Catalog, CatalogError, Run, atomic, location, reader
 from catalog.results import UnitResults
 from cluster import ClusterError, cap_workers, count_workers, init_ray, worker_options
 from moe.adapter import MoEAdapter
@@ -101,8 +101,8 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                     saved = unit.folder / cls.artifact if cls.artifact else None
                     if saved and not saved.exists():  # what it learned, beside its results
                         # (a unit names its calibration runs, so a saved model is this one)
-                        unit.folder.mkdir(parents=True, exist_ok=True)
-                        cls().fit(stats).save(saved)
+                        location.mkdir(unit.folder)
+                        atomic.write_via(saved, cls().fit(stats).save)
                     for block in unit.plan(mode.cell_layers(run_layers), budgets):
                         tasks.append(mode.task(unit, block, cls, cover, stats))
             if not tasks:

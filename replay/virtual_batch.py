@@ -18,7 +18,10 @@ Which trees share a pass:
   (``trees.batch_pass``).
 
 Both give the same shortlists and errors when they group the same trees (tested against a real
-batched capture of the same prompts).
+batched capture of the same prompts). Open loop scores a source's units chunk by chunk
+(:meth:`BatchSource.chunks`: merged tree-layers); closed loop re-verifies a unit's prompts
+together, pass by pass (:meth:`BatchSource.members`, :meth:`BatchSource.pass_of`;
+:mod:`replay.closed_loop`).
 """
 
 from __future__ import annotations
@@ -98,6 +101,14 @@ class PromptSource:
         from catalog.reader import prompt_chunks
         return prompt_chunks(self.run, key)
 
+    def members(self, key: int) -> list[int]:
+        """The prompts of unit ``key`` (closed loop replays them together): the prompt alone."""
+        return [key]
+
+    def pass_of(self) -> Callable[[int, int], int]:
+        """Each tree is a pass of its own: its step."""
+        return virtual_passes()
+
 
 class BatchSource:
     """Each (virtual) batch of a run as one unit: its passes merged into tree-layers of all
@@ -128,9 +139,8 @@ class BatchSource:
         if not self.real:
             return virtual_passes()
         if self._passes is None:
-            import pyarrow.parquet as pq
-            t = pq.read_table(self.run.dir("trees"), columns=["prompt_index", "step",
-                                                              "batch_pass"])
+            from catalog.location import read_table  # a local folder or an object store
+            t = read_table(self.run.dir("trees"), columns=["prompt_index", "step", "batch_pass"])
             self._passes = {(int(p), int(s)): int(b) for p, s, b in zip(
                 *(t[c].to_pylist() for c in ("prompt_index", "step", "batch_pass")))}
         return real_passes(self._passes)

@@ -1,6 +1,7 @@
 """Virtual batches (replay.virtual_batch): grouping and merging of tree-layers."""
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,21 +64,31 @@ def test_real_passes_follow_the_trees_table():
     assert sizes[(1, 1)] == per[(0, 1, 1)]
 
 
-def test_a_virtual_batch_replays_as_the_real_batched_capture_of_the_same_grouping(tmp_path):
-    """Two prompts captured one at a time and replayed as virtual batches of 2 give the
-    shortlists and errors of the same two prompts captured together (--batch-size 2: each
-    pass holds step s of both) replayed over their real passes."""
-    import polars as pl
-    import pytest
-
-    from analysis.sql import connect
+@pytest.fixture(scope="module")
+def alone_and_together(tmp_path_factory):
+    """The same two prompts captured one at a time (run ``alone``) and together (``together``,
+    --batch-size 2: each pass holds step s of both while both run)."""
     from capture import cli as capture_cli
-    from replay import cli as replay_cli
 
+    root = tmp_path_factory.mktemp("alone_and_together")
     cap = ["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "2", "--max-new-tokens", "10",
-           "--out", str(tmp_path), "--no-progress", "--threads", "1"]
+           "--out", str(root), "--no-progress", "--threads", "1"]
     assert capture_cli.main([*cap, "--run", "alone"]) == 0
     assert capture_cli.main([*cap, "--run", "together", "--batch-size", "2"]) == 0
+    return root
+
+
+def test_a_virtual_batch_replays_as_the_real_batched_capture_of_the_same_grouping(
+        alone_and_together):
+    """Two prompts captured one at a time and replayed as virtual batches of 2 give the
+    shortlists and errors of the same two prompts captured together replayed over their real
+    passes."""
+    import polars as pl
+
+    from analysis.sql import connect
+    from replay import cli as replay_cli
+
+    tmp_path = alone_and_together
     rep = ["--traces", str(tmp_path), "--ranking", "router", "sqmass", "oracle", "--budget",
            "8,16,24", "--batch-size", "2", "--no-progress", "--threads", "1"]
     for run in ("alone", "together"):
@@ -97,6 +108,42 @@ def test_a_virtual_batch_replays_as_the_real_batched_capture_of_the_same_groupin
     assert (alone["experts_loaded"] == together["experts_loaded"]).all()
     assert alone["rse"].to_numpy() == pytest.approx(together["rse"].to_numpy(), rel=1e-3,
                                                       abs=1e-6)
+
+
+def test_closed_loop_over_a_virtual_batch_is_closed_loop_over_the_real_passes(
+        alone_and_together):
+    """The closed-loop version: each pass's trees re-verified together in one batched forward
+    under one shortlist per layer give, tree by tree, the same acceptance, path, top-1 agreement,
+    KL and experts loaded whether the pass is virtual (b = 1 capture) or real (--batch-size 2)."""
+    import polars as pl
+
+    from analysis.sql import connect
+    from replay import cli as replay_cli
+
+    root = alone_and_together
+    rep = ["--traces", str(root), "--mode", "closed", "--ranking", "router", "sqmass",
+           "--budget", "8,16,64", "--batch-size", "2", "--no-progress", "--threads", "1"]
+    for run in ("alone", "together"):
+        assert replay_cli.main([*rep, "--run", run]) == 0
+    assert replay_cli.main([*rep, "--run", "together", "--batch-size", "3"]) == 2  # not its b
+    rows = connect(root).sql(
+        "SELECT run, prompt_index, step, batch_pass, trees, batch_size, ranking, coverage, "
+        "budget, accepted_length, captured_accepted_length, path_unchanged, top1_agreement, "
+        "mean_kl, experts_loaded FROM replay_closed_batch").pl()
+    keys = ["prompt_index", "step", "ranking", "coverage", "budget"]
+    alone = rows.filter(pl.col("run") == "alone").sort(keys)
+    together = rows.filter(pl.col("run") == "together").sort(keys)
+    assert alone.height == together.height > 0
+    same = ["batch_pass", "trees", "accepted_length", "captured_accepted_length",
+            "path_unchanged", "experts_loaded"]
+    assert alone.select(keys + same).equals(together.select(keys + same))
+    assert alone["trees"].max() == 2 and (alone["batch_size"] == 2).all()
+    assert alone["top1_agreement"].to_numpy() == pytest.approx(
+        together["top1_agreement"].to_numpy(), abs=1e-9)
+    assert alone["mean_kl"].to_numpy() == pytest.approx(together["mean_kl"].to_numpy(),
+                                                        rel=1e-3, abs=1e-6)
+    full = alone.filter(pl.col("budget") == 64)
+    assert full["path_unchanged"].all() and full["mean_kl"].max() < 1e-6
 
 
 def test_replay_loads_the_model_in_the_dtype_it_was_captured_in(tmp_path):
