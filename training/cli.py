@@ -47,7 +47,9 @@ def train_tiny(argv: list[str] | None = None) -> int:
     p = console.ArgumentParser(
         prog="train-tiny", examples=TINY_EXAMPLES,
         description="Train one embedded tiny MoE model on the offline corpus and write it, with "
-                    "its tokenizer and quality record, as a Hugging Face folder.")
+                    "its tokenizer and quality record, as a Hugging Face folder. Each family "
+                    "balances its own way (training/tiny_moe.py): tiny-deepseek-v3 with "
+                    "DeepSeek-V3's selection-bias updates (γ 1e-3).")
     p.add_argument("--model", required=True, choices=models.EMBEDDED, help="which tiny model")
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")

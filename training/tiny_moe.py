@@ -7,6 +7,14 @@ distinct. Training is plain next-token cross-entropy plus ``router_aux_loss_coef
 transformers' own ``load_balancing_loss_func`` (what ``labels=…, output_router_logits=True``
 returns), on the offline corpus of :mod:`training.corpus`.
 
+tiny-deepseek-v3 balances as DeepSeek-V3 does instead: the auxiliary-loss-free selection bias
+(:class:`BiasBalancer`, γ = 1e-3). With the common recipe its sigmoid scores stay near 0.5 and
+routing near-uniform (top-k mass 1.76× uniform, entropy / log N 0.97 after 900 steps; issue 28).
+A :class:`RouterRecipe` on its spec changes that (not yet the default): with ``lr_scale=10,
+weight_decay=0, seq_aux=1e-4`` 900 steps reach 4.24× and 0.71 (load CV 0.54, held-out loss
+3.550), but router logits grow to where sigmoid scores saturate at exactly 1.0 and tie, so the
+module's top-k and the routing rule's lowest-id tie-break disagree (the family contract fails).
+
     train-tiny --model tiny-olmoe --steps 1500 --seed 0
 
 writes ``data/models/tiny-olmoe/`` (config, fp16 safetensors, tokenizer, ``quality.json``).
@@ -50,6 +58,29 @@ COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=8, num_a
               initializer_range=0.02, pad_token_id=1, eos_token_id=0, bos_token_id=None)
 
 
+BIAS_UPDATE = 1e-3  # DeepSeek-V3's bias update speed γ
+
+
+@dataclass(frozen=True)
+class RouterRecipe:
+    """How a bias-balanced (DeepSeek-V3) router is trained, beyond the common recipe.
+
+    Its mixing weights are the selected sigmoid scores renormalised over the top-k, so the LM
+    loss's gradient on ``s_i`` is scale-free among the selected (``Σ_i s_i ∂L/∂s_i = 0``) and
+    zero for the rest: the scores only separate as fast as the router weights move. Hence:
+
+    * ``lr_scale``: the router weights' learning rate is ``lr_scale`` × the schedule's;
+    * ``weight_decay``: the router weights' AdamW decay (0: their logits are not shrunk);
+    * ``gamma``: the selection bias's update speed γ (:class:`BiasBalancer`);
+    * ``seq_aux``: α of DeepSeek-V3's sequence-wise balance loss (:func:`sequence_balance_loss`,
+      averaged over MoE layers), added to the LM loss.
+    """
+    lr_scale: float = 1.0
+    weight_decay: float = 0.1
+    gamma: float = BIAS_UPDATE
+    seq_aux: float = 0.0
+
+
 @dataclass(frozen=True)
 class TinySpec:
     """One embedded model: its transformers classes, the family's MoE settings and how the
@@ -60,6 +91,7 @@ class TinySpec:
     config: dict = field(default_factory=dict)
     balancing: str = "aux"
     attn_implementation: str = "sdpa"
+    router: RouterRecipe | None = None
 
     def build_config(self, **overrides):
         return self.config_cls(**{**COMMON, **self.config, **overrides})
@@ -96,7 +128,6 @@ SPECS = {
         layer_types=["sliding_attention", "full_attention"] * 4, router_aux_loss_coef=0.9),
         attn_implementation="eager"),
 }
-BIAS_UPDATE = 1e-3  # DeepSeek-V3's bias update speed γ
 
 # Share of training windows drawn from each source (stdlib dominates by size; the benchmark
 # train splits teach the prompt templates capture uses).
@@ -126,24 +157,53 @@ def sample_batch(streams: dict[str, np.ndarray], batch: int, seq: int,
     return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
+def bias_gates(model) -> list[torch.nn.Module]:
+    """The routers that carry a selection bias (DeepSeek-V3's ``e_score_correction_bias``)."""
+    gates = [getattr(layer.mlp, "gate", None) for layer in model.model.layers]
+    return [g for g in gates if g is not None and hasattr(g, "e_score_correction_bias")]
+
+
+def sequence_balance_loss(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss of one layer, ``Σ_i f_i P_i`` averaged over the
+    batch's sequences: ``f_i = N/(k T) Σ_t 1[i ∈ T_k(t)]`` (no gradient), ``P_i = 1/T Σ_t
+    s_i(t)/Σ_j s_j(t)`` with ``s = sigmoid(logits)``; ``logits`` [B, T, N], ``chosen`` [B, T, k].
+    Equals 1 when routing is balanced within every sequence."""
+    b, t, n = logits.shape
+    s = logits.sigmoid()
+    p = (s / s.sum(-1, keepdim=True)).mean(1)
+    f = torch.zeros(b, n, device=logits.device).scatter_add_(
+        1, chosen.reshape(b, -1), torch.ones(b, t * k, device=logits.device)) * (n / (k * t))
+    return (f * p).sum(-1).mean()
+
+
 class BiasBalancer:
     """DeepSeek-V3's auxiliary-loss-free balancing: after each step, every layer's selection
     bias moves by γ towards under-loaded experts, ``b_i += γ·sign(mean load − load_i)``, from the
-    top-k the routers chose in that step (counted by forward hooks)."""
+    top-k the routers chose in that step (counted by forward hooks). With ``seq_aux`` the hooks
+    also keep each layer's :func:`sequence_balance_loss` of the step (``take_loss``)."""
 
-    def __init__(self, model, gamma: float = BIAS_UPDATE):
+    def __init__(self, model, gamma: float = BIAS_UPDATE, seq_aux: bool = False):
         self.gamma = gamma
+        self.seq_aux = seq_aux
         self.counts: dict[torch.nn.Module, torch.Tensor] = {}
+        self.losses: list[torch.Tensor] = []
         self.last_cv = 0.0
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None and hasattr(gate, "e_score_correction_bias"):
-                gate.register_forward_hook(self._count)
+        for gate in bias_gates(model):
+            gate.register_forward_hook(self._count)
 
     def _count(self, module, args, out):
-        idx = out[2]
+        logits, _, idx = out
         counts = torch.bincount(idx.reshape(-1), minlength=module.num_experts).float()
         self.counts[module] = self.counts.get(module, 0) + counts
+        if self.seq_aux and torch.is_grad_enabled():
+            b, t = args[0].shape[:2]
+            self.losses.append(sequence_balance_loss(
+                logits.reshape(b, t, -1), idx.reshape(b, t, -1), idx.shape[-1]))
+
+    def take_loss(self) -> torch.Tensor:
+        """The mean over layers of this step's sequence-wise balance losses (then forgotten)."""
+        loss, self.losses = torch.stack(self.losses).mean(), []
+        return loss
 
     @torch.no_grad()
     def step(self) -> None:
@@ -153,6 +213,22 @@ class BiasBalancer:
             cvs.append(float(load.std() / load.mean().clamp_min(1e-9)))
         self.last_cv = float(np.mean(cvs)) if cvs else 0.0
         self.counts = {}
+
+
+def param_groups(model, router: RouterRecipe | None = None) -> list[dict]:
+    """AdamW's groups: weight matrices (embeddings aside) decay by 0.1, the rest not; with a
+    ``router`` recipe the bias-balanced routers' weights form a third group (its decay, its
+    ``lr_scale``). Every group's learning rate is ``lr_scale`` × :func:`lr_at`."""
+    routers = {id(g.weight) for g in bias_gates(model)} if router else set()
+    params = [(n, p) for n, p in model.named_parameters() if id(p) not in routers]
+    decay = [p for n, p in params if p.ndim >= 2 and "embed" not in n]
+    no_decay = [p for n, p in params if not (p.ndim >= 2 and "embed" not in n)]
+    groups = [{"params": decay, "weight_decay": 0.1, "lr_scale": 1.0},
+              {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0}]
+    if routers:
+        groups.append({"params": [p for p in model.parameters() if id(p) in routers],
+                       "weight_decay": router.weight_decay, "lr_scale": router.lr_scale})
+    return groups
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -176,21 +252,23 @@ def train(name: str, *, steps: int, batch: int, seq: int, lr: float, seed: int, 
     config._attn_implementation = spec.attn_implementation
     model = spec.model_cls(config)
     model.train()
-    balance = BiasBalancer(model) if spec.balancing == "bias" else None
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "embed" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    recipe = spec.router or RouterRecipe()
+    balance = (BiasBalancer(model, recipe.gamma, seq_aux=recipe.seq_aux > 0)
+               if spec.balancing == "bias" else None)
+    opt = torch.optim.AdamW(param_groups(model, spec.router), lr=lr, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     start = time.perf_counter()
     bar = tqdm(range(steps), desc=name, unit="step")
     for step in bar:
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
+            group["lr"] = lr_at(step, steps, lr, warmup) * group["lr_scale"]
         ids = sample_batch(streams, batch, seq, rng)
         outputs = model(input_ids=ids, labels=ids, output_router_logits=balance is None)
+        loss = outputs.loss
+        if balance is not None and balance.seq_aux:
+            loss = loss + recipe.seq_aux * balance.take_loss()
         opt.zero_grad(set_to_none=True)
-        outputs.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if balance is not None:
