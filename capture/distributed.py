@@ -8,7 +8,8 @@
              the manifest as prompts complete
 
 ``--workers N`` starts a local Ray cluster for the run; ``--ray-address ADDR`` joins an existing
-one (every node must see ``--out``: a shared filesystem). Resume works across any worker count
+one (every node must reach ``--out``: a shared filesystem, or an object store, whose
+``--storage-options`` the actors get with the root). Resume works across any worker count
 (a prompt is complete when its ``sequences`` part exists), and for the same seed and settings
 the tables equal a single-process run's: each prompt is decoded with seed + its index by a
 worker with the same model, whatever worker it lands on.
@@ -26,14 +27,16 @@ from capture.settings import CaptureError, CaptureSettings
 from capture.target import Target
 from catalog import location
 from catalog.writer import RunWriter
-from cluster import ClusterError, cap_workers, count_workers, init_ray, worker_options
+from cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 
 
 class CaptureWorker:
     """A Ray actor: one model and draft head, capturing whatever prompts it is handed."""
 
-    def __init__(self, settings, out: str, run: str, role: str, prompts: list,
+    def __init__(self, settings, out: Path, run: str, role: str, prompts: list,
                  threads: int = 1):  # the driver's --threads divided among the actors
+        # ``out``: the driver's traces root as a path object, never its text: an s3:// root
+        # carries the driver's --storage-options with it (a node's own environment may lack them)
         import torch
         torch.set_num_threads(threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -84,12 +87,16 @@ class RayExecutor:
         actor = ray.remote(**worker_options(settings.device))(CaptureWorker)
         # a local cluster shares this process's --threads; a joined one gives each actor its slot
         threads = 1 if self.ray_address else console.threads.share(n)
-        self.actors = [actor.remote(settings, str(self.out), self.run, self.role, self.prompts,
+        self.actors = [actor.remote(settings, self.out, self.run, self.role, self.prompts,
                                     threads) for _ in range(n)]
         try:
             return ray.get([a.manifest.remote() for a in self.actors])[0]
         except ray.exceptions.RayTaskError as exc:  # the model, draft or budget could not load
-            raise CaptureError(str(exc.cause) if exc.cause else str(exc)) from None
+            raise CaptureError(str(exc.cause) if exc.cause else actor_failure(exc)) from None
+        except ray.exceptions.RayActorError as exc:  # died in __init__: store, model, node
+            raise CaptureError(f"a capture worker could not start ({actor_failure(exc)}); "
+                               "check --model, --out and --storage-options on every node") \
+                from None
 
     def capture(self, todo, writer, on_complete):
         """Whichever actor is free takes the next prompt; the driver records the progress as

@@ -90,3 +90,14 @@ def count_workers(ray, workers: int, device: str, items: int | None = None) -> i
         workers = max(1, int(resources.get("GPU" if str(device).startswith("cuda") else "CPU",
                                            1)))
     return workers if items is None else max(1, min(workers, items))
+
+
+def actor_failure(exc: BaseException) -> str:
+    """One line saying why a Ray actor or its task failed: the user's exception itself where Ray
+    kept it (``RayTaskError.cause``), else the last line of Ray's report (an actor that died in
+    ``__init__`` carries its creation task's traceback, whose last line is the exception)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}".splitlines()[0]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__

@@ -44,7 +44,7 @@ class ReplayWorker:
         """Returns once the actor is constructed (its model loaded)."""
         return True
 
-    def replay(self, out: str, run: Run, specs: list[TaskSpec], stats, prompts: list[int],
+    def replay(self, out: Path, run: Run, specs: list[TaskSpec], stats, prompts: list[int],
                max_batch: int | None) -> tuple[list[int], int]:
         """Write ``prompts``' parts of every block; returns the prompts and the tree-layers
         (open) or trees (closed) replayed."""
@@ -84,7 +84,8 @@ def replay_distributed(ray, actors: list, out: Path, run: Run, specs: list[TaskS
     pool = ray.util.ActorPool(actors)
     work = 0
     for chunk, done in pool.map_unordered(
-            lambda a, c: a.replay.remote(str(out), run, specs, stats_ref, c, max_batch),
+            # the root itself, not its text: an s3:// root carries the driver's storage options
+            lambda a, c: a.replay.remote(out, run, specs, stats_ref, c, max_batch),
             prompt_chunks(pending, len(actors))):
         work += done
         bar.update(len(chunk))

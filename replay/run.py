@@ -23,7 +23,7 @@ from tqdm import tqdm
 import console
 from catalog import Catalog, CatalogError, Run, atomic, location, reader
 from catalog.results import UnitResults
-from cluster import ClusterError, cap_workers, count_workers, init_ray, worker_options
+from cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 from moe.adapter import MoEAdapter
 from policy import coverage, rankings
 from policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
@@ -152,8 +152,8 @@ def actors_for(model: str, device: str, workers: int, ray_address: str | None,
     except ray.exceptions.RayActorError as exc:
         for a in actors:
             ray.kill(a)
-        raise ReplayError(f"a replay worker could not load {model} ({exc}); check --model") \
-            from None
+        raise ReplayError(f"a replay worker could not load {model} ({actor_failure(exc)}); "
+                          "check --model") from None
     return ray, actors
 
 

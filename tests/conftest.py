@@ -5,9 +5,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import logging  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from catalog import location  # noqa: E402
 from moe import models  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -17,3 +20,33 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def embedded(request) -> models.LoadedModel:
     """Each embedded tiny model, loaded through the registry in fp32 on the CPU."""
     return models.load(request.param, device="cpu", dtype="float32")
+
+
+S3_BUCKET = "traces"  # the bucket the ``s3`` fixture creates
+S3_ENV = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+              AWS_DEFAULT_REGION="us-east-1", MOESPEC_LEASE_SECONDS="2")
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server on a free port of 127.0.0.1, the AWS_* variables pointing at it (for
+    this process and the subprocesses it starts), one bucket
+    (``S3_BUCKET``); yields the s3fs filesystem. Skips where moto[server] is not installed."""
+    moto_server = pytest.importorskip("moto.server", reason="moto[server] is a dev dependency")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    saved = {k: os.environ.get(k) for k in (*S3_ENV, "AWS_ENDPOINT_URL")}
+    os.environ.update(S3_ENV, AWS_ENDPOINT_URL=f"http://{host}:{port}")
+    location.use_storage_options(None)
+    import s3fs
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+    fs.mkdir(S3_BUCKET)
+    yield fs
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.stop()

@@ -4,7 +4,6 @@ point, resume after a killed capture, one writer at a time (a lease object creat
 conditional put), and one-line errors for bad URIs."""
 
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ import sys
 import time
 
 import pytest
+from conftest import S3_BUCKET as BUCKET  # the bucket of the s3 fixture
 
 from analysis import evaluate_cli, query_cli
 from analysis import report as report_cli
@@ -19,37 +19,11 @@ from capture import cli as capture_cli
 from catalog import location, schema
 from replay import cli as replay_cli
 
-moto_server = pytest.importorskip("moto.server", reason="moto[server] is a dev dependency")
+pytest.importorskip("moto.server", reason="moto[server] is a dev dependency")
 
-BUCKET = "traces"
 TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds"}
 CAP = ["--limit", "3", "--max-new-tokens", "8", "--no-progress", "--threads", "1"]
 REPLAY = ["--ranking", "router", "oracle", "--budget", "8,16", "--no-progress", "--threads", "1"]
-ENV = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-           AWS_DEFAULT_REGION="us-east-1", MOESPEC_LEASE_SECONDS="2")
-
-
-@pytest.fixture(scope="session")
-def s3():
-    """moto's S3 server on a free port of 127.0.0.1, the AWS_* variables pointing at it (for
-    this process and the subprocesses it starts), one bucket; yields the s3fs filesystem."""
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    saved = {k: os.environ.get(k) for k in (*ENV, "AWS_ENDPOINT_URL")}
-    os.environ.update(ENV, AWS_ENDPOINT_URL=f"http://{host}:{port}")
-    location.use_storage_options(None)
-    import s3fs
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
-    fs.mkdir(BUCKET)
-    yield fs
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    server.stop()
 
 
 def comparable(table):

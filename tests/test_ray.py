@@ -79,3 +79,15 @@ def test_a_second_capture_of_a_running_run_is_refused_in_one_line(tmp_path):
     assert r.returncode == 2 and "is being written by another capture" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert len(list(tmp_path.glob("sequences/**/run=r/part-*.parquet"))) == 1  # nothing lost
+
+
+def test_a_failed_actor_is_reported_in_one_line():
+    from cluster import actor_failure
+    died = ray.exceptions.RayActorError(error_msg=(
+        "The actor died because of an error raised in its creation task, ray::CaptureWorker\n"
+        "Traceback (most recent call last):\n  File \"capture/distributed.py\", line 44\n"
+        "botocore.exceptions.NoCredentialsError: Unable to locate credentials\n"))
+    assert actor_failure(died) == "botocore.exceptions.NoCredentialsError: Unable to locate " \
+                                  "credentials"
+    task = ray.exceptions.RayTaskError("manifest", "Traceback ...\nOSError: x", OSError("no disk"))
+    assert actor_failure(task) == "OSError: no disk"
