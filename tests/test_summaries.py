@@ -198,3 +198,37 @@ def test_a_part_reduces_to_what_counting_token_by_token_gives(tmp_path):
             coverage += np.cumsum(np.sort(mass / mass.sum())[::-1])
         assert sums["new_at"].tolist() == new_at.tolist()
         np.testing.assert_allclose(sums["coverage_sum"], coverage, rtol=1e-12)
+
+
+@pytest.mark.parametrize("damage", ["nan", "above_one", "short_list", "null_list", "null_element",
+                                    "null_layer", "id_out_of_range"])
+def test_a_part_with_hostile_values_is_refused_in_one_line(tmp_path, damage):
+    """Vectors are read from the Arrow buffers, not row by row: what a row-wise reader would
+    trip on (a null, a list of another length) and values no capture writes are refused."""
+    from catalog import schema
+    n, k, rows = 4, 2, 6
+    probs = [[0.4, 0.3, 0.2, 0.1]] * rows
+    ids = [[0, 1]] * rows
+    layer = [0] * rows
+    if damage == "nan":
+        probs = probs[:3] + [[0.4, float("nan"), 0.2, 0.1]] + probs[4:]
+    elif damage == "above_one":
+        probs = probs[:3] + [[1.5, 0.3, 0.2, 0.1]] + probs[4:]
+    elif damage == "short_list":
+        probs = probs[:3] + [[0.4, 0.3, 0.3]] + probs[4:]
+    elif damage == "null_list":
+        probs = probs[:3] + [None] + probs[4:]
+    elif damage == "null_element":
+        probs = probs[:3] + [[0.4, None, 0.2, 0.1]] + probs[4:]
+    elif damage == "null_layer":
+        layer = layer[:3] + [None] + layer[4:]
+    else:
+        ids = ids[:3] + [[0, n]] + ids[4:]
+    types = {f.name: f.type for f in schema.TABLES["routing"]}
+    values = dict(prompt_index=[0] * rows, step=[0] * rows, layer=layer, node=list(range(rows)),
+                  router_probs=probs, topk_ids=ids)
+    part = tmp_path / "part-000000-0000.parquet"
+    pq.write_table(pa.table({c: pa.array(values[c], types[c]) for c in summaries.COLUMNS}), part)
+    with pytest.raises(CatalogError) as err:
+        summaries.reduce_part(str(part), n, k, rows)
+    assert str(part) in str(err.value) and "\n" not in str(err.value)
