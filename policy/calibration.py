@@ -10,6 +10,13 @@ fired together; an expert never selected gets its layer's mean energy as ``G_ii`
 statistics are sums, so runs can be added in any order and split across workers; ``sources``
 records which runs (name and run id) they came from.
 
+``moments`` holds, per layer and expert, sums over calibration *prompts* p of the prompt's energy
+sum ``s_ip = Σ_{t∈p: i∈T_k(t)} ⟨E_i, E_i⟩`` and count ``c_ip``: ``[#{p: c_ip > 0}, Σ_p s_ip²,
+Σ_p s_ip c_ip, Σ_p c_ip²]``, what the prompt-clustered sampling variance of the mean energy
+``G_ii`` needs (:meth:`CalibrationStats.energy_variance`; tokens of one prompt are correlated,
+so prompts, not tokens, are the independent draws). ``coact-prior`` chooses its energy prior
+from them.
+
 Rankings whose :mod:`policy.index` line says ``examples`` (``learned``) also need *examples*:
 calibration tree-layers with the truncation oracle's order (collected on request, at most
 ``max_examples``, the first ones in run order), and ``fitted`` caches what rankings fit on the
@@ -100,12 +107,15 @@ class CalibrationStats:
     examples: list[Example] = field(default_factory=list)
     fitted: dict = field(default_factory=dict)  # ranking name -> what it fitted
     _means: torch.Tensor | None = field(default=None, repr=False)  # layer_means(), once
+    moments: torch.Tensor | None = None  # [L, 4, N] float64 per-prompt energy moments (above)
+    _prompt: tuple | None = field(default=None, repr=False)  # (key, s [L, N], c [L, N]) open
 
     @classmethod
     def empty(cls, layers: list[int], n: int, sources: list[dict] | None = None):
         shape = (len(layers), n, n)
         return cls(list(layers), torch.zeros(shape, dtype=torch.float64),
-                   torch.zeros(shape, dtype=torch.float64), list(sources or []))
+                   torch.zeros(shape, dtype=torch.float64), list(sources or []),
+                   moments=torch.zeros(len(layers), 4, n, dtype=torch.float64))
 
     @property
     def num_experts(self) -> int:
@@ -120,9 +130,12 @@ class CalibrationStats:
             raise ValueError(f"no calibration statistics for layer {exc.args[0]}; calibrate on "
                              "the same model") from None
 
-    def add(self, layer: int, idx: torch.Tensor, topk_outputs: torch.Tensor) -> None:
+    def add(self, layer: int, idx: torch.Tensor, topk_outputs: torch.Tensor,
+            prompt: object = None) -> None:
         """One batch of calibration tokens: ``idx [M, k]`` selected experts and ``topk_outputs
-        [M, k, H]`` their outputs on those tokens."""
+        [M, k, H]`` their outputs on those tokens, from calibration prompt ``prompt`` (any key;
+        consecutive calls with the same key are one prompt; None: this batch is a prompt of its
+        own)."""
         i = self.layers.index(layer)
         n = self.num_experts
         self._means = None
@@ -131,6 +144,46 @@ class CalibrationStats:
         flat = (idx[:, :, None] * n + idx[:, None, :]).reshape(-1)
         self.gram[i].view(-1).index_add_(0, flat, dots.reshape(-1))
         self.pairs[i].view(-1).index_add_(0, flat, torch.ones_like(flat, dtype=self.pairs.dtype))
+        if self._prompt is None or prompt is None or self._prompt[0] != prompt:
+            self.close_prompt()
+            shape = (len(self.layers), n)
+            self._prompt = (prompt, torch.zeros(shape, dtype=torch.float64),
+                            torch.zeros(shape, dtype=torch.float64))
+        _, energy, count = self._prompt
+        energy[i].index_add_(0, idx.reshape(-1), dots.diagonal(dim1=-2, dim2=-1).reshape(-1))
+        count[i].index_add_(0, idx.reshape(-1), torch.ones(idx.numel(), dtype=torch.float64))
+        if prompt is None:
+            self.close_prompt()
+
+    def close_prompt(self) -> None:
+        """Add the open prompt's energy sums and counts to :attr:`moments`."""
+        if self._prompt is None:
+            return
+        _, s, c = self._prompt
+        self._prompt = None
+        if self.moments is None:
+            self.moments = torch.zeros(len(self.layers), 4, self.num_experts,
+                                       dtype=torch.float64)
+        self.moments += torch.stack([(c > 0).double(), s * s, s * c, c * c], dim=1)
+
+    def energy_variance(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(v [L, N], P [L, N])``: the sampling variance of each mean energy ``G_ii`` over
+        calibration prompts, and the prompts ``P_i`` that routed to the expert. With the mean
+        ``x_i = Σ_p s_ip / c_i`` a ratio of prompt sums, its (cluster-robust) variance is
+
+            v_i = P_i/(P_i − 1) · Σ_p (s_ip − x_i c_ip)² / c_i²
+                = P_i/(P_i − 1) · (Σ s² − 2 x_i Σ s c + x_i² Σ c²) / c_i²,
+
+        NaN where ``P_i < 2`` (one prompt says nothing about its spread)."""
+        self.close_prompt()
+        if self.moments is None:
+            raise ValueError("these calibration statistics carry no per-prompt energy moments")
+        prompts, ss, sc, cc = self.moments.unbind(1)
+        counts = self.pairs.diagonal(dim1=-2, dim2=-1)
+        x = self.gram.diagonal(dim1=-2, dim2=-1) / counts.clamp_min(1)
+        spread = (ss - 2 * x * sc + x * x * cc).clamp_min(0)
+        v = prompts / (prompts - 1).clamp_min(1) * spread / (counts * counts).clamp_min(1)
+        return torch.where(prompts >= 2, v, torch.full_like(v, float("nan"))), prompts
 
     @classmethod
     def merge(cls, parts: list[CalibrationStats], max_examples: int = 0) -> CalibrationStats:
@@ -139,6 +192,10 @@ class CalibrationStats:
         first = parts[0]
         out = cls(list(first.layers), sum(p.gram for p in parts), sum(p.pairs for p in parts),
                   [src for p in parts for src in p.sources])
+        for p in parts:
+            p.close_prompt()
+        if all(p.moments is not None for p in parts):
+            out.moments = sum(p.moments for p in parts)  # the runs' prompts are distinct
         share = max_examples // len(parts) if max_examples else 0
         out.examples = [ex for p in parts for ex in p.examples[:share]]
         return out
@@ -185,11 +242,12 @@ class CalibrationStats:
             idx = torch.as_tensor(np.asarray(tl.idx), dtype=torch.long)
             outs = model.expert_outputs(tl.layer, torch.as_tensor(np.asarray(tl.hidden)))
             picked = outs.gather(1, idx[..., None].expand(-1, -1, outs.shape[-1]))
-            stats.add(tl.layer, idx, picked)
+            stats.add(tl.layer, idx, picked, getattr(tl, "prompt_index", None))
             if len(kept) < max_examples:
                 w = torch.tensor(np.asarray(tl.weights), dtype=torch.float32)  # copies, not views
                 kept.append((tl.layer, torch.tensor(np.asarray(tl.probs), dtype=torch.float32),
                              idx, w, oracle_order(idx, w, picked, outs.shape[1]).to(torch.int16)))
+        stats.close_prompt()
         stats.examples = _packed(kept)
         return stats
 

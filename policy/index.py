@@ -42,6 +42,10 @@ RANKINGS: dict[str, Entry] = {
     "coact-online": Entry("policy.rankings.coact_online", True,
                           "coact with G refined from the outputs of experts the prompt's "
                           "earlier passes executed", ablation_step=4),
+    "coact-prior": Entry("policy.rankings.coact_prior", True,
+                         "coact-online with each expert's calibration energy shrunk toward its "
+                         "layer mean, the strength chosen per layer from the calibration's "
+                         "prompt-to-prompt energy spread"),
     "learned": Entry("policy.rankings.learned", True,
                      "gradient-boosted score per expert from router and calibration "
                      "features, trained to reproduce the oracle's order",
@@ -58,6 +62,10 @@ RANKINGS: dict[str, Entry] = {
                    skip_message="C(N, B) exceeds its limit of {limit} subsets"),
 }
 
+# The runtime ranking to use when in doubt: the one that held across domains at the tightest
+# budgets (issue 28; docs/results.md, "Does a selector hold across domains?"). --help says so.
+RECOMMENDED = "coact-prior"
+
 COVERAGES: dict[str, str] = {
     "truncation": "natural top-k, experts outside the budget dropped (weights not renormalised)",
     "substitution": "the model's own routing rule within the budget (needs B >= k)",
@@ -73,8 +81,10 @@ def ranking_names(*, runtime: bool | None = None) -> list[str]:
 
 
 def ranking_help(*, runtime: bool | None = None) -> str:
-    """One clause per ranking, for --help."""
-    return "; ".join(f"{n}: {RANKINGS[n].summary}" for n in ranking_names(runtime=runtime))
+    """One clause per ranking, for --help; the :data:`RECOMMENDED` one says so."""
+    return "; ".join(f"{n}: {RANKINGS[n].summary}" + (" [recommended]" if n == RECOMMENDED
+                                                      else "")
+                     for n in ranking_names(runtime=runtime))
 
 
 def needs_examples(rankings) -> bool:

@@ -167,3 +167,9 @@ def test_analysis_reads_only_the_torch_free_index_of_policy():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
         {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert imported <= {"__future__", "typing"}, imported
+
+
+def test_the_recommended_ranking_is_a_runtime_one_and_help_names_it():
+    assert index.RANKINGS[index.RECOMMENDED].runtime
+    clauses = [c for c in index.ranking_help().split("; ") if "[recommended]" in c]
+    assert len(clauses) == 1 and clauses[0].startswith(f"{index.RECOMMENDED}: ")
