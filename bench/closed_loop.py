@@ -2,7 +2,8 @@
 over trees, and the online mode's output agreement with the unbudgeted run.
 
     python bench/cross_domain.py --traces /tmp/xdomain         # first: the runs this reuses
-    python bench/closed_loop.py --traces /tmp/xdomain --benches gsm8k mbpp --output closed.json
+    python bench/closed_loop.py --traces /tmp/xdomain --output closed.json   # every model, bench
+    python bench/closed_loop.py --traces /tmp/xdomain --models tiny-olmoe --benches gsm8k mbpp
 
 Per model and benchmark it re-verifies every tree of the evaluation run ``eval-<bench>`` (from
 ``bench/cross_domain.py``) under each ranking × coverage × budget, calibrated on the mixed-domain
@@ -15,6 +16,11 @@ Then it captures the same prompts in MoE-Spec's online mode (``capture --budget 
 and reports output agreement with the unbudgeted run: the share of prompts whose output is
 identical and the mean first divergence (output tokens before the first change; a prompt that
 never diverges counts its full length).
+
+Budgets default to each model's closed-loop grid (``cross_domain.closed_budgets_for``: k, 8, 16,
+32 within range). Last, where ``bench/cross_domain.py`` stored the open-loop results of the same
+calibration (``all``), it lists the cells where a lower open-loop error did not translate: a
+ranking with a lower mean RSE than router whose mean accepted length is not higher.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cross_domain import mean_rse, model_budgets  # noqa: E402
 from pipeline import capture, replay_runs, run_names  # noqa: E402
 
 from catalog import Catalog, reader  # noqa: E402
@@ -50,11 +57,11 @@ def bootstrap(values: np.ndarray, rng: np.random.Generator, draws: int = 2000):
         float(np.percentile(means, 97.5))
 
 
-def closed_table(root: Path, model: str, bench: str, args) -> list[dict]:
+def closed_table(root: Path, model: str, bench: str, args, budgets: str) -> list[dict]:
     out = root / "results" / "closed"
     replay_runs(root, model, [f"eval-{bench}"], bench=bench, mode="closed",
                 rankings=tuple(args.rankings), coverages=("truncation", "substitution"),
-                calibration=tuple(calibration_runs(root, model)), budgets=args.budgets, out=out)
+                calibration=tuple(calibration_runs(root, model)), budgets=budgets, out=out)
     df = pl.read_parquet(f"{out}/replay_closed/model={model}/bench={bench}/**/*.parquet",
                          hive_partitioning=True)
     rng = np.random.default_rng(args.seed)
@@ -109,6 +116,33 @@ def online_table(root: Path, model: str, bench: str, args) -> list[dict]:
     return rows
 
 
+def untranslated(root: Path, model: str, closed: list[dict]) -> list[dict]:
+    """Cells where a ranking's open-loop mean RSE (calibrated on ``all``, as the closed loop is)
+    is lower than router's but its closed-loop mean accepted length is not higher; empty when
+    ``bench/cross_domain.py`` has not stored those open-loop results."""
+    try:
+        rse = mean_rse(root, model)
+    except (FileNotFoundError, ValueError):
+        return []
+    rse = rse.filter(pl.col("calibration").is_null() | (pl.col("calibration") == "all"))
+    open_rse = {(r["bench"], r["ranking"], r["coverage"], int(r["budget"])): r["rse"]
+                for r in rse.iter_rows(named=True)}
+    acc = {(r["bench"], r["ranking"], r["coverage"], r["budget"]): r for r in closed
+           if r["model"] == model}
+    rows = []
+    for (bench, ranking, coverage, budget), r in sorted(acc.items()):
+        base = acc.get((bench, "router", coverage, budget))
+        mine, theirs = (open_rse.get((bench, x, coverage, budget)) for x in (ranking, "router"))
+        if ranking == "router" or base is None or mine is None or theirs is None:
+            continue
+        if mine < theirs and r["accepted_length"][0] <= base["accepted_length"][0]:
+            rows.append(dict(model=model, bench=bench, ranking=ranking, coverage=coverage,
+                             budget=budget, rse=mine, router_rse=theirs,
+                             accepted_length=r["accepted_length"],
+                             router_accepted_length=base["accepted_length"]))
+    return rows
+
+
 def print_closed(rows: list[dict]) -> None:
     print(f"\n{'model':<15}{'bench':<8}{'coverage':<13}{'B':>3} {'ranking':<13}"
           f"{'accepted':>20}{'path same':>20}{'top-1':>20}{'KL (nats)':>24}")
@@ -131,11 +165,13 @@ def print_online(rows: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, default=Path("traces-xdomain"))
-    p.add_argument("--models", nargs="+", default=["tiny-olmoe", "tiny-qwen3-moe"])
-    p.add_argument("--benches", nargs="+", default=["gsm8k", "mbpp"])
+    p.add_argument("--models", nargs="+",
+                   default=["tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"])
+    p.add_argument("--benches", nargs="+", default=list(BENCHES))
     p.add_argument("--rankings", nargs="+",
-                   default=["router", "sqmass", "coact", "coact-online", "learned"])
-    p.add_argument("--budgets", default="8,16,24,32")
+                   default=["router", "sqmass", "coact", "coact-online", "coact-prior", "learned"])
+    p.add_argument("--budgets", default="auto",
+                   help="comma-separated budgets, or auto: each model's closed-loop grid")
     p.add_argument("--online-coverage", default="substitution")
     p.add_argument("--online-budgets", default="16,32")
     p.add_argument("--eval-prompts", type=int, default=8)
@@ -143,16 +179,28 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
-    closed, online = [], []
+    closed, online, missed = [], [], []
     for model in args.models:
         root = args.traces / model
+        budgets = (",".join(map(str, model_budgets(model, closed=True)))
+                   if args.budgets == "auto" else args.budgets)
+        mine = []
         for bench in args.benches:
-            closed += closed_table(root, model, bench, args)
+            mine += closed_table(root, model, bench, args, budgets)
             online += online_table(root, model, bench, args)
+        closed += mine
+        missed += untranslated(root, model, mine)
     print_closed(closed)
     print_online(online)
+    print(f"\nlower open-loop RSE than router, accepted length not higher: {len(missed)} of "
+          f"{sum(r['ranking'] != 'router' for r in closed)} cells")
+    for r in missed:
+        print(f"  {r['model']:<17}{r['bench']:<10}{r['coverage']:<13}B={r['budget']:<3}"
+              f"{r['ranking']:<13} RSE {r['rse']:.4f} < {r['router_rse']:.4f}, accepted "
+              f"{r['accepted_length'][0]:.3f} ≤ {r['router_accepted_length'][0]:.3f}")
     if args.output:
-        args.output.write_text(json.dumps(dict(closed=closed, online=online), indent=1))
+        args.output.write_text(json.dumps(dict(closed=closed, online=online, untranslated=missed),
+                                          indent=1))
 
 
 if __name__ == "__main__":

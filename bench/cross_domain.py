@@ -1,8 +1,16 @@
 """Does a selector calibrated on one benchmark hold on another? The calibration × evaluation
 matrix of the router→oracle gap closed, and coact's ablation, per model.
 
-    python bench/cross_domain.py --traces /tmp/xdomain                       # both models
-    python bench/cross_domain.py --models tiny-olmoe --rankings coact --output matrix.json
+    python bench/cross_domain.py --traces /tmp/xdomain --output matrix.json   # the whole matrix
+    python bench/cross_domain.py --models tiny-olmoe --rankings coact --output olmoe.json
+    python bench/cross_domain.py --render matrix.json --readme README.md      # table from output
+
+The whole matrix is one command: every model of ``--models`` (the four families of issue 28),
+every evaluation × calibration cell, both policies, at the model's budgets (:func:`budgets_for`:
+k to 32, N = 32 models k to 20). Captures and replays already on disk are reused, so a rerun
+finishes what an interrupted one left and adds new rankings only. ``--readme`` rewrites the block
+between the README's ``cross-domain matrix`` markers from the JSON written with ``--output`` (or
+read with ``--render``): the table is never typed.
 
 Per model and benchmark (mbpp, humaneval, gsm8k, math500, cnndm, specbench) it captures an
 evaluation run (prompts 0..E−1) and a calibration run (prompts E..E+C−1, role calibration) —
@@ -30,10 +38,33 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import capture, replay_runs  # noqa: E402
+from pipeline import capture, loaded_model, replay_runs  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
-BUDGETS = (8, 16, 24, 32)
+BUDGETS = (8, 16, 24, 32)  # k = 8, N ≥ 64 (tiny-olmoe, tiny-qwen3-moe): budgets_for(8, 64)
+MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
+README_BEGIN = "<!-- cross-domain matrix: begin (bench/cross_domain.py --readme; do not edit) -->"
+README_END = "<!-- cross-domain matrix: end -->"
+
+
+def budgets_for(k: int, n: int) -> tuple[int, ...]:
+    """The matrix's budgets for a model with top-k of N routed experts: from k (one token's own
+    experts) to ``min(32, 5N/8)``, on a grid of 8 (N ≥ 64) or 4 (smaller N), k included.
+    (8, 64) → 8, 16, 24, 32; (6, 64) → 6, 8, 16, 24, 32; (4, 32) → 4, 8, 12, 16, 20."""
+    top, step = min(32, 5 * n // 8), 8 if n >= 64 else 4
+    return tuple(sorted({k, *range(step, top + 1, step)} & set(range(k, top + 1))))
+
+
+def closed_budgets_for(k: int, n: int) -> tuple[int, ...]:
+    """The closed-loop tables' budgets (each re-verifies every tree): k, 8, 16 and 32 within
+    :func:`budgets_for`'s range. (8, 64) → 8, 16, 32; (6, 64) → 6, 8, 16, 32; (4, 32) → 4, 8, 16."""
+    return tuple(b for b in sorted({k, 8, 16, 32}) if b in budgets_for(k, n))
+
+
+def model_budgets(model: str, closed: bool = False) -> tuple[int, ...]:
+    """:func:`budgets_for` (or :func:`closed_budgets_for`) of an embedded or hub model."""
+    _, adapter = loaded_model(model)
+    return (closed_budgets_for if closed else budgets_for)(adapter.top_k, adapter.num_experts)
 BASE = ("router", "oracle", "sqmass")  # need no calibration: replayed once per evaluation run
 ABLATION_ONLY = {"coact-diag"}  # replayed for the diagonal, all and others only (the ablation)
 
@@ -46,8 +77,8 @@ def capture_all(root: Path, model: str, args) -> None:
                 offset=args.eval_prompts, limit=args.cal_prompts)
 
 
-def replay_all(root: Path, model: str, args) -> None:
-    budgets = ",".join(map(str, BUDGETS))
+def replay_all(root: Path, model: str, args, budget_grid: tuple[int, ...] = BUDGETS) -> None:
+    budgets = ",".join(map(str, budget_grid))
     sources = {**{b: [f"cal-{b}"] for b in args.benches},
                "all": [f"cal-{b}" for b in args.benches]}
     both = ("truncation", "substitution")
@@ -93,7 +124,8 @@ def gap_table(rse: pl.DataFrame, rankings: list[str]) -> pl.DataFrame:
                             / (pl.col("router") - pl.col("oracle")))
 
 
-def print_matrix(model: str, gaps: pl.DataFrame, ranking: str) -> dict:
+def print_matrix(model: str, gaps: pl.DataFrame, ranking: str,
+                 budgets: tuple[int, ...] = BUDGETS) -> dict:
     worst = {}
     for coverage in ("truncation", "substitution"):
         g = gaps.filter((pl.col("ranking") == ranking) & (pl.col("coverage") == coverage))
@@ -102,13 +134,13 @@ def print_matrix(model: str, gaps: pl.DataFrame, ranking: str) -> dict:
         print(f"\n{model} · {ranking} · {coverage}: gap closed (%), rows evaluation ← "
               "calibration")
         print(f"  {'evaluated on':<11} {'calibrated on':<14}" +
-              "".join(f"{'B=' + str(b):>8}" for b in BUDGETS))
+              "".join(f"{'B=' + str(b):>8}" for b in budgets))
         for (bench, source), cell in sorted(g.group_by(["bench", "calibration"]),
                                             key=lambda x: (x[0][0], x[0][1] != x[0][0], x[0][1])):
             vals = {r["budget"]: r["gap_closed"] for r in cell.iter_rows(named=True)}
             mark = "*" if bench == source else " "
             print(f"  {bench:<11} {source + mark:<14}" +
-                  "".join(f"{100 * vals.get(b, float('nan')):8.0f}" for b in BUDGETS))
+                  "".join(f"{100 * vals.get(b, float('nan')):8.0f}" for b in budgets))
         kinds = {"single benchmark": ~pl.col("calibration").is_in(["all", "others"])
                  & (pl.col("bench") != pl.col("calibration")),
                  "others (mixed, out of domain)": pl.col("calibration") == "others"}
@@ -122,7 +154,8 @@ def print_matrix(model: str, gaps: pl.DataFrame, ranking: str) -> dict:
     return worst
 
 
-def print_ablation(model: str, gaps: pl.DataFrame, rse: pl.DataFrame, source: str) -> None:
+def print_ablation(model: str, gaps: pl.DataFrame, source: str,
+                   budgets: tuple[int, ...] = BUDGETS) -> None:
     """router → sqmass → coact-diag → coact → oracle, as gap closed, calibrated on ``source``."""
     steps = ["sqmass", "coact-diag", "coact", "learned"]
     have = [s for s in steps if s in set(gaps["ranking"])]
@@ -131,7 +164,7 @@ def print_ablation(model: str, gaps: pl.DataFrame, rse: pl.DataFrame, source: st
         print(f"  {coverage}: {'bench':<10} {'B':>3}" + "".join(f"{s:>12}" for s in have))
         g = gaps.filter(pl.col("coverage") == coverage)
         for bench in sorted(set(g["bench"])):
-            for b in BUDGETS:
+            for b in budgets:
                 cells = []
                 for s in have:
                     sel = g.filter((pl.col("bench") == bench) & (pl.col("budget") == b)
@@ -143,14 +176,65 @@ def print_ablation(model: str, gaps: pl.DataFrame, rse: pl.DataFrame, source: st
                 print(f"  {'':<12} {bench:<10} {b:>3}" + "".join(cells))
 
 
+def off_diagonal_summary(report: dict) -> list[dict]:
+    """Per model × policy × calibrated ranking, over the off-diagonal single-benchmark cells
+    (evaluated on one benchmark, calibrated on another alone) at every budget: how many, the
+    share closing ≥ 50% of the router→oracle gap, and the worst cell."""
+    rows = []
+    for model, found in report.items():
+        cells = [c for c in found["cells"] if c["calibration"] not in (None, "all", "others")
+                 and c["calibration"] != c["bench"] and c["ranking"] != "sqmass"]
+        for key in sorted({(c["coverage"], c["ranking"]) for c in cells},
+                          key=lambda x: (x[0] != "truncation", x[1])):
+            mine = [c for c in cells if (c["coverage"], c["ranking"]) == key]
+            worst = min(mine, key=lambda c: c["gap_closed"])
+            missed = {}  # budget -> cells under 50%
+            for c in mine:
+                if c["gap_closed"] < 0.5:
+                    missed[c["budget"]] = missed.get(c["budget"], 0) + 1
+            rows.append(dict(model=model, coverage=key[0], ranking=key[1], cells=len(mine),
+                             missed_by_budget=dict(sorted(missed.items())),
+                             budgets=found.get("budgets"),
+                             share_ge_50=sum(c["gap_closed"] >= 0.5 for c in mine) / len(mine),
+                             worst=worst["gap_closed"], worst_cell=(
+                                 f"{worst['bench']} ← {worst['calibration']}, B={worst['budget']}")))
+    return rows
+
+
+def markdown(report: dict) -> str:
+    """The README's table, from the report alone."""
+    lines = ["| model | budgets | policy | ranking | off-diagonal cells | ≥ 50% of gap closed | "
+             "cells under 50%, by B | worst cell |", "|---|---|---|---|---|---|---|---|"]
+    for r in off_diagonal_summary(report):
+        budgets = ", ".join(map(str, r["budgets"] or ()))
+        missed = ", ".join(f"B={b}: {n}" for b, n in r["missed_by_budget"].items()) or "none"
+        lines.append(f"| {r['model']} | {budgets} | {r['coverage']} | {r['ranking']} | "
+                     f"{r['cells']} | {100 * r['share_ge_50']:.0f}% | {missed} | "
+                     f"{100 * r['worst']:.0f}% ({r['worst_cell']}) |")
+    return "\n".join(lines)
+
+
+def rewrite_readme(readme: Path, table: str) -> None:
+    """Replace what lies between the README's matrix markers by ``table``; refuse when the
+    markers are missing (a table typed by hand is never silently kept)."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise SystemExit(f"cross_domain.py: {readme} has no '{README_BEGIN}' … '{README_END}' "
+                         "block; add both marker lines where the table belongs")
+    head, rest = text.split(README_BEGIN, 1)
+    tail = rest.split(README_END, 1)[1]
+    readme.write_text(f"{head}{README_BEGIN}\n{table}\n{README_END}{tail}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, default=Path("traces-xdomain"))
-    p.add_argument("--models", nargs="+", default=["tiny-olmoe", "tiny-qwen3-moe"])
+    p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--benches", nargs="+", default=list(BENCHES))
     p.add_argument("--rankings", nargs="+",
-                   default=["coact-diag", "coact", "coact-online", "learned"],
-                   help="calibrated rankings replayed per calibration source")
+                   default=["coact-diag", "coact", "coact-online", "coact-prior", "learned"],
+                   help="calibrated rankings replayed per calibration source (coact-prior: the "
+                        "recommended one)")
     p.add_argument("--sources", nargs="*", default=[],
                    help="calibration benchmarks beyond the diagonal and 'all' (default: every "
                         "benchmark, the full matrix)")
@@ -162,21 +246,38 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write every cell as JSON")
+    p.add_argument("--render", type=Path, nargs="+", default=None,
+                   help="compute nothing: read these JSON files (earlier --output, e.g. one per "
+                        "model) for --readme")
+    p.add_argument("--readme", type=Path, nargs="+", default=[],
+                   help="rewrite these files' cross-domain matrix block from the results "
+                        "(README.md, docs/results.md)")
     args = p.parse_args()
-    args.full_matrix = not args.sources
-    report = {}
-    for model in args.models:
-        root = args.traces / model
-        capture_all(root, model, args)
-        replay_all(root, model, args)
-        rse = mean_rse(root, model)
-        gaps = gap_table(rse, args.rankings)
-        report[model] = dict(worst={r: print_matrix(model, gaps, r) for r in args.rankings},
-                             cells=gaps.to_dicts())
-        for source in ("all", "others"):
-            print_ablation(model, gaps, rse, source)
-    if args.output:
-        args.output.write_text(json.dumps(report, indent=1, default=str))
+    if args.render:
+        report = {m: found for path in args.render
+                  for m, found in json.loads(path.read_text()).items()}
+    else:
+        args.full_matrix = not args.sources
+        report = {}
+        for model in args.models:
+            root = args.traces / model
+            budgets = model_budgets(model)
+            capture_all(root, model, args)
+            replay_all(root, model, args, budgets)
+            rse = mean_rse(root, model)
+            gaps = gap_table(rse, args.rankings)
+            report[model] = dict(budgets=list(budgets),
+                                 worst={r: print_matrix(model, gaps, r, budgets)
+                                        for r in args.rankings}, cells=gaps.to_dicts())
+            for source in ("all", "others"):
+                print_ablation(model, gaps, source, budgets)
+        if args.output:
+            args.output.write_text(json.dumps(report, indent=1, default=str))
+    table = markdown(report)
+    print("\noff-diagonal single-benchmark cells, every budget:\n" + table)
+    for readme in args.readme:
+        rewrite_readme(readme, table)
+        print(f"wrote the table into {readme}")
 
 
 if __name__ == "__main__":

@@ -108,6 +108,33 @@ def test_cross_domain_bench_fills_the_matrix(cross_domain):
     oracle_below_router = [c["oracle"] <= c["router"] + 1e-9 for c in cells]
     assert all(oracle_below_router) and all(c["rse"] >= 0 for c in cells)
     assert set(found["tiny-olmoe"]["worst"]) == {"coact"} and "coact" in out
+    assert found["tiny-olmoe"]["budgets"] == [8, 16, 24, 32]  # k = 8 of N = 64: k to 32
+
+
+@smoke("cross_domain.py")
+def test_cross_domain_bench_writes_the_readme_table_from_its_output(cross_domain, tmp_path):
+    _, found, _ = cross_domain
+    (tmp_path / "x.json").write_text(json.dumps(found))
+    readme = tmp_path / "README.md"
+    marks = ("<!-- cross-domain matrix: begin (bench/cross_domain.py --readme; do not edit) -->",
+             "<!-- cross-domain matrix: end -->")
+    readme.write_text(f"intro\n{marks[0]}\n| typed | by hand |\n{marks[1]}\noutro\n")
+    run("bench/cross_domain.py", "--render", str(tmp_path / "x.json"), "--readme", str(readme))
+    text = readme.read_text()
+    assert "typed" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    rows = [line for line in text.splitlines() if line.startswith("| tiny-olmoe")]
+    # two benchmarks: one off-diagonal cell each way × 4 budgets, per policy, for coact
+    off = [c for c in found["tiny-olmoe"]["cells"] if c["ranking"] == "coact"
+           and c["calibration"] in BENCHES and c["calibration"] != c["bench"]]
+    assert len(rows) == len({c["coverage"] for c in off}) == 2
+    worst = min(c["gap_closed"] for c in off if c["coverage"] == "truncation")
+    assert f"| {100 * worst:.0f}% (" in rows[0] and "| 8 |" in rows[0]
+    readme.write_text("no markers\n")
+    done = subprocess.run([sys.executable, "bench/cross_domain.py", "--render",
+                           str(tmp_path / "x.json"), "--readme", str(readme)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True)
+    assert done.returncode != 0 and readme.read_text() == "no markers\n"
+    assert "no '<!-- cross-domain matrix: begin" in done.stderr
 
 
 @smoke("closed_loop.py")
@@ -129,6 +156,11 @@ def test_closed_loop_bench_bootstraps_every_cell(cross_domain, tmp_path):
     assert [(r["ranking"], r["budget"], r["prompts"]) for r in found["online"]] == [
         ("router", 16, 1), ("coact", 16, 1)]
     assert all(0 <= r["first_divergence"] <= r["output_tokens"] for r in found["online"])
+    closed = {(r["ranking"], r["coverage"], r["budget"]): r for r in found["closed"]}
+    for r in found["untranslated"]:  # open-loop better than router, closed loop not
+        router = closed[("router", r["coverage"], r["budget"])]
+        assert r["rse"] < r["router_rse"] and r["ranking"] != "router"
+        assert r["accepted_length"][0] <= router["accepted_length"][0]
 
 
 @smoke("energy_prior.py")
@@ -259,3 +291,16 @@ def test_object_store_bench_measures_both_sides_and_compares_the_tables(tmp_path
     assert found["local"]["tree_layers"] == found["s3"]["tree_layers"] > 0
     assert set(found["identical"]) >= {"routing", "moe_io", "trees", "replay_open"}
     assert all(found["identical"].values()) and "s3 / local" in out
+
+
+@smoke("cluster.py")
+def test_cluster_bench_gets_the_single_process_tables_on_two_nodes(tmp_path):
+    pytest.importorskip("ray")
+    pytest.importorskip("moto.server")
+    out = run("bench/cluster.py", "--prompts", "2", "--max-new-tokens", "4", "--budgets", "8,16",
+              "--out", str(tmp_path / "c.json"))
+    found = json.loads((tmp_path / "c.json").read_text())
+    assert found["capture"]["identical"] is True and found["replay"]["identical"] is True
+    assert found["nodes"] == {"capture": 2, "replay": 2}
+    assert found["replay"]["two_nodes"]["count"] == found["replay"]["one_process"]["count"] > 0
+    assert found["cluster_start_seconds"] > 0 and "identical: yes" in out
