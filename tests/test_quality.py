@@ -31,26 +31,13 @@ def test_recorded_quality_is_what_the_model_measures(embedded):
         assert now["routing"]["mean"][key] == pytest.approx(value, rel=2e-3, abs=1e-4), key
 
 
-SIGMOID = {"tiny-deepseek-v3"}  # router scores are sigmoids (DeepSeek-V3)
-
-
 def test_models_learned_language_and_routing():
     for name in models.EMBEDDED:
         rec = record_of(name)
         h, r = rec["heldout"], rec["routing"]
         # clearly better than a unigram model on held-out text
         assert h["loss"] < h["unigram_baseline"] - 1.0, (name, h)
-        n, k, m = r["num_experts"], r["top_k"], r["window_tokens"]
-        if name in SIGMOID:
-            # sigmoid scores are not a distribution: an unselected expert's score gets no
-            # gradient and stays near 0.5, so top-k mass and entropy of the normalised scores
-            # understate specialisation. Judge the selections instead: fewer experts per window
-            # than i.i.d. uniform routing would touch, and a heavy top half.
-            uniform_unique = n * (1 - ((n - k) / n) ** m)
-            assert r["mean"]["unique_experts"] < 0.9 * uniform_unique, (name, r["mean"])
-            assert r["mean"]["top_half_share"] >= 0.6, (name, r["mean"])
-            assert r["mean"]["topk_mass"] >= 1.5 * k / n, (name, r["mean"])
-            continue
+        k, n = r["top_k"], r["num_experts"]
         # learned routing: per-token top-k mass at least twice uniform k/N
         assert r["mean"]["topk_mass"] >= 2 * k / n, (name, r["mean"])
         assert r["mean"]["entropy_ratio"] < 0.95, name

@@ -8,12 +8,13 @@ transformers' own ``load_balancing_loss_func`` (what ``labels=…, output_router
 returns), on the offline corpus of :mod:`training.corpus`.
 
 tiny-deepseek-v3 balances as DeepSeek-V3 does instead: the auxiliary-loss-free selection bias
-(:class:`BiasBalancer`, γ = 1e-3). With the common recipe its sigmoid scores stay near 0.5 and
-routing near-uniform (top-k mass 1.76× uniform, entropy / log N 0.97 after 900 steps; issue 28).
-A :class:`RouterRecipe` on its spec changes that (not yet the default): with ``lr_scale=10,
-weight_decay=0, seq_aux=1e-4`` 900 steps reach 4.24× and 0.71 (load CV 0.54, held-out loss
-3.550), but router logits grow to where sigmoid scores saturate at exactly 1.0 and tie, so the
-module's top-k and the routing rule's lowest-id tie-break disagree (the family contract fails).
+(:class:`BiasBalancer`, γ = 1e-3), plus its spec's :class:`RouterRecipe` (issue 28). With the
+common recipe alone its sigmoid scores stayed near 0.5 and routing near-uniform (top-k mass 1.76×
+uniform, entropy / log N 0.97 after 900 steps). Router weights at 5× the learning rate with the
+usual weight decay and DeepSeek-V3's sequence-wise balance loss (α = 1e-4) reach 3.49× and 0.83
+(load CV 0.59, held-out loss 3.533 vs 3.571) while the router logits stay below ~17, where float32
+sigmoid scores would saturate at 1.0 and tie (10× without decay got 4.24× but saturated: the
+module's top-k and the routing rule's lowest-id tie-break then disagree).
 
     train-tiny --model tiny-olmoe --steps 1500 --seed 0
 
@@ -118,7 +119,8 @@ SPECS = {
         num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=16,
         intermediate_size=256, first_k_dense_replace=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=32, head_dim=16), balancing="bias"),
+        qk_nope_head_dim=16, v_head_dim=32, head_dim=16), balancing="bias",
+        router=RouterRecipe(lr_scale=5.0, weight_decay=0.1, seq_aux=1e-4)),
     # gpt-oss: router with bias, softmax over the top-4 of 32 experts, experts with biases and a
     # clamped SwiGLU, attention sinks, sliding-window (32 tokens) and full layers alternating,
     # the real config's aux coefficient 0.9; transformers runs it with eager attention only.
