@@ -47,6 +47,14 @@ def test_every_bench_script_has_a_smoke_run():
     assert SMOKE_RUNS - scripts == set(), "smoke runs of scripts that are no longer benches"
 
 
+def test_no_bench_module_shadows_a_project_package():
+    """A bench runs with bench/ first on sys.path: bench/cluster.py once hid the cluster package
+    from every bench that imports replay."""
+    packages = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()}
+    shadowing = {p.stem for p in (ROOT / "bench").glob("*.py")} & packages
+    assert not shadowing, f"rename bench/{sorted(shadowing)[0]}.py: it shadows a package"
+
+
 @smoke("oracle_bound.py")
 def test_oracle_bound_bench_counts_no_cell_below_the_oracle(tmp_path):
     out = run("bench/oracle_bound.py", "--traces", str(tmp_path), "--models", "tiny-mixtral",
@@ -293,11 +301,11 @@ def test_object_store_bench_measures_both_sides_and_compares_the_tables(tmp_path
     assert all(found["identical"].values()) and "s3 / local" in out
 
 
-@smoke("cluster.py")
+@smoke("multi_node.py")
 def test_cluster_bench_gets_the_single_process_tables_on_two_nodes(tmp_path):
     pytest.importorskip("ray")
     pytest.importorskip("moto.server")
-    out = run("bench/cluster.py", "--prompts", "2", "--max-new-tokens", "4", "--budgets", "8,16",
+    out = run("bench/multi_node.py", "--prompts", "2", "--max-new-tokens", "4", "--budgets", "8,16",
               "--out", str(tmp_path / "c.json"))
     found = json.loads((tmp_path / "c.json").read_text())
     assert found["capture"]["identical"] is True and found["replay"]["identical"] is True

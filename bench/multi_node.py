@@ -1,7 +1,7 @@
 """Capture and replay on a two-node Ray cluster with traces on an object store vs one process.
 
-    python bench/cluster.py --prompts 16 --max-new-tokens 32 --out cluster.json
-    python bench/cluster.py --prompts 2 --max-new-tokens 4            # a smoke run
+    python bench/multi_node.py --prompts 16 --max-new-tokens 32 --out cluster.json
+    python bench/multi_node.py --prompts 2 --max-new-tokens 4            # a smoke run
 
 Starts moto's S3 server on 127.0.0.1 in a process of its own, then a Ray cluster of two nodes on
 this machine (a head and a second raylet, one CPU slot each, each with its own temp dir; timed:
