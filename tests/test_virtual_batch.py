@@ -78,28 +78,36 @@ def alone_and_together(tmp_path_factory):
     return root
 
 
-def test_a_virtual_batch_replays_as_the_real_batched_capture_of_the_same_grouping(
-        alone_and_together):
-    """Two prompts captured one at a time and replayed as virtual batches of 2 give the
-    shortlists and errors of the same two prompts captured together replayed over their real
-    passes."""
+def replay_both_runs(root, options: list[str], sql: str, keys: list[str]):
+    """Replay runs ``alone`` (b = 1 capture, virtual batches of 2) and ``together`` (captured
+    with --batch-size 2) with ``options``; refuse ``together`` at a b it was not captured with;
+    return ``sql``'s rows of each run, sorted by ``keys``."""
     import polars as pl
 
     from analysis.sql import connect
     from replay import cli as replay_cli
 
-    tmp_path = alone_and_together
-    rep = ["--traces", str(tmp_path), "--ranking", "router", "sqmass", "oracle", "--budget",
-           "8,16,24", "--batch-size", "2", "--no-progress", "--threads", "1"]
+    rep = ["--traces", str(root), *options, "--batch-size", "2", "--no-progress", "--threads",
+           "1"]
     for run in ("alone", "together"):
         assert replay_cli.main([*rep, "--run", run]) == 0
     assert replay_cli.main([*rep, "--run", "together", "--batch-size", "3"]) == 2  # not its b
-    rows = connect(tmp_path).sql(
-        "SELECT run, step, layer, ranking, coverage, budget, trees, batch_size, rse, "
-        "experts_loaded, unique_experts FROM replay_batch").pl()
+    rows = connect(root).sql(sql).pl()
+    return tuple(rows.filter(pl.col("run") == run).sort(keys) for run in ("alone", "together"))
+
+
+def test_a_virtual_batch_replays_as_the_real_batched_capture_of_the_same_grouping(
+        alone_and_together):
+    """Two prompts captured one at a time and replayed as virtual batches of 2 give the
+    shortlists and errors of the same two prompts captured together replayed over their real
+    passes."""
+
+
     keys = ["step", "layer", "ranking", "coverage", "budget"]
-    alone = rows.filter(pl.col("run") == "alone").sort(keys)
-    together = rows.filter(pl.col("run") == "together").sort(keys)
+    alone, together = replay_both_runs(
+        alone_and_together, ["--ranking", "router", "sqmass", "oracle", "--budget", "8,16,24"],
+        "SELECT run, step, layer, ranking, coverage, budget, trees, batch_size, rse, "
+        "experts_loaded, unique_experts FROM replay_batch", keys)
     assert alone.height == together.height > 0
     assert alone.select(keys).equals(together.select(keys))
     assert (alone["trees"] == together["trees"]).all() and alone["trees"].max() == 2
@@ -117,22 +125,14 @@ def test_closed_loop_over_a_virtual_batch_is_closed_loop_over_the_real_passes(
     KL and experts loaded whether the pass is virtual (b = 1 capture) or real (--batch-size 2)."""
     import polars as pl
 
-    from analysis.sql import connect
-    from replay import cli as replay_cli
 
-    root = alone_and_together
-    rep = ["--traces", str(root), "--mode", "closed", "--ranking", "router", "sqmass",
-           "--budget", "8,16,64", "--batch-size", "2", "--no-progress", "--threads", "1"]
-    for run in ("alone", "together"):
-        assert replay_cli.main([*rep, "--run", run]) == 0
-    assert replay_cli.main([*rep, "--run", "together", "--batch-size", "3"]) == 2  # not its b
-    rows = connect(root).sql(
+    keys = ["prompt_index", "step", "ranking", "coverage", "budget"]
+    alone, together = replay_both_runs(
+        alone_and_together, ["--mode", "closed", "--ranking", "router", "sqmass", "--budget",
+                             "8,16,64"],
         "SELECT run, prompt_index, step, batch_pass, trees, batch_size, ranking, coverage, "
         "budget, accepted_length, captured_accepted_length, path_unchanged, top1_agreement, "
-        "mean_kl, experts_loaded FROM replay_closed_batch").pl()
-    keys = ["prompt_index", "step", "ranking", "coverage", "budget"]
-    alone = rows.filter(pl.col("run") == "alone").sort(keys)
-    together = rows.filter(pl.col("run") == "together").sort(keys)
+        "mean_kl, experts_loaded FROM replay_closed_batch", keys)
     assert alone.height == together.height > 0
     same = ["batch_pass", "trees", "accepted_length", "captured_accepted_length",
             "path_unchanged", "experts_loaded"]
