@@ -87,16 +87,14 @@ class EnergyPriorMeans:
     starts from the shrunk means."""
 
     def mean_gram(self, batch):
-        if self.kappa is not None:
-            kappa = torch.full((len(self.calibration.layers),), float(self.kappa),
-                               dtype=torch.float64)
-            means = shrunk_means(self.calibration, kappa)
-        else:  # one κ per layer from the calibration alone, fitted once per calibration
-            if self.name not in self.calibration.fitted:
-                self.calibration.fitted[self.name] = shrunk_means(
-                    self.calibration, prior_strength(self.calibration))
-            means = self.calibration.fitted[self.name]
-        rows = self.calibration.rows(batch.layers)
+        stats = self.calibration
+        key = self.name if self.kappa is None else (self.name, float(self.kappa))
+        if key not in stats.fitted:  # shrunk once per calibration (and fixed κ)
+            kappa = prior_strength(stats) if self.kappa is None else torch.full(
+                (len(stats.layers),), float(self.kappa), dtype=torch.float64)
+            stats.fitted[key] = shrunk_means(stats, kappa)
+        means = stats.fitted[key]
+        rows = stats.rows(batch.layers)
         return means[rows].to(batch.device).double()
 
 
