@@ -80,8 +80,8 @@ def write_prompt(args) -> int:
         "router_probs": list_column(probs, pa.float32()),
         "topk_ids": list_column(top.astype(np.int16), pa.int16()),
         "topk_weights": list_column(np.take_along_axis(probs, top, 1), pa.float32()),
-        "applied_ids": pa.nulls(rows, pa.list_(pa.int16())),
-        "applied_weights": pa.nulls(rows, pa.list_(pa.float32()))}, schema=schema.TABLES["routing"]))
+        "applied_ids": pa.nulls(rows, schema.vector(pa.int16())),
+        "applied_weights": pa.nulls(rows, schema.vector(pa.float32()))}, schema=schema.TABLES["routing"]))
     unique = np.array([[len(np.unique(top[(s * LAYERS + la) * M:(s * LAYERS + la + 1) * M]))
                         for la in range(LAYERS)] for s in range(steps)], dtype=np.int16)
     accepted = rng.integers(1, 6, size=steps).astype(np.int16)

@@ -95,8 +95,9 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def online_table(root: Path, model: str, bench: str, args) -> list[dict]:
     rows = []
+    budgets = [] if args.online_budgets == "none" else args.online_budgets.split(",")
     for ranking in args.rankings:
-        for budget in args.online_budgets.split(","):
+        for budget in budgets:
             name = f"online-{bench}-{ranking}-{budget}"
             if name not in run_names(root, model, bench=bench):
                 capture(root, name, model=model, bench=bench, limit=args.eval_prompts,
@@ -173,7 +174,8 @@ def main() -> None:
     p.add_argument("--budgets", default="auto",
                    help="comma-separated budgets, or auto: each model's closed-loop grid")
     p.add_argument("--online-coverage", default="substitution")
-    p.add_argument("--online-budgets", default="16,32")
+    p.add_argument("--online-budgets", default="16,32",
+                   help="budgets of the online-mode captures, comma-separated; none: skip them")
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)

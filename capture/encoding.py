@@ -65,15 +65,15 @@ def layer_tables(prompt_index: int, prompt_id: str, step: int, records: list[Lay
         "topk_ids": list_column(cat(records, lambda r: r.topk_ids, np.int16), pa.int16()),
         "topk_weights": list_column(cat(records, lambda r: r.topk_weights), pa.float32()),
         "applied_ids": list_column(cat(records, lambda r: r.applied_ids, np.int16), pa.int16())
-        if budgeted else pa.nulls(rows, pa.list_(pa.int16())),
+        if budgeted else pa.nulls(rows, schema.vector(pa.int16())),
         "applied_weights": list_column(cat(records, lambda r: r.applied_weights), pa.float32())
-        if budgeted else pa.nulls(rows, pa.list_(pa.float32())),
+        if budgeted else pa.nulls(rows, schema.vector(pa.float32())),
     }, schema=schema.TABLES["routing"])
     kept = [r for r in records if r.hidden is not None]
     if not kept:
         return routing, None
     dtype = storage["dtype"]
-    vec = pa.list_(schema.hidden_type(dtype))
+    vec = schema.vector(schema.hidden_type(dtype))
     stack = lambda f: torch.cat([f(r) for r in kept])  # noqa: E731
     output = stack(lambda r: r.output)
     io = {**keys(kept),

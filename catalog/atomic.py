@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from catalog import location
+from catalog.schema import FAST_DECODE_COLUMNS
 from errors import UserError
 
 
@@ -90,15 +91,18 @@ def write_json(path: Path, obj) -> None:
 
 
 def write_table(path: Path, table: pa.Table) -> int:
-    """One Parquet file, zstd, page checksums. Dictionary encoding for string columns and
-    statistics for scalar columns only: dictionary-encoding float vectors costs time and space,
-    and their min/max help no query. Float vectors are byte-stream-split (Parquet's encoding for
-    floats: ~15% smaller and faster to decode). Returns the bytes written."""
+    """One Parquet file, zstd (lz4 for :data:`catalog.schema.FAST_DECODE_COLUMNS`), page
+    checksums. Dictionary encoding for string columns and statistics for scalar columns only:
+    dictionary-encoding float vectors costs time and space, and their min/max help no query.
+    Float vectors are byte-stream-split (Parquet's encoding for floats: ~15% smaller and faster
+    to decode). Returns the bytes written."""
     scalar = [f.name for f in table.schema if not pa.types.is_list(f.type)]
     strings = [f.name for f in table.schema if pa.types.is_string(f.type)]
     floats = [f"{f.name}.list.element" for f in table.schema if pa.types.is_list(f.type)
               and f.type.value_type in (pa.float32(), pa.float64())]
-    options = dict(compression="zstd", use_dictionary=strings, write_statistics=scalar,
+    codecs = {f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name:  # leaf paths
+              "lz4" if f.name in FAST_DECODE_COLUMNS else "zstd" for f in table.schema}
+    options = dict(compression=codecs, use_dictionary=strings, write_statistics=scalar,
                    write_page_checksum=True, use_byte_stream_split=floats or False)
     if location.is_remote(path):  # serialised here, then one PUT
         buffer = pa.BufferOutputStream()

@@ -45,10 +45,12 @@ from catalog.runs import (
 
 
 def list_column(matrix: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
-    """Rows of a 2-D array as a list column (zero-copy offsets, one flat values buffer)."""
+    """Rows of a 2-D array as a :func:`catalog.schema.vector` column (zero-copy offsets, one
+    flat values buffer)."""
     rows, width = matrix.shape
     offsets = pa.array(np.arange(0, (rows + 1) * width, width, dtype=np.int32))
-    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), type=dtype))
+    return pa.ListArray.from_arrays(offsets, pa.array(matrix.reshape(-1), type=dtype),
+                                    type=schema.vector(dtype))
 
 
 class RunWriter:

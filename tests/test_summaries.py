@@ -79,6 +79,28 @@ def test_parallel_and_serial_builds_write_the_same_tables(traces, tmp_path):
             assert pq.read_table(a).equals(pq.read_table(b)), a
 
 
+def test_a_run_written_with_nullable_vectors_schema_3_summarises_the_same(traces, tmp_path):
+    """The same routing values stored as schema 3 wrote them (list values nullable) and as
+    schema 4 writes them (non-null, faster to decode) give identical summary tables."""
+    root = tmp_path / "v3"
+    shutil.copytree(traces, root, ignore=shutil.ignore_patterns(summaries.FOLDER))
+    parts = sorted((root / "routing").rglob("part-*.parquet"))
+    assert parts
+    for part in parts:
+        t = pq.read_table(part)
+        assert not t.schema.field("router_probs").type.value_field.nullable  # as capture wrote
+        old = pa.schema([pa.field(f.name, pa.list_(f.type.value_type)) if pa.types.is_list(f.type)
+                         else f for f in t.schema])
+        pq.write_table(t.cast(old), part, compression="zstd")
+    assert pq.read_schema(parts[0]).field("router_probs").type.value_field.nullable
+    summaries.ensure(traces, workers=1)
+    summaries.ensure(root, workers=1)
+    for table in summaries.TABLES:
+        for new in sorted((traces / summaries.FOLDER / table).rglob("part-0.parquet")):
+            rel = new.relative_to(traces)
+            assert pq.read_table(root / rel).equals(pq.read_table(new)), rel
+
+
 def test_built_once_rebuilt_when_the_run_changes_dropped_when_it_goes(traces, tmp_path):
     root = tmp_path / "t"
     shutil.copytree(traces, root, ignore=shutil.ignore_patterns("summaries"))
@@ -224,7 +246,9 @@ def test_a_part_with_hostile_values_is_refused_in_one_line(tmp_path, damage):
         layer = layer[:3] + [None] + layer[4:]
     else:
         ids = ids[:3] + [[0, n]] + ids[4:]
-    types = {f.name: f.type for f in schema.TABLES["routing"]}
+    # as schema 3 wrote them (nullable values; readable still), so a file can hold the nulls
+    types = {f.name: pa.list_(f.type.value_type) if pa.types.is_list(f.type) else f.type
+             for f in schema.TABLES["routing"]}
     values = dict(prompt_index=[0] * rows, step=[0] * rows, layer=layer, node=list(range(rows)),
                   router_probs=probs, topk_ids=ids)
     part = tmp_path / "part-000000-0000.parquet"

@@ -79,6 +79,23 @@ def test_list_columns_hold_the_rows_of_a_matrix():
     matrix = np.arange(12, dtype=np.float32).reshape(4, 3)
     column = list_column(matrix, pa.float32())
     assert column.to_pylist() == matrix.tolist()
+    assert column.type == schema.vector(pa.float32()) and not column.type.value_field.nullable
+
+
+def test_per_node_vectors_are_stored_non_null_and_older_nullable_ones_still_type_check():
+    """Schema 4 declares routing's and moe_io's vectors non-null (Parquet stores no definition
+    level per value); a file of schema 3 (nullable values) passes the same type check, a file
+    whose values are of another type does not."""
+    from catalog import reader
+    for table in ("routing", "moe_io"):
+        for f in schema.TABLES[table]:
+            if pa.types.is_list(f.type):
+                assert not f.type.value_field.nullable, (table, f.name)
+    old = pa.schema([pa.field("router_probs", pa.list_(pa.float32()))]).empty_table()
+    reader._expected_types(old, "routing")  # no error
+    wrong = pa.schema([pa.field("router_probs", pa.list_(pa.float64()))]).empty_table()
+    with pytest.raises(ValueError, match="router_probs"):
+        reader._expected_types(wrong, "routing")
 
 
 def test_the_profile_table_is_declared_written_and_found_where_it_is_declared(tmp_path):
