@@ -4,6 +4,7 @@ over trees, and the online mode's output agreement with the unbudgeted run.
     python bench/cross_domain.py --traces /tmp/xdomain         # first: the runs this reuses
     python bench/closed_loop.py --traces /tmp/xdomain --output closed.json   # every model, bench
     python bench/closed_loop.py --traces /tmp/xdomain --models tiny-olmoe --benches gsm8k mbpp
+    python bench/closed_loop.py --render closed.json --readme docs/results.md   # table only
 
 Per model and benchmark it re-verifies every tree of the evaluation run ``eval-<bench>`` (from
 ``bench/cross_domain.py``) under each ranking × coverage × budget, calibrated on the mixed-domain
@@ -11,6 +12,10 @@ calibration runs (``cal-*`` of every benchmark, none sharing a prompt with the e
 and reports the mean and a percentile-bootstrap 95% interval (2000 resamples of trees, seeded) of
 
     accepted length (drafts + bonus) · path unchanged · top-1 agreement over nodes · KL(p ‖ p^B)
+
+and, for accepted length and KL, the paired difference from router on the same trees (Δ =
+X − router per tree, the trees resampled together): with a few dozen trees a cell's own
+interval is wide, the paired one says whether a ranking differs from router at all.
 
 Then it captures the same prompts in MoE-Spec's online mode (``capture --budget B --ranking R``)
 and reports output agreement with the unbudgeted run: the share of prompts whose output is
@@ -35,13 +40,17 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cross_domain import mean_rse, model_budgets  # noqa: E402
+from cross_domain import mean_rse, model_budgets, rewrite_readme  # noqa: E402
 from pipeline import capture, replay_runs, run_names  # noqa: E402
 
 from catalog import Catalog, reader  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
+ORDER = ("router", "sqmass", "coact", "coact-online", "coact-prior", "learned")  # table columns
+README_BEGIN = "<!-- closed loop: begin (bench/closed_loop.py --readme; do not edit) -->"
+README_END = "<!-- closed loop: end -->"
 METRICS = ("accepted_length", "path_unchanged", "top1_agreement", "mean_kl")
+PAIRED = ("accepted_length", "mean_kl")  # also as a difference from router on the same trees
 
 
 def calibration_runs(root: Path, model: str) -> list[str]:
@@ -65,6 +74,7 @@ def closed_table(root: Path, model: str, bench: str, args, budgets: str) -> list
     df = pl.read_parquet(f"{out}/replay_closed/model={model}/bench={bench}/**/*.parquet",
                          hive_partitioning=True)
     rng = np.random.default_rng(args.seed)
+    tree = ["prompt_index", "step"]
     rows = []
     for (ranking, coverage, budget), g in sorted(df.group_by("ranking", "coverage", "budget"),
                                                  key=lambda x: (x[0][1], x[0][2], x[0][0])):
@@ -73,6 +83,14 @@ def closed_table(root: Path, model: str, bench: str, args, budgets: str) -> list
                    captured_accepted_length=float(g["captured_accepted_length"].mean()))
         for m in METRICS:
             row[m] = bootstrap(g[m].cast(pl.Float64).to_numpy(), rng)
+        if ranking != "router":  # paired: the same trees under router, resampled together
+            base = df.filter((pl.col("ranking") == "router") & (pl.col("coverage") == coverage)
+                             & (pl.col("budget") == budget)).select(*tree, *PAIRED)
+            both = g.select(*tree, *PAIRED).join(base, on=tree, suffix="_router")
+            for m in PAIRED:
+                row[f"{m}_vs_router"] = bootstrap(
+                    (both[m] - both[f"{m}_router"]).cast(pl.Float64).to_numpy(), rng) \
+                    if both.height else None
         rows.append(row)
     return rows
 
@@ -140,18 +158,93 @@ def untranslated(root: Path, model: str, closed: list[dict]) -> list[dict]:
             rows.append(dict(model=model, bench=bench, ranking=ranking, coverage=coverage,
                              budget=budget, rse=mine, router_rse=theirs,
                              accepted_length=r["accepted_length"],
-                             router_accepted_length=base["accepted_length"]))
+                             router_accepted_length=base["accepted_length"],
+                             accepted_length_vs_router=r.get("accepted_length_vs_router")))
     return rows
+
+
+def paired_summary(closed: list[dict]) -> dict[str, int]:
+    """Cells (ranking ≠ router) whose paired 95% interval of Δ vs router lies above zero,
+    below it, or holds it: for accepted length (higher is better) and KL (lower is better)."""
+    out = {}
+    for m, better in (("accepted_length", +1), ("mean_kl", -1)):
+        deltas = [r[f"{m}_vs_router"] for r in closed if r.get(f"{m}_vs_router")]
+        above, below = sum(lo > 0 for _, lo, _ in deltas), sum(hi < 0 for _, _, hi in deltas)
+        out[f"{m}_better"], out[f"{m}_worse"] = (above, below) if better > 0 else (below, above)
+        out[f"{m}_cells"] = len(deltas)
+    return out
+
+
+def online_markdown(online: list[dict]) -> str:
+    """The online-mode captures, one row per model × coverage × budget × ranking, averaged
+    over the benchmarks (each a mean over its prompts)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in online:
+        groups.setdefault((r["model"], r["coverage"], r["budget"], r["ranking"]), []).append(r)
+    lines = ["| model | online, policy | B | ranking | benches | identical outputs | "
+             "first divergence (tokens) | output tokens |", "|---|---|---|---|---|---|---|---|"]
+    models = list(dict.fromkeys(r["model"] for r in online))
+    for key in sorted(groups, key=lambda k: (models.index(k[0]), k[1], k[2],
+                                             ORDER.index(k[3]) if k[3] in ORDER else 99)):
+        g = groups[key]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {len(g)} | "
+                     f"{100 * np.mean([r['exact_match'] for r in g]):.0f}% | "
+                     f"{np.mean([r['first_divergence'] for r in g]):.1f} | "
+                     f"{np.mean([r['output_tokens'] for r in g]):.1f} |")
+    return "\n".join(lines)
+
+
+def markdown(closed: list[dict]) -> str:
+    """One row per model × policy × budget, one column per ranking: mean KL and mean accepted
+    length over the benchmarks, and in how many benchmarks the paired 95% interval vs router
+    says better (↓ KL, ↑ accepted; worse after a slash); "no budget" is the captured accepted
+    length of the same trees."""
+    found = set(r["ranking"] for r in closed)
+    rankings = [x for x in ORDER if x in found] + sorted(found - set(ORDER))
+    cells: dict[tuple, dict[str, list[dict]]] = {}
+    for r in closed:
+        cells.setdefault((r["model"], r["coverage"], r["budget"]), {}).setdefault(
+            r["ranking"], []).append(r)
+
+    def count(rows, m, better):
+        d = [r[f"{m}_vs_router"] for r in rows if r.get(f"{m}_vs_router")]
+        good = sum(lo > 0 if better > 0 else hi < 0 for _, lo, hi in d)
+        bad = sum(hi < 0 if better > 0 else lo > 0 for _, lo, hi in d)
+        return f"{good}" + (f"/{bad}" if bad else "")
+
+    lines = ["| model | policy | B | benches | no budget | " + " | ".join(rankings) + " |",
+             "|---|---|---|---|---|" + "---|" * len(rankings)]
+    models = list(dict.fromkeys(r["model"] for r in closed))
+    for key in sorted(cells, key=lambda k: (models.index(k[0]), k[1] != "truncation", k[2])):
+        by = cells[key]
+        row = []
+        for x in rankings:
+            rows = by.get(x, [])
+            if not rows:
+                row.append("")
+                continue
+            kl = np.mean([r["mean_kl"][0] for r in rows])
+            acc = np.mean([r["accepted_length"][0] for r in rows])
+            row.append(f"{kl:.4f} · {acc:.2f}" if x == "router" else
+                       f"{kl:.4f} ↓{count(rows, 'mean_kl', -1)} · {acc:.2f} "
+                       f"↑{count(rows, 'accepted_length', +1)}")
+        unbudgeted = np.mean([r["captured_accepted_length"] for r in by.get("router", [])])
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {len(by.get('router', []))} | "
+                     f"{unbudgeted:.2f} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def print_closed(rows: list[dict]) -> None:
     print(f"\n{'model':<15}{'bench':<8}{'coverage':<13}{'B':>3} {'ranking':<13}"
-          f"{'accepted':>20}{'path same':>20}{'top-1':>20}{'KL (nats)':>24}")
+          f"{'accepted':>20}{'path same':>20}{'top-1':>20}{'KL (nats)':>24}"
+          f"{'Δ accepted vs router':>26}{'Δ KL vs router':>26}")
     for r in rows:
         cells = "".join(f"{r[m][0]:8.3f} [{r[m][1]:.3f},{r[m][2]:.3f}]".rjust(20 if m !=
                         "mean_kl" else 24) for m in METRICS)
+        paired = "".join((f"{d[0]:+8.3f} [{d[1]:+.3f},{d[2]:+.3f}]" if d else "").rjust(26)
+                         for d in (r.get(f"{m}_vs_router") for m in PAIRED))
         print(f"{r['model']:<15}{r['bench']:<8}{r['coverage']:<13}{r['budget']:>3} "
-              f"{r['ranking']:<13}{cells}")
+              f"{r['ranking']:<13}{cells}{paired}")
 
 
 def print_online(rows: list[dict]) -> None:
@@ -180,7 +273,23 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--render", type=Path, nargs="+", default=None,
+                   help="result files of earlier runs (--output): print their summary table "
+                        "and write it with --readme, computing nothing")
+    p.add_argument("--readme", type=Path, nargs="+", default=[],
+                   help="files whose closed-loop block (between the marker lines) is replaced "
+                        "by the summary table")
     args = p.parse_args()
+    if args.render:
+        found = [json.loads(path.read_text()) for path in args.render]
+        closed = [r for f in found for r in f["closed"]]
+        online = [r for f in found for r in f.get("online", [])]
+        table = markdown(closed) + (f"\n\n{online_markdown(online)}" if online else "")
+        print(table)
+        for readme in args.readme:
+            rewrite_readme(readme, table, README_BEGIN, README_END)
+            print(f"wrote the table into {readme}")
+        return
     closed, online, missed = [], [], []
     for model in args.models:
         root = args.traces / model
@@ -197,12 +306,24 @@ def main() -> None:
     print(f"\nlower open-loop RSE than router, accepted length not higher: {len(missed)} of "
           f"{sum(r['ranking'] != 'router' for r in closed)} cells")
     for r in missed:
+        d = r["accepted_length_vs_router"]
         print(f"  {r['model']:<17}{r['bench']:<10}{r['coverage']:<13}B={r['budget']:<3}"
               f"{r['ranking']:<13} RSE {r['rse']:.4f} < {r['router_rse']:.4f}, accepted "
-              f"{r['accepted_length'][0]:.3f} ≤ {r['router_accepted_length'][0]:.3f}")
+              f"{r['accepted_length'][0]:.3f} ≤ {r['router_accepted_length'][0]:.3f}"
+              + (f" (paired Δ {d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}])" if d else ""))
+    paired = paired_summary(closed)
+    for m, name in (("accepted_length", "accepted length"), ("mean_kl", "KL")):
+        print(f"paired 95% interval vs router, {name}: better in {paired[f'{m}_better']}, worse "
+              f"in {paired[f'{m}_worse']}, indistinguishable in "
+              f"{paired[f'{m}_cells'] - paired[f'{m}_better'] - paired[f'{m}_worse']} of "
+              f"{paired[f'{m}_cells']} cells")
     if args.output:
-        args.output.write_text(json.dumps(dict(closed=closed, online=online, untranslated=missed),
-                                          indent=1))
+        args.output.write_text(json.dumps(dict(closed=closed, online=online, untranslated=missed,
+                                               paired=paired), indent=1))
+    table = markdown(closed) + (f"\n\n{online_markdown(online)}" if online else "")
+    for readme in args.readme:
+        rewrite_readme(readme, table, README_BEGIN, README_END)
+        print(f"wrote the table into {readme}")
 
 
 if __name__ == "__main__":

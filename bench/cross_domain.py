@@ -214,16 +214,17 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def rewrite_readme(readme: Path, table: str) -> None:
-    """Replace what lies between the README's matrix markers by ``table``; refuse when the
-    markers are missing (a table typed by hand is never silently kept)."""
+def rewrite_readme(readme: Path, table: str, begin: str = README_BEGIN,
+                   end: str = README_END) -> None:
+    """Replace what lies between a README's ``begin`` and ``end`` marker lines by ``table``;
+    refuse when the markers are missing (a table typed by hand is never silently kept)."""
     text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        raise SystemExit(f"cross_domain.py: {readme} has no '{README_BEGIN}' … '{README_END}' "
+    if begin not in text or end not in text:
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {readme} has no '{begin}' … '{end}' "
                          "block; add both marker lines where the table belongs")
-    head, rest = text.split(README_BEGIN, 1)
-    tail = rest.split(README_END, 1)[1]
-    readme.write_text(f"{head}{README_BEGIN}\n{table}\n{README_END}{tail}")
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    readme.write_text(f"{head}{begin}\n{table}\n{end}{tail}")
 
 
 def main() -> None:

@@ -165,6 +165,25 @@ def test_closed_loop_bench_bootstraps_every_cell(cross_domain, tmp_path):
         ("router", 16, 1), ("coact", 16, 1)]
     assert all(0 <= r["first_divergence"] <= r["output_tokens"] for r in found["online"])
     closed = {(r["ranking"], r["coverage"], r["budget"]): r for r in found["closed"]}
+    for (ranking, coverage, budget), row in closed.items():  # paired Δ: the same trees
+        router = closed[("router", coverage, budget)]
+        for m in ("accepted_length", "mean_kl"):
+            if ranking == "router":
+                assert f"{m}_vs_router" not in row
+                continue
+            mean, low, high = row[f"{m}_vs_router"]
+            assert low <= mean <= high
+            assert mean == pytest.approx(row[m][0] - router[m][0], abs=1e-9)
+    paired = found["paired"]
+    assert paired["accepted_length_cells"] == paired["mean_kl_cells"] == 4
+    assert paired["mean_kl_better"] + paired["mean_kl_worse"] <= 4
+    readme = tmp_path / "README.md"  # the summary table, written between its markers
+    readme.write_text("intro\n<!-- closed loop: begin (bench/closed_loop.py --readme; do not "
+                      "edit) -->\ntyped by hand\n<!-- closed loop: end -->\noutro\n")
+    run("bench/closed_loop.py", "--render", str(tmp_path / "c.json"), "--readme", str(readme))
+    text = readme.read_text()
+    assert "typed by hand" not in text and text.startswith("intro") and text.endswith("outro\n")
+    assert text.count("| tiny-olmoe | ") == 4 + 2  # 2 policies × 2 budgets; 2 online rankings
     for r in found["untranslated"]:  # open-loop better than router, closed loop not
         router = closed[("router", r["coverage"], r["budget"])]
         assert r["rse"] < r["router_rse"] and r["ranking"] != "router"
