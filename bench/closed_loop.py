@@ -40,7 +40,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cross_domain import mean_rse, model_budgets, rewrite_readme  # noqa: E402
+from cross_domain import add_table_options, mean_rse, model_budgets, rewrite_readme  # noqa: E402
 from pipeline import capture, replay_runs, run_names  # noqa: E402
 
 from catalog import Catalog, reader  # noqa: E402
@@ -273,12 +273,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None)
-    p.add_argument("--render", type=Path, nargs="+", default=None,
-                   help="result files of earlier runs (--output): print their summary table "
-                        "and write it with --readme, computing nothing")
-    p.add_argument("--readme", type=Path, nargs="+", default=[],
-                   help="files whose closed-loop block (between the marker lines) is replaced "
-                        "by the summary table")
+    add_table_options(p, "closed-loop")
     args = p.parse_args()
     if args.render:
         found = [json.loads(path.read_text()) for path in args.render]

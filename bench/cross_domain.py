@@ -214,6 +214,17 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def add_table_options(p: argparse.ArgumentParser, block: str) -> None:
+    """``--render`` (earlier ``--output`` files, nothing computed) and ``--readme`` (files whose
+    ``block`` between its marker lines is rewritten from the results)."""
+    p.add_argument("--render", type=Path, nargs="+", default=None,
+                   help="compute nothing: read these JSON files (earlier --output, e.g. one per "
+                        "model) and print the table, for --readme")
+    p.add_argument("--readme", type=Path, nargs="+", default=[],
+                   help=f"rewrite these files' {block} block from the results (README.md, "
+                        "docs/results.md)")
+
+
 def rewrite_readme(readme: Path, table: str, begin: str = README_BEGIN,
                    end: str = README_END) -> None:
     """Replace what lies between a README's ``begin`` and ``end`` marker lines by ``table``;
@@ -247,12 +258,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write every cell as JSON")
-    p.add_argument("--render", type=Path, nargs="+", default=None,
-                   help="compute nothing: read these JSON files (earlier --output, e.g. one per "
-                        "model) for --readme")
-    p.add_argument("--readme", type=Path, nargs="+", default=[],
-                   help="rewrite these files' cross-domain matrix block from the results "
-                        "(README.md, docs/results.md)")
+    add_table_options(p, "cross-domain matrix")
     args = p.parse_args()
     if args.render:
         report = {m: found for path in args.render
