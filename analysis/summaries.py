@@ -40,8 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute  # noqa: F401 - ListArray.flatten imports it (~50 ms): once here, not in
-# every build worker (on Linux the workers are forked from this process)
+import pyarrow.compute  # noqa: F401 - flatten() imports it (~50 ms): once, before workers fork
 
 from catalog import Catalog, CatalogError, Run, atomic, location, partition_value, reader
 
