@@ -75,6 +75,8 @@ def closed_table(root: Path, model: str, bench: str, args, budgets: str) -> list
                          hive_partitioning=True)
     rng = np.random.default_rng(args.seed)
     tree = ["prompt_index", "step"]
+    routers = {(coverage, budget): g.select(*tree, *PAIRED) for (coverage, budget), g in
+               df.filter(pl.col("ranking") == "router").group_by("coverage", "budget")}
     rows = []
     for (ranking, coverage, budget), g in sorted(df.group_by("ranking", "coverage", "budget"),
                                                  key=lambda x: (x[0][1], x[0][2], x[0][0])):
@@ -83,9 +85,8 @@ def closed_table(root: Path, model: str, bench: str, args, budgets: str) -> list
                    captured_accepted_length=float(g["captured_accepted_length"].mean()))
         for m in METRICS:
             row[m] = bootstrap(g[m].cast(pl.Float64).to_numpy(), rng)
-        if ranking != "router":  # paired: the same trees under router, resampled together
-            base = df.filter((pl.col("ranking") == "router") & (pl.col("coverage") == coverage)
-                             & (pl.col("budget") == budget)).select(*tree, *PAIRED)
+        base = routers.get((coverage, budget))
+        if ranking != "router" and base is not None:  # paired: the same trees, resampled together
             both = g.select(*tree, *PAIRED).join(base, on=tree, suffix="_router")
             for m in PAIRED:
                 row[f"{m}_vs_router"] = bootstrap(
@@ -163,15 +164,23 @@ def untranslated(root: Path, model: str, closed: list[dict]) -> list[dict]:
     return rows
 
 
+BETTER = {"accepted_length": +1, "mean_kl": -1}  # the sign of an improvement over router
+
+
+def verdicts(rows: list[dict], m: str) -> tuple[int, int, int]:
+    """(better, worse, cells) among ``rows`` with a paired interval of Δ ``m`` vs router: better
+    when the whole 95% interval lies on the improving side of zero, worse on the other."""
+    deltas = [r[f"{m}_vs_router"] for r in rows if r.get(f"{m}_vs_router")]
+    above, below = sum(lo > 0 for _, lo, _ in deltas), sum(hi < 0 for _, _, hi in deltas)
+    return (above, below, len(deltas)) if BETTER[m] > 0 else (below, above, len(deltas))
+
+
 def paired_summary(closed: list[dict]) -> dict[str, int]:
-    """Cells (ranking ≠ router) whose paired 95% interval of Δ vs router lies above zero,
-    below it, or holds it: for accepted length (higher is better) and KL (lower is better)."""
+    """Cells (ranking ≠ router) whose paired 95% interval of Δ vs router says better, worse,
+    or neither: for accepted length (higher is better) and KL (lower is better)."""
     out = {}
-    for m, better in (("accepted_length", +1), ("mean_kl", -1)):
-        deltas = [r[f"{m}_vs_router"] for r in closed if r.get(f"{m}_vs_router")]
-        above, below = sum(lo > 0 for _, lo, _ in deltas), sum(hi < 0 for _, _, hi in deltas)
-        out[f"{m}_better"], out[f"{m}_worse"] = (above, below) if better > 0 else (below, above)
-        out[f"{m}_cells"] = len(deltas)
+    for m in PAIRED:
+        out[f"{m}_better"], out[f"{m}_worse"], out[f"{m}_cells"] = verdicts(closed, m)
     return out
 
 
@@ -206,10 +215,8 @@ def markdown(closed: list[dict]) -> str:
         cells.setdefault((r["model"], r["coverage"], r["budget"]), {}).setdefault(
             r["ranking"], []).append(r)
 
-    def count(rows, m, better):
-        d = [r[f"{m}_vs_router"] for r in rows if r.get(f"{m}_vs_router")]
-        good = sum(lo > 0 if better > 0 else hi < 0 for _, lo, hi in d)
-        bad = sum(hi < 0 if better > 0 else lo > 0 for _, lo, hi in d)
+    def count(rows, m):
+        good, bad, _ = verdicts(rows, m)
         return f"{good}" + (f"/{bad}" if bad else "")
 
     lines = ["| model | policy | B | benches | no budget | " + " | ".join(rankings) + " |",
@@ -226,12 +233,21 @@ def markdown(closed: list[dict]) -> str:
             kl = np.mean([r["mean_kl"][0] for r in rows])
             acc = np.mean([r["accepted_length"][0] for r in rows])
             row.append(f"{kl:.4f} · {acc:.2f}" if x == "router" else
-                       f"{kl:.4f} ↓{count(rows, 'mean_kl', -1)} · {acc:.2f} "
-                       f"↑{count(rows, 'accepted_length', +1)}")
+                       f"{kl:.4f} ↓{count(rows, 'mean_kl')} · {acc:.2f} "
+                       f"↑{count(rows, 'accepted_length')}")
         unbudgeted = np.mean([r["captured_accepted_length"] for r in by.get("router", [])])
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {len(by.get('router', []))} | "
                      f"{unbudgeted:.2f} | " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def write_tables(closed: list[dict], online: list[dict], readmes: list[Path]) -> str:
+    """The closed-loop (and, if any, online) summary tables, written between the markers of
+    each of ``readmes``; returned for printing."""
+    table = markdown(closed) + (f"\n\n{online_markdown(online)}" if online else "")
+    for readme in readmes:
+        rewrite_readme(readme, table, README_BEGIN, README_END)
+    return table
 
 
 def print_closed(rows: list[dict]) -> None:
@@ -279,10 +295,8 @@ def main() -> None:
         found = [json.loads(path.read_text()) for path in args.render]
         closed = [r for f in found for r in f["closed"]]
         online = [r for f in found for r in f.get("online", [])]
-        table = markdown(closed) + (f"\n\n{online_markdown(online)}" if online else "")
-        print(table)
+        print(write_tables(closed, online, args.readme))
         for readme in args.readme:
-            rewrite_readme(readme, table, README_BEGIN, README_END)
             print(f"wrote the table into {readme}")
         return
     closed, online, missed = [], [], []
@@ -315,9 +329,8 @@ def main() -> None:
     if args.output:
         args.output.write_text(json.dumps(dict(closed=closed, online=online, untranslated=missed,
                                                paired=paired), indent=1))
-    table = markdown(closed) + (f"\n\n{online_markdown(online)}" if online else "")
+    write_tables(closed, online, args.readme)
     for readme in args.readme:
-        rewrite_readme(readme, table, README_BEGIN, README_END)
         print(f"wrote the table into {readme}")
 
 
