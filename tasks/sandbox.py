@@ -20,14 +20,35 @@ init (PID 1 of the new PID namespace) builds a new root file system and then sta
   (counted per sandbox, so leftovers of one program cannot starve the next), no core files;
 * **no network**: the network namespace has only its loopback, and that is down.
 
-Pass/fail never rests on the exit status: the harness makes a random nonce, the init hands it to
-a small runner through a pipe the runner reads and closes at once, the runner executes the
-program (setup, code and tests in one module) and only if that returns normally writes
-``<nonce> passed`` on an inherited verdict pipe before ``os._exit``. ``os._exit(0)``, ``sys.exit(0)``,
-an exception in an ``atexit`` hook or a printed fake verdict therefore score as failures.
-Out of scope: the tests run in the program's own interpreter, so a program that reads the runner's
-memory for the nonce (frame introspection) or rewrites its own tests (tracing hooks, objects equal
-to everything) can still fake a pass.
+Two ways to run a program, neither resting on the exit status:
+
+* :func:`run_calls` (what MBPP and HumanEval scoring uses): the program (setup and code, never the
+  tests) runs, then the runner evaluates each *call* the harness sent (an expression of the
+  program's functions with test inputs as plain data, e.g. ``f(_v0)``) and writes their values,
+  strictly encoded, as one document ``<nonce> <JSON list>`` on an inherited file descriptor
+  (fd 4; stdout is never read for it). Only exact built-in types are encoded: None, bool, int,
+  float, complex, str, bytes, list, tuple, set, frozenset, dict (``Counter``, ``OrderedDict`` and
+  ``defaultdict`` as the dict they hold), checked with ``type(v) is ...``, so an object with its
+  own ``__eq__`` (a subclass included) is refused and the run fails. This process accepts exactly
+  one well-formed document with one value per call, rebuilds the values itself from JSON (no code
+  of the program runs here) and returns them; :mod:`tasks.scoring` evaluates every assert here
+  with them and decides. The expected values never enter the sandbox. Guaranteed: a pass means
+  every call's value, as plain data, made every assert true when evaluated in this process. A
+  program that tampers with its interpreter (frame walking to the nonce, ``/proc/self/mem``,
+  tracing hooks, replacing the runner's encoder) can still choose what values come back, but
+  that is all it can do: the same as returning them, so it passes only with values that satisfy
+  the tests (e.g. answers hard-coded from the asserts an MBPP prompt shows). Parts of an assert
+  that need the program's own names are calls too, whichever side of the comparison they are on
+  (HumanEval/33 compares ``candidate`` with ``sort_third``, the same function; /32, /38 and /50
+  call helpers the prompt defines, which the program can redefine, as it could upstream).
+* :func:`run_python` (the escape tests): the harness makes a random nonce, the init hands it to
+  a small runner through a pipe the runner reads and closes at once, the runner executes the
+  program (setup, code and tests in one module) and only if that returns normally writes
+  ``<nonce> passed`` on the inherited fd before ``os._exit``. ``os._exit(0)``, ``sys.exit(0)``,
+  an exception in an ``atexit`` hook or a printed fake verdict therefore score as failures. Not
+  guaranteed: this verdict is written inside the sandbox, so a program that reads the nonce from
+  the runner's frame or its own memory, or rewrites its own tests (objects equal to everything),
+  can fake it; nothing is scored with it.
 
 Without ``unshare``, user namespaces, or a Python the sandbox user can run, :func:`run_python`
 raises :class:`SandboxUnavailable` (one line naming the fix) instead of running untrusted code.
@@ -57,6 +78,7 @@ WRITABLE = 16 << 20  # bytes of each private tmpfs: /sandbox, /tmp, /dev/shm
 OPEN_FILES = 64
 SANDBOX_UID = 65534  # nobody: who the sandbox is outside it when the harness runs as root
 OUTPUT = 2000  # characters of output kept
+RESULTS = 4 << 20  # bytes of the calls' values (run_calls) accepted; more is a failure
 SYSTEM_PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 LEGACY_REMOUNT = False  # tests: remount each bind read-only one by one, as without mount_setattr
 
@@ -67,9 +89,98 @@ class SandboxUnavailable(UserError, OSError):
 
 @dataclass
 class Result:
-    passed: bool
-    reason: str  # "passed", "failed", "timeout", "killed (cpu, memory or process limit)"
+    passed: bool  # run_calls: every call returned plain data (values holds them), nothing more
+    reason: str  # "passed" ("returned" for run_calls), "failed", "timeout",
+    # "killed (cpu, memory or process limit)"
     stdout: str = ""
+    values: list | None = None  # run_calls: each call's value, decoded in this process
+
+
+# ---- plain data across the sandbox's boundary --------------------------------------------------
+# JSON with tags: None, bool, int, str and list as themselves; every other plain type as a
+# one-key object ({"float": repr}, {"tuple": [...]}, {"set": [...]}, {"frozenset": [...]},
+# {"dict": [[key, value], ...]}, {"complex": [repr, repr]}, {"bytes": hex}). Only exact built-in
+# types are encoded (``type(v) is int``, never isinstance), so a subclass or any object with its
+# own ``__eq__`` is refused; decoding builds fresh built-in values and refuses everything else.
+PLAIN = (type(None), bool, int, float, complex, str, bytes, list, tuple, set, frozenset, dict)
+DEPTH = 100  # levels of nesting accepted
+
+
+def encode(value, depth: int = 0):
+    """``value`` as tagged JSON data; TypeError (ValueError: nested too deep) if it is not
+    plain built-in data."""
+    t = type(value)
+    if depth > DEPTH:
+        raise ValueError(f"nested more than {DEPTH} deep")
+    if value is None or t is bool or t is int or t is str:
+        return value
+    if t is float:
+        return {"float": repr(value)}
+    if t is list:
+        return [encode(x, depth + 1) for x in value]
+    if t is tuple or t is set or t is frozenset:
+        return {t.__name__: [encode(x, depth + 1) for x in value]}
+    if t is dict:
+        return {"dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in value.items()]}
+    if t is complex:
+        return {"complex": [repr(value.real), repr(value.imag)]}
+    if t is bytes:
+        return {"bytes": value.hex()}
+    raise TypeError(f"{t.__qualname__} is not plain data")
+
+
+def _float(text) -> float:
+    if type(text) is not str or len(text) > 64:
+        raise ValueError("a float is not spelled as one")
+    return float(text)
+
+
+def decode(data, depth: int = 0):
+    """The value that :func:`encode` made ``data`` of (as parsed by ``json.loads``); ValueError
+    for anything else. Only built-in constructors run on the data."""
+    t = type(data)
+    if depth > DEPTH + 1:
+        raise ValueError(f"nested more than {DEPTH} deep")
+    if data is None or t is bool or t is int or t is str:
+        return data
+    if t is list:
+        return [decode(x, depth + 1) for x in data]
+    if t is not dict or len(data) != 1:
+        raise ValueError(f"not a tagged value: {type(data).__name__}")
+    (tag, x), = data.items()
+    if tag == "float":
+        return _float(x)
+    if tag == "complex" and type(x) is list and len(x) == 2:
+        return complex(_float(x[0]), _float(x[1]))
+    if tag == "bytes" and type(x) is str:
+        return bytes.fromhex(x)
+    if type(x) is not list:
+        raise ValueError(f"bad {tag!r} value")
+    if tag == "dict":
+        if not all(type(pair) is list and len(pair) == 2 for pair in x):
+            raise ValueError("a dict's items are not pairs")
+        return {decode(k, depth + 1): decode(v, depth + 1) for k, v in x}
+    kinds = {"tuple": tuple, "set": set, "frozenset": frozenset}
+    if tag not in kinds:
+        raise ValueError(f"unknown tag {tag!r}")
+    return kinds[tag](decode(v, depth + 1) for v in x)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} outside a float tag")
+
+
+def parse_values(document: bytes, nonce: str, count: int) -> list:
+    """The calls' values from what the runner wrote: exactly ``<nonce> <JSON list>\n``, one
+    document, ``count`` entries, each decoded by :func:`decode`; ValueError for anything else."""
+    head = nonce.encode() + b" "
+    if not document.startswith(head) or not document.endswith(b"\n") or \
+            document.count(b"\n") != 1 or len(document) > RESULTS:
+        raise ValueError("not one results document from the runner")
+    data = json.loads(document[len(head):-1].decode("utf-8"), parse_constant=_reject_constant)
+    if type(data) is not list or len(data) != count:
+        raise ValueError(f"not a list of {count} values")
+    return [decode(v) for v in data]
 
 
 def _sandbox_user() -> dict:
@@ -197,7 +308,7 @@ def read_only(dst):
             mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | keep)
 try:
     data = sys.stdin.buffer.read()
-    nonce, program = data.split(b"\n", 1)
+    nonce, calls, program = data.split(b"\n", 2)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     # host paths, opened before the new root hides them (it is mounted on /tmp)
     sources = {p: os.open(p, os.O_PATH) for p in c["binds"]}
@@ -232,6 +343,9 @@ try:
     mount("proc", R + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     with open(R + "/sandbox/program.py", "wb") as f:
         f.write(program)
+    if calls:  # the runner reads and deletes it before the program starts
+        with open(R + "/sandbox/calls.json", "wb") as f:
+            f.write(calls)
     for fd in (*sources.values(), *devices.values()):
         os.close(fd)
     os.chdir(R)
@@ -279,7 +393,8 @@ if pid == 0:
                     raise OSError(f"capabilities left: {line.strip()}")
         os.closerange(5, STATUS)
         os.closerange(STATUS + 1, 1 << 16)
-        os.execve(c["python"], [c["python"], "-I", "-S", "-c", c["runner"]],
+        os.execve(c["python"], [c["python"], "-I", "-S", "-c", c["runner"],
+                                *(["calls"] if calls else [])],
                   {"PATH": "/usr/bin:/bin"})  # STATUS is close-on-exec
     except BaseException as exc:
         say(f"error starting the program: {exc}")
@@ -297,21 +412,78 @@ say(f"exit {code if code >= 0 else 128 - code}")
 os._exit(0)
 '''
 
-# The program's interpreter: reads the nonce (and closes its pipe), runs program.py as __main__,
-# and writes the verdict only if that returned normally; never runs atexit hooks.
+# The program's interpreter: reads the nonce (and closes its pipe), runs program.py as __main__.
+# Plain mode: writes ``<nonce> passed`` only if that returned normally. Calls mode (argument
+# ``calls``): reads and deletes calls.json first, then evaluates each call's expression in the
+# program's namespace and writes ``<nonce> <JSON list of the values>`` (strictly encoded: plain
+# built-in values only) — data that this process checks, never a verdict. Never runs atexit hooks.
 RUNNER = r'''
 import os, sys
 def _runner():
     nonce = os.read(3, 256).strip()
     os.close(3)
     write, leave = os.write, os._exit
-    import traceback, types
+    calls = None
+    if sys.argv[1:] == ["calls"]:
+        with open("calls.json", "rb") as f:
+            calls = f.read()
+        os.unlink("calls.json")
+    import collections, json, traceback, types
+    loads, dumps, kind, rep, chars = json.loads, json.dumps, type, repr, str
+    MAPPINGS = (dict, collections.Counter, collections.OrderedDict, collections.defaultdict)
+    NoneType, items, fromhex = kind(None), dict.items, bytes.fromhex
+    def encode(v, depth=0):  # exact built-in types only: a subclass is not plain data
+        t = kind(v)
+        if depth > 100:
+            raise ValueError("nested more than 100 deep")
+        if t is NoneType or t is bool or t is int or t is chars:
+            return v
+        if t is float:
+            return {"float": float.__repr__(v)}
+        if t is list:
+            return [encode(x, depth + 1) for x in v]
+        if t is tuple or t is set or t is frozenset:
+            return {t.__name__: [encode(x, depth + 1) for x in v]}
+        if any(t is m for m in MAPPINGS):  # compared as the dict they hold
+            return {"dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in items(v)]}
+        if t is complex:
+            return {"complex": [float.__repr__(v.real), float.__repr__(v.imag)]}
+        if t is bytes:
+            return {"bytes": bytes.hex(v)}
+        raise TypeError(f"{rep(t)[:200]} is not plain data (None, bool, int, float, complex, "
+                        "str, bytes, list, tuple, set, frozenset, dict; Counter, OrderedDict "
+                        "and defaultdict as dict)")
+    def decode(v):  # the environment of a call: plain data this process' parent encoded
+        if kind(v) is list:
+            return [decode(x) for x in v]
+        if kind(v) is not dict:
+            return v
+        (tag, x), = v.items()
+        if tag == "float":
+            return float(x)
+        if tag == "complex":
+            return complex(float(x[0]), float(x[1]))
+        if tag == "bytes":
+            return fromhex(x)
+        if tag == "dict":
+            return {decode(k): decode(y) for k, y in x}
+        return {"tuple": tuple, "set": set, "frozenset": frozenset}[tag](decode(y) for y in x)
     def flush():
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except BaseException:
                 pass
+    def fail(exc, skip):
+        try:
+            tb = exc.__traceback__
+            for _ in range(skip):
+                tb = tb.tb_next if tb is not None else None
+            traceback.print_exception(kind(exc), exc, tb)
+        except BaseException:
+            pass
+        flush()
+        leave(1)
     main = types.ModuleType("__main__")
     main.__file__, main.__builtins__ = "program.py", __builtins__
     sys.modules["__main__"], sys.argv = main, ["program.py"]
@@ -320,14 +492,28 @@ def _runner():
             code = compile(f.read(), "program.py", "exec")
         exec(code, main.__dict__)
     except BaseException as exc:
-        try:
-            traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
-        except BaseException:
-            pass
+        fail(exc, 1)
+    if calls is None:
         flush()
-        leave(1)
+        write(4, nonce + b" passed\n")
+        leave(0)
+    values = []
+    try:
+        for number, call in enumerate(loads(calls), 1):
+            space = dict(main.__dict__)
+            space.update({name: decode(v) for name, v in call["env"].items()})
+            value = eval(compile(call["expr"], f"<test {number}>", "eval"), space)
+            try:
+                values.append(None if call["discard"] else encode(value))
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise TypeError(f"test {number}: {call['expr'][:200]} returned a value that "
+                                f"is not plain data: {exc}") from None
+        document = nonce + b" " + dumps(values).encode() + b"\n"
+    except BaseException as exc:
+        fail(exc, 1)
     flush()
-    write(4, nonce + b" passed\n")
+    while document:
+        document = document[write(4, document):]
     leave(0)
 _runner()
 '''
@@ -359,7 +545,26 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def run_python(program: str, timeout: float = TIMEOUT) -> Result:
     """Run ``program`` (Python source: code and its tests) in the sandbox; passed = the runner's
-    nonce verdict arrived (the program ran to its end), never the exit status alone."""
+    nonce verdict arrived (the program ran to its end), never the exit status alone. Code in the
+    program can fake that verdict (see the module docstring): scoring uses :func:`run_calls`."""
+    return _run(program, timeout, None)
+
+
+def run_calls(program: str, calls: list[dict], timeout: float = TIMEOUT) -> Result:
+    """Run ``program`` (setup and code, no tests) in the sandbox, then evaluate each call there:
+    ``{"expr": source, "env": {name: plain value}, "discard": bool}``, the expression in the
+    program's namespace with ``env`` added. passed = every call returned plain data; ``values``
+    holds them (None for discarded ones), decoded here from the one document the runner wrote.
+    What they must equal is never sent into the sandbox: the caller compares."""
+    for call in calls:
+        if set(call) != {"expr", "env", "discard"} or type(call["expr"]) is not str:
+            raise ValueError(f"bad call {call!r:.200}")
+    return _run(program, timeout, calls)
+
+
+def _run(program: str, timeout: float, calls: list[dict] | None) -> Result:
+    header = b"" if calls is None else json.dumps(
+        [{**c, "env": {k: encode(v) for k, v in c["env"].items()}} for c in calls]).encode()
     where = layout()
     command = unshare()
     nonce = secrets.token_hex(16)
@@ -390,7 +595,8 @@ def run_python(program: str, timeout: float = TIMEOUT) -> Result:
     timed_out = False
     try:
         try:
-            proc.stdin.write(nonce.encode() + b"\n" + program.encode("utf-8", "surrogatepass"))
+            proc.stdin.write(nonce.encode() + b"\n" + header + b"\n"
+                             + program.encode("utf-8", "surrogatepass"))
         except OSError:
             pass  # the sandbox did not start: the status pipe says why
         finally:
@@ -416,7 +622,7 @@ def run_python(program: str, timeout: float = TIMEOUT) -> Result:
                     if key.fd == out:
                         del buf[:-4 * OUTPUT]  # keep the tail only, whatever it prints
                     else:
-                        del buf[4096:]
+                        del buf[RESULTS + 1 if key.fd == verdict_r else 4096:]
     finally:
         _kill(proc)
         proc.stdout.close()
@@ -434,9 +640,16 @@ def run_python(program: str, timeout: float = TIMEOUT) -> Result:
         raise SandboxUnavailable(f"code sandbox unavailable: {why} (needs unprivileged user "
                                  "namespaces: sysctl kernel.unprivileged_userns_clone=1 and "
                                  "user.max_user_namespaces > 0)")
-    if bytes(got[verdict_r]) == f"{nonce} passed\n".encode():
-        return Result(True, "passed", output)
     exit_line = next((s for s in status if s.startswith("exit ")), "")
+    if calls is None and bytes(got[verdict_r]) == f"{nonce} passed\n".encode():
+        return Result(True, "passed", output)
+    if calls is not None and got[verdict_r] and not timed_out and exit_line == "exit 0":
+        try:
+            values = parse_values(bytes(got[verdict_r]), nonce, len(calls))
+        except (ValueError, TypeError, RecursionError) as exc:  # TypeError: an unhashable key
+            why = f"ValueError: the sandbox's results are not well-formed ({exc})"[:300]
+            return Result(False, "failed", (output + "\n" + why)[-OUTPUT:])
+        return Result(True, "returned", output, values)
     if timed_out or exit_line == "exit timeout":
         return Result(False, "timeout", output)
     code = exit_line[5:]

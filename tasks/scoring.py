@@ -25,13 +25,18 @@ score 0 and never hang or harm the machine.
 
 from __future__ import annotations
 
+import ast
+import copy
+import importlib
+import operator
+import random
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
+from tasks import sandbox
 from tasks.benchmarks import Prompt
-from tasks.sandbox import run_python
 
 STOPS = ("\nQuestion:", "\nProblem:", "\nArticle:", "\nYou are an expert Python programmer")
 
@@ -136,24 +141,506 @@ def math500(prompt: Prompt, completion: str) -> Score:
     return Score("accuracy", float(ok), shown[:200], f"reference {prompt.reference}")
 
 
+# ---- MBPP and HumanEval: the sandbox computes values, this process decides ------------------
+# The benchmark's tests are parsed here (``ast``), never run in the sandbox and never run here as
+# code. This process executes the test's own statements with a small evaluator of plain values
+# (assignments, ``for`` and ``if`` over test data, ``import`` of math, random, string and copy,
+# whitelisted built-ins and methods); every sub-expression that needs the program (a call of its
+# functions, a name it defines) becomes a *call* that the sandbox evaluates and returns as plain
+# data (:func:`tasks.sandbox.run_calls`), after the test values it uses were computed here. Each
+# assert is then evaluated here with those values: the comparison and its expected side never
+# enter the sandbox. A test this cannot split is a failure that says so.
+
+class Unsplittable(ValueError):
+    """A test statement or expression this process cannot check without running it as code."""
+
+
+_RNG_SEED = 0  # the tests' ``random``: a private, seeded generator (scores are reproducible)
+_MAX_CALLS = 10_000
+_MAX_SIZE = 10_000_000  # elements or characters a ``*`` here may build
+_BUILTINS = {f.__name__: f for f in (
+    abs, all, any, bool, chr, dict, divmod, enumerate, float, frozenset, int, len, list, max, min,
+    ord, range, repr, reversed, round, set, sorted, str, sum, tuple, zip)}
+# one of these around a program call (its only argument) goes with it: ``list(f(x))`` is one call
+_CONVERSIONS = {"list", "tuple", "set", "frozenset", "sorted", "dict", "str", "int", "float",
+                "bool", "len"}
+_MODULES = {
+    "math": {"fabs", "isclose", "sqrt", "floor", "ceil", "pi", "e", "inf", "nan", "isnan",
+             "isinf", "gcd", "factorial", "comb", "log", "exp", "prod"},
+    "random": {"randint", "choice", "random", "uniform", "sample", "shuffle", "randrange",
+               "Random"},
+    "string": {"ascii_lowercase", "ascii_uppercase", "ascii_letters", "digits", "hexdigits",
+               "punctuation", "whitespace"},
+    "copy": {"copy", "deepcopy"},
+}
+_METHODS = {
+    str: {"join", "upper", "lower", "strip", "split", "replace", "startswith", "endswith"},
+    list: {"append", "extend", "copy", "count", "index", "insert", "pop", "reverse"},
+    dict: {"get", "keys", "values", "items", "copy"},
+    random.Random: {"randint", "choice", "random", "uniform", "sample", "shuffle", "randrange"},
+}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow, ast.LShift: operator.lshift, ast.RShift: operator.rshift,
+           ast.BitAnd: operator.and_, ast.BitOr: operator.or_, ast.BitXor: operator.xor}
+_UNARY = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos,
+          ast.Invert: operator.invert}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt,
+            ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+            ast.Is: operator.is_, ast.IsNot: operator.is_not,
+            ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}
+
+
+class _Module:
+    def __init__(self, name: str, rng: random.Random):
+        self.name = name
+        self.source = rng if name == "random" else importlib.import_module(name)
+
+    def get(self, attr: str):
+        if attr not in _MODULES[self.name]:
+            raise Unsplittable(f"{self.name}.{attr} is not supported")
+        return random.Random if attr == "Random" else getattr(self.source, attr)
+
+
+class _Symbolic:
+    """A test variable whose value needs the program: its expression, sent with each use."""
+
+    def __init__(self, node: ast.expr, env: dict):
+        self.node, self.env = node, env
+
+
+def _binary(op: type, a, b):
+    if op is ast.Pow and type(b) is int and abs(b) > 10_000 and type(a) is int and abs(a) > 1:
+        raise ValueError("exponent too large")
+    if op is ast.LShift and type(b) is int and b > 100_000:
+        raise ValueError("shift too large")
+    if op is ast.Mult:
+        for seq, n in ((a, b), (b, a)):
+            if type(n) is int and isinstance(seq, (str, bytes, list, tuple)) and \
+                    len(seq) * n > _MAX_SIZE:
+                raise ValueError("sequence too long")
+    return _BINARY[op](a, b)
+
+
+class _Checker:
+    """One benchmark prompt's tests, executed here; the calls go to the sandbox."""
+
+    def __init__(self, program_names: set[str], aliases: dict[str, str] | None = None):
+        self.rng = random.Random(_RNG_SEED)
+        self.aliases = aliases or {}  # HumanEval: check's ``candidate`` -> the entry point
+        self.program = set(program_names) | set(self.aliases)  # names the program binds
+        self.imported: list = []  # functions imported by the tests from _MODULES
+        self.calls: list[dict] = []
+        self.asserts: list[tuple[ast.expr, dict, str]] = []
+        self.fresh = 0
+
+    # -- what this process can evaluate ------------------------------------------------------
+    def here(self, node: ast.AST, env: dict, bound: frozenset = frozenset()) -> bool:
+        """Whether ``node`` needs nothing of the program (checked without side effects)."""
+        ok = lambda n: self.here(n, env, bound)  # noqa: E731
+        if isinstance(node, ast.Constant):
+            return True
+        if isinstance(node, ast.Name):
+            if node.id in bound:
+                return True
+            if node.id in env:
+                return not isinstance(env[node.id], (_Symbolic, _Module))
+            return node.id in _BUILTINS and node.id not in self.program
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return all(ok(e) and not isinstance(e, ast.Starred) for e in node.elts)
+        if isinstance(node, ast.Dict):
+            return all(k is not None and ok(k) for k in node.keys) and all(map(ok, node.values))
+        if isinstance(node, ast.UnaryOp):
+            return type(node.op) in _UNARY and ok(node.operand)
+        if isinstance(node, ast.BinOp):
+            return type(node.op) in _BINARY and ok(node.left) and ok(node.right)
+        if isinstance(node, ast.BoolOp):
+            return all(map(ok, node.values))
+        if isinstance(node, ast.Compare):
+            return all(type(o) in _COMPARE for o in node.ops) and ok(node.left) and \
+                all(map(ok, node.comparators))
+        if isinstance(node, ast.IfExp):
+            return ok(node.test) and ok(node.body) and ok(node.orelse)
+        if isinstance(node, ast.Subscript):
+            return ok(node.value) and ok(node.slice)
+        if isinstance(node, ast.Slice):
+            return all(p is None or ok(p) for p in (node.lower, node.upper, node.step))
+        if isinstance(node, ast.Attribute):
+            return self._module_attr(node, env) is not None
+        if isinstance(node, ast.Call):
+            return self._callable_here(node.func, env, bound) and \
+                all(ok(a) and not isinstance(a, ast.Starred) for a in node.args) and \
+                all(k.arg is not None and ok(k.value) for k in node.keywords)
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            inner = set(bound)
+            for gen in node.generators:
+                if gen.is_async or not self.here(gen.iter, env, frozenset(inner)):
+                    return False
+                names = self._targets(gen.target)
+                if names is None:
+                    return False
+                inner |= names
+                if not all(self.here(c, env, frozenset(inner)) for c in gen.ifs):
+                    return False
+            parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+            return all(self.here(p, env, frozenset(inner)) for p in parts)
+        return False
+
+    @staticmethod
+    def _targets(target: ast.expr) -> set[str] | None:
+        if isinstance(target, ast.Name):
+            return {target.id}
+        if isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts):
+            return {e.id for e in target.elts}
+        return None
+
+    @staticmethod
+    def _module_attr(node: ast.Attribute, env: dict):
+        if isinstance(node.value, ast.Name) and isinstance(env.get(node.value.id), _Module) and \
+                node.attr in _MODULES[env[node.value.id].name]:
+            return env[node.value.id]
+        return None
+
+    def _callable_here(self, func: ast.expr, env: dict, bound: frozenset) -> bool:
+        if isinstance(func, ast.Name):
+            if func.id in env:
+                return any(env[func.id] is f for f in self.imported)
+            return func.id in _BUILTINS and func.id not in bound and func.id not in self.program
+        if isinstance(func, ast.Attribute):
+            if self._module_attr(func, env) is not None:
+                return True
+            if isinstance(func.value, ast.Constant):
+                owner = func.value.value
+            elif isinstance(func.value, ast.Name) and func.value.id in env and \
+                    func.value.id not in bound:
+                owner = env[func.value.id]
+            else:
+                return False
+            return func.attr in _METHODS.get(type(owner), ())
+        return False
+
+    # -- evaluating here ----------------------------------------------------------------------
+    def value(self, node: ast.AST, env: dict):
+        """``node`` evaluated here; only after :meth:`here` said yes (or with call values)."""
+        v = lambda n: self.value(n, env)  # noqa: E731
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, ast.Name):
+            return env[node.id] if node.id in env else _BUILTINS[node.id]
+        if isinstance(node, ast.Tuple):
+            return tuple(map(v, node.elts))
+        if isinstance(node, ast.List):
+            return list(map(v, node.elts))
+        if isinstance(node, ast.Set):
+            return set(map(v, node.elts))
+        if isinstance(node, ast.Dict):
+            return {v(k): v(x) for k, x in zip(node.keys, node.values)}
+        if isinstance(node, ast.UnaryOp):
+            return _UNARY[type(node.op)](v(node.operand))
+        if isinstance(node, ast.BinOp):
+            return _binary(type(node.op), v(node.left), v(node.right))
+        if isinstance(node, ast.BoolOp):
+            result = None
+            for part in node.values:
+                result = v(part)
+                if bool(result) != isinstance(node.op, ast.And):
+                    break
+            return result
+        if isinstance(node, ast.Compare):
+            left = v(node.left)
+            for op, right in zip(node.ops, node.comparators):
+                right = v(right)
+                if not _COMPARE[type(op)](left, right):
+                    return False
+                left = right
+            return True
+        if isinstance(node, ast.IfExp):
+            return v(node.body) if v(node.test) else v(node.orelse)
+        if isinstance(node, ast.Subscript):
+            return v(node.value)[v(node.slice)]
+        if isinstance(node, ast.Slice):
+            return slice(*(None if p is None else v(p) for p in (node.lower, node.upper,
+                                                                  node.step)))
+        if isinstance(node, ast.Attribute):
+            return self._module_attr(node, env).get(node.attr)
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and self._module_attr(func, env) is None:
+                target = getattr(v(func.value), func.attr)
+            else:
+                target = v(func)
+            return target(*map(v, node.args), **{k.arg: v(k.value) for k in node.keywords})
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
+            out = []
+            self._comprehend(node, list(node.generators), dict(env), out)
+            if isinstance(node, ast.SetComp):
+                return set(out)
+            return dict(out) if isinstance(node, ast.DictComp) else out
+        raise Unsplittable(f"cannot evaluate {type(node).__name__}")
+
+    def _comprehend(self, node, generators, env, out):
+        if not generators:
+            out.append((self.value(node.key, env), self.value(node.value, env))
+                       if isinstance(node, ast.DictComp) else self.value(node.elt, env))
+            return
+        gen, rest = generators[0], generators[1:]
+        for item in self.value(gen.iter, env):
+            self._bind(gen.target, item, env)
+            if all(self.value(c, env) for c in gen.ifs):
+                self._comprehend(node, rest, env, out)
+
+    @staticmethod
+    def _bind(target: ast.expr, item, env: dict) -> None:
+        if isinstance(target, ast.Name):
+            env[target.id] = item
+        else:
+            items = list(item)
+            if len(items) != len(target.elts):
+                raise ValueError("cannot unpack")
+            for t, x in zip(target.elts, items):
+                env[t.id] = x
+
+    # -- what the sandbox evaluates ------------------------------------------------------------
+    def call(self, node: ast.expr, env: dict, discard: bool = False) -> ast.Name:
+        """``node`` as a call for the sandbox: the test values in it are computed here first (in
+        order, so ``random`` draws as in the test) and sent as plain data; returns the name the
+        call's value will have when the assert is evaluated here."""
+        if len(self.calls) >= _MAX_CALLS:
+            raise Unsplittable(f"more than {_MAX_CALLS} calls")
+        sent: dict = {}
+        expr = self._send(copy.deepcopy(node), env, sent)
+        for val in sent.values():
+            try:
+                sandbox.encode(val)
+            except (TypeError, ValueError, RecursionError) as exc:
+                raise Unsplittable(f"a test value is not plain data ({exc})") from None
+        sent = copy.deepcopy(sent)  # as it is now: the test may change it later
+        self.calls.append(dict(expr=ast.unparse(expr), env=sent, discard=discard))
+        return ast.Name(f"_call{len(self.calls) - 1}", ast.Load())
+
+    def _send(self, node: ast.AST, env: dict, sent: dict) -> ast.AST:
+        if isinstance(node, ast.Name):
+            if isinstance(env.get(node.id), _Symbolic):
+                symbolic = env[node.id]
+                sent.update(symbolic.env)
+                return copy.deepcopy(symbolic.node)
+            if node.id in self.aliases:
+                return ast.Name(self.aliases[node.id], ast.Load())
+            if node.id not in env:
+                return node  # a built-in or the program's own name: the sandbox resolves it
+            if type(env[node.id]) not in sandbox.PLAIN:
+                raise Unsplittable(f"{node.id} (not plain data) used by the program's code")
+            return self._placeholder(env[node.id], sent)
+        if isinstance(node, ast.Attribute) and self._module_attr(node, env) is not None:
+            module = self._module_attr(node, env)
+            found = module.get(node.attr)
+            if type(found) in sandbox.PLAIN:
+                return self._placeholder(found, sent)
+            if module.name == "random":  # its state stays here
+                raise Unsplittable(f"random.{node.attr} used by the program's code")
+            return ast.parse(f"__import__({module.name!r}).{node.attr}", mode="eval").body
+        if isinstance(node, ast.expr) and not isinstance(node, ast.Constant) and \
+                self.here(node, env):
+            found = self.value(node, env)
+            if type(found) not in sandbox.PLAIN:
+                raise Unsplittable(f"{ast.unparse(node)[:80]} is not plain data")
+            return self._placeholder(found, sent)
+        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.GeneratorExp,
+                             ast.DictComp, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
+            raise Unsplittable(f"a {type(node).__name__} around the program's code")
+        for field, old in ast.iter_fields(node):
+            if isinstance(old, list):
+                setattr(node, field, [self._send(x, env, sent) if isinstance(x, ast.AST) else x
+                                      for x in old])
+            elif isinstance(old, ast.AST):
+                setattr(node, field, self._send(old, env, sent))
+        return node
+
+    def _placeholder(self, found, sent: dict) -> ast.Name:
+        name = f"_v{self.fresh}"
+        self.fresh += 1
+        sent[name] = found
+        return ast.Name(name, ast.Load())
+
+    def split(self, node: ast.expr, env: dict) -> ast.expr:
+        """``node`` with each largest part that needs the program replaced by a call's name; the
+        operations around those parts (comparisons, arithmetic, ``abs``, the expected side)
+        stay here."""
+        if self.here(node, env):
+            return node
+        if isinstance(node, ast.Starred) or (isinstance(node, ast.Call) and any(
+                isinstance(a, ast.Starred) for a in node.args)):
+            raise Unsplittable("a starred argument")
+        if isinstance(node, ast.Call) and self._callable_here(node.func, env, frozenset()):
+            if isinstance(node.func, ast.Name) and node.func.id in _CONVERSIONS and \
+                    len(node.args) == 1 and not node.keywords and \
+                    isinstance(node.args[0], (ast.Call, ast.Name, ast.Subscript, ast.Attribute)):
+                return self.call(node, env)  # list(f(x)): the conversion goes with the call
+            node = copy.copy(node)
+            node.args = [self.split(a, env) for a in node.args]
+            node.keywords = [ast.keyword(k.arg, self.split(k.value, env)) for k in node.keywords]
+            return node
+        if isinstance(node, ast.Subscript) and not self.here(node.value, env):
+            return self.call(node, env)  # f(x)[0]
+        if not isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.IfExp,
+                                 ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Subscript)):
+            return self.call(node, env)  # a call of the program's code, a name it defines
+        node = copy.copy(node)
+        for field, old in ast.iter_fields(node):
+            if isinstance(old, list):
+                setattr(node, field, [self.split(x, env) if isinstance(x, ast.expr) else x
+                                      for x in old])
+            elif isinstance(old, ast.expr):
+                setattr(node, field, self.split(old, env))
+        return node
+
+    # -- statements -------------------------------------------------------------------------
+    def run(self, statements: list[ast.stmt], env: dict) -> None:
+        for st in statements:
+            self.statement(st, env)
+
+    def statement(self, st: ast.stmt, env: dict) -> None:
+        if isinstance(st, ast.Assert):
+            snapshot = {k: copy.deepcopy(v) if type(v) in sandbox.PLAIN else v
+                        for k, v in env.items()}
+            self.asserts.append((self.split(st.test, env), snapshot, ast.unparse(st.test)))
+        elif isinstance(st, ast.Expr):
+            if isinstance(st.value, (ast.Constant, ast.Name)):
+                return  # a docstring, a bare ``print``
+            if self.here(st.value, env):
+                self.value(st.value, env)
+            else:
+                self.call(st.value, env, discard=True)
+        elif isinstance(st, ast.Assign) and len(st.targets) == 1:
+            target = st.targets[0]
+            if self.here(st.value, env):
+                self._bind_checked(target, self.value(st.value, env), env)
+            elif isinstance(target, ast.Name):
+                sent: dict = {}
+                node = self._send(copy.deepcopy(st.value), env, sent)
+                env[target.id] = _Symbolic(node, sent)
+            else:
+                raise Unsplittable("unpacking a value that needs the program")
+        elif isinstance(st, ast.For) and not st.orelse and self.here(st.iter, env):
+            if self._targets(st.target) is None:
+                raise Unsplittable("a for loop target that is not names")
+            for item in self.value(st.iter, env):
+                self._bind(st.target, item, env)
+                self.run(st.body, env)
+        elif isinstance(st, ast.If) and self.here(st.test, env):
+            self.run(st.body if self.value(st.test, env) else st.orelse, env)
+        elif isinstance(st, ast.Import):
+            for alias in st.names:
+                if alias.name not in _MODULES:
+                    raise Unsplittable(f"import {alias.name}")
+                env[alias.asname or alias.name] = _Module(alias.name, self.rng)
+        elif isinstance(st, ast.ImportFrom) and st.module in _MODULES and not st.level:
+            module = _Module(st.module, self.rng)
+            for alias in st.names:
+                found = module.get(alias.name)
+                self.imported.append(found)
+                env[alias.asname or alias.name] = found
+        elif isinstance(st, ast.Pass):
+            return
+        else:
+            raise Unsplittable(f"line {getattr(st, 'lineno', '?')}: "
+                               f"{ast.unparse(st).splitlines()[0][:80]}")
+
+    def _bind_checked(self, target: ast.expr, item, env: dict) -> None:
+        if self._targets(target) is None:
+            raise Unsplittable("an assignment target that is not names")
+        self._bind(target, item, env)
+
+    # -- the verdict, here ---------------------------------------------------------------------
+    def verdict(self, values: list) -> str | None:
+        """None if every assert holds with the calls' values, else why not (one line)."""
+        named = {f"_call{i}": v for i, v in enumerate(values)}
+        for number, (node, env, text) in enumerate(self.asserts, 1):
+            try:
+                ok = bool(self.value(node, {**env, **named}))
+            except Exception as exc:  # noqa: BLE001 - a test that raises is a failed test
+                return f"AssertionError: test {number}: {text[:150]} raised " \
+                       f"{type(exc).__name__}: {str(exc)[:100]}"
+            if not ok:
+                got = ", ".join(f"{repr(named[n.id])[:80]}" for n in ast.walk(node)
+                                if isinstance(n, ast.Name) and n.id in named)
+                return f"AssertionError: test {number}: {text[:150]} (got {got})"
+        return None
+
+
 def code_of(completion: str) -> str:
     """The code in a completion: a fenced block if there is one, else the text up to a stop."""
     fenced = re.findall(r"```(?:python)?\n(.*?)```", completion, flags=re.S)
     return fenced[0] if fenced else truncate(completion)
 
 
+def _program_names(source: str) -> set[str]:
+    """Names the program binds at its top level (parsed, never run): a test's ``max(...)`` is
+    the program's ``max`` if it defines one, so that part goes to the sandbox."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return set()  # the sandbox reports it
+    names = set()
+    for st in tree.body:
+        for node in ast.walk(st):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.alias):
+                names.add((node.asname or node.name).split(".")[0])
+    return names
+
+
+def _checked(program: str, checker: _Checker, build: Callable[[], None]) -> Score:
+    """Split the tests (``build``), run the program and its calls in the sandbox, and decide
+    here whether every assert holds."""
+    try:
+        build()
+    except (Unsplittable, SyntaxError) as exc:
+        return Score("pass@1", 0.0, "failed", f"ValueError: test not supported here: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the test's own values raised (as in the test)
+        return Score("pass@1", 0.0, "failed", f"{type(exc).__name__}: {str(exc)[:200]}")
+    if not checker.asserts:
+        return Score("pass@1", 0.0, "failed", "ValueError: the task has no asserts")
+    result = sandbox.run_calls(program, checker.calls)
+    if not result.passed:
+        return Score("pass@1", 0.0, result.reason, result.stdout[-300:])
+    why = checker.verdict(result.values)
+    if why is not None:
+        return Score("pass@1", 0.0, "failed", (result.stdout[-300:] + "\n" + why).lstrip())
+    return Score("pass@1", 1.0, "passed", result.stdout[-300:])
+
+
 def mbpp(prompt: Prompt, completion: str) -> Score:
     code = code_of(completion)
-    program = "\n".join([prompt.setup, code, *prompt.tests])
-    result = run_python(program)
-    return Score("pass@1", float(result.passed), result.reason, result.stdout[-300:])
+    program = "\n".join([prompt.setup, code])
+    checker = _Checker(_program_names(program))
+
+    def build():
+        env: dict = {}
+        for test in prompt.tests:
+            checker.run(ast.parse(test).body, env)
+    return _checked(program, checker, build)
 
 
 def humaneval(prompt: Prompt, completion: str) -> Score:
-    program = "\n".join([prompt.text + code_of(completion), prompt.tests[0],
-                         f"check({prompt.entry_point})"])
-    result = run_python(program)
-    return Score("pass@1", float(result.passed), result.reason, result.stdout[-300:])
+    program = prompt.text + code_of(completion)
+    names = _program_names(program) | {prompt.entry_point}
+
+    def build():
+        tree = ast.parse(prompt.tests[0])
+        checks = [st for st in tree.body if isinstance(st, ast.FunctionDef)]
+        if len(checks) != 1 or checks[0].name != "check" or len(checks[0].args.args) != 1:
+            raise Unsplittable("the tests are not one check(candidate) function")
+        checker.aliases[checks[0].args.args[0].arg] = prompt.entry_point
+        checker.program.add(checks[0].args.args[0].arg)
+        env: dict = {}
+        checker.run([st for st in tree.body if st is not checks[0]], env)
+        checker.run(checks[0].body, env)
+    checker = _Checker(names)
+    return _checked(program, checker, build)
 
 
 def rouge_l(prompt: Prompt, completion: str) -> Score:

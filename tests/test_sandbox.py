@@ -324,11 +324,15 @@ def test_known_limits_kernel_wide_proc_files_memory_per_process_no_seccomp():
     assert result.passed, result.stdout
 
 
-def test_known_limit_a_program_that_reads_the_runners_frame_can_fake_a_pass():
-    """Documented as not guaranteed: the tests run in the program's own interpreter."""
+def test_known_limit_run_pythons_bare_verdict_can_be_faked_but_scoring_cannot():
+    """Documented as not guaranteed: run_python's "ran to the end" verdict is written inside the
+    sandbox, so a program that reads the runner's frame fakes it. Scoring never uses it: MBPP
+    gets only the calls' values back and decides here (tests/test_forged_verdicts.py)."""
     cheat = ("import os, sys\nnonce = sys._getframe(1).f_locals['nonce']\n"
              "os.write(4, nonce + b' passed\\n')\nos._exit(0)\n")
     assert run_python(WRONG + cheat + TESTS).passed
+    p = benchmarks.load("mbpp", limit=1)[0]
+    assert scoring.mbpp(p, cheat).value == 0.0
 
 
 # ---- refusing to run without a sandbox --------------------------------------------------------
@@ -398,6 +402,8 @@ def hostile_run(tmp_path_factory):
                 "import os\nos._exit(0)\n"
             row["output_token_ids"] = tokenizer.encode(text, add_special_tokens=False)
         pq.write_table(type(table).from_pylist(rows, schema=table.schema), part)
+    from conftest import recommit
+    recommit(traces)  # the edited outputs are the run's, as if captured so
     return traces
 
 
