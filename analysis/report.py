@@ -8,12 +8,16 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from html import escape
+from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 import duckdb
+import jinja2
+import plotly.graph_objects as go
 import plotly.io as pio
 import polars as pl
+from markupsafe import Markup
 
 import console
 from analysis import coactivation, cost, figures, replay_views, summaries
@@ -173,80 +177,77 @@ def headline_projection(con, model: str, bench: str, manifest: dict):
     return (real.checkpoint if real else "the captured shape"), sp, headline(sp)
 
 
-def projection_section(con, model: str, bench: str, manifest: dict) -> str:
+@dataclass(frozen=True)
+class Table:
+    """An HTML table for the template: header cells, rows of cells (any value, shown as text),
+    the columns aligned right and the rows in bold (by index)."""
+
+    head: list
+    rows: list[list]
+    right: frozenset[int] = field(default_factory=frozenset)
+    bold: frozenset[int] = field(default_factory=frozenset)
+
+
+def projection_section(con, model: str, bench: str, manifest: dict) -> dict:
     """Every projected speedup of the headline target with the quality its budget costs, how
-    budgets were mapped, and whether the cost model's calibration is usable (HTML)."""
-    parts = []
+    budgets were mapped (``projection``), and whether the cost model's calibration is usable
+    (``calibration``): what the template draws, each None where there is nothing to say."""
+    section = dict(projection=None, calibration=None)
     projection = headline_projection(con, model, bench, manifest)
     if projection is not None:
         where, sp, top = projection
-        head = "".join(f"<th>{h}</th>" for h in (
-            f"B (of {sp['target_experts'][0]})", f"captured B (of {sp['num_experts'][0]})",
-            "τ", "τ from", "quality at this budget", "within bound", "speedup on H100"))
-        rows = "".join(
-            "<tr" + (" style='font-weight:bold'" if r["budget"] == top["row"]["budget"] else "")
-            + f"><td>{r['budget']}</td><td>{r['captured_budget']}</td><td>{r['tau']:.2f}</td>"
-            f"<td>{escape(r['tau_source'])}</td><td>{escape(r['quality'])}</td><td>"
-            f"{ {True: 'yes', False: 'no', None: 'unknown'}[r['within_bound']]}</td>"
-            f"<td align='right'>{r['speedup']:.2f}×</td></tr>"
-            for r in sp.sort("budget").iter_rows(named=True))
-        parts.append(f"<h2>Projected speedup and quality ({escape(where)})</h2>"
-                     f"<p>Quality bound: {escape(top['bound'])}. {escape(mapping_note(sp))}</p>"
-                     "<table border='1' cellpadding='4' style='border-collapse:collapse'>"
-                     f"<tr>{head}</tr>{rows}</table>")
+        head = [f"B (of {sp['target_experts'][0]})", f"captured B (of {sp['num_experts'][0]})",
+                "τ", "τ from", "quality at this budget", "within bound", "speedup on H100"]
+        rows, bold = [], set()
+        for i, r in enumerate(sp.sort("budget").iter_rows(named=True)):
+            rows.append([r["budget"], r["captured_budget"], f"{r['tau']:.2f}", r["tau_source"],
+                         r["quality"], {True: "yes", False: "no", None: "unknown"}[r["within_bound"]],
+                         f"{r['speedup']:.2f}×"])
+            if r["budget"] == top["row"]["budget"]:
+                bold.add(i)
+        section["projection"] = dict(where=where, bound=top["bound"], note=mapping_note(sp),
+                                     table=Table(head, rows, frozenset({6}), frozenset(bold)))
     fitted = calibration_frame(con, model, bench, manifest)
     if fitted is not None:
-        cal = fitted[1]
-        use = ("" if cal.usable else " Projections use the datasheet roofline.")
-        parts.append(f"<p><b>Cost-model calibration</b>: {escape(cal.verdict)}.{use}</p>")
-    return "".join(parts)
+        section["calibration"] = dict(verdict=fitted[1].verdict, usable=fitted[1].usable)
+    return section
 
 
-def ablation_table(frames: dict, model: str, bench: str) -> str:
+def ablation_table(frames: dict, model: str, bench: str) -> dict | None:
     """Where the replay holds router, oracle and ablation steps: the share of the router→oracle
-    gap each step closes (``replay_views.ablation``), as an HTML table."""
+    gap each step closes (``replay_views.ablation``), as a table for the template (or None)."""
     curves = frames.get("errors")
     if curves is None:
-        return ""
+        return None
     gaps = replay_views.ablation(curves.filter((pl.col("model") == partition_value(model))
                                                & (pl.col("bench") == bench)))
     if gaps.is_empty():
-        return ""
+        return None
     steps = gaps.columns[2:]
-    head = "".join(f"<th>{escape(s)}</th>" for s in ["coverage", "B", *steps])
-    rows = "".join("<tr>" + f"<td>{r['coverage']}</td><td>{r['budget']}</td>" + "".join(
-        f"<td align='right'>{'—' if r[s] is None else f'{r[s]:.0%}'}</td>" for s in steps)
-        + "</tr>" for r in gaps.iter_rows(named=True))
-    return (f"<h2>Where coact's gain comes from</h2><p>{escape(replay_views.ABLATION_NOTE)}</p>"
-            "<table border='1' cellpadding='4' style='border-collapse:collapse'>"
-            f"<tr>{head}</tr>{rows}</table>")
+    rows = [[r["coverage"], r["budget"], *("—" if r[s] is None else f"{r[s]:.0%}" for s in steps)]
+            for r in gaps.iter_rows(named=True)]
+    return dict(note=replay_views.ABLATION_NOTE,
+                table=Table(["coverage", "B", *steps], rows, frozenset(range(2, 2 + len(steps)))))
 
 
-def experts_saved_table(frames: dict, model: str, bench: str) -> str:
+def experts_saved_table(frames: dict, model: str, bench: str) -> dict | None:
     """Experts each ranking saves vs router at matched quality, open loop and, where replayed,
-    closed loop (``replay_views.experts_saved_display``), as an HTML table."""
+    closed loop (``replay_views.experts_saved_display``), as a table for the template (or
+    None)."""
     part = partition_value(model)
     mine = [f.filter((pl.col("model") == part) & (pl.col("bench") == bench))
             for f in (frames.get("saved_open"), frames.get("saved_closed")) if f is not None]
     mine = [f for f in mine if f.height]
     if not mine:
-        return ""
+        return None
     table = replay_views.experts_saved_display(pl.concat(mine))
     pct = lambda v: "—" if v is None or v != v else f"{v:.0%}"  # noqa: E731 (NaN: none inside)
-    head = "".join(f"<th>{escape(h)}</th>" for h in (
-        "loop", "matched on", "coverage", "ranking", "experts saved (mean share)", "95% interval",
-        *table.columns[-2:]))
-    rows = "".join(
-        f"<tr><td>{r['loop']}</td><td>{escape(r['matched on'])}</td><td>{r['coverage']}</td>"
-        f"<td>{escape(r['ranking'])}</td><td align='right'>{pct(r['saved'])}</td>"
-        f"<td>{pct(r['saved_lo'])} – {pct(r['saved_hi'])}</td>"
-        f"<td>{r['router budgets inside']}</td>"
-        f"<td>{escape(r['per router budget: B → B_X (saved)'])}</td></tr>"
-        for r in table.iter_rows(named=True))
-    return ("<h2>Experts saved at matched quality vs router</h2>"
-            f"<p>{escape(replay_views.SAVED_NOTE)}</p>"
-            "<table border='1' cellpadding='4' style='border-collapse:collapse'>"
-            f"<tr>{head}</tr>{rows}</table>")
+    head = ["loop", "matched on", "coverage", "ranking", "experts saved (mean share)",
+            "95% interval", *table.columns[-2:]]
+    rows = [[r["loop"], r["matched on"], r["coverage"], r["ranking"], pct(r["saved"]),
+             f"{pct(r['saved_lo'])} – {pct(r['saved_hi'])}", r["router budgets inside"],
+             r["per router budget: B → B_X (saved)"]] for r in table.iter_rows(named=True)]
+    return dict(note=replay_views.SAVED_NOTE, table=Table(head, rows, frozenset({4})))
 
 
 def _dtype(value) -> str:
@@ -254,22 +255,48 @@ def _dtype(value) -> str:
     return str(value or "").removeprefix("torch.")
 
 
-def settings_table(runs: list) -> str:
+def settings_table(runs: list) -> Table:
     """Every complete run of the dataset, calibration runs included (with their role)."""
     rows = []
     for r in runs:
         s = r.settings
-        rows.append(f"<tr><td>{escape(r.name)}</td><td>{r.role}</td><td>"
-                    f"{r.manifest.get('prompts_total')}</td><td>{s.get('max_new_tokens')}</td><td>{s.get('total_tokens')}/"
-                    f"{s.get('depth')}/{s.get('tree_top_k')}</td><td>{s.get('temperature')}</td>"
-                    f"<td>{s.get('budget') or '—'}</td><td>{escape(_dtype(r.manifest.get('dtype')))}"
-                    f"</td><td>{escape(_dtype((r.manifest.get('storage') or {}).get('dtype')))}"
-                    "</td>"
-                    "</tr>")
-    return ("<table border='1' cellpadding='4' style='border-collapse:collapse'><tr><th>run</th>"
-            "<th>role</th><th>prompts</th><th>new tokens</th><th>tree (nodes/depth/top-k)</th>"
-            "<th>temperature</th><th>budget</th><th>model dtype</th><th>stored as</th></tr>" +
-            "".join(rows) + "</table>")
+        rows.append([r.name, r.role, r.manifest.get("prompts_total"), s.get("max_new_tokens"),
+                     f"{s.get('total_tokens')}/{s.get('depth')}/{s.get('tree_top_k')}",
+                     s.get("temperature"), s.get("budget") or "—", _dtype(r.manifest.get("dtype")),
+                     _dtype((r.manifest.get("storage") or {}).get("dtype"))])
+    return Table(["run", "role", "prompts", "new tokens", "tree (nodes/depth/top-k)",
+                  "temperature", "budget", "model dtype", "stored as"], rows)
+
+
+TEMPLATES = Path(__file__).parent / "templates"  # the report's page: report.html.j2
+
+
+@cache
+def template() -> jinja2.Template:
+    """The report's page, autoescaped: every value put in it is text (a model name, a manifest
+    field, a table cell, a figure title), never markup, whatever it holds."""
+    env = jinja2.Environment(loader=jinja2.PackageLoader("analysis", "templates"),
+                             autoescape=True, trim_blocks=True, lstrip_blocks=True,
+                             undefined=jinja2.StrictUndefined)
+    return env.get_template("report.html.j2")
+
+
+@cache
+def plotly_escapes_json() -> bool:
+    """Whether plotly writes ``<`` and ``>`` in a figure's JSON as ``\\u003c`` / ``\\u003e``.
+    The JSON sits in a ``<script>``, where only ``</script`` (and ``<!--``) mean anything to
+    the HTML parser, and both need a ``<``: so no title, trace name or label can end it."""
+    probe = pio.to_json(go.Figure(layout=dict(title=dict(text="</script><!--"))), validate=False)
+    return "<" not in probe and ">" not in probe
+
+
+def figure_html(fig: go.Figure, include_plotlyjs: bool) -> Markup:
+    """A figure as plotly embeds it (a div and its script), safe to put in the page: its
+    strings are inside JSON with ``<`` and ``>`` escaped (:func:`plotly_escapes_json`)."""
+    if not plotly_escapes_json():
+        raise RuntimeError("this plotly does not escape '<' in a figure's JSON; install "
+                           "plotly>=5.20 (pyproject.toml's range)")
+    return Markup(pio.to_html(fig, include_plotlyjs=include_plotlyjs, full_html=False))
 
 
 STAMP = ".report-stamp.json"  # in --out: what the reports there were written from
@@ -279,7 +306,7 @@ def report_stamp(traces: Path, roles: tuple[str, ...]) -> str:
     """What a report depends on: the traces (:func:`catalog.dataset_version`), the roles and
     the code that draws it (this package's sources)."""
     h = hashlib.sha256(f"{dataset_version(traces)}:{','.join(roles)}".encode())
-    for source in sorted(Path(__file__).parent.glob("*.py")):
+    for source in sorted([*Path(__file__).parent.glob("*.py"), *TEMPLATES.glob("*.j2")]):
         h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
@@ -319,23 +346,16 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
         mine = [r for r in runs if r.model == run.model and r.bench == run.bench]
         listed = [r for r in every_role if r.model == run.model and r.bench == run.bench]
         figs = dataset_figures(con, frames, run.model, run.bench, run.manifest, traces)
-        toc, parts = [], []
-        for i, f in enumerate(figs):
-            title = f.layout.title.text or f"figure {i + 1}"
-            toc.append(f"<li><a href='#fig{i}'>{escape(title)}</a></li>")
-            parts.append(f"<div id='fig{i}'>" + pio.to_html(
-                f, include_plotlyjs=(i == 0), full_html=False) + "</div>")
-        numbers = "".join(f"<tr><th align='left'>{escape(k)}</th><td>{escape(v)}</td></tr>"
-                          for k, v in key_numbers(con, frames, run.model, run.bench, mine))
-        steps = projection_section(con, run.model, run.bench, run.manifest) + \
-            ablation_table(frames, run.model, run.bench) + \
-            experts_saved_table(frames, run.model, run.bench)
-        html = (f"<html><head><meta charset='utf-8'><title>MoE-Spec workbench: {run.model} / "
-                f"{run.bench}</title></head><body style='font-family:sans-serif;max-width:1200px;"
-                f"margin:auto'><h1>{escape(run.model)} / {escape(run.bench)}</h1>"
-                f"<h2>Key numbers</h2><table cellpadding='4'>{numbers}</table>"
-                f"<h2>Runs</h2>{settings_table(listed)}{steps}<h2>Figures</h2><ol>{''.join(toc)}</ol>"
-                + "".join(parts) + "</body></html>")
+        html = template().render(
+            model=run.model, bench=run.bench,
+            numbers=key_numbers(con, frames, run.model, run.bench, mine),
+            runs=settings_table(listed),
+            **projection_section(con, run.model, run.bench, run.manifest),
+            ablation=ablation_table(frames, run.model, run.bench),
+            saved=experts_saved_table(frames, run.model, run.bench),
+            figures=[dict(title=f.layout.title.text or f"figure {i + 1}",
+                          html=figure_html(f, include_plotlyjs=(i == 0)))
+                     for i, f in enumerate(figs)])
         atomic.write_bytes(path, html.encode("utf-8"))
         written.append(path)
     atomic.write_bytes(out / STAMP, json.dumps(dict(
