@@ -96,6 +96,43 @@ def regime(tokens, n: int, k: int, coef: dict) -> list[str]:
     return out
 
 
+MAX_BATCH = 4096  # sequences in one forward (capture's --batch-size bound)
+MAX_REPEATS = 1000
+MAX_POINTS = 10_000  # (b, γ) points timed
+MAX_TOKENS = 1 << 22  # b · (prefix + γ) tokens of one timed forward: the memory of a pass
+DEFAULT_POSITIONS = 1 << 17  # where a model's config names no max_position_embeddings
+
+
+class SizeError(UserError, ValueError):
+    """A size option beyond what the model or the machine can take; one line."""
+
+
+def check_sizes(model: str, batches, gammas, prefix: int, repeats: int) -> None:
+    """Refuse, before torch loads, sizes the model cannot take (a prefix plus γ beyond its
+    ``max_position_embeddings``) or that would build absurd tensors, in one line."""
+    from moe import models
+    positions = models.max_positions(models.read_config(model))
+    where = f"{model}'s max_position_embeddings {positions}" if positions else \
+        f"the cap {DEFAULT_POSITIONS}"
+    positions = positions or DEFAULT_POSITIONS
+    if prefix + max(gammas) > positions:
+        raise SizeError(f"--prefix {prefix} plus the largest --gammas {max(gammas)} is beyond "
+                        f"{where}; give a smaller --prefix or --gammas")
+    if max(batches) > MAX_BATCH:
+        raise SizeError(f"--batches {max(batches)} is out of range: batch sizes must be 1 to "
+                        f"{MAX_BATCH}")
+    if repeats > MAX_REPEATS:
+        raise SizeError(f"--repeats {repeats} is out of range: it must be 1 to {MAX_REPEATS}")
+    if len(batches) * len(gammas) > MAX_POINTS:
+        raise SizeError(f"{len(batches)} --batches × {len(gammas)} --gammas is more than "
+                        f"{MAX_POINTS} points; give fewer")
+    tokens = max(batches) * (prefix + max(gammas))
+    if tokens > MAX_TOKENS:
+        raise SizeError(f"--batches {max(batches)} × (--prefix {prefix} + --gammas "
+                        f"{max(gammas)}) is {tokens} tokens in one forward, more than "
+                        f"{MAX_TOKENS}; give smaller sizes")
+
+
 @console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     from moe import models
@@ -129,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("profile-target", msg)
     try:  # before torch and transformers load
         models.check_available(args.model)
+        check_sizes(args.model, batches, gammas, args.prefix, args.repeats)
     except UserError as exc:
         return fail("profile-target", exc)
     threads = console.threads.apply(args.threads)

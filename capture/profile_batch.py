@@ -239,17 +239,55 @@ def parser():
     return p
 
 
+MAX_COUNT = 1_000_000  # the most prompts or tokens any sane option asks for (capture's bound)
+MAX_BATCH = 4096  # sequences decoded together (capture's --batch-size bound)
+MAX_BATCH_SIZES = 64  # batch sizes measured in one run (each decoded 2 + budgets times)
+
+
 def settings_from(args) -> ProfileBatchSettings:
-    """Validated settings (ValueError: one line)."""
+    """Validated settings (ValueError: one line): every size within a sane cap (the model's
+    own limits are checked by :func:`check_model_limits`, before it loads)."""
     if args.limit < 1 or args.max_new_tokens < 1 or args.offset < 0:
         raise ValueError("--limit and --max-new-tokens must be ≥ 1 and --offset ≥ 0")
+    for flag, value in (("--limit", args.limit), ("--max-new-tokens", args.max_new_tokens),
+                        ("--offset", args.offset)):
+        if value > MAX_COUNT:
+            raise ValueError(f"{flag} {value} is out of range: it must be at most {MAX_COUNT}")
     batch_sizes = _numbers(args.batch_sizes, "--batch-sizes")
     budgets = _numbers(args.budget, "--budget") if args.budget.strip() else ()
+    if max(batch_sizes) > MAX_BATCH or len(batch_sizes) > MAX_BATCH_SIZES:
+        raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give at most {MAX_BATCH_SIZES} "
+                         f"batch sizes, each 1 to {MAX_BATCH}")
+    if budgets and (max(budgets) > MAX_COUNT or len(budgets) > MAX_BATCH_SIZES):
+        raise ValueError(f"--budget {args.budget!r}: give at most {MAX_BATCH_SIZES} budgets, "
+                         f"each 1 to {MAX_COUNT}")
     return ProfileBatchSettings(
         model=args.model, bench=args.bench, draft=args.draft, limit=args.limit,
         offset=args.offset, max_new_tokens=args.max_new_tokens, batch_sizes=batch_sizes,
         budgets=budgets, ranking=args.ranking, coverage=args.coverage, device=args.device,
         dtype=args.dtype, chat_template=args.chat_template)
+
+
+def check_model_limits(settings: ProfileBatchSettings) -> None:
+    """What the model's ``config.json`` bounds, read without loading it (ValueError: one
+    line): the new tokens within its context, the budgets within its N routed experts (and at
+    least its top-k for substitution)."""
+    from moe import models
+
+    config = models.read_config(settings.model)
+    positions = models.max_positions(config)
+    if positions and settings.max_new_tokens >= positions:
+        raise ValueError(f"--max-new-tokens {settings.max_new_tokens} is beyond "
+                         f"{settings.model}'s max_position_embeddings {positions} (prompt "
+                         "included); give fewer")
+    shape = models.expert_shape(config)
+    if settings.budgets and shape:
+        n, k = shape
+        low = k if settings.coverage == "substitution" else 1
+        bad = [b for b in settings.budgets if not low <= b <= n]
+        if bad:
+            raise ValueError(f"--budget {bad[0]} is out of range for {settings.model}: use "
+                             f"{low}..{n} ({n} experts, top-{k}, {settings.coverage})")
 
 
 def summary_lines(decodings: list[Decoding]) -> list[str]:
@@ -277,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = settings_from(args)
         models.check_available(settings.model)
+        check_model_limits(settings)
         prompts_found = benchmarks.load(settings.bench, offset=settings.offset,
                                         limit=settings.limit, root=args.benchmarks)
         console.check_output_option(args.output, ValueError)

@@ -28,6 +28,7 @@ installs for its process with :func:`use_storage_options` before calling :func:`
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -39,6 +40,7 @@ from pathlib import Path
 from errors import UserError
 
 SCHEMES = ("s3",)  # object stores a traces root may be on (the tested one: S3 and its clones)
+MAX_LEASE_SECONDS = 86_400.0  # a stated expiry further than this from the write is absurd
 LEASE_SECONDS_ENV = "MOESPEC_LEASE_SECONDS"  # a lease's lifetime without renewal (default 60)
 DEFAULT_LEASE_SECONDS = 60.0
 
@@ -137,20 +139,59 @@ _checked: set = set()
 
 
 def _check_bucket(path, bucket: str) -> None:
-    """One request that the bucket is there and reachable with these credentials; every failure
+    """One request that the bucket is there and reachable with these credentials, answered by
+    an S3 endpoint (not, say, a web server answering HTML: :func:`_not_s3`); every failure
     becomes one line."""
     try:
-        path.fs.call_s3("head_bucket", Bucket=bucket)
-    except FileNotFoundError:
+        answer = path.fs.call_s3("head_bucket", Bucket=bucket)
+    except FileNotFoundError as exc:
+        _refuse_if_not_s3(path, bucket, exc)
         raise LocationError(f"bucket {bucket!r} of {path} does not exist at "
                             f"{_endpoint(path)}; create it or fix the URI") from None
     except PermissionError as exc:
+        _refuse_if_not_s3(path, bucket, exc)
         raise LocationError(f"access to bucket {bucket!r} denied ({_first(exc)}); check "
                             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or --storage-options") \
             from None
     except Exception as exc:  # noqa: BLE001 - connection refused, no credentials, bad endpoint
+        _refuse_if_not_s3(path, bucket, exc)
         raise LocationError(f"cannot reach {path} ({type(exc).__name__}: {_first(exc)}); check "
                             "AWS_ENDPOINT_URL and the credentials, or --storage-options") from None
+    _refuse_if_not_s3(path, bucket, answer)
+
+
+def _not_s3(response) -> str | None:
+    """What an HTTP answer to an S3 request looked like when it came from something that does
+    not speak S3 (no S3 header, ``x-amz…``, and a body that is not XML: a web server's page);
+    None when it may be S3 or nothing can be told. ``response``: botocore's parsed response,
+    or the exception (whose cause is botocore's ClientError) raised for it."""
+    if isinstance(response, BaseException):
+        found = None
+        for exc in (response, response.__cause__, response.__context__):
+            found = getattr(exc, "response", None) if exc is not None else None
+            if isinstance(found, dict):
+                break
+        response = found
+    if not isinstance(response, dict):
+        return None
+    meta = response.get("ResponseMetadata") or {}
+    headers = {str(k).lower(): str(v) for k, v in (meta.get("HTTPHeaders") or {}).items()}
+    if any(k.startswith(("x-amz", "x-goog", "x-minio", "x-rgw")) for k in headers):
+        return None
+    kind = headers.get("content-type", "")
+    if not kind or "xml" in kind.lower():  # S3 answers XML, or nothing (a HEAD)
+        return None
+    server = headers.get("server")
+    return (f"HTTP {meta.get('HTTPStatusCode', '?')} {kind.split(';')[0]}"
+            + (f" from {server}" if server else "") + ", no S3 headers")
+
+
+def _refuse_if_not_s3(path, bucket: str, response) -> None:
+    problem = _not_s3(response)
+    if problem:
+        raise LocationError(f"{_endpoint(path)} does not speak S3 (asked for bucket {bucket!r} "
+                            f"of {path}, it answered {problem}); check AWS_ENDPOINT_URL or "
+                            "--storage-options endpoint_url") from None
 
 
 def _endpoint(path) -> str:
@@ -327,6 +368,14 @@ class Lease:
     * release: delete it (``If-Match`` our ETag).
 
     Expiry compares the writers' clocks, which must agree to within the lease's lifetime.
+
+    A malformed lease — a body that is not a JSON object with a finite number ``expires`` (say
+    ``[1,2]``, ``5``, ``null``, ``{"expires": "soon"}``), or one whose ``expires`` is absurd
+    (more than :data:`MAX_LEASE_SECONDS` from when the object was last written, e.g. ``1e300``)
+    — is never trusted and never crashes: it counts as held for one lease lifetime (this
+    writer's ``seconds``) after the object's ``LastModified``, as if a writer had just written
+    it, and is taken over like an expired lease after that (``If-Match`` its ETag). While it
+    counts as held, :meth:`describe` names it as malformed, in one line.
     """
 
     def __init__(self, path, seconds: float | None = None, timeout: float = -1):
@@ -343,11 +392,52 @@ class Lease:
         return self._etag is not None
 
     def holder(self) -> dict:
-        """The current lease's content ({} when there is none or it cannot be read)."""
+        """The current lease's content ({} when there is none, it cannot be read or it is not a
+        JSON object)."""
         try:
-            return json.loads(self.path.fs.cat_file(fs_path(self.path)))
+            held = json.loads(self.path.fs.cat_file(fs_path(self.path)))
         except (OSError, ValueError):
             return {}
+        return held if isinstance(held, dict) else {}
+
+    def state(self) -> tuple[str, float, str | None] | None:
+        """(ETag, when it expires, what is malformed about it or None) of the lease object now
+        there, or None when there is none (or it cannot be read)."""
+        try:
+            head, expires, problem = self._state()
+        except OSError:
+            return None
+        return str(head.get("ETag")), expires, problem
+
+    def _state(self):
+        """(head, when the lease expires, what is malformed about it or None) of the lease
+        object; raises OSError (FileNotFoundError: there is none)."""
+        head = self.path.fs.call_s3("head_object", Bucket=self._bucket, Key=self._key)
+        body = self.path.fs.cat_file(fs_path(self.path))
+        return (head, *self._expiry(body, head))
+
+    def _expiry(self, body: bytes, head: dict) -> tuple[float, str | None]:
+        """When a lease with ``body`` expires, and what is malformed about it (None: nothing):
+        a malformed lease expires ``seconds`` after its object was last written."""
+        modified = head.get("LastModified")
+        try:
+            written = float(modified.timestamp())
+        except (AttributeError, TypeError, ValueError, OverflowError, OSError):
+            written = time.time()  # a store that says not when: as if written just now
+        try:
+            held = json.loads(body)
+        except ValueError:
+            held = None
+        value = held.get("expires") if isinstance(held, dict) else None
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number and math.isfinite(value) and abs(value - written) <= MAX_LEASE_SECONDS:
+            return float(value), None
+        text = body.decode("utf-8", "replace") if isinstance(body, bytes) else str(body)
+        text = " ".join(text.split())
+        shown = repr(text[:60] + ("…" if len(text) > 60 else ""))
+        problem = f"its expiry {value!r} is absurd" if number else \
+            f"its content {shown} is not {{\"owner\": …, \"expires\": <seconds>}}"
+        return written + self.seconds, problem
 
     def _body(self) -> bytes:
         return json.dumps(dict(owner=self.owner, expires=time.time() + self.seconds)).encode()
@@ -362,12 +452,11 @@ class Lease:
             return True
         except (FileExistsError, OSError):
             pass
-        try:  # held: take it over only if it has expired
-            head = self.path.fs.call_s3("head_object", Bucket=self._bucket, Key=self._key)
-            held = self.holder()
+        try:  # held: take it over only if it has expired (a malformed one: see the docstring)
+            head, expires, _ = self._state()
         except (FileNotFoundError, OSError):
             return False  # released meanwhile: the next attempt creates it
-        if float(held.get("expires", 0)) > time.time():
+        if expires > time.time():
             return False
         try:
             self._etag = self._put(IfMatch=head["ETag"])
@@ -422,9 +511,16 @@ class Lease:
         self.release()
 
     def describe(self) -> str:
-        """Who holds the lease and until when, for a refusal's message."""
-        held = self.holder()
-        if not held:
+        """Who holds the lease and until when, for a refusal's message (one line; a malformed
+        lease is named as such)."""
+        try:
+            _, expires, problem = self._state()
+        except OSError:
             return f"{self.path} is held"
-        until = time.strftime("%H:%M:%S UTC", time.gmtime(float(held.get("expires", 0))))
-        return f"{self.path} is held by {held.get('owner', '?')} until {until} unless renewed"
+        until = time.strftime("%H:%M:%S UTC", time.gmtime(expires))
+        if problem:
+            return (f"{self.path} holds a malformed lease ({problem}); it counts as held until "
+                    f"{until}, {self.seconds:g} s after it was last written, then it is taken "
+                    "over (delete it sooner if no capture is running)")
+        owner = " ".join(str(self.holder().get("owner", "?")).split())[:100]
+        return f"{self.path} is held by {owner} until {until} unless renewed"

@@ -137,6 +137,57 @@ def check_available(model: str) -> ModelSource:
     return source
 
 
+def read_config(model: str) -> dict | None:
+    """The ``config.json`` of ``model`` as a dict, read without torch or transformers (a local
+    folder, an embedded model, or a hub model already in the local cache); None where it is not
+    at hand or cannot be read (the load that follows says why, in one line)."""
+    import json
+    try:
+        source = resolve(model)
+        if source.path is not None:
+            path = source.path / "config.json"
+        else:
+            from huggingface_hub import try_to_load_from_cache
+            found = try_to_load_from_cache(source.hub_id, "config.json")
+            if not isinstance(found, str):
+                return None
+            path = Path(found)
+        config = json.loads(path.read_text())
+    except (ModelError, OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # per model_type
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def expert_shape(config: dict | None) -> tuple[int, int] | None:
+    """(N routed experts, top-k) a model's ``config.json`` names (the keys differ per family:
+    moe/families.py), or None where it names them not."""
+    if not config:
+        config = {}
+    config = config.get("text_config", config) if isinstance(config.get("text_config"),
+                                                             dict) else config
+    n = next((v for v in (_positive_int(config.get(key)) for key in EXPERT_COUNT_KEYS) if v),
+             None)
+    k = _positive_int(config.get("num_experts_per_tok"))
+    return (n, k) if n and k else None
+
+
+def max_positions(config: dict | None) -> int | None:
+    """The longest sequence a model's ``config.json`` admits (``max_position_embeddings``), or
+    None where it names none."""
+    if not config:
+        return None
+    config = config.get("text_config", config) if isinstance(config.get("text_config"),
+                                                             dict) else config
+    return _positive_int(config.get("max_position_embeddings"))
+
+
 def quiet_transformers() -> None:
     """Command-line tools print their own progress and one-line errors: silence transformers'
     weight-loading bars and advisory warnings."""

@@ -274,9 +274,16 @@ def test_scale_out_bench_gets_the_same_tables_from_two_workers(tmp_path):
 
 @smoke("startup.py")
 def test_startup_bench_gets_every_expected_exit_status(tmp_path):
-    run("bench/startup.py", "--repeats", "1", "--output", str(tmp_path / "s.json"))
+    """Behaviour only: every case's exit status and one-line error, and the result file's
+    shape. Its timings (and whether they meet the goal) depend on the machine's load, so they
+    are never asserted, and the only time bound is one against a hang (its ~20 fresh processes
+    each import torch or polars: minutes on a loaded machine)."""
+    run("bench/startup.py", "--repeats", "1", "--output", str(tmp_path / "s.json"),
+        timeout=3600)
     found = json.loads((tmp_path / "s.json").read_text())
-    assert len(found["cases"]) >= 10 and all(c["ok"] for c in found["cases"])
+    assert len(found["cases"]) >= 10
+    assert all(c["ok"] for c in found["cases"]), [c for c in found["cases"] if not c["ok"]]
+    assert all(isinstance(c["within_goal"], bool) and c["seconds"] >= 0 for c in found["cases"])
     assert {"torch", "polars"} <= set(found["imports"]) and found["goal"] == 1.5
 
 

@@ -35,11 +35,32 @@ def refuse_overwrite(parser, out: Path, force: bool) -> None:
                      "--force to replace it, or another --out")
 
 
-def _at_least_one(parser, args, names) -> None:
-    for name in names:
+MAX_STEPS = 10_000_000  # optimizer steps: more is a typo, not a training run
+MAX_BATCH = 4096  # sequences per step
+MAX_LR = 10.0  # a peak learning rate above this diverges at once
+MAX_SEED = 2**32 - 1  # what numpy's and torch's generators both take
+MAX_TTT = 64  # unrolled TTT steps (EAGLE-3: 7)
+MAX_INTERMEDIATE = 65_536  # draft MLP width
+DEFAULT_POSITIONS = 4096  # the tiny models' context (training/tiny_moe.py)
+
+
+def check_numbers(parser, args, limits: dict) -> None:
+    """Every numeric option within ``limits`` (option name -> (low, high): inclusive; a float
+    option's low bound 0 is exclusive), and every float finite: refused in one line before any
+    work (torch would fail later, or train on NaN)."""
+    import math
+    for name, (low, high) in limits.items():
         value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} {value} must be at least 1")
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, float):
+            rule = f"greater than {low:g} and at most {high:g}" if low == 0 else \
+                f"{low:g} to {high:g}"
+            if not math.isfinite(value) or not (low < value if low == 0 else low <= value) \
+                    or value > high:
+                parser.error(f"{flag} {value} is out of range: it must be a finite number "
+                             f"{rule}")
+        elif not low <= value <= high:
+            parser.error(f"{flag} {value} is out of range: it must be {low} to {high}")
 
 
 @console.pipes.quiet_broken_pipe
@@ -63,9 +84,9 @@ def train_tiny(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true",
                    help="replace an existing, non-empty --out folder (never done otherwise)")
     args = p.parse_args(argv)
-    _at_least_one(p, args, ("steps", "batch", "seq_len"))
-    if args.lr <= 0:
-        p.error(f"--lr {args.lr} must be positive")
+    check_numbers(p, args, dict(steps=(1, MAX_STEPS), batch=(1, MAX_BATCH),
+                                seq_len=(1, DEFAULT_POSITIONS), lr=(0, MAX_LR),
+                                seed=(0, MAX_SEED)))
     out = args.out or models.EMBEDDED_DIR / args.model
     refuse_overwrite(p, out, args.force)
     try:
@@ -105,12 +126,17 @@ def train_draft(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true",
                    help="replace an existing, non-empty --out folder (never done otherwise)")
     args = p.parse_args(argv)
-    _at_least_one(p, args, ("steps", "batch", "seq_len", "ttt", "draft_vocab", "intermediate",
-                            "new_tokens"))
-    if args.lr <= 0:
-        p.error(f"--lr {args.lr} must be positive")
+    limits = dict(steps=(1, MAX_STEPS), batch=(1, MAX_BATCH), lr=(0, MAX_LR),
+                  seed=(0, MAX_SEED), ttt=(1, MAX_TTT), intermediate=(1, MAX_INTERMEDIATE))
+    check_numbers(p, args, limits)  # what needs no model first
     try:  # before torch and transformers load: the target, the output folder, the corpus
         source = models.check_available(args.model)
+        config = models.read_config(args.model)
+        positions = models.max_positions(config) or DEFAULT_POSITIONS
+        vocab = config.get("vocab_size") if config else None
+        vocab = vocab if isinstance(vocab, int) and vocab > 0 else 1_000_000
+        check_numbers(p, args, dict(seq_len=(1, positions), new_tokens=(1, positions),
+                                    draft_vocab=(1, vocab)))
         out = args.out or models.DRAFTS_DIR / source.name
         refuse_overwrite(p, out, args.force)
         benchmarks.benchmarks_dir(args.benchmarks)
