@@ -283,22 +283,25 @@ def batch_regime(con) -> pl.DataFrame:
     from analysis.routing import moesd_uniform
     columns = set(con.sql("DESCRIBE trees").pl()["column_name"].to_list())
     if "batch_size" in columns:
-        pass_id = "coalesce(batch_pass, -1)"
-        single = "CASE WHEN batch_pass IS NULL THEN {} END"
-        b, tokens = "coalesce(batch_size, 1)", "coalesce(batch_tokens, nodes)"
-        unique = "list_avg(coalesce(batch_unique_experts, unique_experts))"
+        pass_id = "coalesce(t.batch_pass, -1)"
+        single = "CASE WHEN t.batch_pass IS NULL THEN {} END"
+        tokens = "coalesce(t.batch_tokens, t.nodes)"
+        unique = "list_avg(coalesce(t.batch_unique_experts, t.unique_experts))"
     else:  # schema 2 only: every pass is one tree
-        pass_id, single, b, tokens = "-1", "{}", "1", "nodes"
-        unique = "list_avg(unique_experts)"
+        pass_id, single, tokens = "-1", "{}", "t.nodes"
+        unique = "list_avg(t.unique_experts)"
+    # a pass is binned by the b its run was captured with (a b = 4 run's last passes, as its
+    # queue drains, hold fewer sequences but are still b = 4 passes)
     t = con.sql(f"""
         WITH passes AS (
-          SELECT model, bench, run, {pass_id} AS pass, {single.format('prompt_index')} AS p,
-                 {single.format('step')} AS s, any_value({b}) AS batch_size,
-                 any_value({tokens}) AS tokens, any_value({unique}) AS unique_experts,
-                 any_value(verify_seconds) AS seconds, any_value(r.num_experts) AS n,
+          SELECT model, bench, run, {pass_id} AS pass, {single.format('t.prompt_index')} AS p,
+                 {single.format('t.step')} AS s, any_value(coalesce(r.batch_size, 1))
+                 AS batch_size, any_value({tokens}) AS tokens,
+                 any_value({unique}) AS unique_experts,
+                 any_value(t.verify_seconds) AS seconds, any_value(r.num_experts) AS n,
                  any_value(r.top_k) AS k
-          FROM trees JOIN runs r USING (model, bench, run)
-          WHERE budget IS NULL GROUP BY ALL)
+          FROM trees t JOIN runs r USING (model, bench, run)
+          WHERE t.budget IS NULL GROUP BY ALL)
         SELECT model, bench, batch_size, avg(tokens) AS tokens,
                avg(unique_experts) AS unique_experts, median(seconds) AS seconds,
                count(*) AS passes, any_value(n) AS n, any_value(k) AS k

@@ -71,7 +71,7 @@ def find_twin(run: Run, runs: list[Run]) -> Run | None:
 
 def outputs(run: Run) -> dict[int, tuple[str, list[int]]]:
     """prompt index → (prompt id, output token ids)."""
-    t = location.read_table(run.dir("sequences"), columns=["prompt_index", "prompt_id",
+    t = location.read_table(run.files("sequences"), columns=["prompt_index", "prompt_id",
                                                            "output_token_ids"])
     return {i: (p, ids) for i, p, ids in zip(t["prompt_index"].to_pylist(),
                                             t["prompt_id"].to_pylist(),

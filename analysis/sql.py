@@ -23,6 +23,8 @@ the current capture of their run. Running captures and interrupted replays are l
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -33,7 +35,9 @@ import pyarrow as pa
 import console
 from analysis import summaries
 from catalog import Catalog, CatalogError, location, partition_value, reader, schema
+from catalog.replay_metrics import BATCH_TABLE, OPEN_TABLE
 from catalog.results import RESULT_TABLES, complete_blocks
+from catalog.runs import WHOLE_PART
 from errors import UserError
 
 VIEWS = (*schema.TRACE_TABLES, "runs", "quality", *RESULT_TABLES, *summaries.TABLES,
@@ -50,86 +54,329 @@ def warn(line: str) -> None:
         print(f"warning: {line}", file=sys.stderr)
 
 
-def _catalog_tables(root: Path, roles) -> tuple[pa.Table, pa.Table]:
-    """(complete runs with role, run id and whether their routing summaries are fresh,
-    complete replay blocks) as small Arrow tables."""
-    runs = Catalog(root).runs(roles=roles)
-    run_rows = pa.Table.from_pylist(
-        [dict(model=partition_value(r.model), bench=r.bench, run=r.name, role=r.role,
-              run_id=r.run_id, summarised=summaries.is_fresh(root, r)) for r in runs],
-        schema=pa.schema([*((c, pa.string()) for c in ("model", "bench", "run", "role",
-                                                        "run_id")),
-                          ("summarised", pa.bool_())]))
-    prompts = {(partition_value(r.model), r.bench, r.name): r.prompt_indices() for r in runs}
+# --- what the views read: committed files only -------------------------------------------------
+SETTING_COLUMNS = {  # runs view column -> (capture setting, Arrow type): the settings that make
+    # two runs of one model and benchmark different data, as columns joinable from every table
+    "max_new_tokens": ("max_new_tokens", pa.int64()), "temperature": ("temperature", pa.float64()),
+    "top_p": ("top_p", pa.float64()), "sampling_top_k": ("top_k", pa.int64()),
+    "tree_total_tokens": ("total_tokens", pa.int64()), "tree_depth": ("depth", pa.int64()),
+    "tree_top_k": ("tree_top_k", pa.int64()), "batch_size": ("batch_size", pa.int64()),
+    "seed": ("seed", pa.int64()), "offset": ("offset", pa.int64()),
+    "budget": ("budget", pa.int64()), "online_ranking": ("ranking", pa.string()),
+    "online_coverage": ("coverage", pa.string()), "chat_template": ("chat_template", pa.bool_()),
+}
+
+
+def _storage_text(manifest: dict) -> str | None:
+    s = manifest.get("storage")
+    if not isinstance(s, dict):
+        return None
+    layers = s.get("layers")
+    every = layers == manifest.get("moe_layers")
+    return (f"{'all' if every else len(layers or [])} MoE layer(s), passes {s.get('passes')}, "
+            f"{s.get('dtype')}, output {s.get('output')}")
+
+
+def runs_table(runs: list, root: Path) -> pa.Table:
+    """One row per complete run: identity, role, the model's facts and every capture setting
+    that changes the data, as columns (the ``runs`` view)."""
+    rows = []
+    for r in runs:
+        m, st = r.manifest, r.settings
+        row = dict(model=partition_value(r.model), bench=r.bench, run=r.name, role=r.role,
+                   run_id=r.run_id, status=m["status"], model_name=r.model,
+                   model_location=m.get("model_location"), draft=m.get("draft"),
+                   num_experts=m.get("num_experts"), top_k=m.get("top_k"),
+                   num_layers=m.get("num_layers"), moe_layers=m.get("moe_layers"),
+                   hidden_size=m.get("hidden_size"),
+                   dtype=str(m.get("dtype") or "").removeprefix("torch.") or None,
+                   device=m.get("device"), prompts=m.get("prompts_total",
+                                                          len(m.get("prompt_ids", []))),
+                   storage=_storage_text(m), schema_version=m.get("schema_version"),
+                   committed=r.committed is not None,
+                   settings=json.dumps(st, sort_keys=True),
+                   summarised=summaries.is_fresh(root, r))
+        for column, (key, _) in SETTING_COLUMNS.items():
+            value = st.get(key, 1 if key == "batch_size" else None)
+            row[column] = value if not isinstance(value, (list, dict)) else json.dumps(value)
+        rows.append(row)
+    fields = [(c, pa.string()) for c in ("model", "bench", "run", "role", "run_id", "status",
+                                         "model_name", "model_location", "draft")]
+    fields += [("num_experts", pa.int64()), ("top_k", pa.int64()), ("num_layers", pa.int64()),
+               ("moe_layers", pa.list_(pa.int64())), ("hidden_size", pa.int64()),
+               ("dtype", pa.string()), ("device", pa.string()), ("prompts", pa.int64()),
+               ("storage", pa.string()), ("schema_version", pa.int64()),
+               ("committed", pa.bool_()), ("settings", pa.string()), ("summarised", pa.bool_())]
+    fields += [(c, t) for c, (_, t) in SETTING_COLUMNS.items()]
+    return pa.Table.from_pylist(rows, schema=pa.schema(fields))
+
+
+VARIANT_FIELDS = [  # the columns that say which variant a replay result row is (unit keys)
+    ("variant", pa.string()), ("mode", pa.string()), ("ranking_version", pa.int64()),
+    ("calibration", pa.string()), ("calibration_run_ids", pa.string()),
+    ("batch_seed", pa.int64()), ("dtype", pa.string()), ("means_version", pa.int64()),
+    ("committed_at", pa.string())]
+DEFAULT_VARIANT_RULE = ("per cell (run, ranking, coverage, batch size, budget, layer): the "
+                        "calibrated variant where there is one, then the one replayed in the "
+                        "run's captured dtype, batch seed 0, then the most recently computed")
+
+
+def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
+    """A result unit's key (catalog.results) as readable columns."""
+    cal = unit.get("calibration") or []
+    return dict(variant=config, mode=unit.get("mode"), ranking_version=unit.get("version", 1),
+                calibration=",".join(c[0] for c in cal) or None,
+                calibration_run_ids=",".join(c[1] for c in cal) or None,
+                batch_seed=unit.get("batch_seed"), dtype=unit.get("dtype", "float32"),
+                means_version=unit.get("means"), committed_at=committed_at)
+
+
+def _preference(unit: dict, captured_dtype: str, committed_at: str | None) -> tuple:
+    """How a variant ranks for the default views (:data:`DEFAULT_VARIANT_RULE`): higher wins."""
+    return (bool(unit.get("calibration")), unit.get("dtype", "float32") == captured_dtype,
+            unit.get("batch_seed", 0) == 0, committed_at or "", json.dumps(unit, sort_keys=True))
+
+
+def default_cells(blocks: list[dict], dtypes: dict) -> list[dict]:
+    """Of every stored cell, the block of the variant the default views show
+    (:data:`DEFAULT_VARIANT_RULE`); ``dtypes``: (model, bench, run) -> captured dtype."""
+    best: dict[tuple, tuple] = {}
+    for b in blocks:
+        unit = b["unit"] if isinstance(b.get("unit"), dict) else {}
+        group = (b["table"], b["model"], b["bench"], b["run"], unit.get("ranking"),
+                 unit.get("coverage"), unit.get("batch_size", 1))
+        pref = _preference(unit, dtypes.get((b["model"], b["bench"], b["run"]), "float32"),
+                           b.get("committed_at"))
+        for layer in (b.get("layers") or [None]):
+            for budget in b.get("budgets") or []:
+                key = (*group, budget, layer)
+                if key not in best or pref > best[key][0]:
+                    best[key] = (pref, b)
+    return [dict(table=key[0], model=b["model"], bench=b["bench"], run=b["run"],
+                 config=b["config"], block=b["block"], budget=key[-2],
+                 layer=-1 if key[-1] is None else key[-1]) for key, (_, b) in best.items()]
+
+
+def _result_blocks(root: Path, runs: list) -> list[dict]:
+    """Complete blocks of the current captures of ``runs`` (their commit records checked)."""
+    prompts = {(partition_value(r.model), r.bench, r.name): (r.run_id, r.prompt_indices())
+               for r in runs}
     skipped: list[str] = []  # torn result configs: left out, and said so
-    blocks = [dict(b, table=t) for t in RESULT_TABLES for b in complete_blocks(root, t, skipped)
-              if b.pop("prompts") == prompts.get((b["model"], b["bench"], b["run"]))]
+    blocks = []
+    for table in RESULT_TABLES:
+        for b in complete_blocks(root, table, skipped):
+            current = prompts.get((b["model"], b["bench"], b["run"]))
+            if current is None or (b["run_id"], b["prompts"]) != current:
+                continue
+            if isinstance(b.get("unit"), dict):
+                blocks.append(dict(b, table=table))
     for line in skipped:
         warn(line)
-    block_rows = pa.Table.from_pylist(blocks, schema=pa.schema(
-        [(c, pa.string()) for c in ("model", "bench", "run", "config", "block", "run_id",
-                                    "table")]))
-    return run_rows, block_rows
+    return blocks
+
+
+def _files(root: Path, runs: list, roles) -> tuple[dict[str, list[str]], list[dict]]:
+    """table -> the files its view reads (committed, verified), and the result blocks."""
+    from catalog.results import block_files
+    files: dict[str, list] = {name: [] for name in VIEWS}
+    legacy = [r.name for r in runs if r.committed is None]
+    if legacy:
+        warn(f"run(s) {', '.join(legacy[:5])} predate committed file lists (trace schema 5): "
+             "their folders are read as found; recapture them to protect their answers")
+    for r in runs:
+        for table in schema.TRACE_TABLES:
+            paths = r.files(table)
+            if r.committed is None and paths:
+                reader.check_paths(paths, table)  # types, from the footers
+            files[table] += paths
+        part = r.dir("quality") / WHOLE_PART  # evaluate writes it whole
+        if part.is_file():
+            files["quality"].append(part)
+        if summaries.is_fresh(root, r):
+            for table in summaries.TABLES:
+                files[table].append(summaries.part_path(root, table, r))
+        elif summaries.part_path(root, "summary_layers", r).parent.is_dir():
+            warn(f"the routing summaries of run {r.name} are out of date or damaged: the "
+                 "summary_layers and summary_tree_layers views leave that run out; run `report` "
+                 "to rebuild them")
+    blocks = _result_blocks(root, runs)
+    for b in blocks:
+        files[b["table"]] += block_files(b["folder"], b.get("files"), root)
+    for table in schema.BATCH_PROFILE_TABLES:  # measurements, not runs: each written whole
+        files[table] = sorted((location.root(root) / table).glob(f"model=*/bench=*/run=*/"
+                                                                  f"{WHOLE_PART}"))
+    return {t: [location.display(p) for p in ps] for t, ps in files.items()}, blocks
+
+
+def _scan(paths: list[str]) -> str:
+    listed = ", ".join("'" + p.replace("'", "''") + "'" for p in paths)
+    return (f"read_parquet([{listed}], hive_partitioning = true, union_by_name = true, "
+            "hive_types_autocast = false)")
 
 
 def connect(root: str | Path = "traces", database: str = ":memory:",
             roles: tuple[str, ...] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with a view for every table found under ``root``; ``roles`` limits
-    every view to runs of those roles (default: all, with ``role`` as a column)."""
+    every view to runs of those roles (default: all, with ``role`` as a column).
+
+    Views read exactly the files runs and replay blocks committed (:mod:`catalog.commit`),
+    each verified first (content hash, cached per file version): anything else in the folders
+    is ignored, and a committed file that changed is refused in one line naming it. Replay
+    result tables come twice: ``replay_open_all`` (every variant, each row saying which:
+    ranking version, calibration, mode, batch seed, dtype, …) and ``replay_open`` (one
+    variant per cell, :data:`DEFAULT_VARIANT_RULE`); the ``variants`` view lists them."""
     root = location.root(root)
     con = duckdb.connect(database)
     remote = location.duckdb_filesystem(root)
     if remote is not None:
         con.register_filesystem(remote)
     con.execute(f"SET threads = {console.threads.current()}")  # never more than this process's CPUs
-    runs, blocks = _catalog_tables(root, roles)
-    for name, table in (("_complete_runs", runs), ("_complete_blocks", blocks)):
+    runs = Catalog(root).runs(roles=roles)
+    files, blocks = _files(root, runs, roles)
+    dtypes = {(partition_value(r.model), r.bench, r.name):
+              str(r.manifest.get("dtype") or "float32").removeprefix("torch.") for r in runs}
+    run_rows = runs_table(runs, root)
+    variant_rows = pa.Table.from_pylist(
+        [dict(table_name=b["table"], model=b["model"], bench=b["bench"], run=b["run"],
+              config=b["config"], block=b["block"], ranking=b["unit"].get("ranking"),
+              coverage=b["unit"].get("coverage"), batch_size=b["unit"].get("batch_size", 1),
+              **variant_columns(b["unit"], b.get("committed_at"), b["config"]))
+         for b in blocks],
+        schema=pa.schema([("table_name", pa.string()), ("model", pa.string()),
+                          ("bench", pa.string()), ("run", pa.string()), ("config", pa.string()),
+                          ("block", pa.string()), ("ranking", pa.string()),
+                          ("coverage", pa.string()), ("batch_size", pa.int64()),
+                          *VARIANT_FIELDS]))
+    chosen = pa.Table.from_pylist(default_cells(blocks, dtypes), schema=pa.schema(
+        [(c, pa.string()) for c in ("table", "model", "bench", "run", "config", "block")]
+        + [("budget", pa.int64()), ("layer", pa.int64())]))
+    for name, table in (("_complete_runs", run_rows), ("_blocks", variant_rows),
+                        ("_default_cells", chosen)):
         con.register("_arrow", table)  # tables, not registrations: cursors must see them too
         con.execute(f"CREATE TABLE {name} AS SELECT * FROM _arrow")
         con.unregister("_arrow")
+    con.execute("CREATE VIEW runs AS SELECT * EXCLUDE (summarised) FROM _complete_runs")
+    variant_select = ", ".join(f"v.{c}" for c, _ in VARIANT_FIELDS if c != "variant")
+    if blocks:  # the variants of the replay results there are
+        con.execute(f"""CREATE VIEW variants AS SELECT table_name, model, bench, run, ranking,
+        coverage, batch_size, {', '.join(c for c, _ in VARIANT_FIELDS)}, count(*) AS blocks,
+            bool_or(EXISTS (SELECT 1 FROM _default_cells d WHERE d.config = b.config
+                            AND d.block = b.block AND d.run = b.run AND d."table" = b.table_name))
+            AS shown_by_default
+            FROM _blocks b GROUP BY ALL ORDER BY ALL""")
+    for name in schema.TRACE_TABLES:  # a table whose runs are all running: empty, not absent
+        if not files.get(name) and (root / name).is_dir():
+            empty = schema.TABLES[name].empty_table()
+            for column in ("model", "bench", "run", "role"):
+                empty = empty.append_column(column, pa.array([], pa.string()))
+            con.register("_arrow", empty)
+            con.execute(f"CREATE TABLE _empty_{name} AS SELECT * FROM _arrow")
+            con.unregister("_arrow")
+            con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
     for name in VIEWS:
-        folder = root / summaries.FOLDER / name if name in summaries.TABLES else root / name
-        if not any(folder.rglob("*.parquet")):
+        if name == "runs" or not files.get(name):
             continue
-        reader.check_files(folder, name)  # damaged or retyped parts: refused, naming the file
-        glob = location.display(folder).replace("'", "''") + "/**/*.parquet"
-        scan = f"read_parquet('{glob}', hive_partitioning = true, union_by_name = true)"
+        scan = _scan(files[name])
         if name in RESULT_TABLES:
-            body = (f"SELECT t.* FROM {scan} t SEMI JOIN (SELECT b.* FROM _complete_blocks b "
-                    f"JOIN _complete_runs r USING (model, bench, run, run_id) WHERE b.table = "
-                    f"'{name}') c USING (model, bench, run, config, block)")
-        elif name in summaries.TABLES:  # fresh summaries of complete runs only
-            body = (f"SELECT t.*, c.role FROM {scan} t JOIN _complete_runs c "
-                    "USING (model, bench, run) WHERE c.summarised")
+            per_layer = name in (OPEN_TABLE, BATCH_TABLE)
+            body = (f"SELECT t.*, {variant_select} FROM {scan} t JOIN _blocks v "
+                    "USING (model, bench, run, config, block)")
+            cell = "t.budget = d.budget" + (" AND t.layer = d.layer" if per_layer else "")
+            default = (f"SELECT t.* FROM {name}_all t SEMI JOIN (SELECT * FROM _default_cells "
+                       f"WHERE \"table\" = '{name}') d ON t.model = d.model AND t.bench = d.bench "
+                       f"AND t.run = d.run AND t.config = d.config AND t.block = d.block AND "
+                       f"{cell}")
+            views_sql = [(f"{name}_all", body), (name, default)]
         elif name in schema.BATCH_PROFILE_TABLES:  # measurements, not runs: every one
-            body = f"SELECT * FROM {scan}"
-        elif name == "runs":
-            body = f"SELECT t.* FROM {scan} t SEMI JOIN _complete_runs c USING (model, bench, run)"
+            views_sql = [(name, f"SELECT * FROM {scan}")]
         else:
-            body = (f"SELECT t.*, c.role FROM {scan} t JOIN _complete_runs c "
-                    "USING (model, bench, run)")
-        try:
-            con.execute(f"CREATE OR REPLACE VIEW {name} AS {body}")
-        except duckdb.Error as exc:  # DuckDB reads the files' schemas here
-            first = str(exc).strip().splitlines()[0]
-            if name in summaries.TABLES:  # derived data: leave it out, never fail the rest
-                warn(f"the {name} view is left out (a summary file is damaged: {first[:200]}); "
-                     f"run `report` or delete {folder} to rebuild it")
-                continue
-            raise CatalogError(f"the {name} table cannot be read ({first[:300]}); recapture "
-                               "the affected run") from None
+            views_sql = [(name, f"SELECT t.*, c.role FROM {scan} t JOIN _complete_runs c "
+                                "USING (model, bench, run)")]
+        for view, body in views_sql:
+            try:
+                con.execute(f"CREATE OR REPLACE VIEW {view} AS {body}")
+            except duckdb.Error as exc:  # DuckDB reads the files' schemas here
+                first = str(exc).strip().splitlines()[0]
+                if name in summaries.TABLES:  # derived data: leave it out, never fail the rest
+                    warn(f"the {name} view is left out (a summary file is damaged: "
+                         f"{first[:200]}); run `report` to rebuild it")
+                    continue
+                raise CatalogError(f"the {name} table cannot be read ({first[:300]}); "
+                                   "recapture the affected run") from None
     lock_down(con, root)
     return con
 
 
-def lock_down(con: duckdb.DuckDBPyConnection, root: Path) -> None:
-    """Files under ``root`` only, no network or extension installs, configuration locked."""
+def hidden_variants(con: duckdb.DuckDBPyConnection, sql: str) -> list[str]:
+    """Notes for a query that reads a default-variant view while other variants exist: which
+    view holds them all, and the rule that picked."""
+    words = set(re.findall(r"[A-Za-z_]+", sql.lower()))
+    notes = []
+    present = views(con)
+    for name in RESULT_TABLES:
+        if name not in words or name not in present or "variants" not in present:
+            continue
+        hidden = con.execute("SELECT count(*) FROM variants WHERE table_name = ? AND NOT "
+                             "shown_by_default", [name]).fetchone()[0]
+        several = con.execute("SELECT count(*) FROM (SELECT run, ranking, coverage, batch_size "
+                              "FROM variants WHERE table_name = ? GROUP BY ALL "
+                              "HAVING count(DISTINCT variant) > 1)", [name]).fetchone()[0]
+        if hidden or several:
+            notes.append(f"{name} shows one variant per cell ({DEFAULT_VARIANT_RULE}); "
+                         f"{name}_all holds every variant, the variants view lists them")
+    return notes
+
+
+# bounds on user SQL: DuckDB's memory limit (no spilling to disk: the spill folder would be
+# readable through the views' confinement), a statement timeout, and the size of one value
+MEMORY_ENV, TIMEOUT_ENV = "MOESPEC_SQL_MEMORY", "MOESPEC_SQL_TIMEOUT"
+DEFAULT_MEMORY, DEFAULT_TIMEOUT = "4GB", 120.0
+MAX_VALUE = 256 * 2**20  # bytes (or list elements) one value built by repeat/lpad/… may have
+# scalar functions whose result size the caller chooses: DuckDB allocates it outside its memory
+# limit and cannot interrupt it (repeat('x', 3000000000) took 6 GB), so each is wrapped by a
+# macro of the same name that refuses an oversized result before calling the built-in
+_SIZED = {"repeat": ("s, n", "length(s) * n", "s, n"),
+          "lpad": ("s, n, c", "n", "s, n, c"), "rpad": ("s, n, c", "n", "s, n, c"),
+          "list_resize": ("l, n", "n", "l, n"), "array_resize": ("l, n", "n", "l, n")}
+
+
+def sql_limits(memory: str | None = None, timeout: float | None = None) -> tuple[str, float]:
+    """(memory limit, timeout in s) for user SQL: the arguments, else ``$MOESPEC_SQL_MEMORY`` /
+    ``$MOESPEC_SQL_TIMEOUT``, else 4GB / 120 s."""
+    memory = memory or os.environ.get(MEMORY_ENV) or DEFAULT_MEMORY
+    if timeout is None:
+        try:
+            timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
+        except ValueError:
+            raise QueryRefused(f"${TIMEOUT_ENV} must be a number of seconds") from None
+    if not (timeout > 0 and timeout < 1e6):
+        raise QueryRefused(f"a query timeout of {timeout} s is out of range (0 < s < 1e6)")
+    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", memory,
+                        re.IGNORECASE):
+        raise QueryRefused(f"memory limit {memory!r} is not a size like 4GB or 512MB")
+    return memory.strip(), timeout
+
+
+def lock_down(con: duckdb.DuckDBPyConnection, root: Path, memory: str | None = None) -> None:
+    """Files under ``root`` only (checked: DuckDB adds its spill folder to the allowed
+    directories, so spilling is off), no network or extension installs, a memory limit, guards
+    on functions that build one huge value, configuration locked."""
     folder = location.allowed_prefix(root).replace("'", "''")
+    con.execute("SET temp_directory = ''")  # no spill folder: nothing else readable
+    con.execute(f"SET memory_limit = '{sql_limits(memory)[0]}'")
     con.execute(f"SET allowed_directories = ['{folder}']")
     con.execute("SET enable_external_access = false")
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
+    for name, (params, size, args) in _SIZED.items():
+        con.execute(f"CREATE OR REPLACE TEMP MACRO {name}({params}) AS CASE WHEN {size} > "
+                    f"{MAX_VALUE} THEN error('{name}: a value of more than {MAX_VALUE} bytes or "
+                    f"elements is refused here') ELSE system.main.{name}({args}) END")
     con.execute("SET lock_configuration = true")
+    allowed = con.execute("SELECT current_setting('allowed_directories')").fetchall()[0][0]
+    if [a.rstrip("/") for a in allowed] != [location.allowed_prefix(root).rstrip("/")]:
+        raise CatalogError(f"the SQL connection would read {allowed}, not the traces root alone; "
+                           "this DuckDB version is not supported")
 
 
 QUERY_STATEMENTS = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
@@ -139,24 +386,72 @@ class QueryRefused(UserError, ValueError):
     """SQL that is not a read-only query; the message is one line for the user."""
 
 
-def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> duckdb.DuckDBPyRelation:
-    """Run user SQL: queries only (``SELECT``, ``WITH … SELECT``, ``EXPLAIN``), never a statement
-    that writes a file, attaches a database, or changes views or settings."""
+class QueryTimeout(UserError, TimeoutError):
+    """A query that ran past its time or memory bound; the message is one line."""
+
+
+def _kind(statement) -> str:
+    """A statement's type name; DuckDB's parser knows types its Python enum does not
+    (``UPDATE EXTENSIONS``): those are named as unknown, never a traceback."""
+    try:
+        return statement.type.name
+    except ValueError:
+        return "an unknown statement type"
+
+
+def _reaches_system_catalog(sql: str) -> bool:
+    """Whether ``sql`` names DuckDB's ``system`` catalog (``system.main.repeat(…)`` would go
+    around the size guards)."""
+    tokens = duckdb.tokenize(sql)
+    for (pos, kind), nxt in zip(tokens, tokens[1:] + [(len(sql), None)]):
+        if kind == duckdb.token_type.identifier and sql[pos:nxt[0]].strip().strip('"').lower() \
+                == "system" and sql[nxt[0]:nxt[0] + 1] == ".":
+            return True
+    return False
+
+
+def check_query(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    """Refuse, in one line, anything but one read-only query."""
     statements = con.extract_statements(sql)
     if not statements:
         raise QueryRefused("empty query; write a SELECT")
-    refused = [s for s in statements if s.type not in QUERY_STATEMENTS
+    refused = [s for s in statements if _kind(s) not in ("SELECT", "EXPLAIN")
                or (s.type == duckdb.StatementType.EXPLAIN and not _explains_a_query(con, s.query))]
     if refused:
-        kind = refused[0].type.name
-        if refused[0].type == duckdb.StatementType.EXPLAIN:
+        kind = _kind(refused[0])
+        if kind == "EXPLAIN":
             kind = "EXPLAIN of anything but a SELECT (EXPLAIN ANALYZE runs its statement)"
         raise QueryRefused(f"only read-only queries are allowed here (SELECT, WITH … SELECT, "
                            f"EXPLAIN), not {kind}; the traces are read-only")
     if len(statements) > 1:
         raise QueryRefused("one query at a time, please (found "
                            f"{len(statements)} statements)")
-    return con.sql(sql)
+    if _reaches_system_catalog(sql):
+        raise QueryRefused("queries may not name DuckDB's system catalog (system.…); call "
+                           "functions by their plain names")
+
+
+def run_query(con: duckdb.DuckDBPyConnection, sql: str, timeout: float | None = None) -> pa.Table:
+    """Run user SQL: queries only (``SELECT``, ``WITH … SELECT``, ``EXPLAIN``), never a statement
+    that writes a file, attaches a database, or changes views or settings; the result as an
+    Arrow table, interrupted after ``timeout`` s (:func:`sql_limits`) with one line."""
+    import threading
+    check_query(con, sql)
+    _, timeout = sql_limits(timeout=timeout)
+    timer = threading.Timer(timeout, con.interrupt)
+    timer.daemon = True
+    timer.start()
+    try:
+        return con.sql(sql).to_arrow_table()
+    except duckdb.InterruptException:
+        raise QueryTimeout(f"the query ran past its {timeout:g} s limit and was stopped; narrow "
+                           f"it, or raise the limit (--timeout or ${TIMEOUT_ENV})") from None
+    except duckdb.OutOfMemoryException:
+        raise QueryTimeout(f"the query needed more than its memory limit "
+                           f"({sql_limits()[0]}) and was stopped; narrow it, or raise the limit "
+                           f"(--memory-limit or ${MEMORY_ENV})") from None
+    finally:
+        timer.cancel()
 
 
 _EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)

@@ -241,6 +241,11 @@ def _folder(root: Path, table: str, run: Run) -> Path:
             f"bench={run.bench}" / f"run={run.name}")
 
 
+def part_path(root: Path, table: str, run: Run) -> Path:
+    """The one file of a run's summary ``table`` (what its stamp's digest covers)."""
+    return _folder(root, table, run) / "part-0.parquet"
+
+
 def _digest(path: Path) -> str | None:
     try:
         return hashlib.sha256(path.read_bytes()).hexdigest()
@@ -336,7 +341,7 @@ def build_run(root: Path, run: Run, workers: int | None = None) -> int:
     n, k = int(run.manifest["num_experts"]), int(run.manifest["top_k"])
     max_nodes = int(run.settings.get("total_tokens", 63))
     parts = [p if location.is_remote(p) else str(p)  # remote paths go to the workers as paths
-             for p in sorted(run.dir("routing").glob("part-*.parquet"))]
+             for p in run.files("routing")]  # the committed parts, verified
     jobs = [(p, n, k, max_nodes) for p in parts]
     workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
     if workers > 1 and len(jobs) > 1:

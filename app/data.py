@@ -208,4 +208,4 @@ def to_parquet(frame: pl.DataFrame) -> bytes:
 
 def query(root: str, version: str, sql: str) -> pl.DataFrame:
     """User SQL, read-only (raises :class:`analysis.sql.QueryRefused` for anything else)."""
-    return run_query(connection(root, version, None).cursor(), sql).pl()
+    return pl.from_arrow(run_query(connection(root, version, None).cursor(), sql))

@@ -375,9 +375,14 @@ def coact() -> None:
     if lift:
         st.caption("Lift: the pair's count over the count expected if each expert were picked "
                    "independently with its own measured frequency (1 = independent; red above, "
-                   "blue below; pairs never seen sit at the bottom of the scale). The diagonal "
-                   "(an expert with itself) is masked; grey rows and columns: experts never "
-                   "selected in this layer.")
+                   "blue below). Light grey: never seen together (no count, so no lift: not "
+                   "avoidance); whole light-grey rows and columns are experts never selected in "
+                   "this layer. Dark grey: the diagonal (an expert with itself), masked. Every "
+                   "expert id is ticked; zoom (drag a box) for a block.")
+    else:
+        st.caption("Light grey: never seen together (not the bottom of the scale); dark grey: the "
+                   "diagonal (an expert with itself), masked. Every expert id is ticked; zoom "
+                   "(drag a box) for a block.")
 
 
 def replay() -> None:
@@ -513,6 +518,12 @@ def speedup() -> None:
     st.plotly_chart(figures.speedup(frame, f"Projected speedup on {target_name} (τ from "
                                            f"{stats['tau_source']})", speedup_note(frame),
                                     best["budget"]), width="stretch")
+    if not on_captured and target != captured:
+        st.warning(f"τ = {stats['tau']:.2f} (accepted length, from the {stats['tau_source']}) "
+                   f"and the routing statistics were measured on the captured model {model}, "
+                   f"not on {target_name}: this projection assumes they carry over to the "
+                   "target shape. A real model's draft acceptance and routing can differ; "
+                   "capture the target model itself to measure them.")
     budgeted = best["captured_budget"] != best["num_experts"]
     st.markdown(f"**Best projected speedup within the quality bound** ({top['bound']}) on "
                 f"{best['hardware']}: **{best['speedup']:.2f}×** at B = {best['budget']} of "
@@ -618,7 +629,8 @@ def tree_viewer() -> None:
     shortlist = set(np.argsort(-probs.sum(0), kind="stable")[:budget].tolist())
     dropped = [sorted(set(t) - shortlist) for t in rout["topk_ids"].to_list()]
     st.plotly_chart(_tree_figure(nodes, dropped, text), width="stretch")
-    table = nodes.with_columns(text=pl.Series(text), experts=rout["topk_ids"],
+    table = nodes.with_columns(text=pl.Series([_visible(t) for t in text], dtype=pl.String),
+                               experts=rout["topk_ids"],
                                dropped_at_budget=pl.Series(dropped, dtype=pl.List(pl.Int64)))
     lost_accepted = sum(1 for a, d in zip(nodes["accepted"], dropped) if a and d)
     st.write(f"{sum(1 for d in dropped if d)} of {len(dropped)} nodes lose experts at B={budget} "
@@ -628,20 +640,60 @@ def tree_viewer() -> None:
     st.dataframe(table, hide_index=True)
 
 
+_WHITESPACE = str.maketrans({" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"})
+
+
+def _visible(token: str) -> str:
+    """A token with its whitespace drawn (space ␣, newline ⏎, tab ⇥, carriage return ␍; the
+    empty string ∅), so a whitespace token is never a blank label."""
+    return token.translate(_WHITESPACE) if token else "∅"
+
+
+def _tidy_x(parent: np.ndarray) -> np.ndarray:
+    """Each node's x in a tidy tree (rows in node order, ``parent`` by row, −1 for a root):
+    leaves at 0, 1, 2, … in depth-first order (children in node order), every other node at
+    the centre of its children's span, ``x = (x(first child) + x(last child)) / 2``. Subtrees
+    hold disjoint, contiguous ranges of leaves, so a parent sits above its children and no two
+    edges cross."""
+    n = len(parent)
+    children: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for j, p in enumerate(parent):
+        (children[p] if 0 <= p < n and p != j else roots).append(j)
+    x, leaf = np.zeros(n), 0
+    stack = [(r, False) for r in reversed(roots)]
+    while stack:  # iterative post-order: a tree can be deeper than the recursion limit
+        j, done = stack.pop()
+        if done:
+            x[j] = (x[children[j][0]] + x[children[j][-1]]) / 2
+        elif not children[j]:
+            x[j], leaf = leaf, leaf + 1
+        else:
+            stack.append((j, True))
+            stack.extend((c, False) for c in reversed(children[j]))
+    return x
+
+
 def _tree_figure(nodes: pl.DataFrame, dropped: list, text: list[str]) -> go.Figure:
+    """The draft tree, parent above its children (:func:`_tidy_x`), depth down. Labels are the
+    first 4 characters of the token with whitespace visible (:func:`_visible`; the hover has
+    the whole token); within a depth, neighbours closer than 2 leaf widths put their labels on
+    alternate sides (above, below) so they do not overlap."""
+    import html
     depth = nodes["depth"].to_numpy()
-    parent = nodes["parent"].to_numpy()
-    x = np.zeros(len(depth))
+    row = {int(n): j for j, n in enumerate(nodes["node"].to_list())}
+    parent = np.array([row.get(int(p), -1) for p in nodes["parent"].to_list()], dtype=int)
+    x = _tidy_x(parent)
     where = np.full(len(depth), "top center", dtype=object)
-    for d in np.unique(depth):  # children ordered by their parent's place: fewer crossings
+    for d in np.unique(depth):
         idx = np.flatnonzero(depth == d)
-        idx = idx[np.lexsort((idx, x[np.maximum(parent[idx], 0)]))]
-        x[idx] = np.linspace(-1, 1, len(idx)) if len(idx) > 1 else 0
-        if len(idx) > 12:  # a crowded row: labels alternate above and below so they stay legible
-            where[idx[1::2]] = "bottom center"
+        idx = idx[np.argsort(x[idx], kind="stable")]
+        for a, b in zip(idx, idx[1:]):
+            if x[b] - x[a] < 2 and where[a] == "top center":
+                where[b] = "bottom center"
     fig = go.Figure()
     ex, ey = [], []
-    for j, p in enumerate(nodes["parent"].to_list()):
+    for j, p in enumerate(parent):
         if p >= 0:
             ex += [x[p], x[j], None]
             ey += [-depth[p], -depth[j], None]
@@ -656,16 +708,21 @@ def _tree_figure(nodes: pl.DataFrame, dropped: list, text: list[str]) -> go.Figu
     for name, sel, color, symbol in kinds:
         if not sel.any():
             continue
-        hover = [f"node {n}: {t!r}<br>log q {s:.2f}<br>dropped {d}" for n, t, s, d, k in
+        hover = [f"node {n}: {html.escape(_visible(t))} ({html.escape(repr(t))})<br>"
+                 f"log q {s:.2f}<br>dropped {d}" for n, t, s, d, k in
                  zip(nodes["node"], text, nodes["draft_logprob"], dropped, sel) if k]
+        labels = [_visible(t) for t, k in zip(text, sel) if k]
         fig.add_scatter(x=x[sel], y=-depth[sel], mode="markers+text", name=name,
                         marker=dict(size=12, color=color, symbol=symbol),
-                        text=[t.strip()[:6] for t, k in zip(text, sel) if k],
-                        textposition=list(where[sel]), hovertext=hover, hoverinfo="text")
-    fig.update_layout(template="plotly_white", height=480, margin=dict(l=10, r=10, t=60, b=10),
-                      title="Draft tree: position across, depth down",
+                        text=[html.escape(t if len(t) <= 4 else t[:4] + "…") for t in labels],
+                        textposition=list(where[sel]), textfont=dict(size=10),
+                        hovertext=hover, hoverinfo="text")
+    fig.update_layout(template="plotly_white", height=max(480, 80 * int(depth.max(initial=0)) + 180),
+                      margin=dict(l=10, r=10, t=60, b=10),
+                      title="Draft tree: each node above its children, depth down (␣ space, "
+                            "⏎ newline, ⇥ tab; hover for the whole token)",
                       legend=dict(orientation="h", y=1.08))
-    fig.update_xaxes(visible=False, title="position among the nodes of a depth")
+    fig.update_xaxes(visible=False, title="leaves in depth-first order, parents centred")
     fig.update_yaxes(title="depth", tickvals=-np.unique(depth), ticktext=np.unique(depth))
     return fig
 
@@ -684,7 +741,7 @@ def sql_console() -> None:
     roles = ("evaluation",) if scope == "evaluation runs" else ("evaluation", "calibration")
     sql = st.text_area("Query", EXAMPLES[example], height=120, key=f"sql_{example}")
     try:
-        frame = run_query(ds.con_for(roles), sql).pl()
+        frame = pl.from_arrow(run_query(ds.con_for(roles), sql))
     except Exception as exc:  # noqa: BLE001 - show the database's message, not a traceback
         st.error(f"Query failed: {str(exc).splitlines()[0]}")
         return

@@ -124,6 +124,18 @@ def _expected_types(t: pa.Table, table: str) -> pa.Table:
     return t
 
 
+def check_paths(paths: list, table: str) -> None:
+    """:func:`check_files` over a list of files (the parts of a run without a commit record)."""
+    for path in paths:
+        try:
+            found = location.read_schema(path)
+            known = [n for n in found.names if n in schema.TABLES[table].names]
+            _expected_types(found.empty_table().select(known), table)
+        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+            raise CatalogError(f"{path}: corrupt or unreadable {table} part "
+                               f"({_reason(exc, path)}); recapture the run") from exc
+
+
 def check_files(folder: Path, table: str) -> None:
     """Every Parquet file of a trace table under ``folder`` is readable and has the schema's
     column types (what :func:`read_parts` checks, from the footers only); else
@@ -195,10 +207,11 @@ def prompt_chunks(run: Run, prompt_index: int, *, with_io: bool = True) \
     """One prompt's tree-layers, one written chunk (``chunk_steps`` passes) at a time: memory
     stays bounded by a chunk however long the generation. With ``with_io``, only the
     tree-layers whose MoE tensors the storage policy kept."""
+    io_parts = {p.name: p for p in run.parts("moe_io", prompt_index)} if with_io else {}
     for part in run.parts("routing", prompt_index):
         if with_io:
-            io_part = run.dir("moe_io") / part.name
-            if not io_part.is_file():
+            io_part = io_parts.get(part.name, run.dir("moe_io") / part.name)
+            if part.name not in io_parts and not io_part.is_file():
                 raise CatalogError(f"{io_part} is missing (every routing part has its moe_io "
                                    "part); the trace was damaged, recapture the run")
             try:
@@ -210,6 +223,24 @@ def prompt_chunks(run: Run, prompt_index: int, *, with_io: bool = True) \
             if empty:
                 continue  # the storage policy kept no pass of this chunk
         yield _tree_layers(run, prompt_index, part.name, with_io)
+
+
+def manifest_mismatch(run: Run, arrays: dict, layers: np.ndarray) -> str | None:
+    """What the run's manifest says that its routing contradicts (N, k, MoE layers), or None."""
+    n, k = run.manifest.get("num_experts"), run.manifest.get("top_k")
+    moe = run.manifest.get("moe_layers")
+    if not arrays["probs"].size:
+        return None
+    if isinstance(n, int) and arrays["probs"].shape[1] != n:
+        return (f"its router_probs hold {arrays['probs'].shape[1]} experts per node but the "
+                f"manifest says num_experts {n}")
+    if isinstance(k, int) and arrays["topk_ids"].shape[1] != k:
+        return (f"its topk_ids hold {arrays['topk_ids'].shape[1]} experts per node but the "
+                f"manifest says top_k {k}")
+    if isinstance(moe, list) and moe and not set(np.unique(layers).tolist()) <= set(moe):
+        extra = sorted(set(np.unique(layers).tolist()) - set(moe))
+        return f"it holds layer {extra[0]}, which the manifest's moe_layers do not list"
+    return None
 
 
 def _keys(table: pa.Table) -> np.ndarray:
@@ -247,6 +278,10 @@ def _tree_layers(run: Run, prompt_index: int, part: str | None, with_io: bool):
         raise CatalogError(f"corrupt vectors in prompt {prompt_index} of run {run.name} ({exc}); "
                            "recapture the run") from exc
     where = run.dir("routing") / part if part else run.dir("routing")
+    mismatch = manifest_mismatch(run, arrays, layer)
+    if mismatch:
+        raise CatalogError(f"{where}: {mismatch}; the manifest or the trace is damaged, "
+                           "recapture the run")
     problem = check_values(arrays, routing.column("router_probs").type.value_type)
     if problem:
         table = "moe_io" if problem.split()[0] in ("hidden", "output", "output_norm") \

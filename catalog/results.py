@@ -28,7 +28,7 @@ from pathlib import Path
 
 from filelock import Timeout
 
-from catalog import atomic, location, replay_metrics
+from catalog import atomic, commit, location, replay_metrics
 from catalog.names import check_name
 from catalog.runs import CatalogError, Run, run_dir
 from catalog.schema import RESULT_CONFIG
@@ -65,6 +65,8 @@ class Block:
     status: str = "running"
     id: str = field(default="")
     prompts: list[int] | None = None  # the run's complete prompts when the block finished
+    files: dict | None = None  # its commit record (catalog.commit): columns and parts
+    committed_at: str | None = None  # when it was marked complete (UTC, ISO 8601)
 
     def __post_init__(self):
         self.layers = None if self.layers is None else sorted(int(x) for x in self.layers)
@@ -75,8 +77,11 @@ class Block:
         return {(layer, b) for layer in (self.layers or [None]) for b in self.budgets}
 
     def as_dict(self) -> dict:
-        return dict(id=self.id, layers=self.layers, budgets=self.budgets, status=self.status,
-                    prompts=self.prompts)
+        found = dict(id=self.id, layers=self.layers, budgets=self.budgets, status=self.status,
+                     prompts=self.prompts)
+        if self.files is not None:
+            found.update(files=self.files, committed_at=self.committed_at)
+        return found
 
 
 def unit_lock(folder: Path):
@@ -91,7 +96,7 @@ class UnitResults:
         if table not in RESULT_TABLES:
             raise ValueError(f"unknown result table {table!r}")
         unit = layout_key(table, unit)
-        self.run, self.unit, self.table = run, unit, table
+        self.run, self.unit, self.table, self.root = run, unit, table, location.root(root)
         self.folder = run_dir(root, table, run.model, run.bench, run.name) / f"config={digest(unit)}"
         self.lock = unit_lock(self.folder)
 
@@ -173,24 +178,32 @@ class UnitResults:
         atomic.write_table(folder / f"part-{prompt_index:06d}.parquet", table)
 
     def finish(self, block: Block) -> None:
-        """Mark ``block`` complete over the run's current prompts."""
+        """Mark ``block`` complete over the run's current prompts, listing its files (rows,
+        bytes, content hash: :mod:`catalog.commit`) so readers read exactly those."""
+        import datetime
         blocks = self.blocks()
+        parts = [p for p in location.iterdir(self.block_dir(block))
+                 if commit.prompt_of(p.name) is not None and "-" not in p.name[5:]]
+        record = commit.table_record(parts)
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         for b in blocks:
             if b.id == block.id:
                 b.status = "complete"
                 b.prompts = self.run.prompt_indices()
+                b.files, b.committed_at = record, now
         self._write(blocks)
 
     def parts(self, layers: list[int] | None = None, budgets: list[int] | None = None) \
             -> list[Path]:
-        """Files of complete blocks that hold any of the given cells (all when None)."""
+        """Files of complete blocks that hold any of the given cells (all when None): the
+        files each block committed, verified."""
         files = []
         for b in self.complete_blocks():
             if layers is not None and b.layers is not None and not set(layers) & set(b.layers):
                 continue
             if budgets is not None and not set(budgets) & set(b.budgets):
                 continue
-            files += sorted(self.block_dir(b).glob("part-*.parquet"))
+            files += block_files(self.block_dir(b), b.files, self.root)
         return files
 
     def drop_superseded(self, identity: tuple[str, ...]) -> list[Path]:
@@ -237,6 +250,32 @@ class UnitResults:
             self.lock.release()
 
 
+def block_files(folder: Path, record: dict | None, root: Path) -> list[Path]:
+    """The files of a complete block: those its commit record lists, verified (a block
+    committed before records existed: its parts as found)."""
+    if record is None:
+        return sorted(p for p in location.iterdir(folder)
+                      if commit.prompt_of(p.name) is not None)
+    fix = f"delete {folder.parent} and replay again"
+    paths = []
+    for entry in record.get("parts", []):
+        path = folder / entry[0]
+        try:
+            commit.verify(path, entry, record.get("columns"), root, fix)
+        except commit.CommitError as exc:
+            raise CatalogError(str(exc)) from None
+        paths.append(path)
+    return paths
+
+
+def _record_ok(record) -> bool:
+    return record is None or (isinstance(record, dict) and isinstance(record.get("parts"), list)
+                              and all(isinstance(e, list) and len(e) == 4
+                                      and isinstance(e[0], str)
+                                      and commit.prompt_of(e[0]) is not None
+                                      for e in record["parts"]))
+
+
 def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) -> list[dict]:
     """(model, bench, run, config, block) of every complete block under ``root``: what readers
     may treat as final (an interrupted sweep's blocks are left out, and so are blocks of an older
@@ -260,7 +299,17 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
         for b in blocks:
             if isinstance(b, dict) and b.get("status") == "complete" \
                     and isinstance(b.get("id"), str):
+                if not _record_ok(b.get("files")):
+                    if skipped is not None:
+                        skipped.append(f"replay result config {path} has a damaged file list: "
+                                       f"its results are left out; delete {path.parent} and "
+                                       "replay again")
+                    continue
                 rows.append(dict(model=parts["model"], bench=parts["bench"], run=parts["run"],
                                  config=parts["config"], block=b.get("id"),
-                                 run_id=state.get("run_id"), prompts=b.get("prompts")))
+                                 run_id=state.get("run_id"), prompts=b.get("prompts"),
+                                 files=b.get("files"), layers=b.get("layers"),
+                                 budgets=b.get("budgets"), unit=state.get("unit"),
+                                 committed_at=b.get("committed_at"),
+                                 folder=path.parent / f"block={b.get('id')}"))
     return rows

@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from catalog import location, schema
+from catalog import commit, location, schema
 from catalog.names import InvalidName, check_name, partition_value
 from errors import UserError
 
@@ -109,17 +109,61 @@ def read_manifest(path: Path) -> dict:
             from exc
     if not isinstance(manifest, dict):
         raise CatalogError(f"corrupt manifest {path} (not an object); recapture that run")
-    if manifest.get("schema_version") not in schema.READABLE_VERSIONS:
-        raise CatalogError(f"{path} has trace schema version {manifest.get('schema_version')}, "
+    version = manifest.get("schema_version")
+    if not _is_int(version):
+        raise CatalogError(f"manifest {path}: schema_version is {version!r}, not a whole number; "
+                           "fix that field or recapture the run")
+    if version not in schema.READABLE_VERSIONS:
+        raise CatalogError(f"{path} has trace schema version {version}, "
                            f"this tool reads {', '.join(map(str, schema.READABLE_VERSIONS))}; "
                            "recapture the run")
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise CatalogError(f"manifest {path} lacks {', '.join(missing)}; recapture that run")
-    problem = manifest_problem(manifest)
+    problem = manifest_problem(manifest) or commit_problem(manifest)
     if problem:
         raise CatalogError(f"manifest {path}: {problem}; fix that field or recapture the run")
     return manifest
+
+
+# what a run's commit digest covers: everything but the fields the writer updates as it goes
+_UNDIGESTED = ("status", "prompts_done", "files", "commit_digest")
+
+
+def commit_digest(manifest: dict) -> str:
+    """Digest of a committed manifest's facts (model, N, k, layers, settings, prompts, …) and
+    its file list: a manifest edited after its run was committed no longer matches it."""
+    import hashlib
+    body = {k: v for k, v in manifest.items() if k not in _UNDIGESTED}
+    body["files"] = manifest.get("files")
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def commit_problem(manifest: dict) -> str | None:
+    """What is wrong with a committed manifest's file list, or None (runs committed before
+    trace schema 5 have none: their folders are read as found)."""
+    files = manifest.get("files")
+    if files is None:
+        return None
+    def entry_ok(e) -> bool:
+        return (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str)
+                and (commit.prompt_of(e[0]) is not None or e[0] == WHOLE_PART)
+                and all(_is_int(v) for v in e[1:3]) and isinstance(e[3], str))
+
+    if not isinstance(files, dict) or not all(
+            isinstance(t, dict) and isinstance(t.get("parts"), list)
+            and isinstance(t.get("columns"), list) and all(entry_ok(e) for e in t["parts"])
+            for t in files.values()):
+        return "files is not a commit record (table -> columns and parts)"
+    if manifest.get("commit_digest") != commit_digest(manifest):
+        return ("its facts or file list were edited after the run was committed (commit "
+                "digest differs)")
+    seqs = files.get(schema.COMPLETION_TABLE, {}).get("parts", [])
+    total = manifest.get("prompts_total", len(manifest.get("prompt_ids", [])))
+    if manifest["status"] == "complete" and sum(e[1] for e in seqs) != total:
+        return (f"it lists {total} prompts but its committed sequences parts hold "
+                f"{sum(e[1] for e in seqs)} rows")
+    return None
 
 
 def _is_int(value) -> bool:
@@ -207,17 +251,59 @@ class Run:
     def dir(self, table: str) -> Path:
         return run_dir(self.root, table, self.model, self.bench, self.name)
 
+    @property
+    def committed(self) -> dict | None:
+        """The run's commit record (table -> columns and parts), or None for a run committed
+        before trace schema 5 (or still running): its folders are read as found."""
+        files = self.manifest.get("files")
+        return files if isinstance(files, dict) and self.complete else None
+
+    def _entries(self, table: str) -> list[list]:
+        return (self.committed or {}).get(table, {}).get("parts", [])
+
+    def _verified(self, table: str, entries: list[list]) -> list[Path]:
+        """The paths of committed ``entries`` of ``table``, each checked against its record."""
+        columns = (self.committed or {}).get(table, {}).get("columns")
+        fix = f"the trace of run {self.name} was damaged; recapture the run"
+        from catalog.reader import check_paths  # (reader imports this module)
+        types = None if table not in schema.TABLES else lambda p: check_paths([p], table)
+        paths = []
+        for entry in entries:
+            path = self.dir(table) / entry[0]
+            try:
+                commit.verify(path, entry, columns, self.root, fix, types)
+            except commit.CommitError as exc:
+                raise CatalogError(str(exc)) from None
+            paths.append(path)
+        return paths
+
+    def files(self, table: str) -> list[Path]:
+        """Every part of ``table`` that the run committed, verified (a run without a commit
+        record: the parts capture names, as found)."""
+        if self.committed is None:
+            return sorted(p for p in location.iterdir(self.dir(table))
+                          if commit.prompt_of(p.name) is not None)
+        return self._verified(table, self._entries(table))
+
     def prompt_keys(self) -> set[tuple[str, str]]:
         """(bench, prompt id) of every prompt the run covers: what calibration must not share."""
         return {(self.bench, pid) for pid in self.manifest.get("prompt_ids", [])}
 
     def prompt_indices(self) -> list[int]:
-        """Prompts written completely (their ``sequences`` part exists), in order."""
+        """Prompts written completely (their ``sequences`` part exists, and is committed), in
+        order."""
+        if self.committed is not None:
+            return sorted({commit.prompt_of(e[0])
+                           for e in self._entries(schema.COMPLETION_TABLE)})
         folder = self.dir(schema.COMPLETION_TABLE)
         return sorted(prompt_of_part(p) for p in folder.glob(PART_GLOB))
 
     def parts(self, table: str, prompt_index: int) -> list[Path]:
-        return sorted(self.dir(table).glob(prompt_parts_glob(prompt_index)))
+        """One prompt's parts of ``table``: the committed ones, verified."""
+        if self.committed is None:
+            return sorted(self.dir(table).glob(prompt_parts_glob(prompt_index)))
+        return self._verified(table, [e for e in self._entries(table)
+                                      if commit.prompt_of(e[0]) == prompt_index])
 
     def expected_prompts(self) -> list[int]:
         offset = self.settings.get("offset", 0)
@@ -229,6 +315,22 @@ class Run:
         if not self.complete:
             return self
         expected = self.expected_prompts()
+        if self.committed is not None:  # the record lists every part; readers verify them
+            fix = f"the trace of run {self.name} was damaged; recapture the run"
+            for table, record in self.committed.items():
+                for entry in record.get("parts", []):
+                    try:  # a stat a file: missing, moved behind a link or resized
+                        commit.present(self.dir(table) / entry[0], entry, self.root, fix)
+                    except commit.CommitError as exc:
+                        raise CatalogError(str(exc)) from None
+            for table in ("sequences", "trees", "nodes", "routing"):
+                present = {commit.prompt_of(e[0]) for e in self._entries(table)}
+                missing = sorted(set(expected) - present)
+                if missing:
+                    raise CatalogError(f"the commit record of run {self.name} lacks prompt "
+                                       f"{missing[0]} of {table} ({len(missing)} missing); "
+                                       "recapture the run")
+            return self
         for table in ("sequences", "trees", "nodes", "routing"):
             present = {prompt_of_part(p) for p in self.dir(table).glob(PART_GLOB)}
             missing = sorted(set(expected) - present)

@@ -25,10 +25,11 @@ import pyarrow as pa
 
 from catalog import replay_metrics
 
-SCHEMA_VERSION = 4  # 2: runs carry a role and a run_id; replay results are stored in blocks;
+SCHEMA_VERSION = 5  # 2: runs carry a role and a run_id; replay results are stored in blocks;
 # 3: trees say which batched verification pass they were in (batch_pass, slot, batch_size, …);
-# 4: the per-node vectors of routing and moe_io hold non-null values (see :func:`vector`)
-READABLE_VERSIONS = (2, 3, 4)  # version 2 traces read as batch size 1 (their batch columns null)
+# 4: the per-node vectors of routing and moe_io hold non-null values (see :func:`vector`);
+# 5: a complete run's manifest lists its files (catalog.commit): readers read exactly those
+READABLE_VERSIONS = (2, 3, 4, 5)  # version 2 traces read as batch size 1 (their batch columns null)
 MANIFEST = "_manifest.json"  # per run, beside the runs table's part
 RESULT_CONFIG = "_config.json"  # per replay unit (ranking × coverage × calibration)
 ROLES = ("evaluation", "calibration")  # what a run is for; nothing pools them by accident

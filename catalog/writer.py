@@ -29,12 +29,13 @@ import numpy as np
 import pyarrow as pa
 from filelock import Timeout
 
-from catalog import atomic, location, schema
+from catalog import atomic, commit, location, schema
 from catalog.runs import (
     PART_GLOB,
     WHOLE_PART,
     CatalogError,
     batch_profile_dir,
+    commit_digest,
     part_name,
     profile_dir,
     prompt_of_part,
@@ -157,10 +158,23 @@ class RunWriter:
         return atomic.write_table(self.table_dir(table) / part_name(prompt_index, chunk), rows)
 
     def finish(self, manifest: dict) -> None:
-        """Commit the run: its one-row ``runs`` part, then the manifest says complete."""
+        """Commit the run: its one-row ``runs`` part, then the manifest says complete and lists
+        every file of the run (:mod:`catalog.commit`: rows, bytes, content hash), so readers
+        read exactly these files."""
         atomic.write_table(self.table_dir("runs") / WHOLE_PART,
                            pa.Table.from_pylist([runs_row(manifest)], schema=schema.RUNS_SCHEMA))
-        self.write_manifest({**manifest, "status": "complete"})
+        done = self.completed()
+        files = {}
+        for table in schema.TRACE_TABLES:
+            files[table] = commit.table_record(
+                [p for p in location.iterdir(self.table_dir(table))
+                 if commit.prompt_of(p.name) in done])
+        files["runs"] = commit.table_record([self.table_dir("runs") / WHOLE_PART])
+        committed = {**manifest, "status": "complete", "files": files,
+                     "schema_version": max(manifest.get("schema_version", 0),
+                                           schema.SCHEMA_VERSION)}
+        committed["commit_digest"] = commit_digest(committed)
+        self.write_manifest(committed)
 
     def bytes_written(self) -> int:
         return sum(size for t in (*schema.TRACE_TABLES, "runs")

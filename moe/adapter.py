@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from errors import UserError
 from moe.families import FamilySpec, UnsupportedModelError, spec_for
 from policy.routing import RoutingRule
 
@@ -117,6 +118,13 @@ def _sparse_block(layer: nn.Module, spec: FamilySpec) -> nn.Module | None:
     return block
 
 
+class NoMoELayer(UserError, KeyError):
+    """A decoder layer asked for that has no MoE block; one line for the user."""
+
+    def __str__(self) -> str:  # KeyError's str() would quote the message
+        return str(self.args[0])
+
+
 class MoEAdapter:
     """Every MoE layer of a causal LM, in decoder order, per its family's routing spec."""
 
@@ -192,8 +200,8 @@ class MoEAdapter:
         try:
             return self._by_index[index]
         except KeyError:
-            raise KeyError(f"decoder layer {index} has no MoE block; MoE layers: "
-                           f"{sorted(self._by_index)}") from None
+            raise NoMoELayer(f"decoder layer {index} has no MoE block; MoE layers: "
+                             f"{sorted(self._by_index)}") from None
 
     @property
     def num_experts(self) -> int:

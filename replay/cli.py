@@ -204,9 +204,11 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
                   coverages: list[str]) -> list[str]:
     """The summary as a few small pivots: one block per coverage policy, budget rows × ranking
     columns of the mean metric, and where router and oracle are both there, the share of their
-    gap each other ranking closes (per budget as a column when there is one such ranking, over
-    all budgets as a last row). Every metric of every cell: --output, or ``query``. ``mode``:
-    a :class:`replay.modes.ReplayMode` or its name."""
+    gap each other ranking closes: per budget as a column when there is one such ranking,
+    ``(router − X) / (router − oracle)`` at that B; over all budgets as a last row,
+    ``Σ_B (router − X) / Σ_B (router − oracle)`` over the budgets where all three were replayed;
+    a footnote says which is which. Every metric of every cell: --output, or ``query``.
+    ``mode``: a :class:`replay.modes.ReplayMode` or its name."""
     mode = modes.get(mode)
     metric, count = mode.headline, mode.counted
     if frame.is_empty():
@@ -226,7 +228,7 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
         rows = frame.filter(frame["coverage"] == cov)
         value = {(r["ranking"], r["budget"]): r[metric] for r in rows.iter_rows(named=True)}
         budgets = sorted({b for _, b in value})
-        head = ["budget", *present] + (["gap closed"] if len(others) == 1 else [])
+        head = ["budget", *present] + (["gap closed at B"] if len(others) == 1 else [])
         table = []
         for b in budgets:
             row = [str(b), *(fmt(value.get((r, b))) for r in present)]
@@ -235,7 +237,7 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
                                     value.get((others[0], b)))))
             table.append(row)
         if others:  # over all budgets where the three are there: Σ(router − X) / Σ(router − oracle)
-            row = ["gap closed"]
+            row = ["gap closed, all B"]
             for r in present:
                 both = [b for b in budgets if None not in (value.get(("router", b)),
                                                            value.get(("oracle", b)),
@@ -248,6 +250,14 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
         lines.append(f"coverage {cov}:")
         for row in [head, *table]:
             lines.append("  " + "  ".join(x.rjust(w) for x, w in zip(row, widths)).rstrip())
+    if others:
+        m = mode.headline_text.split(" (")[0]
+        if len(others) == 1:
+            lines.append(f"gap closed at B: (router − X) / (router − oracle) of the {m} at that "
+                         "one budget")
+        lines.append(f"gap closed, all B: Σ_B (router − X) / Σ_B (router − oracle) of the {m} "
+                     "over every budget above where router, oracle and X were all replayed (one "
+                     "figure for the sweep, not a per-budget value)")
     return lines
 
 
@@ -263,6 +273,39 @@ def write_output(path: Path, payload: dict, frame) -> None:
         atomic.write_table(path, frame.to_arrow())
     else:
         console.write_json(path, payload)
+
+
+def key_dtype(args, runs: list) -> str | None:
+    """The dtype the model will be loaded in, as results are keyed (without torch): None when
+    only loading can tell (``--dtype auto`` on a device that may be a GPU)."""
+    dtype = load_dtype(args.dtype, runs)
+    if dtype == "auto":
+        return "float32" if args.device == "cpu" else None
+    return dtype
+
+
+def new_variant_notes(args, catalog, runs: list, request, facts) -> list[str]:
+    """One line per ranking asked without ``--calibration`` that will add an uncalibrated
+    variant beside stored calibrated ones: which, and how to reuse them instead."""
+    from replay import plan
+    if args.calibration:
+        return []
+    notes = []
+    for name in request.rankings:
+        ranking = facts.rankings[name]
+        if not ranking.uses_calibration or ranking.needs_calibration:
+            continue
+        cals = set()
+        for run in runs:
+            for unit, _ in plan.stored_variants(args.out or args.traces, request.mode.table, run):
+                if unit.get("ranking") == name and unit.get("calibration"):
+                    cals.add(",".join(c[0] for c in unit["calibration"]))
+        if cals:
+            notes.append(f"{name}: adds a variant without calibration (its searches start from "
+                         "the uncalibrated rankings' shortlists only) beside the stored one(s) "
+                         f"calibrated on {'; '.join(sorted(cals))}; pass --calibration "
+                         f"{sorted(cals)[0].replace(',', ' ')} to reuse those instead")
+    return notes
 
 
 def check_request(args, budgets: list[int], coverages: tuple[str, ...], k: int, facts) -> None:
@@ -309,9 +352,8 @@ def compute(args, catalog, runs, layers, coverages):
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
                          device=loaded.device, progress=not args.no_progress,
                          max_batch=args.batch, workers=args.workers,
-                         ray_address=args.ray_address, dtype=load_dtype(args.dtype, runs))
-    except KeyError as exc:
-        return fail("replay", exc.args[0]), None, None, None, None
+                         ray_address=args.ray_address, dtype=load_dtype(args.dtype, runs),
+                         key_dtype=str(loaded.dtype))
     except OSError as exc:
         where = getattr(exc, "filename", None) or args.out or args.traces
         return fail("replay", f"cannot write results to {where}: {exc.strerror or exc}; choose "
@@ -338,8 +380,13 @@ def main(argv: list[str] | None = None) -> int:
             request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers,
                                          args.mode, args.batch_size, args.batch_seed)
             # every cell stored already: answered without the model (or torch)
-            outcome = plan.stored_outcome(catalog, runs, request, args.calibration,
-                                          args.out or args.traces, facts)
+            dtype = key_dtype(args, runs)
+            if dtype is not None:
+                outcome = plan.stored_outcome(catalog, runs, request, args.calibration,
+                                              args.out or args.traces, facts, dtype)
+            if outcome is None:
+                for line in new_variant_notes(args, catalog, runs, request, facts):
+                    print(f"replay: {line}", file=sys.stderr)
     except UserError as exc:
         return fail("replay", exc)
     if outcome is None:
@@ -364,12 +411,17 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(summary_lines(frame, request.mode, runs, list(args.ranking),
                                        list(coverages))))
     folders = sorted({str(u.folder.parent) for u in outcome.units})
+    variants = sorted({plan.variant_text(u.unit) for u in outcome.units})
+    if variants:
+        print("variants: " + "; ".join(variants))
     if outcome.tree_layers:
         unit = request.mode.counted_unit
+        rate = outcome.tree_layers / max(outcome.seconds, 1e-9)
         print(f"replayed {outcome.tree_layers} {unit} in {outcome.seconds:.1f} s "
-              f"({outcome.tree_layers / max(outcome.seconds, 1e-9):.0f} {unit}/s)")
+              f"({rate:.3g} {unit}/s)")
     if outcome.trees:
-        print(f"re-verified {outcome.trees} trees in {outcome.seconds:.1f} s")
+        print(f"re-verified {outcome.trees} trees in {outcome.seconds:.1f} s "
+              f"({outcome.trees / max(outcome.seconds, 1e-9):.3g} trees/s)")
     print(f"results: {', '.join(folders)}")
     if frame is not None:
         table = request.mode.table
@@ -385,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                "model_loaded": loaded is not None,
                "model_dtype": None if loaded is None else str(loaded.dtype).removeprefix("torch."),
                "reused": list(outcome.reused), "notes": list(outcome.notes),
+               "variants": [dict(u.unit, config=u.folder.name.split("=", 1)[1])
+                            for u in outcome.units],
                "skipped": {name: list(b) for name, b in outcome.skipped.items()},
                "summary": frame.to_dicts() if frame is not None else []}
     try:

@@ -208,7 +208,7 @@ class OpenLoopEngine:
 def _steps_hint(run: Run) -> int:
     """Verification passes per prompt, for the progress bar's total (from the trees table)."""
     try:
-        return max(1, location.read_table(run.dir("trees"), columns=["step"]).num_rows //
+        return max(1, location.read_table(run.files("trees"), columns=["step"]).num_rows //
                    max(1, len(run.prompt_indices())))
     except (OSError, pa.ArrowInvalid):
         return 1

@@ -65,9 +65,11 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
            stats: CalibrationStats | None, calibration: list[Run], out: Path, *,
            device: torch.device, progress: bool = True,
            max_batch: int | None = None, workers: int = 0,
-           ray_address: str | None = None, dtype: str = "auto") -> ReplayOutcome:
+           ray_address: str | None = None, dtype: str = "auto",
+           key_dtype: str = "float32") -> ReplayOutcome:
     """Replay ``runs`` for ``request``; with ``workers`` or ``ray_address`` the prompts are
-    spread over Ray actors (:mod:`replay.distributed`), each loading the model once."""
+    spread over Ray actors (:mod:`replay.distributed`), each loading the model once.
+    ``key_dtype``: the dtype the model is loaded in (part of the results' key)."""
     mode = request.mode
     if mode.key() and (workers or ray_address):
         raise ReplayError(f"{mode.title()} runs in one process; drop --workers/--ray-address")
@@ -94,7 +96,8 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                     if not budgets:
                         continue
                     unit = UnitResults(out, mode.table, run, unit_key(mode, cls, cover,
-                                                                      calibration))
+                                                                      calibration,
+                                                                      dtype=key_dtype))
                     locks.enter_context(unit.locked())
                     unit.drop_superseded(UNIT_IDENTITY)
                     outcome.units.append(unit)

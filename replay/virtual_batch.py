@@ -133,14 +133,20 @@ class BatchSource:
         return self.groups[key]
 
     def name(self, key: int, ids: dict[int, str]) -> str:
-        return "+".join(ids[p] for p in self.groups[key])
+        """The batch's prompt ids joined by ``+`` (a prompt that stopped before its first pass
+        has no rows to name it: its id comes from the manifest)."""
+        listed = self.run.manifest.get("prompt_ids", [])
+        offset = int(self.run.settings.get("offset", 0) or 0)
+        return "+".join(ids.get(p) or (listed[p - offset] if 0 <= p - offset < len(listed)
+                                       else str(p)) for p in self.groups[key])
 
     def pass_of(self) -> Callable[[int, int], int]:
         if not self.real:
             return virtual_passes()
         if self._passes is None:
             from catalog.location import read_table  # a local folder or an object store
-            t = read_table(self.run.dir("trees"), columns=["prompt_index", "step", "batch_pass"])
+            t = read_table(self.run.files("trees"), columns=["prompt_index", "step",
+                                                             "batch_pass"])
             self._passes = {(int(p), int(s)): int(b) for p, s, b in zip(
                 *(t[c].to_pylist() for c in ("prompt_index", "step", "batch_pass")))}
         return real_passes(self._passes)

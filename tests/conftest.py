@@ -50,3 +50,34 @@ def s3():
         else:
             os.environ[key] = value
     server.stop()
+
+
+def recommit(traces, run: str | None = None) -> None:
+    """Commit the runs under ``traces`` again as they are now on disk (every part capture names,
+    rows, bytes, content hash; a new commit digest): for tests that rewrite a captured file on
+    purpose and want it read as if it had been captured so."""
+    import json
+    from pathlib import Path
+
+    from catalog import commit, schema
+    from catalog.runs import WHOLE_PART, commit_digest
+    for path in Path(traces).glob(f"runs/model=*/bench=*/run={run or '*'}/{schema.MANIFEST}"):
+        manifest = json.loads(path.read_text())
+        if manifest.get("files") is None:
+            continue
+        parts = path.parent.parts[-3:]
+        files = {}
+        for table in manifest["files"]:
+            folder = Path(traces) / table / Path(*parts)
+            found = [p for p in folder.iterdir() if commit.prompt_of(p.name) is not None
+                     or p.name == WHOLE_PART] if folder.is_dir() else []
+            files[table] = commit.table_record(found)
+        manifest["files"] = files
+        manifest["commit_digest"] = commit_digest(manifest)
+        path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+@pytest.fixture
+def recommitted():
+    """:func:`recommit`, for tests that edit a captured file on purpose."""
+    return recommit

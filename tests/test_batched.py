@@ -175,8 +175,8 @@ def test_union_over_a_batch_is_a_group_by_in_sql(batch_traces):
         FROM routing r JOIN trees t USING (model, bench, run, prompt_index, step),
              unnest(r.topk_ids) AS u(e)
         WHERE r.run = 'b3' AND r.layer = 0
-        GROUP BY ALL""").fetchall()
-    assert got and all(experts == stored for _, _, experts, stored in got)
+        GROUP BY ALL""").to_pylist()
+    assert got and all(r["experts"] == r["stored"] for r in got)
 
 
 def test_a_budget_caps_the_union_over_the_whole_batch(tmp_path):

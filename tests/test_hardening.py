@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capture import cli as capture_cli
+from conftest import recommit
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress"]
 QUERY = "SELECT count(*) AS trees, round(avg(accepted_length), 6) AS tau FROM trees"
@@ -74,6 +75,9 @@ def test_absurd_values_in_a_trace_are_caught_naming_the_file(pristine, tmp_path)
     t = t.set_column(t.schema.get_field_index("hidden"), "hidden",
                      _lists(bfloat16_bits(hidden), pa.uint16()))
     pq.write_table(t, part)
+    r = run("replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
+    one_line_error(r, part.name, "commit record")  # the file is not the one captured
+    recommit(traces)  # and as if a capture had written these values: its values are checked
     r = run("replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
     one_line_error(r, part.name, "non-finite or out-of-range")
 
@@ -142,7 +146,7 @@ def test_results_follow_the_runs_prompts(pristine, tmp_path):
     moved = tmp_path / "seq"
     shutil.move(seq, moved)
     r = run("replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
-    one_line_error(r, "lacks prompt 0", "sequences")
+    one_line_error(r, "sequences", "part-000000-0000.parquet is missing")
     shutil.move(moved, seq)
     r = run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
             "--no-progress")

@@ -12,6 +12,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import recommit
 from test_hardening import CAP, QUERY, one_line_error, run  # noqa: I001 - tests/ module
 
 from capture import cli as capture_cli
@@ -184,6 +185,7 @@ def test_a_repeated_expert_in_one_topk_row_is_refused(pristine, tmp_path):
     t = t.set_column(t.schema.get_field_index("topk_ids"), "topk_ids",
                      pa.array(ids, t.schema.field("topk_ids").type))
     pq.write_table(t, part)
+    recommit(traces)  # as if captured so: the values themselves are checked
     one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
                        "--no-progress", "--out", tmp_path / "results"), "repeats an expert",
                    part.name)
@@ -204,6 +206,7 @@ def test_a_retyped_column_is_refused_naming_the_file(pristine, tmp_path):
     i = t.schema.get_field_index("prefix_len")
     t = t.set_column(i, "prefix_len", pa.array([str(v) for v in t["prefix_len"].to_pylist()]))
     pq.write_table(t, part)
+    recommit(traces)  # as if captured so: the types themselves are checked
     one_line_error(run("analysis.query_cli", "SELECT max(prefix_len) FROM trees", "--traces",
                        traces), part.name, "prefix_len")
 

@@ -1,0 +1,165 @@
+"""What is committed is what is read (issue 38): stray, duplicated, uncommitted or symlinked
+files never change an answer, and a committed file that changed is named in one line."""
+
+import json
+import os
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from test_hardening import CAP, one_line_error, run  # noqa: I001 - tests/ module
+
+from capture import cli as capture_cli
+
+COUNTS = ("SELECT (SELECT count(*) FROM trees) AS trees, (SELECT count(*) FROM routing) AS "
+          "routing, (SELECT round(sum(list_sum(router_probs)), 3) FROM routing) AS mass, "
+          "(SELECT count(*) FROM replay_open) AS results")
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A small capture with its replay results inside the traces, and what query answers."""
+    traces = tmp_path_factory.mktemp("committed") / "traces"
+    assert capture_cli.main([*CAP, "--limit", "2", "--out", str(traces), "--run", "r"]) == 0
+    r = run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+            "--no-progress")
+    assert r.returncode == 0, r.stderr
+    q = run("analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
+    assert q.returncode == 0, q.stderr
+    return traces, q.stdout
+
+
+def copy(pristine, tmp_path):
+    traces = tmp_path / "t"
+    shutil.copytree(pristine[0], traces, symlinks=True)
+    return traces
+
+
+def counts(traces):
+    return run("analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
+
+
+def first(traces, pattern):
+    return sorted(traces.glob(pattern))[0]
+
+
+@pytest.mark.parametrize("stray", [
+    "trees/model=tiny-olmoe/bench=mbpp/run=r/evil.parquet",
+    "trees/model=tiny-olmoe/bench=mbpp/run=r/part-000000-0001.parquet",  # a capture-like name
+    "routing/model=tiny-olmoe/bench=mbpp/run=r/part-000009-0000.parquet",
+    "trees/model=tiny-olmoe/bench=mbpp/run=other/part-000000-0000.parquet",  # no manifest
+])
+def test_stray_files_in_trace_folders_change_nothing(pristine, tmp_path, stray):
+    traces = copy(pristine, tmp_path)
+    table = stray.split("/")[0]
+    source = first(traces, f"{table}/**/part-000000-0000.parquet")
+    (traces / stray).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source, traces / stray)
+    r = counts(traces)
+    assert r.returncode == 0 and r.stdout == pristine[1], r.stderr
+
+
+def test_a_stray_result_part_changes_nothing(pristine, tmp_path):
+    traces = copy(pristine, tmp_path)
+    block = first(traces, "replay_open/**/block=*")
+    shutil.copy(first(block, "part-*.parquet"), block / "part-000007.parquet")
+    r = counts(traces)
+    assert r.returncode == 0 and r.stdout == pristine[1], r.stderr
+
+
+def rewrite(part, table):
+    pq.write_table(table, part)
+
+
+@pytest.mark.parametrize("damage", ["zero_rows", "missing_column", "flipped_bytes", "truncated"])
+def test_a_changed_committed_part_is_named_in_one_line(pristine, tmp_path, damage):
+    traces = copy(pristine, tmp_path)
+    part = first(traces, "routing/**/part-000000-0000.parquet")
+    t = pq.read_table(part)
+    if damage == "zero_rows":
+        rewrite(part, t.slice(0, 0))
+    elif damage == "missing_column":
+        rewrite(part, t.drop_columns(["topk_weights"]))
+    elif damage == "truncated":
+        part.write_bytes(part.read_bytes()[:-50])
+    else:  # 16 flipped bytes in the middle of a data page: same size, readable, other values
+        data = bytearray(part.read_bytes())
+        middle = len(data) // 2
+        for i in range(middle, middle + 16):
+            data[i] ^= 0x01
+        part.write_bytes(bytes(data))
+    one_line_error(counts(traces), part.name)
+    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+                       "--no-progress"), part.name)
+
+
+def test_a_symlinked_run_folder_is_refused(pristine, tmp_path):
+    traces = copy(pristine, tmp_path)
+    folder = traces / "trees" / "model=tiny-olmoe" / "bench=mbpp" / "run=r"
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(folder, elsewhere)
+    os.symlink(elsewhere, folder)
+    one_line_error(counts(traces), "symbolic link")
+
+
+def edit_manifest(traces, **fields):
+    path = first(traces, "runs/**/_manifest.json")
+    manifest = json.loads(path.read_text())
+    path.write_text(json.dumps({**manifest, **fields}))
+
+
+@pytest.mark.parametrize("fields", [dict(num_experts=4), dict(prompts_total=5),
+                                    dict(top_k=2), dict(moe_layers=[0, 1])])
+def test_manifest_facts_edited_after_commit_are_refused(pristine, tmp_path, fields):
+    traces = copy(pristine, tmp_path)
+    edit_manifest(traces, **fields)
+    one_line_error(counts(traces), "_manifest.json", "edited after the run was committed")
+    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+                       "--no-progress"), "_manifest.json")
+    one_line_error(run("analysis.report", "--traces", traces, "--out", tmp_path / "rep"),
+                   "_manifest.json")
+
+
+def test_manifest_facts_are_checked_against_the_data(pristine, tmp_path):
+    """A run without a commit record (captured before trace schema 5) is read as found; its
+    manifest's N is still checked against its routing."""
+    traces = copy(pristine, tmp_path)
+    path = first(traces, "runs/**/_manifest.json")
+    manifest = json.loads(path.read_text())
+    for key in ("files", "commit_digest"):
+        manifest.pop(key)
+    path.write_text(json.dumps({**manifest, "num_experts": 4}))
+    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "4",
+                       "--no-progress", "--out", tmp_path / "res"), "num_experts 4")
+
+
+def test_query_out_inside_the_traces_is_refused(pristine, tmp_path):
+    traces = copy(pristine, tmp_path)
+    target = first(traces, "trees/**/part-000000-0000.parquet")
+    before = target.read_bytes()
+    for out in (target, target.parent / "part-000001-0000.parquet", traces / "x.csv"):
+        one_line_error(run("analysis.query_cli", "SELECT * FROM trees", "--traces", traces,
+                           "--format", "parquet", "--out", out), "inside the traces folder")
+    assert target.read_bytes() == before
+    assert counts(traces).stdout == pristine[1]
+
+
+def test_verification_is_cached_per_file_version(pristine, tmp_path, monkeypatch):
+    """A file is hashed once per version: a second read of the same files hashes nothing; a
+    rewritten file (same bytes, new version) is hashed again."""
+    from catalog import commit
+    traces = copy(pristine, tmp_path)
+    monkeypatch.setenv(commit.CACHE_ENV, str(tmp_path / "verified.sqlite"))
+    hashed = []
+    real = commit.sha256_of
+    monkeypatch.setattr(commit, "sha256_of", lambda p: hashed.append(p) or real(p))
+    from analysis.sql import connect
+    connect(traces).execute("SELECT count(*) FROM trees").fetchall()
+    assert hashed, "nothing was verified"
+    hashed.clear()
+    connect(traces).execute("SELECT count(*) FROM trees").fetchall()
+    assert hashed == []
+    part = first(traces, "trees/**/part-000000-0000.parquet")
+    part.write_bytes(part.read_bytes())  # a new version of the same bytes
+    connect(traces).execute("SELECT count(*) FROM trees").fetchall()
+    assert [p.name for p in hashed] == [part.name]
