@@ -335,9 +335,10 @@ MAX_VALUE = 256 * 2**20  # bytes (or list elements) one value built by repeat/lp
 # scalar functions whose result size the caller chooses: DuckDB allocates it outside its memory
 # limit and cannot interrupt it (repeat('x', 3000000000) took 6 GB), so each is wrapped by a
 # macro of the same name that refuses an oversized result before calling the built-in
-_SIZED = {"repeat": ("s, n", "length(s) * n", "s, n"),
-          "lpad": ("s, n, c", "n", "s, n, c"), "rpad": ("s, n, c", "n", "s, n, c"),
-          "list_resize": ("l, n", "n", "l, n"), "array_resize": ("l, n", "n", "l, n")}
+# (its parameters, the size of its result; the last parameter is the size argument, checked
+# before the built-in runs: a CASE around the call would evaluate the call anyway)
+_SIZED = {"repeat": ("s, n", "length(s) * n"), "lpad": ("s, n, c", "n"),
+          "rpad": ("s, n, c", "n"), "list_resize": ("l, n", "n"), "array_resize": ("l, n", "n")}
 
 
 def sql_limits(memory: str | None = None, timeout: float | None = None) -> tuple[str, float]:
@@ -368,10 +369,13 @@ def lock_down(con: duckdb.DuckDBPyConnection, root: Path, memory: str | None = N
     con.execute("SET enable_external_access = false")
     con.execute("SET autoinstall_known_extensions = false")
     con.execute("SET autoload_known_extensions = false")
-    for name, (params, size, args) in _SIZED.items():
-        con.execute(f"CREATE OR REPLACE TEMP MACRO {name}({params}) AS CASE WHEN {size} > "
-                    f"{MAX_VALUE} THEN error('{name}: a value of more than {MAX_VALUE} bytes or "
-                    f"elements is refused here') ELSE system.main.{name}({args}) END")
+    for name, (params, size) in _SIZED.items():
+        guarded = (f"CASE WHEN {size} > {MAX_VALUE} THEN error('{name}: a value of more than "
+                   f"{MAX_VALUE} bytes or elements is refused here') ELSE n END")
+        args = params.split(", ")
+        args = ", ".join(guarded if a == "n" else a for a in args)
+        con.execute(f"CREATE OR REPLACE TEMP MACRO {name}({params}) AS "
+                    f"system.main.{name}({args})")
     con.execute("SET lock_configuration = true")
     allowed = con.execute("SELECT current_setting('allowed_directories')").fetchall()[0][0]
     if [a.rstrip("/") for a in allowed] != [location.allowed_prefix(root).rstrip("/")]:
@@ -386,7 +390,7 @@ class QueryRefused(UserError, ValueError):
     """SQL that is not a read-only query; the message is one line for the user."""
 
 
-class QueryTimeout(UserError, TimeoutError):
+class QueryTimeout(UserError, RuntimeError):
     """A query that ran past its time or memory bound; the message is one line."""
 
 

@@ -111,7 +111,7 @@ class UnitResults:
             for b in blocks:  # a block id becomes a folder name
                 check_name(b.id, "block id")
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
-                ValueError) as exc:
+                ValueError, RecursionError) as exc:
             raise CatalogError(f"corrupt replay result config {path}; delete {self.folder} and "
                                "replay again") from exc
         return dict(state, blocks=blocks)
@@ -217,7 +217,8 @@ class UnitResults:
                 continue
             try:
                 other = json.loads(path.read_text())["unit"]
-            except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+                    RecursionError):
                 continue  # a torn or foreign config: reported when its own unit is read
             if not isinstance(other, dict) or other == self.unit or \
                     any(other.get(k) != self.unit.get(k) for k in identity):
@@ -288,7 +289,8 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
             blocks = state["blocks"]
             if not isinstance(blocks, list):
                 raise TypeError("blocks is not a list")
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
+                RecursionError):
             if skipped is not None:
                 skipped.append(f"corrupt replay result config {path}: its results are left out; "
                                f"delete {path.parent} and replay again")

@@ -104,9 +104,9 @@ def read_manifest(path: Path) -> dict:
     """A run manifest, checked: valid JSON object, this tool's schema version, required keys."""
     try:
         manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise CatalogError(f"corrupt manifest {path}; delete that run folder or recapture it") \
-            from exc
+            from None if isinstance(exc, RecursionError) else exc
     if not isinstance(manifest, dict):
         raise CatalogError(f"corrupt manifest {path} (not an object); recapture that run")
     version = manifest.get("schema_version")
@@ -187,6 +187,8 @@ def manifest_problem(manifest: dict) -> str | None:
     model = manifest["model"]
     if not isinstance(model, str) or not model.strip() or "\n" in model:
         return f"model {model!r} is not a model name"
+    if len(partition_value(model).encode()) > 200:  # a path component: at most 255 bytes
+        return f"model {model[:40]!r}… is {len(model)} characters, longer than a model name"
     if manifest["role"] not in schema.ROLES:
         return f"role {manifest['role']!r} is not one of {', '.join(schema.ROLES)}"
     if manifest["status"] not in ("running", "complete"):

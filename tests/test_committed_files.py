@@ -163,3 +163,53 @@ def test_verification_is_cached_per_file_version(pristine, tmp_path, monkeypatch
     part.write_bytes(part.read_bytes())  # a new version of the same bytes
     connect(traces).execute("SELECT count(*) FROM trees").fetchall()
     assert [p.name for p in hashed] == [part.name]
+
+
+# --- issue 41: manifests and SQL that used to raise or hang ----------------------------------
+@pytest.mark.parametrize("content", ["[" * 100000, json.dumps(dict(model="m" * 300))])
+def test_pathological_manifests_are_one_line(pristine, tmp_path, content):
+    traces = copy(pristine, tmp_path)
+    path = first(traces, "runs/**/_manifest.json")
+    if content.startswith("{"):
+        manifest = json.loads(path.read_text())
+        manifest.pop("commit_digest")  # (the long name is refused before the digest)
+        content = json.dumps({**manifest, **json.loads(content)})
+    path.write_text(content)
+    one_line_error(counts(traces), "_manifest.json")
+    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+                       "--no-progress"), "_manifest.json")
+
+
+@pytest.mark.parametrize("sql", ["UPDATE EXTENSIONS", "SELECT 1; UPDATE EXTENSIONS",
+                                 "SELECT system.main.repeat('x', 3000000000)"])
+def test_unknown_statements_are_refused_by_name(pristine, sql):
+    one_line_error(run("analysis.query_cli", sql, "--traces", pristine[0]), "query: error:")
+
+
+@pytest.mark.parametrize("sql,limit,words", [
+    ("SELECT length(repeat('x', 3000000000)) AS n", "60", ("repeat", "refused")),
+    ("SELECT count(*) FROM range(1000000000000)", "1", ("1 s limit", "--timeout")),
+    ("SELECT length(string_agg(repeat('x', 100000000), '')) FROM range(30)", "600",
+     ("memory limit", "--memory-limit")),
+])
+def test_user_sql_is_bounded_in_time_and_memory(pristine, sql, limit, words):
+    r = run("analysis.query_cli", sql, "--traces", pristine[0], "--timeout", limit,
+            "--memory-limit", "512MB", timeout=900)
+    one_line_error(r, *words)
+
+
+def test_user_sql_cannot_read_the_spill_folder(pristine, tmp_path, monkeypatch):
+    """DuckDB adds its spill folder (``.tmp`` under the working directory) to the folders a
+    confined connection may read; the views' connection has none."""
+    secret = tmp_path / ".tmp" / "secret.csv"
+    secret.parent.mkdir()
+    secret.write_text("a\n42\n")
+    monkeypatch.chdir(tmp_path)
+    from analysis.sql import connect
+    con = connect(pristine[0])
+    assert [a.rstrip("/") for a in con.execute(
+        "SELECT current_setting('allowed_directories')").fetchall()[0][0]] == \
+        [str(pristine[0].resolve())]
+    r = run("analysis.query_cli", f"SELECT * FROM read_csv('{secret}')", "--traces",
+            pristine[0])
+    assert r.returncode == 2 and "42" not in r.stdout, r.stdout
