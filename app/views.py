@@ -36,17 +36,21 @@ from catalog import partition_value
 
 # Run on the console's views, which hold evaluation runs unless the user widens them (a
 # ``role`` column says which run is which either way).
-EXAMPLES = {
-    "τ and experts by benchmark": "SELECT model, bench, role, avg(accepted_length) AS tau, "
-                                  "avg(list_avg(unique_experts)) AS unique_experts FROM trees "
-                                  "GROUP BY ALL ORDER BY ALL",
-    "Unique experts per layer (first tree)": "SELECT run, unique_experts FROM trees "
+EXAMPLES = {  # each gives one row per run (and variant): nothing pooled across runs or settings
+    "τ and experts by run": "SELECT model, bench, run, role, avg(accepted_length) AS tau, "
+                            "avg(list_avg(unique_experts)) AS unique_experts FROM trees "
+                            "GROUP BY ALL ORDER BY ALL",
+    "Unique experts per layer (first tree)": "SELECT run, prompt_index, unique_experts FROM trees "
                                              "WHERE step = 0 ORDER BY run, prompt_index LIMIT 20",
     "Accepted path of one tree": "SELECT node, parent, depth, token_id, draft_logprob FROM nodes "
-                                 "WHERE accepted AND step = 0 ORDER BY run, prompt_index, depth "
-                                 "LIMIT 20",
-    "Error vs budget (replay)": "SELECT ranking, coverage, budget, avg(rse) AS rse FROM "
+                                 "WHERE accepted AND (run, prompt_index, step) = (SELECT (run, "
+                                 "prompt_index, step) FROM nodes ORDER BY run, prompt_index, "
+                                 "step LIMIT 1) ORDER BY depth",
+    "Error vs budget (replay)": "SELECT run, ranking, coverage, budget, avg(rse) AS rse FROM "
                                 "replay_open GROUP BY ALL ORDER BY ALL",
+    "Replay variants": "SELECT * FROM variants",
+    "Runs and their settings": "SELECT run, role, max_new_tokens, temperature, tree_total_tokens, "
+                               "tree_depth, batch_size, storage FROM runs ORDER BY run",
 }
 
 
@@ -708,22 +712,24 @@ def _tree_figure(nodes: pl.DataFrame, dropped: list, text: list[str]) -> go.Figu
     for name, sel, color, symbol in kinds:
         if not sel.any():
             continue
-        hover = [f"node {n}: {html.escape(_visible(t))} ({html.escape(repr(t))})<br>"
+        hover = [f"node {n}: {html.escape(_visible(t), False)} ({html.escape(repr(t), False)})<br>"
                  f"log q {s:.2f}<br>dropped {d}" for n, t, s, d, k in
                  zip(nodes["node"], text, nodes["draft_logprob"], dropped, sel) if k]
         labels = [_visible(t) for t, k in zip(text, sel) if k]
         fig.add_scatter(x=x[sel], y=-depth[sel], mode="markers+text", name=name,
                         marker=dict(size=12, color=color, symbol=symbol),
-                        text=[html.escape(t if len(t) <= 4 else t[:4] + "…") for t in labels],
-                        textposition=list(where[sel]), textfont=dict(size=10),
+                        text=[html.escape(t if len(t) <= 4 else t[:4] + "…", quote=False)
+                              for t in labels],
+                        textposition=list(where[sel]), textfont=dict(size=10, color="#222"),
                         hovertext=hover, hoverinfo="text")
     fig.update_layout(template="plotly_white", height=max(480, 80 * int(depth.max(initial=0)) + 180),
-                      margin=dict(l=10, r=10, t=60, b=10),
-                      title="Draft tree: each node above its children, depth down (␣ space, "
-                            "⏎ newline, ⇥ tab; hover for the whole token)",
-                      legend=dict(orientation="h", y=1.08))
+                      margin=dict(l=10, r=10, t=100, b=10),
+                      title="Draft tree, parents above children (␣ space, ⏎ newline, ⇥ tab; "
+                            "hover: whole token)",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.02, xanchor="left", x=0))
     fig.update_xaxes(visible=False, title="leaves in depth-first order, parents centred")
-    fig.update_yaxes(title="depth", tickvals=-np.unique(depth), ticktext=np.unique(depth))
+    fig.update_yaxes(title="depth", tickvals=-np.unique(depth), ticktext=np.unique(depth),
+                     range=[-depth.max(initial=0) - 0.6, 0.6])  # room for the outer labels
     return fig
 
 

@@ -255,9 +255,9 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
         if len(others) == 1:
             lines.append(f"gap closed at B: (router − X) / (router − oracle) of the {m} at that "
                          "one budget")
-        lines.append(f"gap closed, all B: Σ_B (router − X) / Σ_B (router − oracle) of the {m} "
-                     "over every budget above where router, oracle and X were all replayed (one "
-                     "figure for the sweep, not a per-budget value)")
+        lines += [f"gap closed, all B: Σ_B (router − X) / Σ_B (router − oracle) of the {m} over "
+                  "the budgets above", "  where router, oracle and X were all replayed (one figure "
+                  "for the sweep, not a per-budget value)"]
     return lines
 
 
@@ -282,30 +282,6 @@ def key_dtype(args, runs: list) -> str | None:
     if dtype == "auto":
         return "float32" if args.device == "cpu" else None
     return dtype
-
-
-def new_variant_notes(args, catalog, runs: list, request, facts) -> list[str]:
-    """One line per ranking asked without ``--calibration`` that will add an uncalibrated
-    variant beside stored calibrated ones: which, and how to reuse them instead."""
-    from replay import plan
-    if args.calibration:
-        return []
-    notes = []
-    for name in request.rankings:
-        ranking = facts.rankings[name]
-        if not ranking.uses_calibration or ranking.needs_calibration:
-            continue
-        cals = set()
-        for run in runs:
-            for unit, _ in plan.stored_variants(args.out or args.traces, request.mode.table, run):
-                if unit.get("ranking") == name and unit.get("calibration"):
-                    cals.add(",".join(c[0] for c in unit["calibration"]))
-        if cals:
-            notes.append(f"{name}: adds a variant without calibration (its searches start from "
-                         "the uncalibrated rankings' shortlists only) beside the stored one(s) "
-                         f"calibrated on {'; '.join(sorted(cals))}; pass --calibration "
-                         f"{sorted(cals)[0].replace(',', ' ')} to reuse those instead")
-    return notes
 
 
 def check_request(args, budgets: list[int], coverages: tuple[str, ...], k: int, facts) -> None:
@@ -384,9 +360,6 @@ def main(argv: list[str] | None = None) -> int:
             if dtype is not None:
                 outcome = plan.stored_outcome(catalog, runs, request, args.calibration,
                                               args.out or args.traces, facts, dtype)
-            if outcome is None:
-                for line in new_variant_notes(args, catalog, runs, request, facts):
-                    print(f"replay: {line}", file=sys.stderr)
     except UserError as exc:
         return fail("replay", exc)
     if outcome is None:

@@ -36,13 +36,16 @@ from replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, deci
     ReplayError,
     ReplayOutcome,
     ReplayRequest,
+    calibrated_variant,
     parse_budgets,
     run_layers_noted,
     storage_note,
     stored_layers,
     stored_outcome,
+    stored_variants,
     summary_frame,
     unit_key,
+    variant_text,
 )
 
 
@@ -98,6 +101,15 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                     unit = UnitResults(out, mode.table, run, unit_key(mode, cls, cover,
                                                                       calibration,
                                                                       dtype=key_dtype))
+                    other = stored_calibrated(catalog, out, run, unit, cls, calibration,
+                                              mode.cell_layers(run_layers), budgets)
+                    if other is not None:  # answered by a stored calibrated variant
+                        outcome.units.append(other)
+                        outcome.notes.append(f"{name}, {cov_name}, run {run.name}: answered "
+                                             "from the stored variant "
+                                             f"{variant_text(other.unit)} (pass --calibration "
+                                             "to choose one)")
+                        continue
                     locks.enter_context(unit.locked())
                     unit.drop_superseded(UNIT_IDENTITY)
                     outcome.units.append(unit)
@@ -106,8 +118,11 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                         # (a unit names its calibration runs, so a saved model is this one)
                         location.mkdir(unit.folder)
                         atomic.write_via(saved, cls().fit(stats).save)
-                    for block in unit.plan(mode.cell_layers(run_layers), budgets):
+                    todo = unit.plan(mode.cell_layers(run_layers), budgets)
+                    for block in todo:
                         tasks.append(mode.task(unit, block, cls, cover, stats))
+                    if todo:
+                        outcome.notes += new_variant_notes(out, run, unit, cls, calibration)
             if not tasks:
                 outcome.reused.append(run.name)
                 continue
@@ -132,6 +147,38 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
         ray.kill(actor)
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def stored_calibrated(catalog: Catalog, out: Path, run: Run, unit: UnitResults, cls,
+                      calibration: list[Run], layers: list[int] | None,
+                      budgets: list[int]) -> UnitResults | None:
+    """For a ranking that can use calibration, asked without: a stored calibrated variant of
+    ``run`` holding every cell asked for, when the uncalibrated ``unit`` does not (the design
+    card's ``replay --ranking oracle`` after a calibrated sweep); else None."""
+    if calibration or cls.needs_calibration or not cls.uses_calibration:
+        return None
+    wanted = {(layer, b) for layer in (layers or [None]) for b in budgets}
+    done = set().union(*(b.cells() for b in unit.complete_blocks()))
+    if wanted <= done:
+        return None
+    return calibrated_variant(catalog, out, run, unit.unit, wanted)
+
+
+def new_variant_notes(out: Path, run: Run, unit: UnitResults, cls,
+                      calibration: list[Run]) -> list[str]:
+    """One line when an uncalibrated variant is computed beside stored calibrated ones of the
+    same ranking: which, and how to reuse them instead."""
+    if calibration or cls.needs_calibration or not cls.uses_calibration:
+        return []
+    cals = sorted({",".join(c[0] for c in key["calibration"])
+                   for key, _ in stored_variants(out, unit.table, run)
+                   if key.get("ranking") == cls.name and key.get("calibration")})
+    if not cals:
+        return []
+    return [f"{cls.name}, {unit.unit['coverage']}, run {run.name}: adds a variant without "
+            "calibration (its searches start from the uncalibrated rankings' shortlists only) "
+            f"beside the stored one(s) calibrated on {'; '.join(cals)}; pass --calibration "
+            f"{cals[0].replace(',', ' ')} to reuse those instead"]
 
 
 def actors_for(model: str, device: str, workers: int, ray_address: str | None,
