@@ -4,12 +4,12 @@
     evaluate --run B16-router --output quality.json
     query "SELECT prompt_id, score, answer FROM quality WHERE score = 0"   # why each failed
 
-Writes the ``quality`` table (one row per prompt, beside the traces; ``query`` shows it) and
-prints per run the metric with a 95% bootstrap interval; a run captured under a budget is
-compared with its unbudgeted twin (same prompts and decoding): identical outputs, first
-divergence, and the score difference with a paired bootstrap interval. Code runs only in a
-sandboxed subprocess (tasks/sandbox.py); a program that fails keeps its exception's class and
-message in the ``answer`` column (``failed: NameError: name 'x' is not defined``).
+Writes the ``quality`` table (one row per prompt, beside the traces; ``query`` shows it), says
+in which folder (one per run), and prints per run the metric with a 95% bootstrap interval; a
+run captured under a budget is compared with its unbudgeted twin (same prompts and decoding):
+identical outputs, first divergence, and the score difference with a paired bootstrap interval.
+Code runs only in a sandboxed subprocess (tasks/sandbox.py); a program that fails keeps its
+exception's class and message in the ``answer`` column (``failed: NameError: name 'x' is not defined``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         runs.sort(key=lambda r: r.settings.get("budget") is not None)
         scored: dict[str, dict[int, float | None]] = {}
         results = {}
+        written = []  # each run's quality folder, said at the end
         for run in runs:
             prompts = prompt_sets[run.bench]
             tokenizer = AutoTokenizer.from_pretrained(run.manifest["model_location"])
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             table = quality.evaluate_run(run, tokenizer, prompts, twin,
                                          scored.get(twin.name) if twin else None)
             quality.write(run, table)
+            written.append(run.dir("quality"))
             scored[run.name] = dict(zip(table["prompt_index"].to_pylist(),
                                         table["score"].to_pylist()))
             results[run.name] = dict(model=run.model, bench=run.bench,
@@ -95,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             line += "; failed: " + ", ".join(f"{why} ×{count}" for why, count in
                                             r["failures"].items())
         print(line)
+    print(f"quality table written (one folder per run; {console.command('query')} --traces "
+          f"{location.display(args.traces)} \"SELECT * FROM quality\" reads it):")
+    for folder in written:
+        print("  " + location.display(folder if location.is_remote(folder)
+                                      else Path(folder).resolve()))
     if args.output:
         try:
             console.write_json(args.output, results)

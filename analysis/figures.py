@@ -89,8 +89,13 @@ def growth(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
 
 def batch_regime(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
     """Unique experts per layer per verification pass vs the batch size b (the union over b
-    trees), measured, beside MoESD's uniform N(t) at the same tokens per pass."""
+    trees), measured, beside MoESD's uniform ``N(t) = N·[1 − ((N−k)/N)^t]`` at the same tokens
+    per pass t = b·M. ``N(t)`` reaches 99% of N at ``t₉₉ = ln 0.01 / ln((N−k)/N)`` tokens (35 for
+    N = 64, k = 8); when every pass verifies at least that many, the uniform line lies on N at
+    every b, and the legend and a note under the plot say so (a saturated expectation, not a
+    clipped one)."""
     fig = go.Figure()
+    notes = []
     for i, (bench, g) in enumerate(frame.group_by(["bench"], maintain_order=True)):
         color = COLORS[i % len(COLORS)]
         fig.add_scatter(x=g["batch_size"], y=g["unique_experts"], mode="lines+markers",
@@ -98,15 +103,30 @@ def batch_regime(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
                         line=dict(color=color), customdata=np.c_[g["tokens"], g["passes"]],
                         hovertemplate="b=%{x}: %{y:.1f} experts<br>%{customdata[0]:.0f} tokens "
                                       "a pass, %{customdata[1]} passes<extra></extra>")
+        big_n = int(g["n"][0]) if "n" in g.columns else n
+        k = int(g["k"][0]) if "k" in g.columns else None
+        saturated = bool(big_n) and float(g["uniform"].min()) >= 0.99 * big_n
         fig.add_scatter(x=g["batch_size"], y=g["uniform"], mode="lines",
-                        line=dict(dash="dash", color=color),
-                        name=f"{bench[0]}: MoESD uniform N(b·M)")
+                        line=dict(dash="dash", color=color), customdata=g["tokens"],
+                        name=f"{bench[0]}: MoESD uniform N(b·M)"
+                             + (" (saturated: ≈ N at every b)" if saturated else ""),
+                        hovertemplate="b=%{x}: uniform routing expects %{y:.2f} experts at "
+                                      "b·M = %{customdata:.0f} tokens<extra></extra>")
+        if saturated and k and 0 < k < big_n:
+            t99 = np.log(0.01) / np.log((big_n - k) / big_n)
+            notes.append((f"{bench[0]}: " if frame["bench"].n_unique() > 1 else "")
+                         + f"uniform routing saturates: N(b·M) = N·[1 − ((N−k)/N)^(b·M)] is ≥ 99% "
+                         f"of N = {big_n} from b·M ≈ {t99:.0f} tokens (k = {k}),<br>and every "
+                         f"pass here verifies ≥ {float(g['tokens'].min()):.0f}, so MoESD's line "
+                         "lies on N at every b (saturated, not clipped).<br>The measured union "
+                         "stays below it: real routing is skewed.")
     if n:
         fig.add_hline(y=n, line=dict(dash="dot", color="grey"), annotation_text=f"N = {n}")
     _batch_axis(fig, frame["batch_size"])
     fig.update_yaxes(title=f"unique experts per layer per pass (of {n})" if n else
                      "unique experts per layer per pass")
-    return _style(fig, "Experts a verification pass loads vs batch size (no budget)")
+    fig = _style(fig, "Experts a verification pass loads vs batch size (no budget)")
+    return _note(fig, "<br>".join(notes)) if notes else fig
 
 
 def _batch_axis(fig: go.Figure, sizes) -> None:
@@ -118,30 +138,32 @@ def _batch_axis(fig: go.Figure, sizes) -> None:
 
 def batch_errors(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
     """RSE vs budget with one shortlist per pass of b trees (``replay --batch-size b``), one
-    colour per b, one dash per ranking (b = 1: each tree its own shortlist)."""
+    colour per ranking, one dash per b (b = 1: each tree its own shortlist, solid), so the
+    rankings at one b stay apart and each ranking's lines at every b share its colour."""
     fig = go.Figure()
-    dashes = ["solid", "dash", "dot", "dashdot", "longdash"]
+    dashes = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"]
     frame = frame.filter(pl.col("rse") > 1e-9)  # zero error (S holds every selected expert,
     # up to float rounding): off the log axis
     sizes = sorted(set(frame["batch_size"].to_list()))
     rankings_ = list(dict.fromkeys(frame["ranking"].to_list()))
-    for i, b in enumerate(sizes):
-        for j, ranking in enumerate(rankings_):
+    for j, ranking in enumerate(rankings_):
+        for i, b in enumerate(sizes):
             g = frame.filter((pl.col("batch_size") == b) & (pl.col("ranking") == ranking)) \
                 .sort("budget")
             if not g.height:
                 continue
             fig.add_scatter(x=g["budget"], y=g["rse"], mode="lines+markers",
-                            name=f"b = {b}, {ranking}",
-                            line=dict(color=COLORS[i % len(COLORS)],
-                                      dash=dashes[j % len(dashes)]),
-                            hovertemplate=f"b={b}, {ranking}: B=%{{x}}, RSE %{{y:.4f}}"
+                            name=f"{ranking}, b = {b}", legendgroup=ranking,
+                            line=dict(color=COLORS[j % len(COLORS)],
+                                      dash=dashes[i % len(dashes)]),
+                            hovertemplate=f"{ranking}, b={b}: B=%{{x}}, RSE %{{y:.4f}}"
                                           "<extra></extra>")
     fig.update_xaxes(title=f"expert budget B per layer per pass (of {n})" if n else
                      "expert budget B per layer per pass")
     fig.update_yaxes(title="mean RSE over (pass, layer); below 1e-9 not drawn", type="log",
                      exponentformat="power")
-    fig = _style(fig, "Error of a budget shared by a batch's trees vs B", HEIGHT + 60)
+    fig = _style(fig, "Error of a budget shared by a batch's trees vs B (colour: ranking, "
+                      "dash: b)", HEIGHT + 60)
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0),
                       margin=dict(t=60, b=150))
     return fig
@@ -186,6 +208,8 @@ def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
 
 
 LIFT_TITLE = "lift: observed / expected if independent (log scale)"
+NEVER_SEEN = "#c4c4c4"  # a pair never selected together: no colour of the scale
+SELF_PAIR = "#5a5a5a"  # the masked diagonal (an expert with itself)
 
 
 def coactivation(matrix: np.ndarray, order: np.ndarray | None, title: str,
@@ -194,23 +218,29 @@ def coactivation(matrix: np.ndarray, order: np.ndarray | None, title: str,
     """Expert × expert heatmap with the diagonal masked (selection counts, or 0 under the
     adjacent convention, are not pairs and would take the colour scale). With ``lift`` the
     colour is observed / expected under independent selection on a log₂ scale centred at 1
-    (diverging: red above independence, blue below); else the observed ``matrix``. The hover
-    gives both."""
+    (diverging: red above independence, blue below); else the observed ``matrix``. A pair never
+    selected together (observed = 0, so lift = 0 or undefined) is no point of the scale: it is
+    drawn in its own grey (a scale-less trace, ``NEVER_SEEN``) and the diagonal in a dark grey
+    (another, ``SELF_PAIR``), each named in the legend. Every expert id is a tick on both axes
+    (the cells grow to at least 7 px with N, ticks shrink to fit). The hover gives observed and
+    lift."""
     idx = np.arange(len(matrix)) if order is None else np.asarray(order)
     pick = lambda a: np.array(a, dtype=float)[np.ix_(idx, idx)]  # noqa: E731
     observed = pick(matrix)
     labels = [str(i) for i in idx]
     off = ~np.eye(len(idx), dtype=bool)
+    never = off & ~(observed > 0)  # NaN counts as never seen too
     if lift is not None:
         ratio = pick(lift)
-        finite = ratio[off & np.isfinite(ratio) & (ratio > 0)]
+        finite = ratio[off & ~never & np.isfinite(ratio) & (ratio > 0)]
         span = int(np.clip(np.ceil(np.abs(np.log2(finite)).max()), 1, 5)) if finite.size else 1
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):
             z = np.log2(np.clip(ratio, 2.0 ** -span, 2.0 ** span))
-        z[~off] = np.nan
+        z[~off | never] = np.nan
         ticks = np.arange(-span, span + 1)
         text = [f"1/{2 ** -t:g}" if t < 0 else f"{2 ** t:g}" for t in ticks]
         heat = go.Heatmap(z=z, x=labels, y=labels, colorscale="RdBu_r", zmid=0, zmin=-span,
+                          hoverongaps=False,
                           zmax=span, customdata=np.dstack([observed, ratio]),
                           hovertemplate="experts %{y} & %{x}: observed %{customdata[0]:.3g}, "
                                         "lift %{customdata[1]:.2f}<extra></extra>",
@@ -218,16 +248,33 @@ def coactivation(matrix: np.ndarray, order: np.ndarray | None, title: str,
                                         tickvals=ticks, ticktext=text))
     else:
         z = observed.copy()
-        z[~off] = np.nan
-        heat = go.Heatmap(z=z, x=labels, y=labels, colorscale="Viridis",
+        z[~off | never] = np.nan
+        heat = go.Heatmap(z=z, x=labels, y=labels, colorscale="Viridis", hoverongaps=False,
                           hovertemplate="experts %{y} & %{x}: %{z:.3g}<extra></extra>",
                           colorbar=dict(title=dict(text=f"{colorbar} (diagonal masked)",
                                                    side="right")))
     fig = go.Figure(heat)
-    fig.update_yaxes(autorange="reversed", title="expert", scaleanchor="x", constrain="domain")
-    fig.update_xaxes(title="expert", constrain="domain")
-    fig = _style(fig, title, height=620)
-    fig.update_layout(width=700, plot_bgcolor="#c0c0c0")  # the masked diagonal shows grey
+    for mask, color, name, hover in (
+            (never, NEVER_SEEN, "never seen together", "experts %{y} & %{x}: never seen together"),
+            (~off, SELF_PAIR, "diagonal", "expert %{y} with itself (masked)")):
+        fig.add_heatmap(z=np.where(mask, 1.0, np.nan), x=labels, y=labels, showscale=False,
+                        colorscale=[[0, color], [1, color]], zmin=0, zmax=1, name=name,
+                        hoverongaps=False, hovertemplate=hover + "<extra></extra>")
+    for name, color in (("never seen together", NEVER_SEEN),
+                        ("diagonal: an expert with itself", SELF_PAIR)):
+        fig.add_scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+                        marker=dict(symbol="square", size=12, color=color))
+    cell = max(560 / max(len(idx), 1), 7.0)  # px per expert: every id gets a tick
+    side = int(round(cell * len(idx)))
+    font = int(np.clip(cell * 0.9, 6, 11))
+    ticks = dict(tickmode="array", tickvals=labels, ticktext=labels, tickfont=dict(size=font),
+                 showgrid=False, zeroline=False)  # no grid lines across the masked cells
+    fig.update_yaxes(autorange="reversed", title="expert", scaleanchor="x", constrain="domain",
+                     **ticks)
+    fig.update_xaxes(title="expert", constrain="domain", tickangle=-90 if cell < 14 else 0,
+                     **ticks)
+    fig = _style(fig, title, height=side + 200)
+    fig.update_layout(width=side + 250, plot_bgcolor="white")
     return fig
 
 

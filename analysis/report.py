@@ -148,7 +148,9 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
                 for r in ("router", "oracle", "coact")}
         if all(v.len() for v in pick.values()) and pick["router"][0] > pick["oracle"][0]:
             gap = (pick["router"][0] - pick["coact"][0]) / (pick["router"][0] - pick["oracle"][0])
-            out.append((f"router→oracle gap coact closes (truncation, B = {mid})", f"{gap:.0%}"))
+            out.append((f"router→oracle gap coact closes at one budget, B = {mid} (the sweep's "
+                        "middle; truncation, mean RSE: (router − coact) / (router − oracle), not "
+                        "averaged over budgets)", f"{gap:.0%}"))
     projection = headline_projection(con, model, bench, runs[0].manifest)
     if projection is not None:
         where, sp, top = projection

@@ -99,12 +99,27 @@ def print_summary(s) -> None:
     t = Table(title=f"capture {s.model} / {s.bench} / run={s.run}", show_header=False)
     t.add_column(style="bold")
     t.add_column()
+    with_trees = getattr(s, "prompts_with_trees", None)
+    said = ([f"{with_trees} with verification passes"] if with_trees is not None
+            and with_trees < s.prompts else []) \
+        + ([f"{s.prompts_resumed} resumed"] if s.prompts_resumed else [])
+    b = getattr(s, "batch_size", 1) or 1
     rows = [
-        ("prompts", f"{s.prompts}" + (f" ({s.prompts_resumed} resumed)" if s.prompts_resumed else "")),
+        ("prompts", f"{s.prompts}" + (f" ({'; '.join(said)})" if said else "")),
         ("verification trees", str(s.trees)),
         ("mean accepted length τ", f"{s.tau:.3f}"),
         ("unique experts / layer / tree", f"{s.unique_experts:.1f}"),
         ("experts loaded / layer / tree", f"{s.experts_loaded:.1f}"),
+    ]
+    if b > 1:  # what batching is about: a pass loads the union of its b trees' experts
+        rows += [
+            ("batch size b", f"{b} sequences a pass"),
+            ("verification passes", f"{s.passes}" + (f" ({s.trees / s.passes:.1f} trees a pass)"
+                                                     if s.passes else "")),
+            ("unique experts / layer / pass", f"{s.pass_unique_experts:.1f} (union over the "
+                                               "pass's trees)"),
+        ]
+    rows += [
         ("bytes on disk", f"{s.bytes_written / 2**20:.1f} MiB"),
         ("wall time", f"{s.seconds:.1f} s"),
         ("data", location.display(s.root) if location.is_remote(s.root)
@@ -118,6 +133,10 @@ def print_summary(s) -> None:
           "count(*) AS trees, avg(accepted_length) AS tau FROM trees GROUP BY ALL\"\n"
           f"  {console.command('replay')} --traces {s.root.as_posix()} --ranking router oracle "
           "--budget 8,16,24,32")
+    if b > 1:
+        print(f"  {console.command('replay')} --traces {s.root.as_posix()} --run {s.run} "
+              f"--ranking router oracle --budget 8,16,24,32 --batch-size {b}   # one shortlist "
+              "per pass of its b trees")
 
 
 def settings_from(args) -> CaptureSettings:

@@ -207,11 +207,14 @@ def test_summary_is_a_pivot_per_coverage_with_the_gap_closed():
                         "better); 16 tree-layers per cell")
     assert lines[1] == "coverage truncation:" and "coverage substitution:" in lines
     head, b8, b16, gap = (line.split() for line in lines[2:6])
-    assert head == ["budget", "router", "oracle", "coact", "gap", "closed"]
+    assert head == ["budget", "router", "oracle", "coact", "gap", "closed", "at", "B"]
     assert b8 == ["8", "0.4000", "0.2000", "0.3000", "50%"]
     assert b16 == ["16", "0.2000", "0.1000", "0.1000", "100%"]
-    assert gap == ["gap", "closed", "0%", "100%", "67%"]  # (0.6 − 0.4) / (0.6 − 0.3)
-    assert len(lines) == 1 + 2 * 5
+    assert gap == ["gap", "closed,", "all", "B", "0%", "100%", "67%"]  # (0.6 − 0.4) / (0.6 − 0.3)
+    assert len(lines) == 1 + 2 * 5 + 3  # and a footnote saying how each gap closed is made
+    assert lines[-3].startswith("gap closed at B: (router − X) / (router − oracle)")
+    assert lines[-2].startswith("gap closed, all B: Σ_B (router − X) / Σ_B (router − oracle)")
+    assert "not a per-budget value" in lines[-1]
 
 
 def test_summary_without_the_pair_has_no_gap_and_closed_loop_says_tau():
