@@ -215,9 +215,11 @@ def _scan(paths: list[str]) -> str:
 
 
 def connect(root: str | Path = "traces", database: str = ":memory:",
-            roles: tuple[str, ...] | None = None) -> duckdb.DuckDBPyConnection:
+            roles: tuple[str, ...] | None = None,
+            runs: tuple[str, ...] | None = None) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with a view for every table found under ``root``; ``roles`` limits
-    every view to runs of those roles (default: all, with ``role`` as a column).
+    every view to runs of those roles (default: all, with ``role`` as a column), ``runs`` to
+    the runs of those names (a page's chosen setting).
 
     Views read exactly the files runs and replay blocks committed (:mod:`catalog.commit`),
     each verified first (content hash, cached per file version): anything else in the folders
@@ -231,7 +233,8 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
     if remote is not None:
         con.register_filesystem(remote)
     con.execute(f"SET threads = {console.threads.current()}")  # never more than this process's CPUs
-    runs = Catalog(root).runs(roles=roles)
+    names = list(runs) if runs is not None else None
+    runs = Catalog(root).runs(roles=roles, names=names) if names != [] else []
     files, blocks = _files(root, runs, roles)
     dtypes = {(partition_value(r.model), r.bench, r.name):
               str(r.manifest.get("dtype") or "float32").removeprefix("torch.") for r in runs}

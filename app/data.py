@@ -12,6 +12,7 @@ connection of their own (:func:`pristine`), never on the session's that missed t
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,16 +28,17 @@ from catalog import Catalog, CatalogError, dataset_version  # noqa: F401 - data.
 EVALUATION = ("evaluation",)
 
 
-def connection(root: str, version: str, roles: tuple[str, ...] | None = EVALUATION):
+def connection(root: str, version: str, roles: tuple[str, ...] | None = EVALUATION,
+               runs: tuple[str, ...] | None = None):
     """This session's connection with views over complete runs of ``roles`` (analysis pages:
     evaluation runs only, so calibration runs are never pooled into a figure; None: every
-    role)."""
+    role), and of the ``runs`` named (a page's chosen setting; None: every run)."""
     store = st.session_state.setdefault("_connections", {})
-    key = (root, version, roles)
+    key = (root, version, roles, runs)
     if key not in store:
         for old in [k for k in store if k[:2] != key[:2]]:
             store.pop(old).close()  # the data changed: drop this session's old connections
-        store[key] = connect(root, roles=roles)
+        store[key] = connect(root, roles=roles, runs=runs)
     return store[key]
 
 
@@ -58,10 +60,10 @@ class Dataset:
         Streamlit runs sessions on; cursors are, and see the same views)."""
         return connection(str(self.root), self.version).cursor()
 
-    def con_for(self, roles: tuple[str, ...]):
-        """A cursor over complete runs of ``roles``."""
+    def con_for(self, roles: tuple[str, ...], runs: tuple[str, ...] | None = None):
+        """A cursor over complete runs of ``roles`` (and of the ``runs`` named)."""
         roles = None if set(roles) >= {"evaluation", "calibration"} else tuple(roles)
-        return connection(str(self.root), self.version, roles).cursor()
+        return connection(str(self.root), self.version, roles, runs).cursor()
 
 
 def _storage(manifest: dict) -> str:
@@ -105,7 +107,9 @@ def load(root: Path) -> tuple[Dataset | None, str | None]:
                  prompts=r.manifest.get("prompts_total"), num_experts=r.manifest["num_experts"],
                  top_k=r.manifest["top_k"], moe_layers=r.manifest["moe_layers"],
                  model_location=r.manifest["model_location"], draft=r.manifest.get("draft"),
-                 budget=r.settings.get("budget"), depth=r.settings["depth"]) for r in all_runs]
+                 budget=r.settings.get("budget"), depth=r.settings["depth"],
+                 setting=json.dumps(r.setting, sort_keys=True, default=str))
+            for r in all_runs]
     complete = [r for r in rows if r["status"] == "complete"]
     if not complete:
         return None, "No complete capture yet." + (
@@ -139,10 +143,10 @@ def current(root: Path) -> tuple[Dataset | None, str | None]:
 
 
 @contextmanager
-def pristine(root: str, roles: tuple[str, ...] | None):
+def pristine(root: str, roles: tuple[str, ...] | None, runs: tuple[str, ...] | None = None):
     """A fresh connection of its own, closed afterwards: what cached frames (shared by every
     visitor) are computed on, so nothing done on any session's connection can reach them."""
-    con = connect(root, roles=roles)
+    con = connect(root, roles=roles, runs=runs)
     try:
         yield con
     finally:
@@ -161,11 +165,12 @@ def overview(root: str, version: str) -> pl.DataFrame:
 
 @st.cache_data(show_spinner=False)
 def frame(name: str, root: str, version: str,
-          roles: tuple[str, ...] = EVALUATION) -> pl.DataFrame:
+          roles: tuple[str, ...] = EVALUATION, runs: tuple[str, ...] | None = None
+          ) -> pl.DataFrame:
     """One of :data:`analysis.frames.ANALYSES` (tails, coverage, growth, balance, errors,
-    closed) over runs of ``roles``, cached per dataset version."""
+    closed) over runs of ``roles`` (and the ``runs`` named), cached per dataset version."""
     roles_key = None if set(roles) >= {"evaluation", "calibration"} else tuple(roles)
-    with pristine(root, roles_key) as con:  # never a session's connection (see pristine)
+    with pristine(root, roles_key, runs) as con:  # never a session's connection (pristine)
         needs = NEEDS.get(name, "routing")
         if needs not in views(con):
             return pl.DataFrame()

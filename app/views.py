@@ -8,6 +8,7 @@ default; a sidebar selector switches the role.
 
 from __future__ import annotations
 
+import json
 from typing import NamedTuple
 
 import numpy as np
@@ -128,23 +129,58 @@ def _datasets(frame: pl.DataFrame, ds: data.Dataset) -> set:
             if (partition_value(r["model"]), r["bench"]) in have}
 
 
+def _setting_picker(runs: pl.DataFrame, key: str) -> pl.DataFrame:
+    """The runs of one setting: runs of one model and benchmark whose capture settings (the
+    prompt range aside) are equal are one experiment; runs that differ are never pooled. With
+    several settings a selector (in the URL) picks one, the one with most prompts first, and a
+    note says what the others are."""
+    if runs.is_empty() or "setting" not in runs.columns:
+        return runs
+    groups = runs.group_by("setting", maintain_order=True).agg(pl.col("run"),
+                                                               pl.col("prompts").sum())
+    if groups.height == 1:
+        return runs
+    settings = [json.loads(s) for s in groups["setting"]]
+    differ = sorted({k for s in settings for k in s
+                     if any(s.get(k) != other.get(k) for other in settings)})
+    labels = [", ".join(f"{k} {s.get(k)}" for k in differ) + f" — runs {', '.join(names)}"
+              for s, names in zip(settings, groups["run"])]
+    first = max(range(groups.height), key=lambda i: groups["prompts"][i] or 0)
+    label = _url_select(st, "Setting (runs with other settings are never pooled)", labels, key,
+                        "setting", index=first)
+    st.caption(f"This dataset has {groups.height} capture settings (they differ in "
+               f"{', '.join(differ)}); the page draws one at a time. The *Compare runs* page "
+               "sets them side by side.")
+    return runs.filter(pl.col("run").is_in(groups["run"][labels.index(label)]))
+
+
 class Page(NamedTuple):
-    """What a one-dataset page works on, once the user picked roles and a dataset."""
+    """What a one-dataset page works on, once the user picked roles, a dataset and a
+    setting."""
 
     ds: data.Dataset
     roles: tuple[str, ...]
     model: str
     bench: str
-    runs: pl.DataFrame  # the chosen roles' complete runs of this model and benchmark
+    runs: pl.DataFrame  # the chosen roles' complete runs of this model, benchmark and setting
 
     @property
     def n(self) -> int:
         return int(self.runs["num_experts"][0])
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self.runs["run"].to_list()))
+
+    @property
+    def con(self):
+        """A cursor whose views hold these runs only."""
+        return self.ds.con_for(self.roles, self.names)
+
     def frame(self, name: str) -> pl.DataFrame:
-        """The analysis frame ``name`` of these roles, for this dataset only."""
-        return _pick(data.frame(name, str(self.ds.root), self.ds.version, self.roles),
-                     self.model, self.bench)
+        """The analysis frame ``name`` of these roles, for this dataset and setting only."""
+        return _pick(data.frame(name, str(self.ds.root), self.ds.version, self.roles,
+                                self.names), self.model, self.bench)
 
 
 def _page(title: str, key: str, caption: str | None = None, prefer=None) -> Page | None:
@@ -161,7 +197,7 @@ def _page(title: str, key: str, caption: str | None = None, prefer=None) -> Page
         return None
     model, bench = picked
     runs = _runs(ds, roles).filter((pl.col("model") == model) & (pl.col("bench") == bench))
-    return Page(ds, roles, model, bench, runs)
+    return Page(ds, roles, model, bench, _setting_picker(runs, f"{key}_setting"))
 
 
 def _pick(frame: pl.DataFrame, model: str, bench: str) -> pl.DataFrame:
@@ -365,7 +401,7 @@ def coact() -> None:
                            "independent); observed: the counts (or P(b|a)) themselves. The "
                            "diagonal (an expert with itself) is masked in both.")
     where = f"model = '{partition_value(model)}' AND bench = '{bench}'"
-    c = coactivation.coactivation(ds.con_for(roles), int(layer), run["num_experts"], convention,
+    c = coactivation.coactivation(page.con, int(layer), run["num_experts"], convention,
                                   where)
     order = coactivation.cluster_order(c.matrix) if ordering == "cluster" else None
     st.metric(f"concentration ({convention.replace('_', ' ')}: {c.concentration_rule})",
@@ -407,9 +443,16 @@ def replay() -> None:
                              _datasets(have["errors"], ds) | _datasets(have["closed"], ds))
     if picked is None:
         return
-    n = int(_runs(ds, roles).filter(pl.col("model") == picked[0])["num_experts"][0])
+    runs = _setting_picker(_runs(ds, roles).filter((pl.col("model") == picked[0])
+                                                   & (pl.col("bench") == picked[1])),
+                           "replay_setting")
+    names = tuple(sorted(runs["run"].to_list()))
+    n = int(runs["num_experts"][0])
+    have = {name: data.frame(name, str(ds.root), ds.version, roles, names)
+            for name in ("errors", "closed")}
     curves = _pick(have["errors"], *picked) if have["errors"].height else have["errors"]
     cl = _pick(have["closed"], *picked) if have["closed"].height else have["closed"]
+    _variants_note(ds.con_for(roles, names))
     if curves.is_empty() and cl.is_empty():
         st.info(f"No replay results for {picked[0]} / {picked[1]} yet. Produce them with\n\n"
                 f"`replay --traces {ds.root} --model {picked[0]} --bench {picked[1]} "
@@ -434,7 +477,7 @@ def replay() -> None:
     if cl.height:
         st.plotly_chart(figures.closed_loop(cl, n), width="stretch")
         st.dataframe(cl, hide_index=True)
-    saved = [data.frame(name, str(ds.root), ds.version, roles)
+    saved = [data.frame(name, str(ds.root), ds.version, roles, names)
              for name in ("saved_open", "saved_closed")]
     saved = [f for f in (_pick(f, *picked) for f in saved if f.height) if f.height]
     if saved:
@@ -443,6 +486,20 @@ def replay() -> None:
         st.dataframe(replay_views.experts_saved_display(pl.concat(saved)), hide_index=True,
                      column_config={c: st.column_config.NumberColumn(c, format="percent")
                                     for c in ("saved", "saved_lo", "saved_hi")})
+
+
+def _variants_note(con) -> None:
+    """Say when the replay tables hold more variants than the page draws (one per cell)."""
+    from analysis.sql import DEFAULT_VARIANT_RULE
+    try:
+        hidden = con.execute("SELECT count(*) FROM variants WHERE NOT shown_by_default"
+                             ).fetchall()[0][0]
+    except Exception:  # noqa: BLE001 - no results, no variants view
+        return
+    if hidden:
+        st.caption(f"{hidden} other stored variant(s) of these results are not drawn: each cell "
+                   f"shows one ({DEFAULT_VARIANT_RULE}). The SQL console's `SELECT * FROM "
+                   "variants` lists them; `replay_open_all` holds their rows.")
 
 
 def speedup() -> None:
@@ -463,7 +520,7 @@ def speedup() -> None:
         st.info("Needs a plain EAGLE capture (no budget) of this dataset.")
         return
     run = run.row(0, named=True)
-    stats = routing_statistics(ds.con_for(roles), model, bench)
+    stats = routing_statistics(page.con, model, bench)
     captured = model_shape(run["model_location"])
     if stats is None or captured is None:
         st.warning("The model's config could not be read for the cost model.")
@@ -490,7 +547,7 @@ def speedup() -> None:
         return
     target = targets[target_name]
     on_captured = target_name.startswith("captured shape")
-    fitted = calibration_frame(ds.con_for(roles), model, bench,
+    fitted = calibration_frame(page.con, model, bench,
                                dict(model_location=run["model_location"]), hardware[0])
     cal = fitted[1] if fitted is not None else None
     use_cal = False
@@ -603,7 +660,7 @@ def tree_viewer() -> None:
     run = _url_select(c1, "Run", runs["run"].to_list(), "tree_run", "run")
     info = runs.filter(pl.col("run") == run).row(0, named=True)
     part = partition_value(model)
-    con = ds.con_for(roles)
+    con = page.con
     steps = con.execute(f"""SELECT prompt_index, any_value(prompt_id), max(step) FROM trees
                             WHERE run = '{run}' AND model = '{part}' AND bench = '{bench}'
                             GROUP BY prompt_index ORDER BY 1""").fetchall()

@@ -245,6 +245,15 @@ class Run:
     def settings(self) -> dict:
         return self.manifest["settings"]
 
+    PROMPT_RANGE = ("offset", "limit")  # settings that choose prompts, not how they are decoded
+
+    @property
+    def setting(self) -> dict:
+        """The capture settings that make this run's data what it is (everything but the
+        prompt range): runs of one model and benchmark with equal settings are one experiment
+        and may be pooled; runs whose settings differ never are (views and pages say which)."""
+        return {k: v for k, v in self.settings.items() if k not in self.PROMPT_RANGE}
+
     @property
     def ref(self) -> dict:
         """Name and run id: how results and statistics say which capture they came from."""

@@ -104,7 +104,7 @@ def test_selectors_change_the_output(traces, monkeypatch):
 
 def test_sql_errors_are_shown_not_raised(traces, monkeypatch):
     at = goto(app_on(traces, monkeypatch), "SQL console")
-    at.text_area(key="sql_τ and experts by benchmark").set_value("SELECT nope FROM trees").run()
+    at.text_area(key="sql_τ and experts by run").set_value("SELECT nope FROM trees").run()
     assert not at.exception and at.error and "Query failed" in at.error[0].value
 
 
@@ -122,7 +122,8 @@ def test_broken_table_is_a_helpful_page(traces, tmp_path, monkeypatch):
     part.write_bytes(b"not parquet")
     at = app_on(copy, monkeypatch)
     assert not at.exception
-    assert at.warning and "could not be read" in at.warning[0].value
+    assert at.warning and "part-000000-0000.parquet" in at.warning[0].value
+    assert "commit record" in at.warning[0].value
 
 
 def test_new_captures_show_up_without_restart(traces, tmp_path, monkeypatch):
@@ -221,7 +222,7 @@ def test_coactivation_masks_the_diagonal_and_defaults_to_lift(traces, monkeypatc
 
 def test_sql_downloads_work_for_list_columns(traces, monkeypatch):
     at = goto(app_on(traces, monkeypatch), "SQL console")
-    at.text_area(key="sql_τ and experts by benchmark").set_value(
+    at.text_area(key="sql_τ and experts by run").set_value(
         "SELECT * FROM routing LIMIT 5").run()
     assert not at.exception, [e.message for e in at.exception]
     labels = [b.proto.label for b in at.get("download_button")]
@@ -263,12 +264,13 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     assert by[(2, "oracle", 8)] <= by[(2, "router", 8)]  # the oracle bounds every ranking
 
 
-@pytest.mark.parametrize("example", ["τ and experts by benchmark",
+@pytest.mark.parametrize("example", ["τ and experts by run",
                                      "Unique experts per layer (first tree)",
-                                     "Accepted path of one tree", "Error vs budget (replay)"])
+                                     "Accepted path of one tree", "Error vs budget (replay)",
+                                     "Replay variants", "Runs and their settings"])
 def test_every_sql_example_runs(traces, monkeypatch, example):
     from app.views import EXAMPLES
-    assert example in EXAMPLES and len(EXAMPLES) == 4  # a new example: add it to this list
+    assert example in EXAMPLES and len(EXAMPLES) == 6  # a new example: add it to this list
     at = goto(app_on(traces, monkeypatch), "SQL console")
     at.selectbox(key="sql_example").set_value(example).run()
     assert not at.exception, [e.message for e in at.exception]
