@@ -274,13 +274,13 @@ TEMPLATES = Path(__file__).parent / "templates"  # the report's page: report.htm
 
 
 @cache
-def template() -> jinja2.Template:
+def template(name: str = "report.html.j2") -> jinja2.Template:
     """The report's page, autoescaped: every value put in it is text (a model name, a manifest
     field, a table cell, a figure title), never markup, whatever it holds."""
     env = jinja2.Environment(loader=jinja2.PackageLoader("analysis", "templates"),
                              autoescape=True, trim_blocks=True, lstrip_blocks=True,
                              undefined=jinja2.StrictUndefined)
-    return env.get_template("report.html.j2")
+    return env.get_template(name)
 
 
 @cache
@@ -332,37 +332,84 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
     """One HTML file per dataset (model × benchmark) of the complete runs in ``roles``: key
     numbers, run settings, a table of contents, then every figure."""
     summaries.ensure(traces)  # routing summaries of new or changed runs, once
-    con = connect(traces, roles=roles)
-    if "trees" not in views(con):
+    if "trees" not in views(connect(traces, roles=roles)):
         raise FileNotFoundError(f"no complete {'/'.join(roles)} traces under {traces}; run "
                                 "`capture` first")
-    frames = all_frames(con)
     written = []
     out.mkdir(parents=True, exist_ok=True)
     runs = Catalog(traces).runs(roles=roles)
     every_role = Catalog(traces).runs(roles=None)  # the Runs table lists calibration runs too
-    for run in runs:
-        path = out / f"{partition_value(run.model)}_{run.bench}.html"
-        if path in written:
-            continue
-        mine = [r for r in runs if r.model == run.model and r.bench == run.bench]
-        listed = [r for r in every_role if r.model == run.model and r.bench == run.bench]
-        figs = dataset_figures(con, frames, run.model, run.bench, run.manifest, traces)
-        html = template().render(
-            model=run.model, bench=run.bench,
-            numbers=key_numbers(con, frames, run.model, run.bench, mine),
-            runs=settings_table(listed),
-            **projection_section(con, run.model, run.bench, run.manifest),
-            ablation=ablation_table(frames, run.model, run.bench),
-            saved=experts_saved_table(frames, run.model, run.bench),
-            figures=[dict(title=f.layout.title.text or f"figure {i + 1}",
-                          html=figure_html(f, include_plotlyjs=(i == 0)))
-                     for i, f in enumerate(figs)])
-        atomic.write_bytes(path, html.encode("utf-8"))
-        written.append(path)
+    for (model, bench), groups in setting_groups(runs).items():
+        for i, mine in enumerate(groups):  # one report per capture setting: never pooled
+            path = out / (f"{partition_value(model)}_{bench}.html" if len(groups) == 1 else
+                          f"{partition_value(model)}_{bench}_setting{i + 1}.html")
+            con = connect(traces, roles=roles, runs=tuple(r.name for r in mine))
+            frames = all_frames(con)
+            run = mine[0]
+            listed = [r for r in every_role if r.model == model and r.bench == bench]
+            figs = dataset_figures(con, frames, model, bench, run.manifest, traces)
+            html = template().render(
+                model=model if len(groups) == 1 else
+                f"{model} (setting {i + 1} of {len(groups)}: runs "
+                f"{', '.join(r.name for r in mine)})", bench=bench,
+                numbers=key_numbers(con, frames, model, bench, mine),
+                runs=settings_table(listed),
+                **projection_section(con, model, bench, run.manifest),
+                ablation=ablation_table(frames, model, bench),
+                saved=experts_saved_table(frames, model, bench),
+                figures=[dict(title=f.layout.title.text or f"figure {i + 1}",
+                              html=figure_html(f, include_plotlyjs=(i == 0)))
+                         for i, f in enumerate(figs)])
+            atomic.write_bytes(path, html.encode("utf-8"))
+            written.append(path)
     atomic.write_bytes(out / STAMP, json.dumps(dict(
         stamp=report_stamp(traces, roles), reports=[p.name for p in written])).encode())
     return written
+
+
+def setting_groups(runs: list) -> dict[tuple[str, str], list[list]]:
+    """(model, bench) -> its runs grouped by capture setting (:attr:`catalog.Run.setting`), the
+    group with most prompts first: a report draws one group, never several pooled."""
+    grouped: dict[tuple[str, str], dict[str, list]] = {}
+    for r in runs:
+        key = json.dumps(r.setting, sort_keys=True, default=str)
+        grouped.setdefault((r.model, r.bench), {}).setdefault(key, []).append(r)
+    return {k: sorted(g.values(), key=lambda rs: -sum(len(r.manifest.get("prompt_ids", []))
+                                                      for r in rs))
+            for k, g in grouped.items()}
+
+
+def write_comparison(traces: Path, out: Path, names: list[str],
+                     roles: tuple[str, ...] | None = None) -> Path:
+    """``report --compare``: the named runs side by side (:mod:`analysis.compare`): their
+    settings diffed, key numbers, and the same figures with one line per run."""
+    from analysis import compare
+    from analysis.sql import DEFAULT_VARIANT_RULE
+    found = {r.name: r for r in Catalog(traces).runs(roles=roles, names=names)}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise FileNotFoundError(f"no complete run {missing[0]} under {traces} to compare; "
+                                "`query \"SELECT run FROM runs\" --role all` lists them")
+    runs = [found[n] for n in names]
+    summaries.ensure(traces)
+    con = connect(traces, roles=roles, runs=tuple(names))
+    diff = compare.settings_diff(runs)
+    numbers = compare.key_numbers(con)
+    figs = compare.compare_figures(con)
+    html = template("compare.html.j2").render(
+        runs=names, rule=DEFAULT_VARIANT_RULE,
+        diff=dict(head=diff.columns, rows=diff.rows()),
+        numbers=dict(head=numbers.columns, rows=[[f"{v:.3f}" if isinstance(v, float) else v
+                                                  for v in row] for row in numbers.rows()]),
+        figures=[dict(title=f.layout.title.text, html=figure_html(f, include_plotlyjs=(i == 0)))
+                 for i, f in enumerate(figs)])
+    out.mkdir(parents=True, exist_ok=True)
+    label = "_vs_".join(names)
+    if len(label) > 120:
+        label = hashlib.sha256(label.encode()).hexdigest()[:12]
+    path = out / f"compare_{label}.html"
+    atomic.write_bytes(path, html.encode("utf-8"))
+    return path
 
 
 @console.pipes.quiet_broken_pipe
@@ -372,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                                examples="""
                                    report --traces traces --out reports
                                    report --traces traces --role calibration
+                                   report --traces traces --compare demo-eval other-run
                                    report --traces traces --threads 2""")
     p.add_argument("--traces", default="traces", help="traces root: a folder or "
                                                       "s3://bucket/prefix")
@@ -380,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role", default="evaluation", choices=("evaluation", "calibration", "all"),
                    help="which runs the figures draw (calibration runs are never pooled into "
                         "evaluation figures unless asked)")
+    p.add_argument("--compare", nargs="+", default=None, metavar="RUN",
+                   help="instead: one HTML putting these runs side by side (settings diffed, "
+                        "key numbers, the same figures with a line per run)")
     p.add_argument("--force", action="store_true",
                    help="rewrite reports even when the traces and the report code are unchanged")
     console.threads.add_argument(p, what="DuckDB and the numeric libraries")
@@ -388,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
     roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
     try:
         args.traces = location.from_args(args.traces, args.storage_options)
+        if args.compare:
+            if len(args.compare) < 2:
+                raise UserError("--compare needs two or more runs")
+            print(f"wrote {write_comparison(args.traces, args.out, args.compare, None)}")
+            return 0
         kept = None if args.force else unchanged(args.traces, args.out, roles)
         if kept is not None:
             for path in kept:

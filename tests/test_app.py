@@ -345,3 +345,40 @@ def test_speedup_page_draws_eta_from_profile_target(traces, tmp_path, monkeypatc
                        "--prefix", "8", "--repeats", "1", "--out", str(copy)]) == 0
     at = _speedup_page(copy, monkeypatch)
     assert any("MoESD target efficiency" in spec for spec in chart_json(at))
+
+
+@pytest.fixture(scope="module")
+def two_settings(tmp_path_factory):
+    """One dataset captured with two settings (8 and 12 new tokens)."""
+    root = tmp_path_factory.mktemp("settings")
+    for run, tokens in (("short", "8"), ("long", "12")):
+        assert capture_cli.main(["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "2",
+                                 "--max-new-tokens", tokens, "--no-progress", "--out",
+                                 str(root), "--run", run]) == 0
+    return root
+
+
+def test_pages_draw_one_setting_and_compare_sets_them_side_by_side(two_settings, monkeypatch):
+    at = goto(app_on(two_settings, monkeypatch), "Heavy tails")
+    picker = at.selectbox(key="tails_setting")
+    assert len(picker.options) == 2 and "max_new_tokens" in picker.value
+    assert any("2 capture settings" in c.value for c in at.caption)
+    at = goto(app_on(two_settings, monkeypatch), "Compare runs")
+    assert set(at.multiselect(key="cmp_runs").value) == {"short", "long"}
+    diff = at.dataframe[0].value
+    assert list(diff["setting"]) == ["max_new_tokens"], diff
+    assert at.dataframe[1].value.shape[0] == 2  # key numbers: one row per run
+
+
+def test_report_writes_one_file_per_setting_and_compares_runs(two_settings, tmp_path):
+    from analysis import report
+    out = tmp_path / "rep"
+    assert report.main(["--traces", str(two_settings), "--out", str(out), "--threads", "1"]) == 0
+    assert sorted(p.name for p in out.glob("*.html")) == [
+        "tiny-olmoe_mbpp_setting1.html", "tiny-olmoe_mbpp_setting2.html"]
+    assert report.main(["--traces", str(two_settings), "--out", str(out), "--compare", "short",
+                        "long", "--threads", "1"]) == 0
+    page = (out / "compare_short_vs_long.html").read_text()
+    assert "max_new_tokens" in page and "Settings that differ" in page
+    assert report.main(["--traces", str(two_settings), "--out", str(out), "--compare", "short",
+                        "nope"]) == 2
