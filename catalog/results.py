@@ -182,7 +182,8 @@ class UnitResults:
         bytes, content hash: :mod:`catalog.commit`) so readers read exactly those."""
         import datetime
         blocks = self.blocks()
-        parts = [p for p in location.iterdir(self.block_dir(block))
+        folder = self.block_dir(block)
+        parts = [p for p in (location.iterdir(folder) if folder.is_dir() else [])
                  if commit.prompt_of(p.name) is not None and "-" not in p.name[5:]]
         record = commit.table_record(parts)
         now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -256,7 +257,7 @@ def block_files(folder: Path, record: dict | None, root: Path) -> list[Path]:
     committed before records existed: its parts as found)."""
     if record is None:
         return sorted(p for p in location.iterdir(folder)
-                      if commit.prompt_of(p.name) is not None)
+                      if commit.prompt_of(p.name) is not None) if folder.is_dir() else []
     fix = f"delete {folder.parent} and replay again"
     paths = []
     for entry in record.get("parts", []):

@@ -292,7 +292,10 @@ class Run:
         """Every part of ``table`` that the run committed, verified (a run without a commit
         record: the parts capture names, as found)."""
         if self.committed is None:
-            return sorted(p for p in location.iterdir(self.dir(table))
+            folder = self.dir(table)
+            if not folder.is_dir():
+                return []
+            return sorted(p for p in location.iterdir(folder)
                           if commit.prompt_of(p.name) is not None)
         return self._verified(table, self._entries(table))
 
