@@ -338,3 +338,34 @@ def test_cluster_bench_gets_the_single_process_tables_on_two_nodes(tmp_path):
     assert found["nodes"] == {"capture": 2, "replay": 2}
     assert found["replay"]["two_nodes"]["count"] == found["replay"]["one_process"]["count"] > 0
     assert found["cluster_start_seconds"] > 0 and "identical: yes" in out
+
+
+@smoke("sketch_gap.py")
+def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
+    """tiny-mixtral (N = 8): the oracle is exhaustive there, so no ranking closes more than the
+    whole gap; the surrogate's cost is in the output."""
+    out = run("bench/sketch_gap.py", "--traces", str(tmp_path), "--model", "tiny-mixtral",
+              "--benches", "mbpp", "--ranks", "2", "--budgets", "2,4", "--eval-prompts", "1",
+              "--cal-prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--output",
+              str(tmp_path / "s.json"), timeout=600)
+    found = json.loads((tmp_path / "s.json").read_text())
+    names = {c["ranking"] for c in found["cells"]}
+    assert names == {"coact-prior", "sketch-r2"}
+    assert {c["coverage"] for c in found["cells"]} == {"substitution", "truncation"}
+    for c in found["cells"]:
+        assert c["gap_closed"] != c["gap_closed"] or c["gap_closed"] <= 1 + 1e-6, c
+    cost = found["cost"]["sketch-r2"]
+    assert cost["tiny"]["bytes_per_layer"] == 8 * (2 * 128 + 2 * 129 + 1) * 2
+    assert cost["real"]["expert_equivalents"] > 0 and cost["real"]["flops_per_token"] > 0
+    assert "net tiny" in out and "gap closed" in out
+
+
+@smoke("query_verify.py")
+def test_query_verify_bench_times_committed_reads(tmp_path):
+    out = run("bench/query_verify.py", "--prompts", "2", "--steps", "3", "--repeats", "1",
+              "--out", str(tmp_path / "v.json"))
+    found = json.loads((tmp_path / "v.json").read_text())
+    assert found["tree_layers"] == 2 * 3 * 16 and found["parts"] > 0
+    for cell in found["queries"].values():
+        assert cell["warm_s"] > 0 and cell["as_found_s"] > 0 and cell["cold_s"] > 0
+    assert "warm / as found" in out
