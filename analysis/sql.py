@@ -344,6 +344,23 @@ _SIZED = {"repeat": ("s, n", "length(s) * n"), "lpad": ("s, n, c", "n"),
           "rpad": ("s, n, c", "n"), "list_resize": ("l, n", "n"), "array_resize": ("l, n", "n")}
 
 
+# moe_io's vectors stored in bfloat16 are its 16-bit patterns (uint16, lossless); these macros
+# decode them in SQL exactly as catalog.reader.matrix does: bf16(bits) one value, bf16_list(l) a
+# vector (e.g. SELECT bf16_list(hidden) FROM moe_io; for runs stored in float16/32 the column is
+# already floats)
+_BITS = "b::INTEGER"
+DECODERS = {
+    "bf16(b)": (f"(CASE WHEN (({_BITS} >> 7) & 255) = 255 THEN (CASE WHEN ({_BITS} & 127) = 0 "
+                f"THEN (CASE WHEN {_BITS} >> 15 = 1 THEN '-inf' ELSE 'inf' END)::DOUBLE "
+                "ELSE 'nan'::DOUBLE END) "
+                f"ELSE (CASE WHEN {_BITS} >> 15 = 1 THEN -1.0 ELSE 1.0 END) * "
+                f"(CASE WHEN (({_BITS} >> 7) & 255) = 0 THEN (({_BITS} & 127)::DOUBLE / 128.0) "
+                f"* pow(2.0, -126) ELSE (1.0 + ({_BITS} & 127)::DOUBLE / 128.0) * "
+                f"pow(2.0, (({_BITS} >> 7) & 255) - 127) END) END)::FLOAT"),
+    "bf16_list(l)": "list_transform(l, lambda x: bf16(x))",
+}
+
+
 def sql_limits(memory: str | None = None, timeout: float | None = None) -> tuple[str, float]:
     """(memory limit, timeout in s) for user SQL: the arguments, else ``$MOESPEC_SQL_MEMORY`` /
     ``$MOESPEC_SQL_TIMEOUT``, else 4GB / 120 s."""
@@ -379,6 +396,8 @@ def lock_down(con: duckdb.DuckDBPyConnection, root: Path, memory: str | None = N
         args = ", ".join(guarded if a == "n" else a for a in args)
         con.execute(f"CREATE OR REPLACE TEMP MACRO {name}({params}) AS "
                     f"system.main.{name}({args})")
+    for name, body in DECODERS.items():
+        con.execute(f"CREATE OR REPLACE TEMP MACRO {name} AS {body}")
     con.execute("SET lock_configuration = true")
     allowed = con.execute("SELECT current_setting('allowed_directories')").fetchall()[0][0]
     if [a.rstrip("/") for a in allowed] != [location.allowed_prefix(root).rstrip("/")]:

@@ -213,3 +213,15 @@ def test_user_sql_cannot_read_the_spill_folder(pristine, tmp_path, monkeypatch):
     r = run("analysis.query_cli", f"SELECT * FROM read_csv('{secret}')", "--traces",
             pristine[0])
     assert r.returncode == 2 and "42" not in r.stdout, r.stdout
+
+
+def test_bf16_hidden_states_decode_in_sql_as_the_reader_decodes_them(pristine):
+    import numpy as np
+
+    from analysis.sql import connect
+    from catalog.reader import matrix
+    con = connect(pristine[0])
+    t = con.execute("SELECT hidden, bf16_list(hidden) AS h FROM moe_io ORDER BY step, layer, "
+                    "node LIMIT 50").to_arrow_table()
+    assert t.num_rows == 50
+    assert np.array_equal(matrix(t["hidden"]), matrix(t["h"]))
