@@ -124,9 +124,9 @@ def ablation(curves: pl.DataFrame) -> pl.DataFrame:
         return pl.DataFrame()
     wide = curves.pivot(on="ranking", index=["coverage", "budget"], values="rse",
                         aggregate_function="mean").sort("coverage", "budget")
-    gap = pl.col("router") - pl.col("oracle")
     return wide.select("coverage", "budget", *[
-        pl.when(gap > 0).then((pl.col("router") - pl.col(s)) / gap).alias(s) for s in steps])
+        replay_metrics.gap_closed(pl.col("router"), pl.col("oracle"), pl.col(s)).alias(s)
+        for s in steps])
 
 
 def closed_loop(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:

@@ -38,6 +38,7 @@ from analysis.frames import (
 )
 from analysis.sql import connect, views
 from catalog import Catalog, atomic, dataset_version, location, partition_value
+from catalog.replay_metrics import gap_closed
 from errors import UserError, fail
 from moe import shapes
 
@@ -147,7 +148,7 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
                             & (pl.col("coverage") == "truncation"))["rse"]
                 for r in ("router", "oracle", "coact")}
         if all(v.len() for v in pick.values()) and pick["router"][0] > pick["oracle"][0]:
-            gap = (pick["router"][0] - pick["coact"][0]) / (pick["router"][0] - pick["oracle"][0])
+            gap = gap_closed(pick["router"][0], pick["oracle"][0], pick["coact"][0])
             out.append((f"router→oracle gap coact closes at one budget, B = {mid} (the sweep's "
                         "middle; truncation, mean RSE: (router − coact) / (router − oracle), not "
                         "averaged over budgets)", f"{gap:.0%}"))

@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline import capture, loaded_model, replay_runs  # noqa: E402
 
+from catalog.replay_metrics import gap_closed  # noqa: E402
+
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 BUDGETS = (8, 16, 24, 32)  # k = 8, N ≥ 64 (tiny-olmoe, tiny-qwen3-moe): budgets_for(8, 64)
 MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
@@ -120,8 +122,8 @@ def gap_table(rse: pl.DataFrame, rankings: list[str]) -> pl.DataFrame:
     rows = rse.filter(pl.col("ranking").is_in(rankings) | (pl.col("ranking") == "sqmass"))
     out = rows.join(ref.select("bench", "coverage", "budget", "router", "oracle"),
                     on=["bench", "coverage", "budget"])
-    return out.with_columns(gap_closed=(pl.col("router") - pl.col("rse"))
-                            / (pl.col("router") - pl.col("oracle")))
+    return out.with_columns(gap_closed=gap_closed(pl.col("router"), pl.col("oracle"),
+                                                  pl.col("rse")))
 
 
 def print_matrix(model: str, gaps: pl.DataFrame, ranking: str,

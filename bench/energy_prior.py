@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from catalog import Catalog  # noqa: E402
+from catalog.replay_metrics import gap_closed  # noqa: E402
 from moe import models  # noqa: E402
 from moe.adapter import MoEAdapter  # noqa: E402
 from policy.calibration import CalibrationStats  # noqa: E402
@@ -98,7 +99,8 @@ def main() -> None:
                     df = pl.read_parquet(f"{out}/replay_open/**/*.parquet", hive_partitioning=True)
                 got = df.group_by("budget").agg(pl.col("rse").mean()).join(
                     ref.filter(pl.col("bench") == bench), on="budget").sort("budget")
-                gap = ((got["router"] - got["rse"]) / (got["router"] - got["oracle"])).to_list()
+                gap = got.select(gap_closed(pl.col("router"), pl.col("oracle"),
+                                            pl.col("rse")))[:, 0].to_list()
                 rows.append(dict(bench=bench, source=source, kappa=kappa,
                                  **{f"B={b}": g for b, g in zip(got["budget"], gap)}))
                 print(f"{bench:<10} ← {source:<10} κ={kappa:<6g}" +

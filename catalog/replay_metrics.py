@@ -105,6 +105,20 @@ FINGERPRINTS: dict[tuple[str, int], str] = {
 }
 
 
+def gap_closed(router, oracle, other):
+    """Share of the router → oracle gap a ranking X closes:
+    ``(RSE_router − RSE_X) / (RSE_router − RSE_oracle)``; None (null) where there is no gap
+    (router ≤ oracle). The one definition: ``router``/``oracle``/``other`` are numbers (None
+    allowed) or polars expressions (a column of the share), for every table and figure."""
+    if type(router).__module__.startswith("polars"):
+        import polars as pl
+        gap = router - oracle
+        return pl.when(gap > 0).then((router - other) / gap)
+    if None in (router, oracle, other) or router - oracle <= 0:
+        return None
+    return (router - other) / (router - oracle)
+
+
 def fields(table: str) -> list[pa.Field]:
     return [pa.field(m.name, m.type) for m in METRICS[table]]
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import tomllib
 from pathlib import Path
 
@@ -115,17 +113,10 @@ def write_json(path: Path | None, payload: dict) -> None:
         sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
         return
     check_output(path)
+    from catalog import atomic  # the one atomic write
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=2, sort_keys=True, default=str)
-            f.write("\n")
-        check_output(path)
-        os.replace(tmp, path)
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+    atomic.write_bytes(path, (json.dumps(payload, indent=2, sort_keys=True, default=str)
+                              + "\n").encode("utf-8"))
 
 
 def check_output_option(path: Path | None, error: type[Exception]) -> None:

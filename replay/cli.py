@@ -13,6 +13,7 @@ from pathlib import Path
 
 import console
 from catalog import ROLES, location
+from catalog.replay_metrics import gap_closed
 from errors import UserError, fail
 from policy import index
 from replay import modes
@@ -82,9 +83,11 @@ def parser() -> argparse.ArgumentParser:
                    help="dtype the model is loaded in: captured (the dtype the runs were "
                         "captured in; a bf16 capture replayed on a CPU stays bf16 in memory, "
                         "experts are upcast per call), auto, float32, bfloat16, float16")
-    p.add_argument("--batch", type=int, default=None, metavar="TREE_LAYERS",
-                   help="tree-layers per batch (default: as many as fit in ~256 MiB of work "
-                        "arrays)")
+    p.add_argument("--chunk-tree-layers", type=int, default=None, metavar="N",
+                   help="tree-layers computed together in one chunk (default: as many as fit "
+                        "in ~256 MiB of work arrays); not --batch-size, which is sequences per "
+                        "verification pass")
+    p.add_argument("--batch", type=int, default=None, dest="old_batch", help=argparse.SUPPRESS)
     p.add_argument("--workers", type=int, default=0,
                    help="fan prompts out to N Ray actors on a local cluster (pip install -e "
                         ".[ray]); each loads the model once")
@@ -140,7 +143,11 @@ def preflight(args):
     args.traces = location.from_args(args.traces, args.storage_options)
     if args.out is not None:
         args.out = location.root(args.out)
-    for flag, value, low in (("--batch", args.batch, 1), ("--workers", args.workers, 0),
+    if args.old_batch is not None:
+        raise ReplayError("--batch is now --chunk-tree-layers (tree-layers computed together; "
+                          "--batch-size is sequences per verification pass)")
+    for flag, value, low in (("--chunk-tree-layers", args.chunk_tree_layers, 1),
+                             ("--workers", args.workers, 0),
                              ("--batch-size", args.batch_size, 1)):
         if value is not None and value < low:
             raise ReplayError(f"{flag} {value} must be at least {low}")
@@ -193,13 +200,6 @@ def _names(values) -> str:
     return values[0] if len(values) == 1 else "{" + ", ".join(values) + "}"
 
 
-def _gap(router, oracle, other) -> float | None:
-    """Share of the router → oracle gap ``other`` closes (None where there is no gap)."""
-    if None in (router, oracle, other) or router - oracle <= 0:
-        return None
-    return (router - other) / (router - oracle)
-
-
 def summary_lines(frame, mode, runs: list, rankings: list[str],
                   coverages: list[str]) -> list[str]:
     """The summary as a few small pivots: one block per coverage policy, budget rows × ranking
@@ -233,7 +233,7 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
         for b in budgets:
             row = [str(b), *(fmt(value.get((r, b))) for r in present)]
             if len(others) == 1:
-                row.append(pct(_gap(value.get(("router", b)), value.get(("oracle", b)),
+                row.append(pct(gap_closed(value.get(("router", b)), value.get(("oracle", b)),
                                     value.get((others[0], b)))))
             table.append(row)
         if others:  # over all budgets where the three are there: Σ(router − X) / Σ(router − oracle)
@@ -242,7 +242,7 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
                 both = [b for b in budgets if None not in (value.get(("router", b)),
                                                            value.get(("oracle", b)),
                                                            value.get((r, b)))]
-                row.append(pct(_gap(sum(value[("router", b)] for b in both),
+                row.append(pct(gap_closed(sum(value[("router", b)] for b in both),
                                     sum(value[("oracle", b)] for b in both),
                                     sum(value[(r, b)] for b in both))) if both else "—")
             table.append(row + ([""] if len(others) == 1 else []))
@@ -327,7 +327,7 @@ def compute(args, catalog, runs, layers, coverages):
                                 args.batch_size, args.batch_seed)
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
                          device=loaded.device, progress=not args.no_progress,
-                         max_batch=args.batch, workers=args.workers,
+                         max_batch=args.chunk_tree_layers, workers=args.workers,
                          ray_address=args.ray_address, dtype=load_dtype(args.dtype, runs),
                          key_dtype=str(loaded.dtype))
     except OSError as exc:

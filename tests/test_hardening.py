@@ -13,11 +13,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import recommit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capture import cli as capture_cli
-from conftest import recommit
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress"]
 QUERY = "SELECT count(*) AS trees, round(avg(accepted_length), 6) AS tau FROM trees"
@@ -184,7 +184,8 @@ def test_running_captures_and_interrupted_replays_are_not_shown(pristine, tmp_pa
     ("capture.cli", ["--temperature", "-0.5"], ["--temperature"]),
     ("replay.cli", ["--budget", "8:16:8:99"], ["cannot read --budget"]),
     ("replay.cli", ["--layers", "a,b"], ["cannot read --layers"]),
-    ("replay.cli", ["--batch", "0"], ["--batch 0"]),
+    ("replay.cli", ["--chunk-tree-layers", "0"], ["--chunk-tree-layers 0"]),
+    ("replay.cli", ["--batch", "3"], ["--chunk-tree-layers"]),
     ("analysis.moesd", ["--batches", "0"], ["must all be"]),
     ("analysis.moesd", ["--batches", "x"], ["cannot read --batches"]),
     ("app.launch", ["--port", "99999"], ["not a port"]),

@@ -130,7 +130,7 @@ def test_replay_streams_chunks_and_equals_an_unchunked_capture(traces, tmp_path)
     assert a.sort(keys).equals(b.sort(keys))
     small = tmp_path / "small"  # and batches of 3 tree-layers give the same rows too
     assert cli.main(["--traces", str(chunked), "--run", "eval", "--ranking", "router", "oracle",
-                     "--budget", "16,32", "--no-progress", "--batch", "3", "--out",
+                     "--budget", "16,32", "--no-progress", "--chunk-tree-layers", "3", "--out",
                      str(small)]) == 0
     c = results(small, "replay_open").drop("config", "block")
     assert c.sort(keys).select(keys).equals(a.sort(keys).select(keys))

@@ -201,3 +201,18 @@ def test_modes_are_objects_looked_up_by_the_cli_names():
     assert plan.unit_key(closed, facts, plan.Named("truncation"), []) == \
         plan.unit_key("closed", facts, plan.Named("truncation"), []) == \
         dict(mode="closed", ranking="router", coverage="truncation", calibration=[])
+
+
+@pytest.mark.parametrize("router,oracle,other,want", [
+    (0.4, 0.1, 0.25, 0.5), (0.4, 0.1, 0.4, 0.0), (0.4, 0.1, 0.1, 1.0), (0.4, 0.1, 0.5, -1 / 3),
+    (0.1, 0.1, 0.05, None), (0.1, 0.2, 0.05, None), (None, 0.1, 0.05, None)])
+def test_gap_closed_is_one_formula_for_numbers_and_columns(router, oracle, other, want):
+    import polars as pl
+
+    from catalog.replay_metrics import gap_closed
+    got = gap_closed(router, oracle, other)
+    assert got == pytest.approx(want) if want is not None else got is None
+    if router is not None:
+        frame = pl.DataFrame(dict(r=[router], o=[oracle], x=[other]))
+        col = frame.select(gap_closed(pl.col("r"), pl.col("o"), pl.col("x")))[0, 0]
+        assert col == pytest.approx(want) if want is not None else col is None
