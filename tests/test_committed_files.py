@@ -225,3 +225,25 @@ def test_bf16_hidden_states_decode_in_sql_as_the_reader_decodes_them(pristine):
                     "node LIMIT 50").to_arrow_table()
     assert t.num_rows == 50
     assert np.array_equal(matrix(t["hidden"]), matrix(t["h"]))
+
+
+def test_a_string_schema_version_is_named_as_such(pristine, tmp_path):
+    traces = copy(pristine, tmp_path)
+    edit_manifest(traces, schema_version="4")
+    r = counts(traces)
+    one_line_error(r, "schema_version is '4', not a whole number")
+    assert "this tool reads" not in r.stderr
+
+
+def test_a_batch_names_a_prompt_that_stopped_before_its_first_pass(pristine):
+    """issue 41.8: a virtual batch holding a prompt with no verification pass (its first token
+    was EOS) has no rows to name it: its id comes from the manifest, never a KeyError."""
+    from catalog import Catalog
+    from replay.virtual_batch import BatchSource
+    run = Catalog(pristine[0]).runs()[0]
+    source = BatchSource(run, 2, 0)
+    first = source.members(0)
+    only_one = {first[0]: "seen"}  # the other prompt produced no rows
+    name = source.name(0, only_one)
+    ids = run.manifest["prompt_ids"]
+    assert name.split("+") == [only_one.get(p) or ids[p] for p in first]
