@@ -129,18 +129,22 @@ def _datasets(frame: pl.DataFrame, ds: data.Dataset) -> set:
             if (partition_value(r["model"]), r["bench"]) in have}
 
 
-def _setting_picker(runs: pl.DataFrame, key: str) -> pl.DataFrame:
+def _setting_picker(runs: pl.DataFrame, key: str, across: tuple[str, ...] = ()) -> pl.DataFrame:
     """The runs of one setting: runs of one model and benchmark whose capture settings (the
     prompt range aside) are equal are one experiment; runs that differ are never pooled. With
     several settings a selector (in the URL) picks one, the one with most prompts first, and a
-    note says what the others are."""
+    note says what the others are. ``across``: settings the page itself draws on an axis (the
+    batch page: ``batch_size``), which do not split the runs."""
     if runs.is_empty() or "setting" not in runs.columns:
         return runs
-    groups = runs.group_by("setting", maintain_order=True).agg(pl.col("run"),
-                                                               pl.col("prompts").sum())
+    runs = runs.with_columns(pl.col("setting").map_elements(
+        lambda s: json.dumps({k: v for k, v in json.loads(s).items() if k not in across},
+                             sort_keys=True), return_dtype=pl.String).alias("_group"))
+    groups = runs.group_by("_group", maintain_order=True).agg(pl.col("run"),
+                                                              pl.col("prompts").sum())
     if groups.height == 1:
-        return runs
-    settings = [json.loads(s) for s in groups["setting"]]
+        return runs.drop("_group")
+    settings = [json.loads(s) for s in groups["_group"]]
     differ = sorted({k for s in settings for k in s
                      if any(s.get(k) != other.get(k) for other in settings)})
     labels = [", ".join(f"{k} {s.get(k)}" for k in differ) + f" — runs {', '.join(names)}"
@@ -151,7 +155,7 @@ def _setting_picker(runs: pl.DataFrame, key: str) -> pl.DataFrame:
     st.caption(f"This dataset has {groups.height} capture settings (they differ in "
                f"{', '.join(differ)}); the page draws one at a time. The *Compare runs* page "
                "sets them side by side.")
-    return runs.filter(pl.col("run").is_in(groups["run"][labels.index(label)]))
+    return runs.filter(pl.col("run").is_in(groups["run"][labels.index(label)])).drop("_group")
 
 
 class Page(NamedTuple):
@@ -183,7 +187,8 @@ class Page(NamedTuple):
                                 self.names), self.model, self.bench)
 
 
-def _page(title: str, key: str, caption: str | None = None, prefer=None) -> Page | None:
+def _page(title: str, key: str, caption: str | None = None, prefer=None,
+          across: tuple[str, ...] = ()) -> Page | None:
     """Header, the sidebar's role choice and the dataset picker every one-dataset page starts
     with; None (with a note shown) when there is nothing to draw. ``prefer(ds, roles)``: the
     datasets the picker should start at (those with this page's results)."""
@@ -197,7 +202,7 @@ def _page(title: str, key: str, caption: str | None = None, prefer=None) -> Page
         return None
     model, bench = picked
     runs = _runs(ds, roles).filter((pl.col("model") == model) & (pl.col("bench") == bench))
-    return Page(ds, roles, model, bench, _setting_picker(runs, f"{key}_setting"))
+    return Page(ds, roles, model, bench, _setting_picker(runs, f"{key}_setting", across))
 
 
 def _pick(frame: pl.DataFrame, model: str, bench: str) -> pl.DataFrame:
@@ -286,7 +291,8 @@ def batch_regime() -> None:
                  "is what a pass loads. MoESD's argument: as b grows the union saturates at N, so "
                  "extra tokens come nearly free until compute takes over.",
                  prefer=lambda ds, roles: _datasets(
-                     data.frame("batch", str(ds.root), ds.version, roles), ds))
+                     data.frame("batch", str(ds.root), ds.version, roles), ds),
+                 across=("batch_size",))  # runs that differ only in b: the page's x axis
     if page is None:
         return
     frame, n = page.frame("batch"), page.n
@@ -300,14 +306,21 @@ def batch_regime() -> None:
         pl.col("uniform").round(1).alias("MoESD uniform N(b·M)"),
         (pl.col("seconds") * 1e3).round(2).alias("verify ms (median)"), "passes")
     st.dataframe(table, hide_index=True)
-    if frame["batch_size"].n_unique() >= 2 and frame.height >= 3:
-        from analysis import moesd
-        points = frame.select(pl.col("batch_size").alias("batch"),
-                              (pl.col("tokens") / pl.col("batch_size")).alias("gamma"), "seconds")
-        coef = moesd.fit(points, n, int(frame["k"][0]))
-        st.write(f"MoESD's pass-time model fitted to these passes: T = {coef['c0'] * 1e3:.2f} ms "
-                 f"+ {coef['c1'] * 1e3:.3f} ms × E(b·M) + {coef['c2'] * 1e3:.4f} ms × b·M, "
-                 f"relative RMSE {coef['relative_rmse']:.1%} over {frame.height} batch sizes.")
+    if frame["batch_size"].n_unique() >= 2:
+        from analysis import warmup
+        from analysis.frames import capture_batch_fit
+        fit = capture_batch_fit(page.con, page.model, page.bench)
+        coef = fit["coef"] if fit else None
+        rule = f"{fit['dropped'] if fit else 0} passes dropped by the {warmup.RULE}"
+        if coef is None or coef["refused"]:
+            st.warning(f"MoESD's pass-time model {coef['refused'] if coef else 'not fitted'} "
+                       f"({rule}).")
+        else:
+            left = f"; left out: {', '.join(coef['left_out'])}" if coef["left_out"] else ""
+            st.write(f"MoESD's pass-time model fitted to these passes: T = {coef['c0'] * 1e3:.2f} "
+                     f"ms + {coef['c1'] * 1e3:.3f} ms × E(b·M) + {coef['c2'] * 1e3:.4f} ms × b·M,"
+                     f" relative RMSE {coef['relative_rmse']:.1%} over {coef['points']} batch "
+                     f"sizes ({rule}{left}).")
     else:
         st.caption("Capture at two or more batch sizes to fit MoESD's pass-time model here.")
     _batch_errors(page)
@@ -360,7 +373,8 @@ def _batch_speed(page: Page) -> None:
     target = targets[shape_name]
     gamma = fit["gamma"] if fit else 63
     projection = batch_projection(speed, target, cost.PROFILES[hw_name], gamma)
-    st.plotly_chart(figures.batch_speedup(speed, fit, projection, f"{shape_name} on {hw_name}"),
+    shown = fit if fit and not fit["refused"] else None  # a refused fit is never drawn
+    st.plotly_chart(figures.batch_speedup(speed, shown, projection, f"{shape_name} on {hw_name}"),
                     width="stretch")
     st.dataframe(speed.select(
         pl.col("batch_size").alias("b"), pl.col("budget").alias("budget B"),
@@ -369,10 +383,17 @@ def _batch_speed(page: Page) -> None:
         pl.col("tau").round(2).alias("τ"), pl.col("speedup").round(2).alias("speedup")),
         hide_index=True)
     if fit:
+        from analysis import warmup
         c = fit["coef"]
-        st.write(f"MoESD's pass-time model fitted to {fit['points'].height} measured "
-                 f"(sequences, γ) points: T = {c['c0'] * 1e3:.2f} ms + {c['c1'] * 1e3:.3f} ms × "
-                 f"E(bγ) + {c['c2'] * 1e3:.4f} ms × bγ, relative RMSE {c['relative_rmse']:.1%}.")
+        rule = f"{fit['dropped']} passes dropped by the {warmup.RULE}"
+        if fit["refused"]:
+            st.warning(f"MoESD's pass-time model {fit['refused']} ({rule}).")
+        else:
+            left = f"; left out: {', '.join(fit['left_out'])}" if fit["left_out"] else ""
+            st.write(f"MoESD's pass-time model fitted to {c['points']} measured (sequences, γ) "
+                     f"points: T = {c['c0'] * 1e3:.2f} ms + {c['c1'] * 1e3:.3f} ms × E(bγ) + "
+                     f"{c['c2'] * 1e3:.4f} ms × bγ, relative RMSE {c['relative_rmse']:.1%} "
+                     f"({rule}{left}).")
     st.caption(f"Measured on {speed['device'][0]}; tokens/s over each whole decoding (prefill and "
                "drafting included). The fit and the roofline are verification-only (τ·T(b,1)/"
                "T(b,M)); the roofline assumes MoESD's uniform routing for the experts a pass "
@@ -552,8 +573,9 @@ def speedup() -> None:
     cal = fitted[1] if fitted is not None else None
     use_cal = False
     if cal is None or not cal.usable:
-        why = ("too few measured verification passes (or no readable config) to fit one"
-               if cal is None else f"the fit to this capture's timings is {cal.verdict}")
+        why = ("no measured verification passes (or no readable config) to fit one"
+               if cal is None else f"the fit to this capture's timings is {cal.verdict}"
+               if not cal.refused else f"this capture's timings were {cal.verdict}")
         st.caption(f"Cost model: datasheet roofline. A calibrated cost model is not offered: "
                    f"{why}.")
     else:
@@ -564,7 +586,8 @@ def speedup() -> None:
     if use_cal:
         frame, _ = fitted
         st.plotly_chart(figures.calibration(frame, (
-            f"Calibration on {cal.points} passes ({hardware[0].name} datasheet shape): "
+            f"Calibration on {cal.points} passes, {cal.dropped} dropped as warm-up "
+            f"({hardware[0].name} datasheet shape): "
             f"T ≈ {cal.alpha:.3g}·T_mem + {cal.beta:.3g}·T_flop + {cal.gamma * 1e3:.3g} ms, "
             f"R² {cal.r2:.2f}, relative RMSE {cal.relative_rmse:.1%}")), width="stretch")
         st.caption("A calibration describes the capturing device on the captured model: with "
