@@ -258,7 +258,8 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
         con.register("_arrow", table)  # tables, not registrations: cursors must see them too
         con.execute(f"CREATE TABLE {name} AS SELECT * FROM _arrow")
         con.unregister("_arrow")
-    con.execute("CREATE VIEW runs AS SELECT * EXCLUDE (summarised) FROM _complete_runs")
+    if runs or (root / "runs").is_dir():  # (a folder with no capture at all: no views)
+        con.execute("CREATE VIEW runs AS SELECT * EXCLUDE (summarised) FROM _complete_runs")
     variant_select = ", ".join(f"v.{c}" for c, _ in VARIANT_FIELDS if c != "variant")
     if blocks:  # the variants of the replay results there are
         con.execute(f"""CREATE VIEW variants AS SELECT table_name, model, bench, run, ranking,
