@@ -15,8 +15,11 @@ the LM head add one more such term. Summed over layers:
 
 with ``T_AR`` the same model for M = 1 (k experts per layer). Datasheet peaks come from
 :data:`PROFILES`; ``calibrate`` fits ``T ≈ α·T_mem + β·T_flop + γ`` to measured (verify seconds,
-experts loaded, tokens) by non-negative least squares and reports the fit error; a fit is
-*usable* only with R² ≥ 0.5, relative RMSE ≤ 25% and α or β above 0 (``Calibration.usable``).
+experts loaded, tokens) with non-negative coefficients under a robust (soft-L1) loss, after
+the warm-up rule and subject to the sample check of :mod:`analysis.warmup` (first pass of each
+run dropped, then passes above median + 5·MAD; at least 5 passes), and reports the fit error; a
+fit is *usable* only when fitted, with R² ≥ 0.5, relative RMSE ≤ 25% and α or β above 0
+(``Calibration.usable``).
 """
 
 from __future__ import annotations
@@ -170,7 +173,9 @@ class Calibration:
     gamma: float  # fixed seconds per pass (launches, Python)
     relative_rmse: float
     r2: float
-    points: int
+    points: int  # passes fitted (after the warm-up rule)
+    dropped: int = 0  # passes the warm-up rule dropped (analysis.warmup)
+    refused: str | None = None  # the sample check's "not fitted: only 3 passes (need 5)"
 
     def predict(self, mem: np.ndarray, comp: np.ndarray) -> np.ndarray:
         return self.alpha * mem + self.beta * comp + self.gamma
@@ -178,6 +183,8 @@ class Calibration:
     @property
     def problems(self) -> list[str]:
         """Why the fit cannot stand in for the roofline (empty: usable), by :data:`QUALITY_RULE`."""
+        if self.refused:
+            return [self.refused]
         out = []
         if self.alpha <= 0 and self.beta <= 0:
             out.append("α and β both fitted to 0: the timings follow neither the memory nor the "
@@ -196,30 +203,38 @@ class Calibration:
     @property
     def verdict(self) -> str:
         """One line: the fit's quality and whether it is used."""
+        warm = f"{self.dropped} dropped by the warm-up rule"
+        if self.refused:
+            return f"{self.refused} ({self.points} passes kept, {warm})"
         fit = (f"T ≈ {self.alpha:.3g}·T_mem + {self.beta:.3g}·T_flop + {self.gamma * 1e3:.3g} ms "
-               f"on {self.points} passes, R² {_two(self.r2)}, relative RMSE "
+               f"on {self.points} passes ({warm}), R² {_two(self.r2)}, relative RMSE "
                f"{self.relative_rmse:.0%}")
         if self.usable:
             return f"{fit} ({QUALITY_RULE}: usable)"
         return f"not usable ({'; '.join(self.problems)}; {QUALITY_RULE}); fit was {fit}"
 
 
-def calibrate(shape: ModelShape, hw: Hardware, seconds, tokens, prefix, experts_loaded) -> Calibration:
-    """Non-negative least squares fit of measured pass times to the model's memory and compute
-    times: ``T ≈ α·T_mem + β·T_flop + γ``."""
-    from scipy.optimize import nnls
+def calibrate(shape: ModelShape, hw: Hardware, seconds, tokens, prefix, experts_loaded,
+              dropped: int = 0) -> Calibration:
+    """Fit of measured pass times to the model's memory and compute times,
+    ``T ≈ α·T_mem + β·T_flop + γ`` with α, β, γ ≥ 0 under the soft-L1 loss
+    (:func:`analysis.warmup.nonneg_fit`); relative RMSE ``√mean(r²) / mean(T)`` and R² over the
+    passes given. The passes are those the warm-up rule kept (``dropped``: how many it dropped,
+    :func:`analysis.warmup.drop`); fewer than 5 are refused (``Calibration.refused``)."""
+    from analysis import warmup
     seconds = np.asarray(seconds, dtype=float)
+    refused = warmup.check_passes(len(seconds), 3)
+    if refused:
+        nan = float("nan")
+        return Calibration(nan, nan, nan, nan, nan, len(seconds), dropped, refused)
     terms = np.array([pass_time(shape, hw, int(t), int(p), float(e))[1:]
                       for t, p, e in zip(tokens, prefix, experts_loaded)])
     a = np.c_[terms, np.ones(len(seconds))]
-    scale = a.max(0)
-    scale[scale == 0] = 1
-    coef, _ = nnls(a / scale, seconds)
-    coef = coef / scale
+    coef = warmup.nonneg_fit(a, seconds)
     pred = a @ coef
     resid = seconds - pred
     ss_tot = ((seconds - seconds.mean()) ** 2).sum()
     return Calibration(coef[0], coef[1], coef[2],
                        float(np.sqrt((resid ** 2).mean()) / seconds.mean()),
                        float(1 - (resid ** 2).sum() / ss_tot) if ss_tot > 0 else float("nan"),
-                       len(seconds))
+                       len(seconds), dropped)

@@ -330,47 +330,112 @@ def routing_warnings(runs: pl.DataFrame) -> list[tuple[str, str]]:
 def batch_speedup(con) -> pl.DataFrame:
     """``profile-batch``'s measured speedup per model, benchmark, profile run, b and budget (null:
     none): ``speedup(b) = tokens/s(EAGLE, b) / tokens/s(AR, b)``, the same prompts decoded b at a
-    time both ways (prefill and drafting included), with τ and both speeds."""
+    time both ways (prefill and drafting included), with τ and both speeds; each speed is the
+    median over the decoding's ``--repeats`` (files without a ``repeat`` column: one each) and
+    τ their mean."""
     return con.sql("""
+        WITH d AS (
+          SELECT model, bench, run, mode, batch_size, budget,
+                 median(tokens_per_s) AS tokens_per_s, avg(tau) AS tau,
+                 any_value(num_experts) AS num_experts, any_value(top_k) AS top_k,
+                 any_value(device) AS device, count(*) AS repeats
+          FROM batch_profile GROUP BY ALL)
         SELECT e.model, e.bench, e.run, e.batch_size, e.budget,
                e.tokens_per_s AS eagle_tokens_per_s, a.tokens_per_s AS ar_tokens_per_s,
                e.tokens_per_s / a.tokens_per_s AS speedup, e.tau, e.num_experts AS n,
-               e.top_k AS k, e.device
-        FROM batch_profile e JOIN batch_profile a
+               e.top_k AS k, e.device, e.repeats
+        FROM d e JOIN d a
           ON a.model = e.model AND a.bench = e.bench AND a.run = e.run
          AND a.batch_size = e.batch_size AND a.mode = 'ar'
         WHERE e.mode = 'eagle'
         ORDER BY e.model, e.bench, e.run, e.budget NULLS FIRST, e.batch_size""").pl()
 
 
+def batch_pass_points(passes: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """The warm-up rule (:func:`analysis.warmup.drop`) per decoding — (mode, batch_size, budget,
+    repeat where stored) — on ``profile-batch`` passes, then one point per measured (sequences,
+    γ): (batch, gamma, seconds = median kept verify seconds, passes = kept passes); and the
+    passes the rule dropped."""
+    from analysis import warmup
+    decoding = [c for c in ("mode", "batch_size", "budget", "repeat") if c in passes.columns]
+    kept, dropped = warmup.drop(passes, "verify_seconds", decoding, "pass_index")
+    points = kept.group_by("batch", "gamma").agg(
+        seconds=pl.col("verify_seconds").median(), passes=pl.len().cast(pl.Int64)
+    ).sort("batch", "gamma")
+    return points, dropped
+
+
 def batch_fit(con, model: str, bench: str, run: str, speed: pl.DataFrame) -> dict | None:
     """MoESD's pass-time model ``T(b, γ) ≈ c₀ + c₁·E(bγ) + c₂·bγ`` fitted to one profile run's
-    unbudgeted verification passes (median seconds per measured (sequences, γ)), and the
-    verification-only speedup it predicts per b, ``τ(b) · T(b, 1) / T(b, M)``; None with fewer
-    than three points."""
+    unbudgeted verification passes after the warm-up rule (:func:`batch_pass_points`;
+    ``dropped``), subject to the sample check of :func:`analysis.moesd.fit` (``refused``: "not
+    fitted: only 1 pass at b = 2 (need 5)", then ``predicted`` is empty and nothing may be drawn;
+    ``left_out``: points with too few passes), and the verification-only speedup it predicts per
+    b, ``τ(b) · T(b, 1) / T(b, M)``; None without passes."""
     from analysis import moesd
-    points = con.sql(f"""
-        SELECT batch, gamma, median(verify_seconds) AS seconds, count(*) AS passes
+    columns = set(con.sql("DESCRIBE batch_profile_passes").pl()["column_name"].to_list())
+    repeat = ", repeat" if "repeat" in columns else ""
+    passes = con.sql(f"""
+        SELECT mode, batch_size, budget{repeat}, pass_index, batch, gamma, verify_seconds
         FROM batch_profile_passes
         WHERE model = '{partition_value(model)}' AND bench = '{bench}' AND run = '{run}'
-          AND budget IS NULL
-        GROUP BY ALL ORDER BY ALL""").pl()
+          AND budget IS NULL""").pl()
     mine = speed.filter((pl.col("model") == partition_value(model)) & (pl.col("bench") == bench)
                         & (pl.col("run") == run) & pl.col("budget").is_null())
-    if points.height < 3 or not mine.height:
+    if passes.is_empty() or not mine.height:
         return None
+    points, dropped = batch_pass_points(passes)
     n, k = int(mine["n"][0]), int(mine["k"][0])
     coef = moesd.fit(points, n, k)
     gamma = int(points.filter(pl.col("gamma") > 1)["gamma"].max() or 1)
+    out = dict(coef=coef, points=points, gamma=gamma, dropped=dropped, refused=coef["refused"],
+               left_out=coef["left_out"], predicted=mine.select("batch_size", "tau").clear()
+               .with_columns(predicted=pl.lit(None, pl.Float64)))
+    if coef["refused"]:  # no prediction: nothing to draw
+        return out
 
     def seconds(b: int, g: int) -> float:
         return coef["c0"] + coef["c1"] * float(moesd.moesd_uniform(n, k, np.array([b * g]))[0]) \
             + coef["c2"] * b * g
 
-    predicted = mine.select("batch_size", "tau").with_columns(predicted=pl.Series([
+    out["predicted"] = mine.select("batch_size", "tau").with_columns(predicted=pl.Series([
         r["tau"] * seconds(r["batch_size"], 1) / seconds(r["batch_size"], gamma)
         for r in mine.iter_rows(named=True)]))
-    return dict(coef=coef, points=points, gamma=gamma, predicted=predicted)
+    return out
+
+
+def capture_batch_fit(con, model: str, bench: str) -> dict | None:
+    """MoESD's pass-time model fitted to batched captures' unbudgeted verification passes (the
+    Batch regime page): the warm-up rule per run (:func:`analysis.warmup.drop`), then one point
+    per b (the b a run was captured with) — γ = mean tokens a pass / b, seconds = median kept
+    verify seconds, passes kept — and :func:`analysis.moesd.fit` with its sample check.
+    dict(coef, points, dropped) or None without passes."""
+    from analysis import moesd, warmup
+    columns = set(con.sql("DESCRIBE trees").pl()["column_name"].to_list())
+    if "batch_pass" in columns:
+        pass_id, tokens = "coalesce(t.batch_pass, -1)", "coalesce(t.batch_tokens, t.nodes)"
+        single = "CASE WHEN t.batch_pass IS NULL THEN {} END"
+    else:
+        pass_id, tokens, single = "-1", "t.nodes", "{}"
+    t = con.sql(f"""
+        WITH passes AS (
+          SELECT t.run, {pass_id} AS pass, {single.format('t.prompt_index')} AS p,
+                 {single.format('t.step')} AS s, any_value(coalesce(r.batch_size, 1)) AS b,
+                 any_value({tokens}) AS tokens, any_value(t.verify_seconds) AS seconds,
+                 any_value(r.num_experts) AS n, any_value(r.top_k) AS k
+          FROM trees t JOIN runs r USING (model, bench, run)
+          WHERE t.budget IS NULL AND t.model = '{partition_value(model)}' AND t.bench = '{bench}'
+          GROUP BY ALL)
+        SELECT *, row_number() OVER (PARTITION BY run ORDER BY pass, p, s) AS pass_order
+        FROM passes""").pl()
+    if t.is_empty():
+        return None
+    kept, dropped = warmup.drop(t, "seconds", ["run"], "pass_order")
+    points = kept.group_by("b").agg(
+        gamma=pl.col("tokens").mean() / pl.col("b").first(), seconds=pl.col("seconds").median(),
+        passes=pl.len().cast(pl.Int64)).rename({"b": "batch"}).sort("batch")
+    coef = moesd.fit(points, int(t["n"][0]), int(t["k"][0]))
+    return dict(coef=coef, points=points, dropped=dropped)
 
 
 def batch_projection(speed: pl.DataFrame, shape: cost.ModelShape, hw: cost.Hardware,
@@ -417,23 +482,48 @@ def all_frames(con) -> dict[str, pl.DataFrame]:
     return {name: fn(con) for name, fn in ANALYSES.items() if NEEDS.get(name, "routing") in present}
 
 
+def _pass_order(con) -> str:
+    """SQL numbering each ``trees`` row's verification pass within its run, in the order the run
+    verified them: by batched pass where there is one (its trees share a number), else by
+    (prompt, step) — the order the warm-up rule (:mod:`analysis.warmup`) needs."""
+    columns = set(con.sql("DESCRIBE trees").pl()["column_name"].to_list())
+    if "batch_pass" not in columns:  # schema 2: one tree a pass
+        return "dense_rank() OVER (PARTITION BY t.run ORDER BY t.prompt_index, t.step)"
+    return ("dense_rank() OVER (PARTITION BY t.run ORDER BY t.batch_pass, CASE WHEN t.batch_pass "
+            "IS NULL THEN t.prompt_index END, CASE WHEN t.batch_pass IS NULL THEN t.step END)")
+
+
+def calibration_passes(shape: cost.ModelShape, hw: cost.Hardware, t: pl.DataFrame):
+    """:func:`analysis.cost.calibrate` on the passes of ``t`` (run, pass_order, measured, nodes,
+    prefix_len, experts_loaded) that the warm-up rule keeps (:func:`analysis.warmup.drop`, per
+    run); (kept frame with ``predicted``, Calibration with the count dropped)."""
+    from analysis import warmup
+    kept, dropped = warmup.drop(t, "measured", ["run"], "pass_order")
+    cal = cost.calibrate(shape, hw, kept["measured"], kept["nodes"], kept["prefix_len"],
+                         kept["experts_loaded"], dropped=dropped)
+    if cal.refused:
+        return kept.with_columns(predicted=pl.lit(None, pl.Float64)), cal
+    parts = np.array([cost.pass_time(shape, hw, n, p, e)[1:] for n, p, e in
+                      zip(kept["nodes"], kept["prefix_len"], kept["experts_loaded"])])
+    return kept.with_columns(predicted=pl.Series(cal.predict(parts[:, 0], parts[:, 1]))), cal
+
+
 def calibration_frame(con, model: str, bench: str, manifest: dict,
                       hw: cost.Hardware = cost.PROFILES["A100-80G"]):
-    """Least-squares calibration of the roofline (datasheet shape of ``hw``) to this dataset's
-    measured verify times; (measured vs predicted frame, Calibration) or None."""
-    t = con.sql(f"""SELECT verify_seconds AS measured, nodes, prefix_len,
-                    list_avg(experts_loaded) AS experts_loaded FROM trees
-                    WHERE model = '{partition_value(model)}' AND bench = '{bench}'""").pl()
-    if t.height < 4:
+    """Calibration of the roofline (datasheet shape of ``hw``) to this dataset's measured verify
+    times after the warm-up rule (:func:`calibration_passes`); (measured vs predicted frame,
+    Calibration) or None without passes or a readable config. A Calibration with too few passes
+    is ``refused`` (its verdict says "not fitted: only N passes (need 5)")."""
+    t = con.sql(f"""SELECT t.run, {_pass_order(con)} AS pass_order,
+                    t.verify_seconds AS measured, t.nodes, t.prefix_len,
+                    list_avg(t.experts_loaded) AS experts_loaded FROM trees t
+                    WHERE t.model = '{partition_value(model)}' AND t.bench = '{bench}'""").pl()
+    if t.height == 0:
         return None
     shape = model_shape(manifest["model_location"])
     if shape is None:
         return None
-    cal = cost.calibrate(shape, hw, t["measured"], t["nodes"], t["prefix_len"],
-                         t["experts_loaded"])
-    parts = np.array([cost.pass_time(shape, hw, n, p, e)[1:] for n, p, e in
-                      zip(t["nodes"], t["prefix_len"], t["experts_loaded"])])
-    return t.with_columns(predicted=pl.Series(cal.predict(parts[:, 0], parts[:, 1]))), cal
+    return calibration_passes(shape, hw, t)
 
 
 def efficiency_frame(root: Path | None, model: str) -> pl.DataFrame | None:

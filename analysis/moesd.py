@@ -69,21 +69,40 @@ def efficiency(points: pl.DataFrame) -> pl.DataFrame:
 
 
 def fit(points: pl.DataFrame, n: int, k: int) -> dict:
-    from scipy.optimize import nnls
+    """``T(b, γ) ≈ c₀ + c₁·E(bγ) + c₂·bγ`` with c ≥ 0 under the soft-L1 loss
+    (:func:`analysis.warmup.nonneg_fit`) to ``points`` (batch, gamma, seconds), subject to the
+    sample check (:func:`analysis.warmup.check`): with a ``passes`` column (kept passes behind
+    each point's seconds) a point with fewer than 5 is left out (``left_out``), and fewer than
+    3 + 2 points left refuse the fit (``refused``: "not fitted: only 1 pass at b = 2 (need 5)";
+    c₀, c₁, c₂ and the relative RMSE are then NaN). ``relative_rmse = √mean(r²) / mean(T)`` over
+    the points fitted (``points``)."""
+    from analysis import warmup
+    single = points.group_by("batch").agg(pl.col("gamma").n_unique() == 1)["gamma"].all()
+    labels = [f"b = {b:g}" if single else f"b = {b:g}, γ = {g:g}"
+              for b, g in zip(points["batch"], points["gamma"])]
+    passes = points["passes"] if "passes" in points.columns else [warmup.MIN_PASSES] * points.height
+    sample = warmup.check(passes, labels, 3)
+    out = dict(points=len(sample.used), left_out=sample.left_out, refused=sample.refused)
+    if sample.refused:
+        nan = float("nan")
+        return dict(c0=nan, c1=nan, c2=nan, relative_rmse=nan, **out)
+    points = points.select(pl.all().gather(sample.used))
     tokens = (points["batch"] * points["gamma"]).to_numpy().astype(float)
     e = moesd_uniform(n, k, tokens)
     a = np.c_[np.ones_like(tokens), e, tokens]
     y = points["seconds"].to_numpy()
-    scale = a.max(0)
-    coef, _ = nnls(a / scale, y)
-    coef = coef / scale
+    coef = warmup.nonneg_fit(a, y)
     pred = a @ coef
     return dict(c0=coef[0], c1=coef[1], c2=coef[2],
-                relative_rmse=float(np.sqrt(((y - pred) ** 2).mean()) / y.mean()))
+                relative_rmse=float(np.sqrt(((y - pred) ** 2).mean()) / y.mean()), **out)
 
 
 def regime(tokens, n: int, k: int, coef: dict) -> list[str]:
+    """Which term of the fitted pass time dominates at each token count; "not fitted" for
+    every point when the fit was refused (too few passes: :mod:`analysis.warmup`)."""
     tokens = np.asarray(tokens, dtype=float)
+    if coef.get("refused"):
+        return ["not fitted"] * len(tokens)
     e = moesd_uniform(n, k, tokens)
     out = []
     for t, ei in zip(tokens, e):
@@ -192,9 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     with pl.Config(tbl_rows=100):
         print(eff.with_columns(regime=pl.Series(regime(
             eff["batch"] * eff["gamma"], adapter.num_experts, adapter.top_k, coef))))
-    print(f"fit: T = {coef['c0']:.3g} + {coef['c1']:.3g}·E(bγ) + {coef['c2']:.3g}·bγ s "
-          f"(relative RMSE {coef['relative_rmse']:.1%}; {loaded.device.type}, {threads} CPU "
-          f"threads); wrote {folder}")
+    if coef.get("refused"):
+        print(f"fit: {coef['refused']}; wrote {folder}")
+    else:
+        print(f"fit: T = {coef['c0']:.3g} + {coef['c1']:.3g}·E(bγ) + {coef['c2']:.3g}·bγ s "
+              f"(relative RMSE {coef['relative_rmse']:.1%}; {loaded.device.type}, {threads} "
+              f"CPU threads); wrote {folder}")
     return 0
 
 

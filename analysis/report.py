@@ -126,7 +126,21 @@ def batch_figures(con, frames: dict, model: str, bench: str, n: int) -> list:
             hw = "H100-SXM"
             projection = batch_projection(mine, target, cost.PROFILES[hw],
                                           fit["gamma"] if fit else 63)
-            figs.append(figures.batch_speedup(mine, fit, projection, f"{name} on {hw}"))
+            shown = fit if fit and not fit["refused"] else None  # a refused fit is never drawn
+            fig = figures.batch_speedup(mine, shown, projection, f"{name} on {hw}")
+            if fit:  # the fit's sample and the warm-up rule, in words on the figure
+                from analysis import warmup
+                left = fit["left_out"]
+                said = fit["refused"] or (
+                    f"fitted to {fit['coef']['points']} (b, γ) points" + (
+                        f"; left out: {', '.join(left[:4])}{' …' if len(left) > 4 else ''}"
+                        if left else ""))
+                fig.add_annotation(text=f"MoESD's pass-time model {said}<br>{fit['dropped']} "
+                                        f"passes dropped as warm-up ({warmup.RULE_SHORT})",
+                                   showarrow=False, xref="paper", yref="paper", x=0.01, y=0.99,
+                                   xanchor="left", yanchor="top", align="left",
+                                   bgcolor="rgba(255,255,255,0.8)", font=dict(size=10))
+            figs.append(fig)
     return figs
 
 
@@ -212,7 +226,9 @@ def projection_section(con, model: str, bench: str, manifest: dict) -> dict:
                                      table=Table(head, rows, frozenset({6}), frozenset(bold)))
     fitted = calibration_frame(con, model, bench, manifest)
     if fitted is not None:
-        section["calibration"] = dict(verdict=fitted[1].verdict, usable=fitted[1].usable)
+        from analysis import warmup
+        section["calibration"] = dict(verdict=f"{fitted[1].verdict}; {warmup.RULE}",
+                                      usable=fitted[1].usable)
     return section
 
 

@@ -85,7 +85,8 @@ def measured_speed(traces: Path, model: str, sizes: list[int], budget: int, prom
             rows[p["batch_size"]]["moesd_verify_speedup"] = p["predicted"]
     return rows, (None if fit is None else dict(
         c0=fit["coef"]["c0"], c1=fit["coef"]["c1"], c2=fit["coef"]["c2"],
-        relative_rmse=fit["coef"]["relative_rmse"], points=fit["points"].height))
+        relative_rmse=fit["coef"]["relative_rmse"], points=fit["points"].height,
+        refused=fit["coef"].get("refused")))
 
 
 def main() -> None:
@@ -135,7 +136,9 @@ def main() -> None:
                     f" {r.get('tau', float('nan')):>5.2f}"
                     f" {r.get('moesd_verify_speedup', float('nan')):>12.2f}x"
                     f" {r['replay_speed_vs_first']:>12.2f}x")
-        if fit:
+        if fit and fit.get("refused"):
+            print(f"MoESD pass-time model {fit['refused']}")
+        elif fit:
             print(f"MoESD pass-time fit T = {fit['c0'] * 1e3:.2f} ms + {fit['c1'] * 1e3:.3f} ms "
                   f"x E(b*gamma) + {fit['c2'] * 1e3:.4f} ms x b*gamma over {fit['points']} "
                   f"(sequences, gamma) points: relative RMSE {fit['relative_rmse']:.1%}")

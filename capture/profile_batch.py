@@ -10,11 +10,20 @@ batching (:class:`eagle.batched.BatchedDecoder`) three ways:
   the whole batch's b·M tree tokens capped at B (``--ranking``, ``--coverage``), applied inside
   the verification forward (MoE-Spec's online mode, :class:`policy.budget.Budget`).
 
-Each decoding gives tokens/s over the whole run (prefill and drafting included; the first b of
-the batch sizes is decoded once more before timing so start-up costs are not charged to it) and
-every verification pass's device-synchronised seconds with its b and γ:
+Each decoding gives tokens/s over the whole run (prefill and drafting included) and every
+verification pass's device-synchronised seconds with its b and γ:
 
     speedup(b) = tokens/s(eagle, b) / tokens/s(ar, b)
+
+Before timing, ``--warmup N`` (default 1) untimed rounds decode the first b₀ prompts (b₀ the
+first batch size) for 2 new tokens each way (ar and eagle), so start-up (allocation, lazy
+imports, kernel selection) is not charged to the first decoding; ``--repeats R`` (default 1)
+decodes every (mode, b, budget) R times (the speedup uses the median tokens/s). Each decoding's
+per-pass latency (draft + verify seconds, its first pass left out as warm-up by
+:mod:`analysis.warmup`'s rule) is summarised as p50/p90/p99 (numpy's linear percentiles, as
+``vllm bench serve`` and SGLang's ``bench_serving`` report them), in the table and the printout.
+The tables (and ``--output``) are rewritten atomically after every decoding, so a run that is
+stopped leaves the decodings it finished.
 
 The passes are the points MoESD's pass-time model ``T(b, γ) ≈ c₀ + c₁·E(bγ) + c₂·bγ`` is fitted
 to (:func:`analysis.moesd.fit`, reported with its relative RMSE); ``analysis`` sets the measured
@@ -55,6 +64,8 @@ class ProfileBatchSettings:
     device: str = "auto"
     dtype: str = "auto"
     chat_template: bool = False
+    warmup: int = 1  # untimed warm-up rounds before the first timed decoding
+    repeats: int = 1  # timed decodings per (mode, b, budget)
 
     def identity(self) -> dict:
         """The settings that decide the numbers (device and dtype included: timings are)."""
@@ -73,6 +84,7 @@ class Decoding:
     passes: list[dict]  # batch (sequences), gamma (tokens each), verify_seconds, draft_seconds
     accepted: int  # tokens added over all (sequence, pass) pairs
     trees: int
+    repeat: int = 0  # 0 … --repeats − 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,17 +95,38 @@ class Decoding:
         """Mean tokens a sequence gains per pass (1 for AR)."""
         return self.accepted / self.trees if self.trees else float("nan")
 
+    @property
+    def latency(self) -> dict[str, float]:
+        """p50/p90/p99 seconds of a pass (draft + verify) over the decoding's passes, its first
+        left out as warm-up (:data:`analysis.warmup.WARMUP_PASSES`); NaN with none left."""
+        import numpy as np
+
+        from analysis.warmup import WARMUP_PASSES
+        times = [p["draft_seconds"] + p["verify_seconds"] for p in self.passes[WARMUP_PASSES:]]
+        return {f"latency_p{q}": float(np.percentile(times, q)) if times else float("nan")
+                for q in PERCENTILES}
+
     def row(self) -> dict:
         return dict(mode=self.mode, batch_size=self.batch_size, budget=self.budget,
                     tokens=self.tokens, seconds=self.seconds, tokens_per_s=self.tokens_per_s,
-                    passes=len(self.passes), tau=self.tau)
+                    passes=len(self.passes), tau=self.tau, repeat=self.repeat, **self.latency)
+
+    def label(self, repeats: bool = False) -> str:
+        """"b=2 eagle B=16", with " #2" (the repeat) when ``repeats``."""
+        return f"b={self.batch_size} {self.mode}" + (
+            f" B={self.budget}" if self.budget is not None else "") + (
+            f" #{self.repeat + 1}" if repeats else "")
+
+
+PERCENTILES = (50, 90, 99)
 
 
 def decode(decoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, *,
            eos: set[int], autoregressive: bool = False, verify_context=None,
-           budget: int | None = None) -> Decoding:
+           budget: int | None = None, on_pass=None) -> Decoding:
     """Decode every prompt ``batch_size`` at a time; tokens/s counts every output token of every
-    prompt over the wall time of the whole decoding."""
+    prompt over the wall time of the whole decoding. ``on_pass(n)`` is called after each
+    verification pass with the passes so far (progress)."""
     from eagle.batched import BatchedDecoder, BatchPass
 
     start = time.perf_counter()
@@ -113,14 +146,17 @@ def decode(decoder, prompts: list[list[int]], batch_size: int, max_new_tokens: i
             trees += len(event.records)
             if verify_context is not None:
                 verify_context.take()  # the budget's records are not kept: memory stays flat
+            if on_pass:
+                on_pass(len(passes))
     return Decoding("ar" if autoregressive else "eagle", batch_size, budget, tokens,
                     time.perf_counter() - start, passes, accepted, trees)
 
 
 def measure(settings: ProfileBatchSettings, loaded, head, prompts: list[list[int]], *,
-            progress=None, done=None):
-    """Every (mode, b, budget) decoding of ``settings`` on ``prompts``, yielded in turn;
-    ``progress(label)`` is called before each and ``done(decoding)`` after."""
+            progress=None, done=None, on_pass=None):
+    """Every (mode, b, budget, repeat) decoding of ``settings`` on ``prompts``, yielded in turn,
+    after ``settings.warmup`` untimed rounds; ``progress(label)`` is called before each (and
+    before the warm-up), ``done(decoding)`` after, ``on_pass(n)`` after each pass."""
     from eagle.decoding import EagleDecoder
     from moe.adapter import MoEAdapter
     from moe.recorder import VerifyRecorder
@@ -133,18 +169,29 @@ def measure(settings: ProfileBatchSettings, loaded, head, prompts: list[list[int
     ranking = rankings.get(settings.ranking)().fit(None) if settings.budgets else None
     cover = coverage.get(settings.coverage)
     warm = settings.batch_sizes[0]  # start-up (allocations, lazy imports) off the clock
-    decode(decoder, prompts[:warm], warm, 2, eos=eos)
+    for i in range(settings.warmup):
+        if progress:
+            progress(f"warm-up {i + 1}/{settings.warmup}")
+        for autoregressive in (True, False):
+            decode(decoder, prompts[:warm], warm, WARMUP_TOKENS, eos=eos,
+                   autoregressive=autoregressive)
     for b in settings.batch_sizes:
         for label, kwargs in [("ar", dict(autoregressive=True)), ("eagle", {})] + [
                 (f"eagle B={budget}", dict(budget=budget, verify_context=VerifyRecorder(
                     adapter, record_tensors=False, budget=Budget(budget, ranking, cover))))
                 for budget in settings.budgets]:
-            if progress:
-                progress(f"b={b} {label}")
-            decoding = decode(decoder, prompts, b, settings.max_new_tokens, eos=eos, **kwargs)
-            if done:
-                done(decoding)
-            yield decoding
+            for r in range(settings.repeats):
+                if progress:
+                    progress(f"b={b} {label}" + (f" #{r + 1}" if settings.repeats > 1 else ""))
+                decoding = decode(decoder, prompts, b, settings.max_new_tokens, eos=eos,
+                                  on_pass=on_pass, **kwargs)
+                decoding.repeat = r
+                if done:
+                    done(decoding)
+                yield decoding
+
+
+WARMUP_TOKENS = 2  # new tokens of a warm-up decoding
 
 
 # --- storage ------------------------------------------------------------------------------------
@@ -170,8 +217,8 @@ def tables(settings: ProfileBatchSettings, decodings: list[Decoding], *, num_exp
                   ranking=settings.ranking if settings.budgets else None,
                   coverage=settings.coverage if settings.budgets else None)
     rows = [{**d.row(), **common} for d in decodings]
-    passes = [dict(mode=d.mode, batch_size=d.batch_size, budget=d.budget, pass_index=i, **p)
-              for d in decodings for i, p in enumerate(d.passes)]
+    passes = [dict(mode=d.mode, batch_size=d.batch_size, budget=d.budget, repeat=d.repeat,
+                   pass_index=i, **p) for d in decodings for i, p in enumerate(d.passes)]
     return {name: pa.Table.from_pylist(data, schema=schema.BATCH_PROFILE_TABLES[name])
             for name, data in (("batch_profile", rows), ("batch_profile_passes", passes))}
 
@@ -180,6 +227,7 @@ def tables(settings: ProfileBatchSettings, decodings: list[Decoding], *, num_exp
 EXAMPLES = """
 profile-batch --model tiny-olmoe --batch-sizes 1,4,16 --limit 16
 profile-batch --model tiny-olmoe --budget 16,32 --threads 1      # with online budgets
+profile-batch --model tiny-olmoe --batch-sizes 1,2 --warmup 2 --repeats 3   # steadier timings
 profile-batch --model olmoe --device cuda --batch-sizes 1,2,4,8,16,32 --budget 32   # on a GPU
 """
 
@@ -221,6 +269,11 @@ def parser():
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--batch-sizes", default=",".join(map(str, d.batch_sizes)),
                    help="batch sizes b, comma-separated")
+    p.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
+                   help=f"untimed warm-up rounds before timing (each decodes the first b prompts "
+                        f"for {WARMUP_TOKENS} tokens, ar and eagle; 0: none)")
+    p.add_argument("--repeats", type=int, default=d.repeats, metavar="R",
+                   help="timed decodings per (mode, b, budget); speedups use the median")
     p.add_argument("--budget", default="", help="expert budgets B over the batch's union, "
                                                 "comma-separated (none: no budgeted decoding)")
     p.add_argument("--ranking", default=d.ranking, choices=index.ranking_names(runtime=True),
@@ -242,6 +295,7 @@ def parser():
 MAX_COUNT = 1_000_000  # the most prompts or tokens any sane option asks for (capture's bound)
 MAX_BATCH = 4096  # sequences decoded together (capture's --batch-size bound)
 MAX_BATCH_SIZES = 64  # batch sizes measured in one run (each decoded 2 + budgets times)
+MAX_REPEATS = 1000  # --repeats and --warmup (profile-target's bound)
 
 
 def settings_from(args) -> ProfileBatchSettings:
@@ -253,6 +307,9 @@ def settings_from(args) -> ProfileBatchSettings:
                         ("--offset", args.offset)):
         if value > MAX_COUNT:
             raise ValueError(f"{flag} {value} is out of range: it must be at most {MAX_COUNT}")
+    for flag, value, low in (("--warmup", args.warmup, 0), ("--repeats", args.repeats, 1)):
+        if not low <= value <= MAX_REPEATS:
+            raise ValueError(f"{flag} {value} is out of range: it must be {low} to {MAX_REPEATS}")
     batch_sizes = _numbers(args.batch_sizes, "--batch-sizes")
     budgets = _numbers(args.budget, "--budget") if args.budget.strip() else ()
     if max(batch_sizes) > MAX_BATCH or len(batch_sizes) > MAX_BATCH_SIZES:
@@ -265,7 +322,8 @@ def settings_from(args) -> ProfileBatchSettings:
         model=args.model, bench=args.bench, draft=args.draft, limit=args.limit,
         offset=args.offset, max_new_tokens=args.max_new_tokens, batch_sizes=batch_sizes,
         budgets=budgets, ranking=args.ranking, coverage=args.coverage, device=args.device,
-        dtype=args.dtype, chat_template=args.chat_template)
+        dtype=args.dtype, chat_template=args.chat_template, warmup=args.warmup,
+        repeats=args.repeats)
 
 
 def check_model_limits(settings: ProfileBatchSettings) -> None:
@@ -291,18 +349,38 @@ def check_model_limits(settings: ProfileBatchSettings) -> None:
 
 
 def summary_lines(decodings: list[Decoding]) -> list[str]:
-    """One line per b: AR and EAGLE tokens/s, the speedup, and the speedup under each budget."""
-    by = {(d.mode, d.batch_size, d.budget): d for d in decodings}
+    """One line per b: AR and EAGLE tokens/s (median over repeats), the speedup, and the speedup
+    under each budget."""
+    import statistics
+
+    groups: dict = {}
+    for d in decodings:
+        groups.setdefault((d.mode, d.batch_size, d.budget), []).append(d)
+    speed = {key: statistics.median(d.tokens_per_s for d in ds) for key, ds in groups.items()}
+    tau = {key: statistics.fmean(d.tau for d in ds) for key, ds in groups.items()}
     budgets = sorted({d.budget for d in decodings if d.budget is not None})
     head = (f"{'b':>4} {'AR tok/s':>9} {'EAGLE tok/s':>11} {'tau':>5} {'speedup':>8}"
             + "".join(f" {'B=' + str(b):>8}" for b in budgets))
     lines = [head]
     for b in sorted({d.batch_size for d in decodings}):
-        ar, eagle = by[("ar", b, None)], by[("eagle", b, None)]
-        lines.append(f"{b:>4} {ar.tokens_per_s:>9.1f} {eagle.tokens_per_s:>11.1f} "
-                     f"{eagle.tau:>5.2f} {eagle.tokens_per_s / ar.tokens_per_s:>7.2f}x"
-                     + "".join(f" {by[('eagle', b, B)].tokens_per_s / ar.tokens_per_s:>7.2f}x"
-                               for B in budgets))
+        ar, eagle = speed[("ar", b, None)], speed[("eagle", b, None)]
+        lines.append(f"{b:>4} {ar:>9.1f} {eagle:>11.1f} {tau[('eagle', b, None)]:>5.2f} "
+                     f"{eagle / ar:>7.2f}x"
+                     + "".join(f" {speed[('eagle', b, B)] / ar:>7.2f}x" for B in budgets))
+    return lines
+
+
+def latency_lines(decodings: list[Decoding]) -> list[str]:
+    """One line per decoding: passes and p50/p90/p99 of its per-pass latency in ms (draft +
+    verify, first pass left out as warm-up), as serving benchmarks report them."""
+    head = f"{'decoding':<22} {'passes':>6} " + " ".join(f"{'p' + str(q) + ' ms':>9}"
+                                                         for q in PERCENTILES)
+    lines = [head]
+    repeats = any(d.repeat for d in decodings)
+    for d in decodings:
+        lat = d.latency
+        lines.append(f"{d.label(repeats):<22} {len(d.passes):>6} " + " ".join(
+            f"{lat[f'latency_p{q}'] * 1e3:>9.2f}" for q in PERCENTILES))
     return lines
 
 
@@ -347,40 +425,64 @@ def main(argv: list[str] | None = None) -> int:
     from capture.target import prompt_ids
     from catalog.writer import write_batch_profile
     ids = [prompt_ids(loaded.tokenizer, p.text, settings.chat_template) for p in prompts_found]
-    runs = len(settings.batch_sizes) * (2 + len(settings.budgets))
-    with tqdm(total=runs, desc="profile-batch", unit="decoding",
-              disable=args.no_progress) as bar:
-        def step(label):
-            bar.set_postfix_str(label)
-            bar.update(0)
-        decodings = []
-        for d in measure(settings, loaded, head, ids, progress=step,
-                         done=lambda d: bar.update(1)):
-            decodings.append(d)
+    runs = len(settings.batch_sizes) * (2 + len(settings.budgets)) * settings.repeats
     name = run_name(settings)
-    found = tables(settings, decodings, num_experts=adapter.num_experts,
-                   top_k=adapter.top_k, device=str(loaded.device), threads=threads)
-    try:
+    decodings: list[Decoding] = []
+
+    def save(complete: bool) -> tuple[dict, list]:
+        """The tables (and ``--output`` file) of the decodings so far, rewritten atomically:
+        a stopped run leaves every decoding it finished."""
+        found = tables(settings, decodings, num_experts=adapter.num_experts,
+                       top_k=adapter.top_k, device=str(loaded.device), threads=threads)
         folders = write_batch_profile(args.out, loaded.name, settings.bench, name, found)
+        if args.output is not None and (complete or str(args.output) != "-"):
+            console.write_json(args.output, {
+                "tool": "profile-batch", "run": name, "model": loaded.name, "threads": threads,
+                "settings": settings.identity(), "complete": complete,
+                "decodings": f"{len(decodings)} of {runs}", "warmup_rounds": settings.warmup,
+                "percentiles_of": "per-pass latency, draft + verify seconds (first pass of each "
+                                  "decoding left out as warm-up)",
+                "rows": found["batch_profile"].to_pylist()})
+        return found, folders
+
+    try:
+        with tqdm(total=runs, desc="profile-batch", unit="decoding",
+                  disable=args.no_progress) as bar:
+            label = [""]
+
+            def step(text):
+                label[0] = text
+                bar.set_postfix_str(text)
+                bar.update(0)
+
+            def on_pass(n):
+                bar.set_postfix_str(f"{label[0]}: {n} passes", refresh=False)
+
+            for d in measure(settings, loaded, head, ids, progress=step, on_pass=on_pass,
+                             done=lambda d: bar.update(1)):
+                decodings.append(d)
+                found, folders = save(complete=len(decodings) == runs)
+    except KeyboardInterrupt:
+        kept = f"kept the {len(decodings)} finished decodings of {runs} under {args.out}" \
+            if decodings else "no decoding had finished: nothing stored"
+        print(f"profile-batch: interrupted; {kept}", file=sys.stderr)
+        return 130
     except OSError as exc:
-        return fail("profile-batch", f"cannot write under {args.out}: {exc.strerror or exc}", 1)
+        return fail("profile-batch", f"cannot write under {args.out} or --output: "
+                                     f"{exc.strerror or exc}", 1)
     print(f"profile-batch {loaded.name}/{settings.bench}: {len(ids)} prompts x "
-          f"{settings.max_new_tokens} new tokens at each b (tokens/s over the whole decoding)")
+          f"{settings.max_new_tokens} new tokens at each b (tokens/s over the whole decoding; "
+          f"{settings.warmup} warm-up round(s), {settings.repeats} repeat(s))")
     for line in summary_lines(decodings):
+        print(line)
+    print("per-pass latency (draft + verify; first pass of each decoding left out as warm-up):")
+    for line in latency_lines(decodings):
         print(line)
     print(f"stored: {', '.join(str(f) for f in folders)}")
     print("look at it:\n  " + console.commandline(
-        f"query --traces {args.out} \"SELECT batch_size, mode, budget, tokens_per_s FROM "
-        f"batch_profile ORDER BY ALL\""))
-    try:
-        console.write_json(args.output, {
-            "tool": "profile-batch", "run": name, "model": loaded.name, "threads": threads,
-            "settings": settings.identity(), "rows": found["batch_profile"].to_pylist()})
-    except OSError as exc:
-        return fail("profile-batch", f"cannot write --output {args.output}: "
-                                     f"{exc.strerror or exc}", 1)
+        f"query --traces {args.out} \"SELECT batch_size, mode, budget, tokens_per_s, latency_p50, "
+        f"latency_p99 FROM batch_profile ORDER BY ALL\""))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -175,8 +175,16 @@ BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
         pa.field("threads", pa.int32()),
         pa.field("ranking", pa.string()),  # of the budget; null without budgets
         pa.field("coverage", pa.string()),
+        # added in round 4 (files before lack them; readers select by name): the decoding's
+        # repeat (0 … --repeats − 1) and p50/p90/p99 of its per-pass latency (draft + verify
+        # seconds; its first pass left out as warm-up, analysis.warmup)
+        pa.field("repeat", pa.int32()),
+        pa.field("latency_p50", pa.float64()),
+        pa.field("latency_p90", pa.float64()),
+        pa.field("latency_p99", pa.float64()),
     ]),
     "batch_profile_passes": pa.schema(_DECODING + [
+        pa.field("repeat", pa.int32()),  # round 4 (older files lack it): the decoding's repeat
         pa.field("pass_index", pa.int32()),
         pa.field("batch", pa.int32()),  # sequences in this pass (≤ b as the queue drains)
         pa.field("gamma", pa.int32()),  # tokens verified per sequence (1 for ar, M for eagle)

@@ -239,7 +239,9 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     assert list(table["b"])[0] == 1 and max(table["b"]) >= 3
     experts = dict(zip(table["b"], table["unique experts / layer (measured)"]))
     assert experts[max(experts)] > experts[1]  # the union over more trees loads more experts
-    assert any("MoESD's pass-time model fitted" in m.value for m in at.markdown)
+    # three batch sizes are too few points for the model's three parameters (issue 42.3)
+    assert any("MoESD's pass-time model not fitted: only" in w.value for w in at.warning)
+    assert not any("MoESD's pass-time model fitted" in m.value for m in at.markdown)
     assert any("profile-batch --model" in c.value for c in at.caption)  # not measured yet
     from capture import profile_batch
     assert profile_batch.main(["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "3",

@@ -77,7 +77,10 @@ def test_profile_batch_stores_every_decoding_and_the_report_draws_it(tmp_path):
     speed = frames.batch_speedup(con)
     assert speed.height == 9 and (speed["speedup"] > 0).all()
     fit = frames.batch_fit(con, "tiny-olmoe", "mbpp", speed["run"][0], speed)
-    assert fit is not None and fit["predicted"].height == 3 and fit["gamma"] > 1
+    assert fit is not None and fit["gamma"] > 1
+    # 3 prompts x 6 tokens: too few EAGLE passes at b = 2, 3 for the sample check (42.3)
+    assert fit["predicted"].height == 3 if fit["refused"] is None else \
+        fit["refused"].startswith("not fitted: only") and fit["predicted"].is_empty()
     # the same command again replaces its own points (one run, not two)
     assert profile_batch.main(args) == 0
     assert connect(out).sql("SELECT count(DISTINCT run) FROM batch_profile").fetchall() == [(1,)]
