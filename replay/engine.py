@@ -151,6 +151,8 @@ class OpenLoopEngine:
                 self._flush(prompt, tasks)
         if pending:
             self._score(pending, tasks, left, tolerance, run.name, bar)
+        bar.total = bar.n  # ends at n/n whatever the estimate (stored passes, batches)
+        bar.refresh()
         bar.close()
         if finish:
             for task in tasks:
@@ -193,6 +195,8 @@ class OpenLoopEngine:
             if left[s.data.prompt_index] == 0:
                 self._flush(s.data.prompt_index, tasks)
         self.tree_layers += batch.size
+        if bar.total is not None and bar.n + batch.size > bar.total:
+            bar.total = bar.n + batch.size  # the total was an estimate: never n above it
         bar.update(batch.size)
 
     @staticmethod
@@ -208,7 +212,7 @@ class OpenLoopEngine:
 def _steps_hint(run: Run) -> int:
     """Verification passes per prompt, for the progress bar's total (from the trees table)."""
     try:
-        return max(1, location.read_table(run.files("trees"), columns=["step"]).num_rows //
-                   max(1, len(run.prompt_indices())))
+        trees = location.read_table(run.files("trees"), columns=["step"]).num_rows
+        return max(1, -(-trees // max(1, len(run.prompt_indices()))))  # rounded up
     except (OSError, pa.ArrowInvalid):
         return 1

@@ -105,6 +105,8 @@ def test_a_corrupt_recomputed_run_is_caught_by_the_stored_norms(tmp_path):
     import pyarrow as pa
     pq.write_table(table.set_column(table.schema.get_field_index("output_norm"), "output_norm",
                                     pa.array(norms.astype(np.float32))), part)
+    from conftest import recommit
+    recommit(tmp_path)  # as if captured so: the norms themselves are checked
     r = subprocess.run([sys.executable, "-m", "replay.cli", "--traces", str(tmp_path),
                         "--ranking", "router", "--no-progress"], capture_output=True, text=True)
     assert r.returncode == 2 and "wrong --model or corrupt trace" in r.stderr

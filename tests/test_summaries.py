@@ -93,6 +93,8 @@ def test_a_run_written_with_nullable_vectors_schema_3_summarises_the_same(traces
                          else f for f in t.schema])
         pq.write_table(t.cast(old), part, compression="zstd")
     assert pq.read_schema(parts[0]).field("router_probs").type.value_field.nullable
+    from conftest import recommit
+    recommit(root)  # as if schema 3 had captured them
     summaries.ensure(traces, workers=1)
     summaries.ensure(root, workers=1)
     for table in summaries.TABLES:
@@ -112,6 +114,8 @@ def test_built_once_rebuilt_when_the_run_changes_dropped_when_it_goes(traces, tm
     manifest = dict(run.manifest, run_id="recaptured")
     from catalog.runs import write_manifest
     write_manifest(root, manifest)
+    from conftest import recommit
+    recommit(root, "b")  # (a recapture commits its manifest anew)
     con = connect(root)
     with pytest.raises(CatalogError, match="stale for run"):
         routing.coverage_curve(con)
