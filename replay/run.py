@@ -89,6 +89,11 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
         with ExitStack() as locks:
             for name in request.rankings:
                 cls = rankings.get(name)
+                note = (f"{name} keeps one state per batch of {request.batch_size}, carried "
+                        "across that batch's passes (capture --batch-size refuses stateful "
+                        "rankings online)")
+                if request.batch_size > 1 and cls.stateful and note not in outcome.notes:
+                    outcome.notes.append(note)
                 for cov_name in request.coverages:
                     cover = coverage.get(cov_name)
                     budgets = [b for b in request.budgets if b >= cover.min_budget(adapter.top_k)]
