@@ -17,6 +17,7 @@ one line. Hashing is done once per file version: a verified (path, size, mtime, 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -121,16 +122,24 @@ def _remember(key: str | None, sha: str) -> None:
 
 
 # --- verification ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4096)
+def _folder_inside(folder: str, root: str) -> bool:
+    """Whether ``folder`` is reached from ``root`` without symbolic links (cached: every part
+    of a table shares its folder)."""
+    rel = os.path.relpath(os.path.abspath(folder), os.path.abspath(root))
+    if rel.startswith(".."):
+        return False
+    return os.path.realpath(folder) == os.path.normpath(os.path.join(os.path.realpath(root),
+                                                                      rel))
+
+
 def inside(path, root) -> bool:
     """Whether a local ``path`` is a regular file reached without symbolic links under ``root``
     (a resolved root: links above the traces folder itself are the user's business)."""
     if location.is_remote(path):
         return True
-    real_root = os.path.realpath(root)
-    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(root))
-    if rel.startswith(".."):
-        return False
-    return os.path.realpath(path) == os.path.join(real_root, rel)
+    return not os.path.islink(path) and _folder_inside(os.path.dirname(os.fspath(path)),
+                                                       os.fspath(root))
 
 
 def present(path, entry: list, root, fix: str) -> None:

@@ -330,13 +330,14 @@ class Run:
             return self
         expected = self.expected_prompts()
         if self.committed is not None:  # the record lists every part; readers verify them
-            fix = f"the trace of run {self.name} was damaged; recapture the run"
-            for table, record in self.committed.items():
-                for entry in record.get("parts", []):
-                    try:  # a stat a file: missing, moved behind a link or resized
-                        commit.present(self.dir(table) / entry[0], entry, self.root, fix)
-                    except commit.CommitError as exc:
-                        raise CatalogError(str(exc)) from None
+            for table, record in self.committed.items():  # a folder gone or moved behind
+                folder = self.dir(table)  # a link (its files are verified as they are read)
+                if record.get("parts") and (location.is_remote(folder) is False and (
+                        not folder.is_dir() or not commit.inside(folder / "x", self.root))):
+                    raise CatalogError(f"{folder / record['parts'][0][0]} is missing or reached "
+                                       "through a symbolic link (listed in its commit record): "
+                                       f"the trace of run {self.name} was damaged; recapture "
+                                       "the run")
             for table in ("sequences", "trees", "nodes", "routing"):
                 present = {commit.prompt_of(e[0]) for e in self._entries(table)}
                 missing = sorted(set(expected) - present)

@@ -380,8 +380,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reused stored results for run {name}" +
               ("" if loaded else " (model not loaded)"), file=sys.stderr)
     frame = plan.summary_frame(outcome, request)
-    if frame is not None:
-        print("\n".join(summary_lines(frame, request.mode, runs, list(args.ranking),
+    for run in runs if frame is not None else []:  # one block per run: never pooled
+        mine = frame.filter(frame["run"] == run.name).drop("run")
+        if mine.is_empty():
+            continue
+        print("\n".join(summary_lines(mine, request.mode, [run], list(args.ranking),
                                        list(coverages))))
     folders = sorted({str(u.folder.parent) for u in outcome.units})
     variants = sorted({plan.variant_text(u.unit) for u in outcome.units})

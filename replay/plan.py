@@ -180,18 +180,22 @@ def variant_text(unit: dict) -> str:
 
 
 def summary_frame(outcome: ReplayOutcome, request: ReplayRequest):
-    """Mean metrics per ranking × coverage × budget over the requested cells (a polars
-    DataFrame), or None when no cell is stored."""
+    """Mean metrics per run × ranking × coverage × budget over the requested cells (a polars
+    DataFrame; runs are never pooled: their settings may differ), or None when no cell is
+    stored."""
     import polars as pl
-    files = [f for u in outcome.units for f in u.parts(
-        list(request.layers) if request.layers else None, list(request.budgets))]
-    if not files:
+    frames = []
+    for u in outcome.units:
+        files = u.parts(list(request.layers) if request.layers else None, list(request.budgets))
+        if files:
+            frames.append(location.read_frame(files).with_columns(run=pl.lit(u.run.name)))
+    if not frames:
         return None
-    df = location.read_frame(files)
+    df = pl.concat(frames, how="diagonal_relaxed")
     df = df.filter(pl.col("budget").is_in(list(request.budgets)))
     if request.layers and "layer" in df.columns:
         df = df.filter(pl.col("layer").is_in(list(request.layers)))
-    keys = ["ranking", "coverage", "budget"]
+    keys = ["run", "ranking", "coverage", "budget"]
     return df.group_by(keys).agg(request.mode.summary_aggregates()).sort(keys)
 
 
