@@ -25,7 +25,7 @@ def settings_diff(runs: list[Run]) -> pl.DataFrame:
     """One row per setting (capture settings and model facts) whose value differs between the
     runs, one column per run: what makes them different experiments."""
     facts = {r.name: {**{k: json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
-                         for k, v in r.settings.items()},
+                         for k, v in {"batch_size": 1, **r.settings}.items()},
                       "model": r.model, "bench": r.bench, "role": r.role,
                       "dtype": r.manifest.get("dtype"), "device": r.manifest.get("device"),
                       "prompts": r.manifest.get("prompts_total")} for r in runs}
@@ -70,7 +70,8 @@ def lines(frame: pl.DataFrame, x: str, y: str, title: str, x_title: str, y_title
     for i, run in enumerate(frame["run"].unique(maintain_order=True).to_list()):
         mine = frame.filter(pl.col("run") == run)
         fig.add_scatter(x=mine[x], y=mine[y], mode="lines+markers", name=f"run {run}",
-                        line=dict(color=figures.COLORS[i % len(figures.COLORS)]))
+                        line=dict(color=figures.COLORS[i % len(figures.COLORS)]),
+                        showlegend=True)  # (named even when only one run has this figure)
     fig.update_xaxes(title=x_title)
     fig.update_yaxes(title=y_title, type="log" if log_y else None)
     return figures._style(fig, title)

@@ -116,9 +116,10 @@ VARIANT_FIELDS = [  # the columns that say which variant a replay result row is 
     ("calibration", pa.string()), ("calibration_run_ids", pa.string()),
     ("batch_seed", pa.int64()), ("dtype", pa.string()), ("means_version", pa.int64()),
     ("committed_at", pa.string())]
-DEFAULT_VARIANT_RULE = ("per cell (run, ranking, coverage, batch size, budget, layer): the "
-                        "calibrated variant where there is one, then the one replayed in the "
-                        "run's captured dtype, batch seed 0, then the most recently computed")
+DEFAULT_VARIANT_RULE = ("one variant per cell (run, ranking, coverage, batch size, budget, "
+                        "layer): the calibrated one where there is one, then the one replayed "
+                        "in the run's captured dtype, batch seed 0, then the most recently "
+                        "computed")
 
 
 def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
@@ -326,8 +327,8 @@ def hidden_variants(con: duckdb.DuckDBPyConnection, sql: str) -> list[str]:
                               "FROM variants WHERE table_name = ? GROUP BY ALL "
                               "HAVING count(DISTINCT variant) > 1)", [name]).fetchone()[0]
         if hidden or several:
-            notes.append(f"{name} shows one variant per cell ({DEFAULT_VARIANT_RULE}); "
-                         f"{name}_all holds every variant, the variants view lists them")
+            notes.append(f"{name} shows {DEFAULT_VARIANT_RULE}; {name}_all holds every "
+                         "variant, the variants view lists them")
     return notes
 
 

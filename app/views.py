@@ -149,7 +149,8 @@ def _setting_picker(runs: pl.DataFrame, key: str, across: tuple[str, ...] = ()) 
                      if any(s.get(k) != other.get(k) for other in settings)})
     labels = [", ".join(f"{k} {s.get(k)}" for k in differ) + f" — runs {', '.join(names)}"
               for s, names in zip(settings, groups["run"])]
-    first = max(range(groups.height), key=lambda i: groups["prompts"][i] or 0)
+    first = max(range(groups.height),  # most prompts, then the plain capture (b = 1)
+                key=lambda i: (groups["prompts"][i] or 0, settings[i].get("batch_size") == 1))
     label = _url_select(st, "Setting (runs with other settings are never pooled)", labels, key,
                         "setting", index=first)
     st.caption(f"This dataset has {groups.height} capture settings (they differ in "
@@ -518,9 +519,9 @@ def _variants_note(con) -> None:
     except Exception:  # noqa: BLE001 - no results, no variants view
         return
     if hidden:
-        st.caption(f"{hidden} other stored variant(s) of these results are not drawn: each cell "
-                   f"shows one ({DEFAULT_VARIANT_RULE}). The SQL console's `SELECT * FROM "
-                   "variants` lists them; `replay_open_all` holds their rows.")
+        st.caption(f"{hidden} other stored variant(s) of these results are not drawn; the page "
+                   f"shows {DEFAULT_VARIANT_RULE}. The SQL console's `SELECT * FROM variants` "
+                   "lists them; `replay_open_all` holds their rows.")
 
 
 def speedup() -> None:
@@ -898,7 +899,7 @@ def compare_runs() -> None:
     cover = c2.selectbox("Coverage", ["truncation", "substitution"], key="cmp_cover")
     for fig in compare.compare_figures(con, ranking, cover):
         st.plotly_chart(fig, width="stretch")
-    st.caption(f"Replay results: one variant per cell ({DEFAULT_VARIANT_RULE}).")
+    st.caption(f"Replay results: {DEFAULT_VARIANT_RULE}.")
 
 
 def no_data(root, message: str) -> None:

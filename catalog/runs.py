@@ -252,7 +252,8 @@ class Run:
         """The capture settings that make this run's data what it is (everything but the
         prompt range): runs of one model and benchmark with equal settings are one experiment
         and may be pooled; runs whose settings differ never are (views and pages say which)."""
-        return {k: v for k, v in self.settings.items() if k not in self.PROMPT_RANGE}
+        found = {k: v for k, v in self.settings.items() if k not in self.PROMPT_RANGE}
+        return {"batch_size": 1, **found}  # (b = 1 is left out of a capture's identity)
 
     @property
     def ref(self) -> dict:
