@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-WARMUP_PASSES = 1
+from catalog.schema import WARMUP_PASSES  # the count, owned below capture (profile-batch)
+
 OUTLIER_MADS = 5.0
 MAD_FLOOR = 0.01  # × the median
 MIN_PASSES = 5

@@ -98,10 +98,10 @@ class Decoding:
     @property
     def latency(self) -> dict[str, float]:
         """p50/p90/p99 seconds of a pass (draft + verify) over the decoding's passes, its first
-        left out as warm-up (:data:`analysis.warmup.WARMUP_PASSES`); NaN with none left."""
+        left out as warm-up (:data:`catalog.schema.WARMUP_PASSES`); NaN with none left."""
         import numpy as np
 
-        from analysis.warmup import WARMUP_PASSES
+        from catalog.schema import WARMUP_PASSES
         times = [p["draft_seconds"] + p["verify_seconds"] for p in self.passes[WARMUP_PASSES:]]
         return {f"latency_p{q}": float(np.percentile(times, q)) if times else float("nan")
                 for q in PERCENTILES}

@@ -17,7 +17,10 @@ import numpy as np
 import pyarrow as pa
 
 from catalog import location, schema
+from catalog.columns import VECTOR_TYPES, expected_types, reason  # noqa: F401 - (re-exported)
 from catalog.runs import CatalogError, Run
+
+_expected_types, _reason = expected_types, reason  # (the names other modules use)
 
 ROUTING_COLUMNS = ["prompt_id", "step", "layer", "node", "router_probs", "topk_ids",
                    "topk_weights"]
@@ -105,25 +108,6 @@ def read_parts(run: Run, table: str, prompt_index: int, columns: list[str],
     return pa.concat_tables(tables)
 
 
-VECTOR_TYPES = {pa.float32(), pa.float16(), pa.uint16()}  # storage dtypes (catalog.schema)
-
-
-def _expected_types(t: pa.Table, table: str) -> pa.Table:
-    """Refuse columns whose type is not the schema's (vectors: any storage dtype)."""
-    expected = schema.TABLES[table]
-    for name in t.column_names:
-        want, got = expected.field(name).type, t.schema.field(name).type
-        if schema.same_type(got, want):
-            continue
-        if pa.types.is_list(want) and pa.types.is_list(got) and table == "moe_io" \
-                and got.value_type in VECTOR_TYPES:
-            continue
-        if pa.types.is_null(got):
-            continue
-        raise ValueError(f"column {name} is {got}, the schema says {want}")
-    return t
-
-
 def check_paths(paths: list, table: str) -> None:
     """:func:`check_files` over a list of files (the parts of a run without a commit record)."""
     for path in paths:
@@ -192,14 +176,6 @@ class PromptTreeLayers:
                          None if self.hidden is None else self.hidden[rows],
                          None if self.output is None else self.output[rows])
 
-
-
-def _reason(exc: Exception, path) -> str:
-    """The reader's complaint in a few words: first line, the (already named) path cut out."""
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else type(exc).__name__
-    first = first.replace(f"'{path}'", "the file").replace(str(path), "the file")
-    return first[:120]
 
 
 def prompt_chunks(run: Run, prompt_index: int, *, with_io: bool = True) \

@@ -20,7 +20,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from catalog import commit, location, schema
+import pyarrow as pa
+
+from catalog import columns, commit, location, schema
 from catalog.names import InvalidName, check_name, partition_value
 from errors import UserError
 
@@ -275,15 +277,21 @@ class Run:
 
     def _verified(self, table: str, entries: list[list]) -> list[Path]:
         """The paths of committed ``entries`` of ``table``, each checked against its record."""
-        columns = (self.committed or {}).get(table, {}).get("columns")
+        listed = (self.committed or {}).get(table, {}).get("columns")
         fix = f"the trace of run {self.name} was damaged; recapture the run"
-        from catalog.reader import check_paths  # (reader imports this module)
-        types = None if table not in schema.TABLES else lambda p: check_paths([p], table)
+
+        def types(path):  # checked when a file is first verified, remembered with its hash
+            try:
+                columns.check_footer(path, table)
+            except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+                raise CatalogError(f"{path}: corrupt or unreadable {table} part "
+                                   f"({columns.reason(exc, path)}); recapture the run") from None
+        types = types if table in schema.TABLES else None
         paths = []
         for entry in entries:
             path = self.dir(table) / entry[0]
             try:
-                commit.verify(path, entry, columns, self.root, fix, types)
+                commit.verify(path, entry, listed, self.root, fix, types)
             except commit.CommitError as exc:
                 raise CatalogError(str(exc)) from None
             paths.append(path)

@@ -50,6 +50,10 @@ RANKINGS: dict[str, Entry] = {
                      "gradient-boosted score per expert from router and calibration "
                      "features, trained to reproduce the oracle's order",
                      examples=True, ablation_step=5),
+    "sketch": Entry("policy.rankings.sketch", True,
+                    "the oracle's search on expert outputs predicted from the tree tokens' MoE "
+                    "inputs h_t by rank-r calibration surrogates (without surrogate or h_t: "
+                    "coact-prior's shortlists, with a warning; bench/sketch_gap.py)"),
     "previous": Entry("policy.rankings.previous", True,
                       "experts loaded by the previous pass at the layer first, then router mass"),
     # examples: the oracle starts from every runtime ranking's shortlist, learned's included

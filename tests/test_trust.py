@@ -87,13 +87,28 @@ def _fitted(name: str, stats):
     return ranking.fit(stats if ranking.needs_calibration or ranking.uses_calibration else None)
 
 
+def _with_sketch(found, batch, seed: int):
+    """The synthetic calibration carrying sketch's surrogate sums, and ``batch`` its tree
+    tokens' MoE inputs (seeded; the synthetic batch's outputs do not depend on them, which
+    these invariants do not need)."""
+    from policy.rankings.sketch import attach_moments, with_inputs
+    from policy.surrogate import InputMoments
+    stats, tls, model = found
+    attach_moments(stats, InputMoments.collect(tls, model))
+    h = tls[0].hidden.shape[-1]
+    with_inputs(batch, torch.randn(*batch.probs.shape[:2], h,
+                                   generator=torch.Generator().manual_seed(seed)))
+    return stats
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10_000), renorm=st.booleans())
 def test_project_rankings_put_selected_experts_first_under_truncation(seed, renorm):
     """B ≥ |U| ⇒ the error floor, for every ranking this project defines (and the papers'
     router and static are the only ones allowed to miss it)."""
-    stats, _, _ = _synthetic_calibration(seed % 13, 6, examples=6)
+    found = _synthetic_calibration(seed % 13, 6, examples=6)
     batch, _ = synthetic(seed, m=3, n=8, k=2, renormalize=renorm, sharpness=6.0)
+    stats = _with_sketch(found, batch, seed)
     trunc = coverage.get("truncation")
     u = int(batch.union().sum())
     budgets = sorted({u, min(u + 1, 8), 8})
@@ -147,8 +162,9 @@ def _cell_errors(batch, cov, keep):
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10_000), renorm=st.booleans(), n=st.sampled_from([8, 16]))
 def test_oracle_is_never_beaten_by_a_runtime_ranking_and_is_exact_where_exact_runs(seed, renorm, n):
-    stats, _, _ = _synthetic_calibration(seed % 13, 6, n=n, examples=6)
+    found = _synthetic_calibration(seed % 13, 6, n=n, examples=6)
     batch, _ = synthetic(seed, m=10, n=n, k=2, renormalize=renorm)
+    stats = _with_sketch(found, batch, seed)
     oracle = rankings.get("oracle")().fit(stats)
     for name in ("truncation", "substitution"):
         cov = coverage.get(name)

@@ -147,6 +147,8 @@ def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
         cls = REGISTRY[name]
         if not cls.runtime or cls.stateful != stateful:
             continue
+        if getattr(cls, "needs_hidden", False):  # token-aware (sketch): replay hands rankings
+            continue  # no h_t yet, so it would run coact-prior's shortlists, a start already
         if cls.needs_calibration and calibration is None:
             continue
         try:

@@ -1,0 +1,315 @@
+"""Does a token-aware selector close the router→oracle gap where calibrated rankings cannot, and
+does it pay for its own bytes? ``sketch`` (the oracle's search on expert outputs predicted from
+the tree tokens' MoE inputs by rank-r calibration surrogates) against router, coact-prior and
+the oracle, per evaluation × calibration benchmark, both policies, a budget sweep and r sweep.
+
+    python bench/sketch_gap.py --traces /tmp/xsel40 --model tiny-qwen3-moe \\
+        --benches mbpp gsm8k cnndm --ranks 4 8 16 32 --threads 1 --output sketch.json
+
+Runs are ``bench/cross_domain.py``'s (``eval-<bench>``: prompts 0..E−1, ``cal-<bench>``: the
+next C, role calibration), captured here when missing with the same settings. Open-loop replay
+does not hand rankings the MoE inputs h_t yet, so this bench scores the batches itself with the
+replay's own batch loader (every expert output recomputed and checked against the capture, the
+same metrics) and attaches h_t for sketch; router, oracle (unfitted, the matrix's reference)
+and coact-prior are scored on the very same batches. It prints
+
+    gap closed = (RSE_router − RSE_X) / (RSE_router − RSE_oracle)     (mean RSE over tree-layers)
+
+per cell and budget, the median over the diagonal and the off-diagonal cells at each budget,
+and per ranking the experts saved at matched error (router's mean RSE at B, the budget X needs
+on its own sweep, linear interpolation; mean over the router budgets inside the sweep) minus the
+surrogate's bytes in expert-equivalents, at the tiny model's shape and at the family's real
+shape (``REAL_SHAPES``; the saving measured on the tiny model, the charge at real size: a
+projection). The cost figures (bytes per layer, FLOPs per token) are in the output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pipeline import capture, loaded_model  # noqa: E402
+
+from catalog import Catalog, reader  # noqa: E402
+from policy import coverage as coverages  # noqa: E402
+from policy import rankings  # noqa: E402
+from policy.rankings.sketch import Sketch, attach_moments, with_inputs  # noqa: E402
+from policy.surrogate import InputMoments, surrogate_cost  # noqa: E402
+from replay import open_loop  # noqa: E402
+from replay.run import calibration_stats  # noqa: E402
+from replay.virtual_batch import PromptSource  # noqa: E402
+
+# (N, H, I) of the real checkpoints each tiny family stands for (DESIGN.md's models; the
+# configs' num_experts, hidden_size, moe_intermediate_size)
+REAL_SHAPES = {"tiny-olmoe": ("OLMoE-1B-7B", 64, 2048, 1024),
+               "tiny-qwen3-moe": ("Qwen3-30B-A3B", 128, 2048, 768),
+               "tiny-gpt-oss": ("gpt-oss-20b", 32, 2880, 2880),
+               "tiny-deepseek-v3": ("DeepSeek-V3", 256, 7168, 2048),
+               "tiny-mixtral": ("Mixtral-8x7B", 8, 4096, 14336)}
+
+
+def capture_runs(root: Path, model: str, args) -> None:
+    common = dict(model=model, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    for bench in args.benches:
+        capture(root, f"eval-{bench}", **common, bench=bench, limit=args.eval_prompts)
+        capture(root, f"cal-{bench}", role="calibration", **common, bench=bench,
+                offset=args.eval_prompts, limit=args.cal_prompts)
+
+
+def batches(run, adapter, max_batch: int, prompts: int | None = None):
+    """The run's tree-layers (of its first ``prompts`` prompts) in batches of up to
+    ``max_batch``, each with its tokens' MoE inputs h_t attached."""
+    tolerance = open_loop.gold_tolerance(run.manifest)
+    dtype = open_loop.captured_weight_dtype(run.manifest)
+    source = PromptSource(run)
+    pending = []
+    layers = [layer.index for layer in adapter]
+
+    def load(slices):
+        batch = open_loop.load_batch(slices, adapter, torch.device("cpu"), tolerance, run.name,
+                                     dtype)
+        hidden = torch.from_numpy(open_loop.pad(slices, "hidden",
+                                                slices[0].data.hidden.shape[1], np.float32))
+        return with_inputs(batch, hidden)
+
+    for prompt in source.keys()[:prompts]:
+        for data in source.chunks(prompt):
+            rows = data.select(layers)
+            while rows:
+                room = max_batch - sum(len(s.rows) for s in pending)
+                pending.append(open_loop.Slice(data, rows[:room]))
+                rows = rows[room:]
+                if sum(len(s.rows) for s in pending) >= max_batch:
+                    yield load(pending)
+                    pending = []
+    if pending:
+        yield load(pending)
+
+
+def cal_names(source: str, bench: str, benches: list[str]) -> list[str]:
+    """Calibration runs of a source: ``cal-<source>``, or for ``others`` every benchmark's but
+    the evaluated one (mixed-domain and still out of domain, as bench/cross_domain.py)."""
+    if source == "others":
+        return [f"cal-{b}" for b in benches if b != bench]
+    return [f"cal-{source}"]
+
+
+def interpolate_saved(budgets: list[int], router: list[float], other: list[float]) -> dict:
+    """Per router budget B: the budget X needs for router's mean RSE at B (linear interpolation
+    on X's sweep; None below its smallest or beyond its largest budget) and B minus it."""
+    out = {}
+    for b, target in zip(budgets, router):
+        need = None
+        if target < other[0]:
+            for i in range(1, len(budgets)):
+                if other[i] <= target:
+                    need = budgets[i - 1] + (budgets[i] - budgets[i - 1]) * \
+                        (other[i - 1] - target) / (other[i - 1] - other[i])
+                    break
+        out[b] = None if need is None else b - need
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--traces", type=Path, default=Path("traces-xdomain"))
+    p.add_argument("--model", default="tiny-qwen3-moe")
+    p.add_argument("--benches", nargs="+", default=["mbpp", "gsm8k", "cnndm"])
+    p.add_argument("--sources", nargs="*", default=None,
+                   help="calibration benchmarks, or 'others' (every one but the evaluated; "
+                        "default: every one of --benches)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32])
+    p.add_argument("--budgets", default=None,
+                   help="comma-separated (default: k, k+2, k+4, 16, 24, 32 within N)")
+    p.add_argument("--coverages", nargs="+", default=["substitution", "truncation"])
+    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--cal-prompts", type=int, default=24)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=int, default=None,
+                   help="score only the first P evaluation prompts of each run (default: all)")
+    p.add_argument("--max-batch", type=int, default=32, help="tree-layers per batch")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output", type=Path, default=None, help="every cell and cost as JSON")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    root = args.traces / args.model
+    capture_runs(root, args.model, args)
+    loaded, adapter = loaded_model(args.model)
+    n, k = adapter.num_experts, adapter.top_k
+    h = int(loaded.model.config.hidden_size)
+    config = loaded.model.config
+    inter = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+    budgets = sorted({int(b) for b in args.budgets.split(",")} if args.budgets else
+                     {b for b in (k, k + 2, k + 4, 16, 24, 32) if b <= n})
+    sources = args.sources if args.sources is not None else args.benches
+    catalog = Catalog(root)
+    evaluated = {b: catalog.runs(model=args.model, bench=b, names=[f"eval-{b}"])
+                 for b in args.benches}
+    every = [r for runs in evaluated.values() for r in runs]
+    started = time.perf_counter()
+    moments_of: dict[str, InputMoments] = {}  # per calibration run name
+    cal = {}  # (source, evaluated bench) -> calibration statistics with the surrogate sums
+    for bench in args.benches:
+        for src in sources:
+            names = cal_names(src, bench, args.benches)
+            if tuple(names) in cal:
+                cal[(src, bench)] = cal[tuple(names)]
+                continue
+            stats, runs = calibration_stats(catalog, names, args.model, every, adapter,
+                                            progress=False, rankings_used=("coact-prior",))
+            for r in runs:
+                if r.name not in moments_of:
+                    moments_of[r.name] = InputMoments.collect(reader.tree_layers([r]), adapter,
+                                                              sources=[r.ref])
+            attach_moments(stats, InputMoments.merge([moments_of[r.name] for r in runs]))
+            cal[(src, bench)] = cal[tuple(names)] = stats
+    print(f"calibration and surrogate sums: {time.perf_counter() - started:.0f}s", flush=True)
+    base = {"router": rankings.get("router")(), "oracle": rankings.get("oracle")()}
+    sums: dict[tuple, np.ndarray] = {}  # (bench, source, ranking, coverage) -> [sum rse per B]
+    counts: dict[tuple, int] = {}
+    timing: dict[str, float] = {}
+    for bench, runs in evaluated.items():
+        for run in runs:
+            for batch in batches(run, adapter, args.max_batch, args.prompts):
+                for cov_name in args.coverages:
+                    cov = coverages.get(cov_name)
+                    valid = [b for b in budgets if b >= cov.min_budget(k)]
+                    tasks = [(None, name, r) for name, r in base.items()]
+                    for src in sources:
+                        stats = cal[(src, bench)]
+                        tasks.append((src, "coact-prior", rankings.get("coact-prior")().fit(stats)))
+                        for r in args.ranks:
+                            sketch = Sketch(rank=r).fit(stats)
+                            assert sketch.token_aware, "sketch fitted without its surrogate"
+                            tasks.append((src, f"sketch-r{r}", sketch))
+                    for src, name, ranking in tasks:
+                        t0 = time.perf_counter()
+                        ranking.reset()
+                        keep, _ = ranking.shortlists(batch, cov, valid)
+                        assert getattr(ranking, "token_aware", True), name  # h_t reached it
+                        timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
+                        rse = open_loop.metrics(batch, keep, cov)["rse"].double().sum(0).numpy()
+                        key = (bench, src, name, cov_name)
+                        sums[key] = sums.get(key, 0) + rse
+                        counts[key] = counts.get(key, 0) + batch.size
+            print(f"{bench}: {counts[(bench, None, 'router', args.coverages[0])]} tree-layers, "
+                  f"{time.perf_counter() - started:.0f}s", flush=True)
+    report = summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing)
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=1, default=str))
+
+
+def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> dict:
+    mean = {key: (sums[key] / counts[key]).tolist() for key in sums}
+    names = ["coact-prior"] + [f"sketch-r{r}" for r in args.ranks]
+    cells, medians = [], {}
+    for cov_name in args.coverages:
+        valid = [b for b in budgets if b >= coverages.get(cov_name).min_budget(k)]
+        print(f"\n{args.model} · {cov_name}: gap closed (%), evaluation ← calibration")
+        print(f"  {'ranking':<13} {'cell':<22}" + "".join(f"{'B=' + str(b):>7}" for b in valid))
+        for name in names:
+            for bench in args.benches:
+                router = np.array(mean[(bench, None, "router", cov_name)])
+                oracle = np.array(mean[(bench, None, "oracle", cov_name)])
+                for src in sources:
+                    mine = np.array(mean[(bench, src, name, cov_name)])
+                    gap = (router - mine) / np.where(router - oracle > 0, router - oracle, np.nan)
+                    for b, g, r in zip(valid, gap, mine):
+                        cells.append(dict(model=args.model, ranking=name, coverage=cov_name,
+                                          bench=bench, calibration=src, budget=b,
+                                          gap_closed=float(g), rse=float(r),
+                                          diagonal=bench == src,
+                                          kind=kind_of(bench, src)))
+                    mark = "*" if bench == src else " "
+                    print(f"  {name:<13} {bench + ' ← ' + src + mark:<22}" +
+                          "".join(f"{100 * g:7.0f}" for g in gap))
+        for name in names:
+            for kind in ("diagonal", "off", "others"):
+                for b in valid:
+                    vals = [c["gap_closed"] for c in cells if c["ranking"] == name and
+                            c["coverage"] == cov_name and c["budget"] == b and
+                            c["kind"] == kind and np.isfinite(c["gap_closed"])]
+                    if vals:
+                        medians[f"{cov_name}|{name}|{kind}|{b}"] = dict(
+                            median=statistics.median(vals), worst=min(vals), cells=len(vals))
+    print("\nmedian (worst) gap closed, %: diagonal | off-diagonal | others")
+    for cov_name in args.coverages:
+        valid = [b for b in budgets if b >= coverages.get(cov_name).min_budget(k)]
+        for name in names:
+            parts = []
+            for b in valid:
+                d = medians.get(f"{cov_name}|{name}|diagonal|{b}")
+                o = medians.get(f"{cov_name}|{name}|off|{b}")
+                x = medians.get(f"{cov_name}|{name}|others|{b}")
+                fmt = lambda m: "—" if m is None else \
+                    f"{100 * m['median']:.0f} ({100 * m['worst']:.0f})"  # noqa: E731
+                parts.append(f"B={b}: {fmt(d)} | {fmt(o)} | {fmt(x)}")
+            print(f"  {cov_name:<12} {name:<13} " + "; ".join(parts))
+    saved = experts_saved(args, mean, budgets, sources, names, k)
+    label, rn, rh, ri = REAL_SHAPES.get(args.model, (args.model, n, h, inter))
+    costs = {name: dict(tiny=surrogate_cost(n, h, int(name.split("-r")[1]), inter),
+                        real=surrogate_cost(rn, rh, int(name.split("-r")[1]), ri))
+             for name in names if name.startswith("sketch")}
+    print(f"\nexperts saved at matched error vs router (mean over router budgets inside the "
+          f"sweep and cells), minus the surrogate's bytes in expert-equivalents "
+          f"(tiny: N={n}, H={h}, I={inter}; real: {label} N={rn}, H={rh}, I={ri}; bf16)")
+    print(f"  {'coverage':<12} {'ranking':<13} {'saved':>7} {'tiny eq':>9} {'net tiny':>9} "
+          f"{'real eq':>8} {'net real':>9} {'bytes/layer (real)':>19} {'FLOPs/token (real)':>19}")
+    for cov_name in args.coverages:
+        for name in ["oracle"] + names:
+            s = saved.get((cov_name, name))
+            c = costs.get(name)
+            te = c["tiny"]["expert_equivalents"] if c else 0.0
+            re_ = c["real"]["expert_equivalents"] if c else 0.0
+            fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
+            print(f"  {cov_name:<12} {name:<13} {fmt(s):>7} {te:9.2f} "
+                  f"{fmt(None if s is None else s - te):>9} {re_:8.2f} "
+                  f"{fmt(None if s is None else s - re_):>9} "
+                  f"{(c['real']['bytes_per_layer'] if c else 0):>19,} "
+                  f"{(c['real']['flops_per_token'] if c else 0):>19,}")
+    print("\nseconds spent in each ranking's shortlists: " +
+          ", ".join(f"{k_}: {v:.0f}" for k_, v in sorted(timing.items())))
+    return dict(model=args.model, budgets=budgets, ranks=args.ranks, benches=args.benches,
+                sources=sources, cells=cells, medians=medians,
+                experts_saved={f"{c}|{r}": v for (c, r), v in saved.items()},
+                cost=costs, real_shape=dict(name=label, n=rn, h=rh, i=ri),
+                tiny_shape=dict(n=n, h=h, i=inter), seconds=timing,
+                tree_layers={f"{b}": counts[(b, None, "router", args.coverages[0])]
+                             for b in args.benches})
+
+
+def kind_of(bench: str, source: str) -> str:
+    return "others" if source == "others" else "diagonal" if bench == source else "off"
+
+
+def experts_saved(args, mean, budgets, sources, names, k) -> dict:
+    """(coverage, ranking) -> mean over evaluation × calibration cells and router budgets inside
+    the sweep of the experts saved at matched error (None when never inside)."""
+    out = {}
+    for cov_name in args.coverages:
+        valid = [b for b in budgets if b >= coverages.get(cov_name).min_budget(k)]
+        for name in ["oracle"] + names:
+            found = []
+            for bench in args.benches:
+                router = mean[(bench, None, "router", cov_name)]
+                for src in ([None] if name == "oracle" else sources):
+                    other = mean[(bench, src, name, cov_name)]
+                    found += [v for v in interpolate_saved(valid, router, other).values()
+                              if v is not None]
+            out[(cov_name, name)] = float(np.mean(found)) if found else None
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Per-expert output surrogates fitted on calibration (h, E_i(h)) pairs: what ``sketch`` predicts
+every expert's output on a tree token from, before any expert is loaded.
+
+Per MoE layer and expert i a rank-r linear map of the MoE input with a bias (x = [h, 1]),
+
+    Ê_i(h) = U_i V_iᵀ x,    U_i [H, r] orthonormal,  V_i [H + 1, r]
+
+fitted by reduced-rank least squares over every calibration token of the layer (all tokens, not
+only those routed to i: under substitution a token runs experts outside its own top-k). From the
+sums (:class:`InputMoments`, one pass over the calibration; they add across runs)
+
+    Sxx = Σ_t x_t x_tᵀ,   Syx_i = Σ_t E_i(h_t) x_tᵀ,   Syy_i = Σ_t ||E_i(h_t)||²
+
+the full least-squares map is ``W_i = Syx_i (Sxx + λI)⁻¹`` (λ = 1e-6 · tr Sxx / (H + 1), a
+numerical guard) and the rank-r one keeps the top-r principal directions of its fitted outputs:
+``U_i`` the top-r eigenvectors of ``W_i Sxx W_iᵀ``, ``V_iᵀ = U_iᵀ W_i`` (reduced-rank regression
+with identity weight). What the map misses, the residual energy ``ρ_i = mean_t ||E_i(h_t) −
+Ê_i(h_t)||²``, is kept too, and :func:`predicted_outputs` gives each expert a private direction
+of length ``√ρ_i`` beside its H predicted coordinates: then ``⟨Ê'_i, Ê'_j⟩ = ⟨Ê_i, Ê_j⟩ + ρ_i
+δ_ij``, the residuals taken as uncorrelated across experts, and every term the oracle's search
+reads (Gram, natural top-k products, floor) follows consistently from one tensor.
+
+A :class:`Surrogate` is an artifact: saved as ``.npz`` (no pickle) with its format version, rank,
+layers and the model's weights hash (:meth:`Surrogate.save`, :meth:`Surrogate.load`).
+
+Cost (:func:`surrogate_cost`): per layer ``N · (r·H + r·(H + 1) + 1)`` numbers; per token
+``2·N·r·(H+1)`` FLOPs for the projections ``V_iᵀ x``, ``2·N·r·H`` for ``U_i z_i`` and ``2·N²·H``
+for the Gram of the N predictions (the search then works on N × N numbers per token).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+RIDGE = 1e-6  # λ relative to the mean input energy: a numerical guard, not a prior
+
+
+@dataclass
+class InputMoments:
+    """Least-squares sums per MoE layer over calibration tokens (module docstring)."""
+
+    layers: list[int]
+    xx: torch.Tensor  # [L, H+1, H+1] float64
+    yx: torch.Tensor  # [L, N, H, H+1] float64
+    yy: torch.Tensor  # [L, N] float64
+    count: torch.Tensor  # [L] float64 tokens
+    sources: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def empty(cls, layers: list[int], n: int, h: int, sources=None) -> InputMoments:
+        el = len(layers)
+        f64 = torch.float64
+        return cls(list(layers), torch.zeros(el, h + 1, h + 1, dtype=f64),
+                   torch.zeros(el, n, h, h + 1, dtype=f64), torch.zeros(el, n, dtype=f64),
+                   torch.zeros(el, dtype=f64), list(sources or []))
+
+    def add(self, layer: int, hidden: torch.Tensor, outputs: torch.Tensor) -> None:
+        """Tokens ``hidden [M, H]`` and every expert's outputs on them ``outputs [M, N, H]``."""
+        i = self.layers.index(layer)
+        x = _augment(hidden.double())  # [M, H+1]
+        y = outputs.double()
+        self.xx[i] += x.T @ x
+        self.yx[i] += torch.einsum("mnh,md->nhd", y, x)
+        self.yy[i] += y.pow(2).sum((0, 2))
+        self.count[i] += x.shape[0]
+
+    @classmethod
+    def collect(cls, tree_layers: Iterable, model, sources=None) -> InputMoments:
+        """Sums over ``tree_layers`` (each with ``layer`` and ``hidden [M, H]``), every expert's
+        output computed by ``model`` (``expert_outputs(layer, hidden) → [M, N, H]``, the MoE
+        adapter's, as :meth:`policy.calibration.CalibrationStats.collect` uses)."""
+        found = None
+        for tl in tree_layers:
+            hidden = torch.as_tensor(np.asarray(tl.hidden), dtype=torch.float32)
+            outs = model.expert_outputs(tl.layer, hidden)
+            if found is None:
+                found = cls.empty(model.moe_layers, outs.shape[1], outs.shape[2], sources)
+            found.add(tl.layer, hidden, outs)
+        if found is None:
+            raise ValueError("no calibration tree-layer with stored MoE inputs")
+        return found
+
+    @classmethod
+    def merge(cls, parts: list[InputMoments]) -> InputMoments:
+        first = parts[0]
+        return cls(list(first.layers), sum(p.xx for p in parts), sum(p.yx for p in parts),
+                   sum(p.yy for p in parts), sum(p.count for p in parts),
+                   [s for p in parts for s in p.sources])
+
+
+def _augment(h: torch.Tensor) -> torch.Tensor:
+    """``[..., H] → [..., H + 1]``: the input with a constant 1 (the bias column)."""
+    return torch.cat([h, torch.ones(*h.shape[:-1], 1, dtype=h.dtype, device=h.device)], -1)
+
+
+@dataclass
+class Surrogate:
+    """Fitted rank-r maps per layer and expert (module docstring)."""
+
+    layers: list[int]
+    rank: int
+    u: torch.Tensor  # [L, N, H, r] float32
+    v: torch.Tensor  # [L, N, H+1, r] float32
+    rho: torch.Tensor  # [L, N] float32 residual energy per token
+    weights_hash: str | None = None
+
+    @property
+    def num_experts(self) -> int:
+        return self.u.shape[1]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.u.shape[2]
+
+    @classmethod
+    def fit(cls, moments: InputMoments, rank: int, weights_hash: str | None = None) -> Surrogate:
+        us, vs, rhos = [], [], []
+        for row in range(len(moments.layers)):
+            xx, yx = moments.xx[row], moments.yx[row]  # [D, D], [N, H, D]
+            d = xx.shape[0]
+            lam = RIDGE * float(torch.diagonal(xx).sum()) / d
+            reg = xx + lam * torch.eye(d, dtype=xx.dtype)
+            w = torch.linalg.solve(reg, yx.transpose(-1, -2)).transpose(-1, -2)  # [N, H, D]
+            fitted = w @ xx @ w.transpose(-1, -2)  # [N, H, H] Σ_t Ŷ Ŷᵀ
+            vals, vecs = torch.linalg.eigh((fitted + fitted.transpose(-1, -2)) / 2)
+            r = min(rank, vecs.shape[-1])
+            u = vecs.flip(-1)[..., :r]  # top r: [N, H, r]
+            v = (u.transpose(-1, -2) @ w).transpose(-1, -2)  # [N, D, r]
+            m = u @ v.transpose(-1, -2)  # [N, H, D] the rank-r map
+            resid = moments.yy[row] - 2 * (m * yx).sum((-1, -2)) + ((m @ xx) * m).sum((-1, -2))
+            rhos.append((resid / moments.count[row].clamp_min(1)).clamp_min(0))
+            us.append(u)
+            vs.append(v)
+        return cls(list(moments.layers), rank, torch.stack(us).float(), torch.stack(vs).float(),
+                   torch.stack(rhos).float(), weights_hash)
+
+    def rows(self, layers: torch.Tensor) -> torch.Tensor:
+        lookup = {layer: i for i, layer in enumerate(self.layers)}
+        try:
+            return torch.tensor([lookup[int(x)] for x in layers.tolist()], dtype=torch.long)
+        except KeyError as exc:
+            raise ValueError(f"no surrogate for layer {exc.args[0]}; fit it on the same model") \
+                from None
+
+    def save(self, path: Path) -> None:
+        """``.npz`` without pickled objects: the tensors and a JSON header."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp.npz")
+        header = json.dumps(dict(format=FORMAT_VERSION, kind="sketch-surrogate", rank=self.rank,
+                                 layers=self.layers, weights_hash=self.weights_hash))
+        np.savez(tmp, header=np.array(header), u=self.u.numpy(), v=self.v.numpy(),
+                 rho=self.rho.numpy())
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, weights_hash: str | None = None) -> Surrogate:
+        """A saved surrogate; refuses another format or, given ``weights_hash``, another model."""
+        with np.load(Path(path), allow_pickle=False) as f:
+            header = json.loads(str(f["header"]))
+            if header.get("format") != FORMAT_VERSION or header.get("kind") != "sketch-surrogate":
+                raise ValueError(f"{path}: not a sketch surrogate of format {FORMAT_VERSION}")
+            if weights_hash is not None and header.get("weights_hash") != weights_hash:
+                raise ValueError(f"{path}: fitted on another model's weights "
+                                 f"({header.get('weights_hash')}); refit it")
+            return cls(header["layers"], int(header["rank"]), torch.from_numpy(f["u"]),
+                       torch.from_numpy(f["v"]), torch.from_numpy(f["rho"]),
+                       header.get("weights_hash"))
+
+
+def predicted_outputs(surrogate: Surrogate, layers: torch.Tensor, hidden: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+    """``Ê' [T, M, N, H + N]`` float32 for MoE inputs ``hidden [T, M, H]`` at ``layers [T]``:
+    each expert's prediction ``U_i V_iᵀ [h, 1]`` and its private residual coordinate ``√ρ_i``
+    (module docstring); 0 on padding (``mask [T, M]``)."""
+    rows = surrogate.rows(layers).to(hidden.device)
+    u = surrogate.u.to(hidden.device)[rows]  # [T, N, H, r]
+    v = surrogate.v.to(hidden.device)[rows]  # [T, N, D, r]
+    x = _augment(hidden.float())  # [T, M, D]
+    z = torch.einsum("tmd,tndr->tmnr", x, v)
+    pred = torch.einsum("tmnr,tnhr->tmnh", z, u)
+    private = torch.diag_embed(surrogate.rho.to(hidden.device)[rows].sqrt())  # [T, N, N]
+    private = private[:, None].expand(-1, hidden.shape[1], -1, -1)
+    return torch.cat([pred, private], -1) * mask[..., None, None].to(pred.dtype)
+
+
+def surrogate_cost(n: int, h: int, rank: int, intermediate: int, dtype_bytes: int = 2) -> dict:
+    """What the surrogate costs at shape (N experts, hidden H, expert width I): bytes per layer,
+    FLOPs per token and the bytes in expert-equivalents (one SwiGLU expert = 3·H·I numbers)."""
+    r = min(rank, h)
+    numbers = n * (r * h + r * (h + 1) + 1)
+    expert = 3 * h * intermediate
+    return dict(bytes_per_layer=numbers * dtype_bytes,
+                flops_per_token=2 * n * r * (h + 1) + 2 * n * r * h + 2 * n * n * h,
+                expert_bytes=expert * dtype_bytes, expert_equivalents=numbers / expert)

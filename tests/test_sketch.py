@@ -1,0 +1,205 @@
+"""``sketch``: the oracle's search on expert outputs predicted from the tree tokens' MoE inputs.
+
+* The surrogate is exact for linear experts at full rank (and its residual energy is 0), lossy
+  below; sums from several runs add.
+* With an exact surrogate sketch's shortlists score what the oracle's do (same search).
+* Runtime-legal: the evaluation pass's expert outputs never reach it (perturbed or absent, the
+  shortlist is unchanged), while its MoE inputs do (perturbed, it changes).
+* Without its surrogate or the MoE inputs it says so and returns coact-prior's shortlists.
+* Truncation: selected experts first (B ≥ |U| gives the floor).
+* The artifact round-trips and refuses another model's weights; the cost grows with r.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from policy import coverage, rankings
+from policy.batch import ExpertTerms, RoutingBatch
+from policy.calibration import CalibrationStats
+from policy.rankings.sketch import Sketch, attach_moments, with_inputs
+from policy.routing import RoutingRule
+from policy.surrogate import InputMoments, Surrogate, predicted_outputs, surrogate_cost
+
+H, N, K, LAYER = 6, 8, 2, 3
+
+
+def linear_model(seed: int = 98, n: int = N, h: int = H):
+    """Experts ``E_i(h) = W_i h + c_i`` of different sizes (what router mass cannot see)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 3.0, n)[torch.randperm(n, generator=g)]
+    w = torch.randn(n, h, h, generator=g) * scale[:, None, None]
+    c = torch.randn(n, h, generator=g) * 0.3
+    return SimpleNamespace(moe_layers=[LAYER], num_experts=n, expert_outputs=lambda layer, x:
+                           torch.einsum("mh,nhd->mnd", x, w) + c)
+
+
+def tree_layers(seed: int, count: int, m: int = 12, n: int = N, h: int = H):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        probs = torch.softmax(torch.randn(m, n, generator=g) * 2.0, -1)
+        w, idx = probs.topk(K, -1)
+        out.append(SimpleNamespace(layer=LAYER, probs=probs, idx=idx, weights=w / w.sum(-1, True),
+                                   hidden=torch.randn(m, h, generator=g), prompt_index=None))
+    return out
+
+
+def calibration(model, seed: int = 1, count: int = 8):
+    tls = tree_layers(seed, count)
+    stats = CalibrationStats.collect(tls, model)
+    return attach_moments(stats, InputMoments.collect(tls, model))
+
+
+def evaluation_batch(model, seed: int = 7, m: int = 16, renormalize: bool = True):
+    """One tree-layer routed on random scores, its terms from ``model`` on its inputs."""
+    tl = tree_layers(seed, 1, m=m)[0]
+    w, idx = tl.probs.topk(K, -1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    batch = RoutingBatch.single(tl.probs, idx, w, LAYER, RoutingRule(K, renormalize=renormalize))
+    batch.terms = ExpertTerms.from_outputs(model.expert_outputs(LAYER, tl.hidden)[None], idx[None],
+                                           w[None])
+    return with_inputs(batch, tl.hidden[None])
+
+
+def cell_errors(batch, cov, keep):
+    idx, w = cov.apply(batch, keep)
+    return cov.sq_errors(batch, keep, idx, w).sum(-1)
+
+
+def test_full_rank_surrogate_is_exact_for_linear_experts_and_lower_rank_is_not():
+    model = linear_model()
+    tls = tree_layers(2, 6)
+    half = InputMoments.collect(tls[:3], model)
+    moments = InputMoments.merge([half, InputMoments.collect(tls[3:], model)])
+    whole = InputMoments.collect(tls, model)
+    assert torch.allclose(moments.yx, whole.yx) and torch.allclose(moments.xx, whole.xx)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(3))
+    truth = model.expert_outputs(LAYER, x)  # [5, N, H]
+    full = Surrogate.fit(moments, rank=H)
+    pred = predicted_outputs(full, torch.tensor([LAYER]), x[None], torch.ones(1, 5, dtype=bool))
+    assert torch.allclose(pred[0, ..., :H], truth, atol=1e-3)
+    assert float(full.rho.max()) < 1e-6
+    low = Surrogate.fit(moments, rank=2)
+    pred = predicted_outputs(low, torch.tensor([LAYER]), x[None], torch.ones(1, 5, dtype=bool))
+    assert not torch.allclose(pred[0, ..., :H], truth, atol=1e-2)
+    assert float(low.rho.min()) > 0  # what rank 2 misses is kept as residual energy
+    # residual energy + fitted energy = total energy, per expert
+    fitted = predicted_outputs(low, torch.tensor([LAYER]),
+                               torch.stack([torch.as_tensor(t.hidden) for t in tls])
+                               .reshape(1, -1, H), torch.ones(1, 72, dtype=bool))
+    total = whole.yy[0] / whole.count[0]
+    assert torch.allclose(fitted[0, :, :, :H].pow(2).sum(-1).mean(0) + low.rho[0], total.float(),
+                          rtol=1e-3)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_with_an_exact_surrogate_sketch_scores_what_the_oracle_does(renormalize):
+    model = linear_model()
+    stats = calibration(model)
+    batch = evaluation_batch(model, renormalize=renormalize)
+    sketch = Sketch(rank=H).fit(stats)
+    oracle = rankings.get("oracle")()
+    for name in ("truncation", "substitution"):
+        cov = coverage.get(name)
+        budgets = [b for b in (2, 3, 4, 5) if b >= cov.min_budget(K)]
+        mine = cell_errors(batch, cov, sketch.shortlists(batch, cov, budgets)[0])
+        best = cell_errors(batch, cov, oracle.shortlists(batch, cov, budgets)[0])
+        router = cell_errors(batch, cov, rankings.get("router")().shortlists(batch, cov,
+                                                                                budgets)[0])
+        assert torch.allclose(mine, best, rtol=1e-4, atol=1e-9), (name, mine, best)
+        assert bool((mine <= router * (1 + 1e-6)).all()), name
+
+
+def test_the_evaluation_pass_expert_outputs_never_reach_sketch():
+    """Perturb (or drop) the true expert outputs of the evaluated pass: the shortlist is the
+    same; perturb its MoE inputs: it changes (so the test can fail)."""
+    model = linear_model()
+    stats = calibration(model)
+    batch = evaluation_batch(model, m=20)
+    sketch = Sketch(rank=3).fit(stats)
+    g = torch.Generator().manual_seed(11)
+    for name in ("truncation", "substitution"):
+        cov = coverage.get(name)
+        budgets = [b for b in (2, 3, 4, 6) if b >= cov.min_budget(K)]
+        base = sketch.shortlists(batch, cov, budgets)[0]
+        noisy = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
+                             batch.rule)
+        wrong = torch.randn(batch.terms.experts.shape, generator=g) * 10
+        noisy.terms = ExpertTerms.from_outputs(wrong, batch.idx, batch.weights)
+        with_inputs(noisy, batch.hidden)
+        assert torch.equal(sketch.shortlists(noisy, cov, budgets)[0], base), name
+        bare = with_inputs(RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask,
+                                        batch.layers, batch.rule), batch.hidden)
+        assert torch.equal(sketch.shortlists(bare, cov, budgets)[0], base), name
+    cov = coverage.get("substitution")
+    changed = 0
+    for seed in range(6):
+        h = torch.randn(batch.hidden.shape, generator=torch.Generator().manual_seed(seed)) * 3
+        other = with_inputs(RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask,
+                                         batch.layers, batch.rule), h)
+        changed += not torch.equal(sketch.shortlists(other, cov, [2, 3, 4])[0],
+                                   sketch.shortlists(batch, cov, [2, 3, 4])[0])
+    assert changed > 0  # the inputs do reach it
+
+
+def test_without_a_surrogate_or_inputs_sketch_says_so_and_returns_coact_priors_shortlists():
+    model = linear_model()
+    plain = CalibrationStats.collect(tree_layers(1, 4), model)
+    batch = evaluation_batch(model)
+    cov = coverage.get("substitution")
+    prior = rankings.get("coact-prior")().fit(plain).shortlists(batch, cov, [2, 3])[0]
+    with pytest.warns(UserWarning, match="no expert surrogates"):
+        blind = Sketch().fit(plain)
+    assert not blind.token_aware
+    assert torch.equal(blind.shortlists(batch, cov, [2, 3])[0], prior)
+    stats = calibration(model)
+    sketch = Sketch(rank=3).fit(stats)
+    assert sketch.token_aware
+    aware = sketch.shortlists(batch, cov, [2, 3])[0]
+    del batch.hidden
+    with pytest.warns(UserWarning, match="no MoE inputs"):
+        keep = sketch.shortlists(batch, cov, [2, 3])[0]
+    assert not sketch.token_aware
+    prior = rankings.get("coact-prior")().fit(stats).shortlists(batch, cov, [2, 3])[0]
+    assert torch.equal(keep, prior) and not torch.equal(keep, aware)
+
+
+def test_truncation_puts_the_selected_experts_first():
+    model = linear_model()
+    stats = calibration(model)
+    batch = evaluation_batch(model, m=3)
+    cov = coverage.get("truncation")
+    u = int(batch.union().sum())
+    keep, _ = Sketch(rank=2).fit(stats).shortlists(batch, cov, [u, min(u + 1, N), N])
+    assert (keep.sum(-1) == torch.tensor([[u, min(u + 1, N), N]])).all()
+    floor = float(batch.terms.floor.sum())
+    assert torch.allclose(cell_errors(batch, cov, keep)[0], torch.full((3,), floor, dtype=torch.float64),
+                          rtol=1e-9, atol=1e-15)
+
+
+def test_the_artifact_round_trips_and_refuses_another_model(tmp_path):
+    model = linear_model()
+    moments = InputMoments.collect(tree_layers(1, 4), model)
+    fitted = Surrogate.fit(moments, rank=3, weights_hash="abc")
+    path = tmp_path / "sketch.npz"
+    fitted.save(path)
+    back = Surrogate.load(path, weights_hash="abc")
+    assert torch.equal(back.u, fitted.u) and torch.equal(back.rho, fitted.rho)
+    assert back.rank == 3 and back.layers == [LAYER]
+    with pytest.raises(ValueError, match="another model"):
+        Surrogate.load(path, weights_hash="xyz")
+
+
+def test_cost_counts_the_surrogate_bytes_and_flops():
+    c4, c32 = surrogate_cost(64, 2048, 4, 1024), surrogate_cost(64, 2048, 32, 1024)
+    assert c4["bytes_per_layer"] == 64 * (4 * 2048 + 4 * 2049 + 1) * 2
+    assert c32["bytes_per_layer"] > c4["bytes_per_layer"] and c32["flops_per_token"] > \
+        c4["flops_per_token"]
+    assert c4["expert_bytes"] == 3 * 2048 * 1024 * 2
+    assert abs(c4["expert_equivalents"] - c4["bytes_per_layer"] / c4["expert_bytes"]) < 1e-12
+    assert Sketch.cost(64, 2048, 1024, rank=4) == c4
