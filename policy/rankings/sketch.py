@@ -116,6 +116,12 @@ class Sketch(Ranking):
             warnings.warn(f"ranking sketch: {why}; using coact-prior's shortlists", stacklevel=3)
 
     def save(self, path: Path) -> None:
+        """The fitted surrogate; without one, a record that coact-prior's shortlists ran."""
+        if self.surrogate is None:
+            import numpy as np
+            with open(path, "wb") as f:
+                np.savez(f, fallback=np.array("coact-prior"))
+            return
         self.surrogate.save(path)
 
     @classmethod
