@@ -76,7 +76,9 @@ def test_batch_regime_bench_measures_every_batch_size(tmp_path):
     # one shortlist for two trees' tokens errs at least as much as one per tree (same B)
     assert rows[1]["rse"]["router@16"] >= rows[0]["rse"]["router@16"] - 1e-9
     assert all(r["replay_speed_vs_first"] > 0 and r["speedup"] > 0 for r in rows)
-    assert "MoESD pass-time fit" in out
+    # a smoke run has too few passes for the fit: refused in words, never a NaN fit
+    assert "MoESD pass-time fit" in out or "MoESD pass-time model not fitted" in out, out
+    assert "nan ms" not in out
 
 
 @smoke("batch_ceiling.py")
