@@ -73,7 +73,7 @@ def same_tables(local, remote, model: str, bench: str, run: str) -> dict[str, bo
                 for r in (local, remote))
         found[table] = a.equals(b)
     from analysis.sql import connect
-    sql = ("SELECT * EXCLUDE (config, block) FROM replay_open "
+    sql = ("SELECT * EXCLUDE (config, block, committed_at) FROM replay_open "
            "ORDER BY ranking, coverage, budget, layer, prompt_index, step")
     a, b = (connect(r, roles=None).sql(sql).to_arrow_table() for r in (local, remote))
     found["replay_open"] = a.num_rows > 0 and a.equals(b)
