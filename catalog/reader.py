@@ -16,7 +16,7 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from catalog import location, schema
+from catalog import columns, location
 from catalog.columns import VECTOR_TYPES, expected_types, reason  # noqa: F401 - (re-exported)
 from catalog.runs import CatalogError, Run
 
@@ -109,29 +109,13 @@ def read_parts(run: Run, table: str, prompt_index: int, columns: list[str],
 
 
 def check_paths(paths: list, table: str) -> None:
-    """:func:`check_files` over a list of files (the parts of a run without a commit record)."""
+    """Every file of ``paths`` is readable Parquet with ``table``'s column types (from the
+    footers only: what :func:`read_parts` checks); else :class:`CatalogError` naming the first
+    bad file. Readers of a run without a commit record call this, so a damaged or retyped file
+    is refused instead of silently coerced."""
     for path in paths:
         try:
-            found = location.read_schema(path)
-            known = [n for n in found.names if n in schema.TABLES[table].names]
-            _expected_types(found.empty_table().select(known), table)
-        except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
-            raise CatalogError(f"{path}: corrupt or unreadable {table} part "
-                               f"({_reason(exc, path)}); recapture the run") from exc
-
-
-def check_files(folder: Path, table: str) -> None:
-    """Every Parquet file of a trace table under ``folder`` is readable and has the schema's
-    column types (what :func:`read_parts` checks, from the footers only); else
-    :class:`CatalogError` naming the first bad file. Readers over whole folders (the SQL views)
-    call this so a damaged or retyped file is refused instead of silently coerced."""
-    if table not in schema.TABLES:
-        return
-    for path in sorted(location.root(folder).rglob("*.parquet")):
-        try:
-            found = location.read_schema(path)
-            known = [n for n in found.names if n in schema.TABLES[table].names]
-            _expected_types(found.empty_table().select(known), table)
+            columns.check_footer(path, table)
         except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
             raise CatalogError(f"{path}: corrupt or unreadable {table} part "
                                f"({_reason(exc, path)}); recapture the run") from exc
