@@ -111,13 +111,13 @@ def test_the_app_console_is_read_only_and_per_session(pristine, monkeypatch):
     a = AppTest.from_file(app, default_timeout=180)
     a.run()
     a.switch_page("screens/sql_console.py").run()
-    a.text_area(key="sql_τ and experts by benchmark").set_value(
+    a.text_area(key="sql_τ and experts by run").set_value(
         "CREATE OR REPLACE VIEW trees AS SELECT 42 AS evil").run()
     assert a.error and "only read-only queries" in a.error[0].value
     b = AppTest.from_file(app, default_timeout=180)  # another visitor
     b.run()
     b.switch_page("screens/sql_console.py").run()
-    b.text_area(key="sql_τ and experts by benchmark").set_value(
+    b.text_area(key="sql_τ and experts by run").set_value(
         "SELECT count(*) AS n FROM trees").run()
     assert not b.error and int(b.dataframe[0].value["n"][0]) > 1
 

@@ -62,7 +62,11 @@ def test_profile_target_stores_points_and_fits(tmp_path, capsys):
     points = pl.read_parquet(tmp_path / "profile" / "model=tiny-mixtral" / "device=cpu" /
                              "part-0.parquet")
     assert points.height == 4 and (points["seconds"] > 0).all()
-    assert "fit: T =" in capsys.readouterr().out
+    out = capsys.readouterr().out  # 4 points for 3 parameters: refused in words, not fitted
+    assert "fit: not fitted" in out and "nan" not in out.split("fit:")[1]
+    assert moesd.main(["--model", "tiny-mixtral", "--batches", "1,2,3", "--gammas", "1,4",
+                       "--prefix", "8", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    assert "fit: T =" in capsys.readouterr().out  # 6 points: fitted
 
 
 def test_every_report_figure_has_a_title_and_axis_titles(tmp_path, monkeypatch):
