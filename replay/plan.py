@@ -158,6 +158,28 @@ def calibrated_variant(catalog: Catalog, out: Path, run: Run, key: dict,
     return None if best is None else best[1]
 
 
+def stored_calibrated(catalog: Catalog, out: Path, run: Run, unit: UnitResults, ranking,
+                      calibration: list[Run], layers: list[int] | None,
+                      budgets: list[int]) -> UnitResults | None:
+    """For a ranking that can use calibration, asked without: a stored calibrated variant of
+    ``run`` holding every cell asked for, when the uncalibrated ``unit`` does not (the design
+    card's ``replay --ranking oracle`` after a calibrated sweep); else None. ``ranking``: its
+    class or its :class:`RankingFacts`."""
+    if calibration or ranking.needs_calibration or not ranking.uses_calibration:
+        return None
+    wanted = {(layer, b) for layer in (layers or [None]) for b in budgets}
+    done = set().union(*(b.cells() for b in unit.complete_blocks()))
+    if wanted <= done:
+        return None
+    return calibrated_variant(catalog, out, run, unit.unit, wanted)
+
+
+def answered_note(name: str, cover: str, run: Run, other: UnitResults) -> str:
+    """What replay says when a stored calibrated variant answers for an uncalibrated request."""
+    return (f"{name}, {cover}, run {run.name}: answered from the stored variant "
+            f"{variant_text(other.unit)} (pass --calibration to choose one)")
+
+
 def results_table(key: dict) -> str:
     """The result table a unit key's mode writes."""
     mode = modes.get(key["mode"])
@@ -309,21 +331,17 @@ def stored_outcome(catalog: Catalog, runs: list[Run], request: ReplayRequest,
                 unit = UnitResults(out, mode.table, run, key)
                 if ranking.artifact and not (unit.folder / ranking.artifact).exists():
                     return None
-                done = set().union(*(b.cells() for b in unit.complete_blocks()))
-                wanted = {(layer, b) for layer in (mode.cell_layers(run_layers) or [None])
-                          for b in budgets}
-                if not wanted <= done and ranking.uses_calibration and not cal:
-                    other = calibrated_variant(catalog, out, run, unit.unit, wanted)
-                    if other is not None:  # the design card's `replay --ranking oracle` after
-                        # a calibrated sweep: the stored variant answers, and says so
-                        note = (f"{name}, {cov_name}: answered from the stored variant "
-                                f"{variant_text(other.unit)} (pass --calibration to choose "
-                                "one; without it nothing new is computed)")
-                        if note not in outcome.notes:
-                            outcome.notes.append(note)
-                        unit, done = other, wanted
-                if not wanted <= done:
-                    return None
+                other = stored_calibrated(catalog, out, run, unit, ranking, cal,
+                                          mode.cell_layers(run_layers), budgets)
+                if other is not None:  # the design card's `replay --ranking oracle` after a
+                    outcome.notes.append(answered_note(name, cov_name, run, other))  # sweep
+                    unit = other
+                else:
+                    done = set().union(*(b.cells() for b in unit.complete_blocks()))
+                    wanted = {(layer, b) for layer in (mode.cell_layers(run_layers) or [None])
+                              for b in budgets}
+                    if not wanted <= done:
+                        return None
                 outcome.units.append(unit)
         outcome.reused.append(run.name)
     return outcome

@@ -36,16 +36,16 @@ from replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, deci
     ReplayError,
     ReplayOutcome,
     ReplayRequest,
-    calibrated_variant,
+    answered_note,
     parse_budgets,
     run_layers_noted,
     storage_note,
+    stored_calibrated,
     stored_layers,
     stored_outcome,
     stored_variants,
     summary_frame,
     unit_key,
-    variant_text,
 )
 
 
@@ -110,10 +110,7 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                                               mode.cell_layers(run_layers), budgets)
                     if other is not None:  # answered by a stored calibrated variant
                         outcome.units.append(other)
-                        outcome.notes.append(f"{name}, {cov_name}, run {run.name}: answered "
-                                             "from the stored variant "
-                                             f"{variant_text(other.unit)} (pass --calibration "
-                                             "to choose one)")
+                        outcome.notes.append(answered_note(name, cov_name, run, other))
                         continue
                     locks.enter_context(unit.locked())
                     unit.drop_superseded(UNIT_IDENTITY)
@@ -152,21 +149,6 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
         ray.kill(actor)
     outcome.seconds = time.perf_counter() - start
     return outcome
-
-
-def stored_calibrated(catalog: Catalog, out: Path, run: Run, unit: UnitResults, cls,
-                      calibration: list[Run], layers: list[int] | None,
-                      budgets: list[int]) -> UnitResults | None:
-    """For a ranking that can use calibration, asked without: a stored calibrated variant of
-    ``run`` holding every cell asked for, when the uncalibrated ``unit`` does not (the design
-    card's ``replay --ranking oracle`` after a calibrated sweep); else None."""
-    if calibration or cls.needs_calibration or not cls.uses_calibration:
-        return None
-    wanted = {(layer, b) for layer in (layers or [None]) for b in budgets}
-    done = set().union(*(b.cells() for b in unit.complete_blocks()))
-    if wanted <= done:
-        return None
-    return calibrated_variant(catalog, out, run, unit.unit, wanted)
 
 
 def new_variant_notes(out: Path, run: Run, unit: UnitResults, cls,
