@@ -117,6 +117,7 @@ class RoutingBatch:
     layers: torch.Tensor  # [T] long
     rule: RoutingRule
     terms: ExpertTerms | None = None
+    _by_choice: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def single(cls, probs, idx, weights, layer: int, rule: RoutingRule) -> RoutingBatch:
@@ -150,6 +151,14 @@ class RoutingBatch:
         return torch.zeros(*self.probs.shape, dtype=torch.float32, device=self.device).scatter(
             -1, self.idx, self.weights.float())
 
+    def by_choice(self) -> torch.Tensor:
+        """``[T, M, N]``: every token's experts by decreasing selection score, ties to the lower
+        id (the order :func:`policy.routing.top_k_lowest_id` selects in), computed on first use."""
+        if self._by_choice is None:
+            self._by_choice = torch.sort(self.rule.selection_scores(self.probs), dim=-1,
+                                         descending=True, stable=True).indices
+        return self._by_choice
+
     def union(self) -> torch.Tensor:
         """``U = ∪_t T_k(t)`` per tree-layer, ``[T, N]`` bool (what an unbudgeted pass loads)."""
         hit = torch.zeros(*self.probs.shape[::2], dtype=torch.int32, device=self.device)
@@ -163,7 +172,8 @@ class RoutingBatch:
             rule = rule.for_layers(rule.selection_bias[rows])
         return RoutingBatch(self.probs[rows], self.idx[rows], self.weights[rows], self.mask[rows],
                             self.layers[rows], rule,
-                            None if self.terms is None else self.terms.take(rows))
+                            None if self.terms is None else self.terms.take(rows),
+                            None if self._by_choice is None else self._by_choice[rows])
 
     def sq_errors(self, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``||O*_t − Ô_t||²`` for every token, exactly (float64): ``idx, w [T, *E, M, k]`` →

@@ -85,12 +85,15 @@ class Substitution(Coverage):
     def apply(self, batch, keep):
         lead = keep.shape[:-1]
         probs = grow(batch.probs, lead)
-        allowed = keep[..., None, :]  # [T, *E, 1, N]
         rule = batch.rule
-        if rule.selection_bias is not None and rule.selection_bias.dim() == 3:
-            rule = rule.for_layers(grow(rule.selection_bias, lead))
-        idx, valid = rule.select(probs, allowed)
-        w = rule.mix(probs, idx, valid)
+        if not rule.group_limited and bool((keep.sum(-1) >= batch.k).all()):
+            idx = self.first_in(batch, keep)
+            w = rule.mix(probs, idx)
+        else:
+            if rule.selection_bias is not None and rule.selection_bias.dim() == 3:
+                rule = rule.for_layers(grow(rule.selection_bias, lead))
+            idx, valid = rule.select(probs, keep[..., None, :])  # allowed: [T, *E, 1, N]
+            w = rule.mix(probs, idx, valid)
         real = batch.mask.view(batch.size, *([1] * (len(lead) - 1)), -1, 1)
         w = torch.where(real, w, torch.zeros((), dtype=w.dtype, device=w.device))
         natural_idx = grow(batch.idx, lead)
@@ -98,6 +101,19 @@ class Substitution(Coverage):
             -1, natural_idx).all(-1, keepdim=True)  # T_k(t) ⊆ S: nothing to substitute
         return (torch.where(covered, natural_idx, idx),
                 torch.where(covered, grow(batch.weights, lead).to(w.dtype), w))
+
+
+    @staticmethod
+    def first_in(batch, keep):
+        """``[T, *E, M, k]``: each token's k first experts of S in its selection order
+        (:meth:`policy.batch.RoutingBatch.by_choice`), for plain top-k rules and |S| ≥ k: the
+        rule's top-k restricted to S (what :meth:`policy.routing.RoutingRule.select` returns),
+        without a top-k per shortlist."""
+        lead = keep.shape[:-1]
+        order = grow(batch.by_choice(), lead)  # [T, *E, M, N]
+        inside = keep[..., None, :].expand(*lead, order.shape[-2], batch.n).gather(-1, order)
+        first = inside & (inside.cumsum(-1) <= batch.k)  # exactly k per token
+        return order.masked_select(first).view(*lead, order.shape[-2], batch.k)
 
 
 COVERAGES: dict[str, Coverage] = {c.name: c for c in (Truncation(), Substitution())}

@@ -19,7 +19,6 @@ budgets × policies of a batch come out of a few tensor ops.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -211,7 +210,8 @@ def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budget
     keep = torch.zeros(batch.size, len(budgets), batch.n, dtype=torch.bool, device=batch.device)
     union = batch.union()
     for b in budgets if ranking.observes_outputs else []:
-        stream.per_budget.setdefault(b, copy.deepcopy(ranking))
+        if b not in stream.per_budget:
+            stream.per_budget[b] = ranking.clone()
     for prompt, step in sorted(set(zip(prompts.tolist(), steps.tolist()))):
         new_prompt = prompt != stream.prompt
         stream.prompt = prompt

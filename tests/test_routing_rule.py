@@ -94,3 +94,32 @@ def test_a_record_is_refused_when_it_cannot_be_rebuilt():
         RoutingRule.from_dict(RoutingRule(2).to_dict(), selection_bias=torch.zeros(8))
     with pytest.raises(ValueError, match="unknown routing rule field"):
         RoutingRule.from_dict({**RoutingRule(2).to_dict(), "mixing_kind": "softmax-of-top-k"})
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 4), extra=st.integers(0, 4),
+       quantized=st.booleans(), biased=st.booleans())
+def test_substitution_fast_selection_equals_the_rules_top_k_within_s(seed, k, extra, quantized,
+                                                                      biased):
+    """Substitution's selection by each token's cached selection order
+    (policy.coverage.Substitution.first_in) is the rule's own top-k restricted to S
+    (RoutingRule.select with ``allowed``), ties to the lower id included (coarsely quantised
+    scores tie often, as bf16 routers do)."""
+    from policy.batch import RoutingBatch
+    from policy.coverage import Substitution
+    n, m, t = 8, 6, 3
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(t, m, n, generator=g) * 2, -1)
+    if quantized:
+        probs = (probs * 8).round() / 8
+    bias = torch.randn(n, generator=g) * 0.1 if biased else None
+    rule = RoutingRule(k, renormalize=True, selection_bias=bias)
+    idx, w = rule.route(probs)
+    batch = RoutingBatch(probs, idx, w, torch.ones(t, m, dtype=torch.bool),
+                         torch.zeros(t, dtype=torch.long), rule)
+    keep = torch.zeros(t, 2, n, dtype=torch.bool)
+    for row in range(t):
+        for j in range(2):
+            keep[row, j, torch.randperm(n, generator=g)[:k + extra]] = True
+    want, _ = rule.select(probs[:, None].expand(t, 2, m, n), keep[..., None, :])
+    assert torch.equal(Substitution.first_in(batch, keep), want)

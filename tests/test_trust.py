@@ -16,10 +16,9 @@ import math
 
 import pytest
 import torch
+from helpers import block_io, real_ids, synthetic, synthetic_calibration
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_moe_adapter import block_io, real_ids
-from test_policy import _synthetic_calibration, synthetic
 
 from moe.adapter import MoEAdapter
 from policy import coverage, rankings
@@ -106,7 +105,7 @@ def _with_sketch(found, batch, seed: int):
 def test_project_rankings_put_selected_experts_first_under_truncation(seed, renorm):
     """B ≥ |U| ⇒ the error floor, for every ranking this project defines (and the papers'
     router and static are the only ones allowed to miss it)."""
-    found = _synthetic_calibration(seed % 13, 6, examples=6)
+    found = synthetic_calibration(seed % 13, 6, examples=6)
     batch, _ = synthetic(seed, m=3, n=8, k=2, renormalize=renorm, sharpness=6.0)
     stats = _with_sketch(found, batch, seed)
     trunc = coverage.get("truncation")
@@ -162,7 +161,7 @@ def _cell_errors(batch, cov, keep):
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 10_000), renorm=st.booleans(), n=st.sampled_from([8, 16]))
 def test_oracle_is_never_beaten_by_a_runtime_ranking_and_is_exact_where_exact_runs(seed, renorm, n):
-    found = _synthetic_calibration(seed % 13, 6, n=n, examples=6)
+    found = synthetic_calibration(seed % 13, 6, n=n, examples=6)
     batch, _ = synthetic(seed, m=10, n=n, k=2, renormalize=renorm)
     stats = _with_sketch(found, batch, seed)
     oracle = rankings.get("oracle")().fit(stats)
@@ -194,6 +193,37 @@ def test_local_search_improves_a_bad_start_to_the_exhaustive_optimum_on_a_small_
     best = exhaustive_best(batch, cov, 3)[:, None]
     assert _cell_errors(batch, cov, found) <= _cell_errors(batch, cov, worst)
     assert torch.allclose(_cell_errors(batch, cov, found), _cell_errors(batch, cov, best))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), extra=st.integers(0, 3), renormalize=st.booleans(),
+       biased=st.booleans(), name=st.sampled_from(["truncation", "substitution"]))
+def test_swap_screening_predicts_every_swaps_exact_error(seed, extra, renormalize, biased, name):
+    """The oracle's closed-form screen of all swaps (policy.rankings.oracle.screen_swaps) equals
+    the exact error of each swapped shortlist, |S| = k included (substitution then has no expert
+    of S outside a token's selection), with and without a selection bias."""
+    from policy.rankings.oracle import errors, screen_swaps
+    n, k = 8, 2
+    batch, experts = synthetic(seed, m=10, n=n, k=k, renormalize=renormalize)
+    if biased:  # the natural routing is the biased rule's
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)) * 0.2
+        rule = RoutingRule(k, renormalize=renormalize, selection_bias=bias)
+        idx, w = rule.route(batch.probs[0])
+        batch = RoutingBatch.single(batch.probs[0], idx, w, 3, rule)
+        batch.terms = ExpertTerms.from_outputs(experts[None], idx[None], w[None])
+    cov = coverage.get(name)
+    b = cov.min_budget(k) + extra
+    g = torch.Generator().manual_seed(seed)
+    current = torch.zeros(1, n, dtype=torch.bool)
+    current[0, torch.randperm(n, generator=g)[:b]] = True
+    predicted = screen_swaps(batch, cov, current)[0]
+    for out_ in current[0].nonzero().flatten().tolist():
+        for in_ in (~current[0]).nonzero().flatten().tolist():
+            swapped = current.clone()
+            swapped[0, out_], swapped[0, in_] = False, True
+            exact = errors(batch, cov, swapped[:, None])[0, 0]
+            assert torch.isclose(predicted[out_, in_], exact, rtol=1e-6, atol=1e-12), \
+                (out_, in_, float(predicted[out_, in_]), float(exact))
 
 
 @pytest.mark.parametrize("n,b", [(8, 4), (64, 2), (64, 6)])

@@ -17,6 +17,7 @@ subclass, plus its line in :data:`policy.index.RANKINGS`.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
@@ -69,6 +70,11 @@ class Ranking(ABC):
 
     def reset(self) -> None:
         """A new prompt starts: forget what earlier passes did."""
+
+    def clone(self) -> Ranking:
+        """An independent copy of this ranking's state that shares its (read-only) calibration
+        statistics: one instance per budget for rankings that observe outputs."""
+        return copy.deepcopy(self, {id(self.calibration): self.calibration})
 
     def observe(self, layers: torch.Tensor, loaded: torch.Tensor) -> None:
         """After a verification pass: ``loaded [T, N]`` the experts it loaded at ``layers [T]``."""

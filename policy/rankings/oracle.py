@@ -68,11 +68,13 @@ from policy.substitution import best_shortlists
 @register
 class Oracle(Ranking):
     name = "oracle"
-    version = 4  # 2: substitution takes the best of three candidates, 3: of four, 4: exact search
-    # where it fits, every runtime ranking's shortlist as a start, then swap local search
+    version = 5  # 2: substitution takes the best of three candidates, 3: of four, 4: exact search
+    # where it fits, every runtime ranking's shortlist as a start, then swap local search, 5: the
+    # swaps screened in closed form (all of them, not the 12 strongest outside), then verified
     uses_calibration = True  # fitted with calibration, it also starts from the calibrated
     # runtime rankings' shortlists (the calibration is then part of its results' key)
-    swap_candidates: ClassVar[int] = 12  # experts outside S tried per member in a swap round
+    swap_candidates: ClassVar[int] = 12  # group-limited rules (no screening): experts outside S
+    # tried per member in a swap round
     max_rounds: ClassVar[int] = 8
 
     def fit(self, calibration=None):
@@ -175,17 +177,17 @@ def errors(batch, coverage, keep: torch.Tensor) -> torch.Tensor:
 
 
 def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], candidates: int,
-                 max_rounds: int) -> torch.Tensor:
-    """Swap local search from ``keep [T, B, N]``: each round, every tree-layer scores all swaps of
-    one member of S for one of the ``candidates`` strongest experts outside S (router mass under
-    substitution, squared mixing mass under truncation) and makes its best swap if it lowers the
-    exact error by more than 1e-12 relative; rounds end when no tree-layer improves. Batched over
-    tree-layers; the error never rises, so the result is never worse than the start."""
+                 max_rounds: int, verify: int = 4) -> torch.Tensor:
+    """Swap local search from ``keep [T, B, N]``. Each round, every tree-layer still improving
+    *screens* its swaps (one member of S out, one expert outside in), takes the ``verify`` swaps
+    screened best, scores them with the exact error and makes the best one if it lowers the exact
+    error by more than 1e-12 relative; rounds end when no tree-layer improves or after
+    ``max_rounds``. Screening (:func:`screen_swaps`) predicts every swap's error in closed form,
+    all b·(N − b) of them, under truncation and plain top-k substitution; group-limited routing
+    falls back to the ``candidates`` strongest experts outside S (router mass) × every member.
+    Batched over tree-layers; only exact errors decide, so the result is never worse than the
+    start."""
     keep = keep.clone()
-    strength = batch.mass().double() if not isinstance(coverage, Truncation) else \
-        batch.dense_weights().double().pow(2).sum(1)
-    strength = strength + torch.arange(batch.n, 0, -1, device=batch.device) * 1e-30  # ties: id
-    rows = torch.arange(batch.size, device=batch.device)
     floor = batch.terms.floor.sum(-1)  # [T]: every token's routing unchanged
     for j, b in enumerate(budgets):
         if b >= batch.n:
@@ -197,33 +199,137 @@ def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], candid
             if not bool(active.any()):
                 break
             sub = active.nonzero().squeeze(1)
-            part = batch.take(sub)
-            cur = current[sub]
-            members = torch.argsort((~cur).long(), dim=-1, stable=True)[:, :b]  # [R, b]
-            x = min(candidates, batch.n - b)
-            outside = torch.argsort(strength[sub].masked_fill(cur, float("-inf")), dim=-1,
-                                    descending=True, stable=True)[:, :x]  # [R, x]
-            swaps = cur[:, None, None, :].repeat(1, b, x, 1)  # [R, b, x, N]
-            r = torch.arange(len(sub), device=batch.device)[:, None, None]
-            bi = torch.arange(b, device=batch.device)[None, :, None]
-            xi = torch.arange(x, device=batch.device)[None, None, :]
-            swaps[r, bi, xi, members[:, :, None].expand(-1, -1, x)] = False
-            swaps[r, bi, xi, outside[:, None, :].expand(-1, b, -1)] = True
-            flat = swaps.view(len(sub), b * x, batch.n)
-            chunk = max(1, int(2e7 // (len(sub) * part.probs.shape[1] * batch.n)))
-            found = torch.cat([errors(part, coverage, c) for c in flat.split(chunk, dim=1)],
-                              1)  # [R, b·x]
+            part = batch if len(sub) == batch.size else batch.take(sub)
+            tries = one_swap_away(part, coverage, current[sub], b, candidates, verify)
+            found = errors(part, coverage, tries)  # [R, V] exact
             low, at = found.min(-1)
             better = low < err[sub] * (1 - 1e-12) - 1e-300
             if not bool(better.any()):
                 break
             won = sub[better]
-            current[won] = flat[rows[:len(sub)][better], at[better]]
+            current[won] = tries[better, at[better]]
             err[won] = low[better]
             active = torch.zeros_like(active)
             active[won] = True
         keep[:, j] = current
     return keep
+
+
+def one_swap_away(batch, coverage, current: torch.Tensor, b: int, candidates: int,
+                    verify: int) -> torch.Tensor:
+    """``[R, V, N]`` shortlists one swap away from ``current [R, N]`` (|S| = b) to score exactly:
+    the ``verify`` best by :func:`screen_swaps` where it applies, else every member × the
+    ``candidates`` strongest experts outside S."""
+    r, n = current.shape
+    rows = torch.arange(r, device=current.device)
+    predicted = screen_swaps(batch, coverage, current)  # [R, N (out), N (in)] or None
+    if predicted is not None:
+        legal = current[:, :, None] & ~current[:, None, :]  # m ∈ S, c ∉ S
+        flat = predicted.masked_fill(~legal, float("inf")).view(r, -1)
+        v = min(verify, b * (n - b))
+        pick = flat.topk(v, dim=-1, largest=False).indices  # ties: any, all verified
+        out_, in_ = pick // n, pick % n  # [R, V]
+    else:
+        members = torch.argsort((~current).long(), dim=-1, stable=True)[:, :b]  # [R, b]
+        x = min(candidates, n - b)
+        strength = batch.mass().double() + torch.arange(n, 0, -1, device=batch.device) * 1e-30
+        outside = torch.argsort(strength.masked_fill(current, float("-inf")), dim=-1,
+                                descending=True, stable=True)[:, :x]  # [R, x]
+        out_ = members[:, :, None].expand(-1, -1, x).reshape(r, -1)
+        in_ = outside[:, None, :].expand(-1, b, -1).reshape(r, -1)
+    tries = current[:, None, :].repeat(1, out_.shape[1], 1)  # [R, V, N]
+    slot = torch.arange(out_.shape[1], device=current.device)[None, :]
+    tries[rows[:, None], slot, out_] = False
+    tries[rows[:, None], slot, in_] = True
+    return tries
+
+
+def screen_swaps(batch, coverage, current: torch.Tensor) -> torch.Tensor | None:
+    """Predicted total error ``[R, N, N]`` of every swap (member m out, expert c in) of the
+    shortlists ``current [R, N]``, in closed form (the Gram expansion, rounding aside), or None
+    where there is none (group-limited substitution).
+
+    * Truncation: with D the experts left out the error is ``F + 2 Σ_{i∈D} l_i + Σ_{i,j∈D} A_ij``
+      (``A``: :func:`truncation_matrix`; ``l_i = Σ_t ⟨δ_t, ḡ_i E_i⟩``), so with ``R_x = Σ_{j∈D}
+      A_xj`` a swap changes it by ``2(l_m − l_c) + A_mm + A_cc + 2(R_m − R_c) − 2 A_mc``.
+    * Substitution: token t's selection P_t (top-k of S) changes only if m ∈ P_t (m's slot goes
+      to the better of c and the best expert of S outside P_t) or c outranks P_t's weakest member
+      (c takes its slot); each case is one slot replaced, scored in O(1) by the update of
+      :func:`substitution_order`, and the m ∈ P_t terms are scattered to m (k per token)."""
+    if isinstance(coverage, Truncation):
+        a = truncation_matrix(batch)  # [R, N, N]
+        lin = torch.zeros(batch.size, batch.n, dtype=torch.float64, device=batch.device)
+        lin.scatter_add_(1, batch.idx.flatten(1), batch.terms.cross.flatten(1))
+        out = (~current).double()  # D
+        row = torch.einsum("rij,rj->ri", a, out)
+        diag = a.diagonal(dim1=-2, dim2=-1)
+        total = (torch.einsum("ri,ri->r", out, 2 * lin + row))[:, None, None]
+        m_side = (2 * lin + diag + 2 * row)[:, :, None]
+        c_side = (-2 * lin + diag - 2 * row)[:, None, :]
+        return total + m_side + c_side - 2 * a
+    if batch.rule.group_limited:
+        return None
+    return _substitution_swaps(batch, current)
+
+
+def _substitution_swaps(batch, current: torch.Tensor) -> torch.Tensor:
+    """The substitution case of :func:`screen_swaps` (plain top-k rules)."""
+    q, bvec = batch.terms.gram()  # [R, M, N, N], [R, M, N]
+    r_sq = batch.terms.routed_sq  # [R, M]
+    r, m, n, k = batch.size, batch.probs.shape[1], batch.n, batch.k
+    real = batch.mask.double()  # [R, M]
+    g = batch.probs.double()
+    mixing = batch.rule.mixing
+    # rank of every expert per token: selection score descending, ties to the lower id
+    by_choice = torch.sort(batch.rule.selection_scores(batch.probs), dim=-1, descending=True,
+                           stable=True).indices
+    rank = torch.empty_like(by_choice).scatter_(
+        -1, by_choice, torch.arange(n, device=batch.device).expand_as(by_choice))
+    key = rank.masked_fill(~current[:, None, :], 2 * n)  # only S selectable
+    top = key.topk(k + 1, dim=-1, largest=False).indices  # [R, M, k+1], best first
+    sel, nxt = top[..., :k], top[..., k]  # P_t, and the best of S outside P_t
+    gp = g.gather(-1, sel)  # [R, M, k]
+    qrows = q.gather(2, sel[..., None].expand(r, m, k, n))  # Q_t[P_a, :]: [R, M, k, N]
+    cvec = torch.einsum("rma,rman->rmn", gp, qrows)  # C_x = Σ_a g_Pa Q_x,Pa
+    L = (gp * bvec.gather(-1, sel)).sum(-1)
+    Z = gp.sum(-1)
+    Q = (gp * cvec.gather(-1, sel)).sum(-1)
+    diag = q.diagonal(dim1=-2, dim2=-1)  # [R, M, N]
+
+    def error(L2, Q2, Z2, r2):
+        a = mixing.coefficient(Z2)
+        return r2 - 2 * a * L2 + a * a * Q2
+
+    def replaced(a_g, a_b, a_c, a_d, x_g, x_b, x_c, x_d, q_xa, lead):
+        """Error after member a (its g, b, C, Q_aa) is replaced by x (the same, and Q_xa)."""
+        L2 = L.view(lead) - a_g * a_b + x_g * x_b
+        Q2 = (Q.view(lead) - 2 * a_g * a_c + a_g * a_g * a_d
+              + 2 * x_g * (x_c - a_g * q_xa) + x_g * x_g * x_d)
+        return error(L2, Q2, Z.view(lead) - a_g + x_g, r_sq.view(lead))
+
+    now = error(L, Q, Z, r_sq)  # [R, M]
+    # case A, m ∉ P_t: c replaces the weakest member w if c outranks it
+    w = sel[..., k - 1]
+    wg, wb, wc, wd = (x.gather(-1, w[..., None]) for x in (g, bvec, cvec, diag))  # [R, M, 1]
+    q_cw = q.gather(2, w[..., None, None].expand(r, m, 1, n))[:, :, 0]  # Q_t[w, :]: [R, M, N]
+    into_w = replaced(wg, wb, wc, wd, g, bvec, cvec, diag, q_cw, (r, m, 1))
+    beats_w = rank < rank.gather(-1, w[..., None])
+    case_a = torch.where(beats_w, into_w, now[..., None]) * real[..., None]  # [R, M, N]
+    # case B, m = P_a: P_a's slot goes to c if c outranks nxt, else to nxt
+    lead = (r, m, 1, 1)
+    a_g, a_b, a_c, a_d = (x[..., None] for x in (gp, bvec.gather(-1, sel), cvec.gather(-1, sel),
+                                                 diag.gather(-1, sel)))  # [R, M, k, 1]
+    with_c = replaced(a_g, a_b, a_c, a_d, g[:, :, None], bvec[:, :, None], cvec[:, :, None],
+                      diag[:, :, None], qrows, lead)  # [R, M, k, N]
+    ng, nb, nc, nd = (x.gather(-1, nxt[..., None])[..., None] for x in (g, bvec, cvec, diag))
+    q_na = qrows.gather(-1, nxt[:, :, None, None].expand(r, m, k, 1))  # [R, M, k, 1]
+    with_next = replaced(a_g, a_b, a_c, a_d, ng, nb, nc, nd, q_na, lead)  # [R, M, k, 1]
+    lone = key.gather(-1, nxt[..., None]) >= 2 * n  # |S| = k: nothing of S outside P_t
+    beats_next = ((rank < rank.gather(-1, nxt[..., None])) | lone)[:, :, None, :]  # [R, M, 1, N]
+    case_b = torch.where(beats_next, with_c, with_next) * real[..., None, None]
+    correction = (case_b - case_a[:, :, None, :]).reshape(r, m * k, n)
+    total = case_a.sum(1)[:, None, :].repeat(1, n, 1)  # [R, N (m), N (c)]
+    return total.scatter_add_(1, sel.reshape(r, m * k, 1).expand(r, m * k, n), correction)
 
 
 def truncation_matrix(batch) -> torch.Tensor:
