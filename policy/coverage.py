@@ -29,13 +29,15 @@ import torch
 from policy.batch import RoutingBatch, grow
 
 
-def prefix_masks(order: torch.Tensor, budgets: list[int], n: int) -> torch.Tensor:
+def prefix_masks(order: torch.Tensor, budgets, n: int) -> torch.Tensor:
     """Shortlists ``[T, len(budgets), N]``: the first B experts of each selection ``order
-    [T, L]`` (expert ids by priority; experts missing from a shorter order are never kept)."""
+    [T, L]`` (expert ids by priority; experts missing from a shorter order are never kept).
+    ``budgets``: a list shared by every row, or a tensor ``[T, B]`` of each row's own."""
     t, length = order.shape
     rank = torch.full((t, n), n, dtype=torch.long, device=order.device)
     rank.scatter_(1, order, torch.arange(length, device=order.device).expand(t, length))
-    return rank[:, None, :] < torch.as_tensor(budgets, device=order.device)[None, :, None]
+    b = torch.as_tensor(budgets, device=order.device)
+    return rank[:, None, :] < (b[..., None] if b.dim() == 2 else b[None, :, None])
 
 
 class Coverage(ABC):

@@ -12,7 +12,7 @@ router scores and the calibration's mean Gram ``G`` per layer, and *predicts* th
 
     Q_t ≈ G,    b_t ≈ G ḡ_t,    ||R*_t||² ≈ ḡ_tᵀ G ḡ_t      (ḡ_t dense over the N experts)
 
-Both choose among candidate orders per tree-layer and budget with :func:`best_prefixes`, the
+Both choose among candidate shortlists per tree-layer and budget with :func:`best_shortlists`, the
 oracle by the exact error, calibrated rankings by the predicted one
 (:class:`policy.rankings.base.SubstitutionAware`).
 """
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from policy.batch import RoutingBatch, gram_sq_errors
-from policy.coverage import Coverage, prefix_masks
+from policy.coverage import Coverage
 
 
 def predicted_sq_errors(batch: RoutingBatch, gram: torch.Tensor, idx: torch.Tensor,
@@ -36,15 +36,6 @@ def predicted_sq_errors(batch: RoutingBatch, gram: torch.Tensor, idx: torch.Tens
     b = dense @ g  # [T, M, N]
     shared = g[:, None].expand(-1, dense.shape[1], -1, -1)  # the same G for every token
     return gram_sq_errors((b * dense).sum(-1), b, shared, idx, w)
-
-
-def best_prefixes(batch: RoutingBatch, coverage: Coverage, orders: list[torch.Tensor],
-                  budgets: list[int], sq_errors) -> torch.Tensor:
-    """Per tree-layer and budget, the prefix of ``orders`` (each ``[T, L]``) with the lowest total
-    error ``sq_errors(keep, idx, w) → [T, *E, M]`` under ``coverage``; ties to the first order.
-    Returns shortlists ``[T, len(budgets), N]`` (not nested across budgets in general)."""
-    return best_shortlists(batch, coverage, [prefix_masks(o, budgets, batch.n) for o in orders],
-                           sq_errors)
 
 
 def best_shortlists(batch: RoutingBatch, coverage: Coverage, candidates: list[torch.Tensor],

@@ -209,6 +209,7 @@ def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budget
         return ranking.shortlists(batch, coverage, budgets)
     keep = torch.zeros(batch.size, len(budgets), batch.n, dtype=torch.bool, device=batch.device)
     union = batch.union()
+    routing = replace(batch, terms=None)  # what a runtime ranking sees (no expert outputs)
     for b in budgets if ranking.observes_outputs else []:
         if b not in stream.per_budget:
             stream.per_budget[b] = ranking.clone()
@@ -216,23 +217,25 @@ def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budget
         new_prompt = prompt != stream.prompt
         stream.prompt = prompt
         rows = ((prompts == prompt) & (steps == step)).nonzero().flatten()
-        part = batch.take(rows)
+        part = routing.take(rows)
         if not ranking.observes_outputs:
             if new_prompt:
                 ranking.reset()
             keep[rows] = ranking.shortlists(part, coverage, budgets)[0]
             ranking.observe(part.layers, union[rows])
             continue
-        for j, b in enumerate(budgets):
-            own = stream.per_budget[b]
-            if new_prompt:
+        instances = [stream.per_budget[b] for b in budgets]
+        if new_prompt:
+            for own in instances:
                 own.reset()
-            masks = own.shortlists(part, coverage, [b])[0]  # [R, 1, N]
-            keep[rows, j] = masks[:, 0]
-            idx, w = coverage.apply(part, masks)  # what the pass under B ran: [R, 1, M, k]
-            idx, w = idx[:, 0], w[:, 0] * part.mask[..., None]
-            outputs = part.terms.experts.gather(
-                2, idx[..., None].expand(*idx.shape, part.terms.experts.shape[-1]))
-            own.observe(part.layers, experts_used(idx, w, batch.n))
-            own.observe_outputs(part.layers, idx, w, outputs)
+        masks = type(ranking).shortlists_each(instances, part, coverage, budgets)  # [R, B, N]
+        keep[rows] = masks
+        idx, w = coverage.apply(part, masks)  # what each budgeted pass ran: [R, B, M, k]
+        w = w * part.mask[:, None, :, None]
+        experts = batch.terms.experts[rows]  # [R, M, N, H]: the outputs the passes computed
+        for j, own in enumerate(instances):
+            outputs = experts.gather(2, idx[:, j, ..., None].expand(*idx[:, j].shape,
+                                                                     experts.shape[-1]))
+            own.observe(part.layers, experts_used(idx[:, j], w[:, j], batch.n))
+            own.observe_outputs(part.layers, idx[:, j], w[:, j], outputs)
     return keep, budgets

@@ -30,7 +30,7 @@ from policy import index
 from policy.batch import RoutingBatch
 from policy.calibration import CalibrationStats
 from policy.coverage import Coverage, Truncation, prefix_masks
-from policy.substitution import best_prefixes, predicted_sq_errors
+from policy.substitution import best_shortlists, predicted_sq_errors
 
 
 class RankingError(UserError, ValueError):
@@ -92,11 +92,43 @@ class Ranking(ABC):
 
     def shortlists(self, batch: RoutingBatch, coverage: Coverage, budgets: list[int]):
         """``(keep [T, len(valid), N], valid budgets)``; nested prefixes of :meth:`order` unless a
-        ranking searches each budget on its own (``exact``)."""
-        order = self.order(batch, coverage, max(budgets))
+        ranking chooses among several orders per budget (:meth:`prefix_orders`) or searches each
+        budget on its own (``exact``)."""
+        return self.prefixes(batch, coverage, budgets), list(budgets)
+
+    def prefix_orders(self, batch: RoutingBatch, coverage: Coverage, max_budget: int
+                      ) -> list[torch.Tensor]:
+        """The orders whose prefixes are the shortlists: :meth:`order` (selected experts first
+        under truncation), or several, of which :meth:`prefix_errors` picks per budget."""
+        order = self.order(batch, coverage, max_budget)
         if self.selected_first and isinstance(coverage, Truncation):
             order = selected_first(order, batch)
-        return prefix_masks(order, budgets, batch.n), list(budgets)
+        return [order]
+
+    def prefix_errors(self, batch: RoutingBatch):
+        """``(keep, idx, w) → [T, *E, M]`` errors to choose among :meth:`prefix_orders` by
+        (rankings with several orders only)."""
+        raise NotImplementedError(f"ranking {self.name} has one order")
+
+    def prefixes(self, batch: RoutingBatch, coverage: Coverage, budgets) -> torch.Tensor:
+        """``keep [T, B, N]`` for ``budgets`` (a list, or ``[T, B]`` per row): the prefixes of
+        :meth:`prefix_orders`, the one with the least :meth:`prefix_errors` where there are
+        several (ties to the first)."""
+        most = int(torch.as_tensor(budgets).max())
+        masks = [prefix_masks(o, budgets, batch.n)
+                 for o in self.prefix_orders(batch, coverage, most)]
+        if len(masks) == 1:
+            return masks[0]
+        return best_shortlists(batch, coverage, masks, self.prefix_errors(batch))
+
+    @classmethod
+    def shortlists_each(cls, instances: list[Ranking], batch: RoutingBatch, coverage: Coverage,
+                        budgets: list[int]) -> torch.Tensor:
+        """``keep [T, len(budgets), N]`` where instance j answers budget j alone: rankings that
+        observe outputs keep one state per budget (:meth:`observe_outputs`). One call each here;
+        a ranking may answer them together."""
+        return torch.stack([ranking.shortlists(batch, coverage, [b])[0][:, 0]
+                            for ranking, b in zip(instances, budgets)], 1)
 
     def skipped(self, n: int, budgets: list[int]) -> list[int]:
         """Budgets this ranking cannot evaluate for N experts (reported, never silent)."""
@@ -215,15 +247,15 @@ class SubstitutionAware:
     on the predicted terms, as a fourth candidate, overfit the prediction: 67%.) Runtime-legal:
     router scores and calibration statistics only. Mix in before :class:`Ranking`."""
 
-    def shortlists(self, batch, coverage, budgets):
+    def prefix_orders(self, batch, coverage, max_budget):
         if isinstance(coverage, Truncation):
-            return super().shortlists(batch, coverage, budgets)
+            return super().prefix_orders(batch, coverage, max_budget)
+        return [self.order(batch, coverage, max_budget), by_squared_mass(batch),
+                by_mass(batch.mass())]
+
+    def prefix_errors(self, batch):
         gram = self.mean_gram(batch)  # [T, N, N]
-        orders = [self.order(batch, coverage, max(budgets)), by_squared_mass(batch),
-                  by_mass(batch.mass())]
-        keep = best_prefixes(batch, coverage, orders, budgets,
-                             lambda keep, idx, w: predicted_sq_errors(batch, gram, idx, w))
-        return keep, list(budgets)
+        return lambda keep, idx, w: predicted_sq_errors(batch, gram, idx, w)
 
     def mean_gram(self, batch: RoutingBatch) -> torch.Tensor:
         """``G [T, N, N]`` float64 for the batch's layers: the calibration means."""

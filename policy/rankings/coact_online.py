@@ -18,6 +18,8 @@ keeps refining across requests would see.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import ClassVar
 
 import torch
@@ -34,39 +36,59 @@ class CoactOnline(Coact):
     prior: ClassVar[float] = 8.0  # κ: calibration pseudo-observations per pair
 
     def __init__(self):
-        self.sums: dict[int, torch.Tensor] = {}  # decoder layer -> [N, N] Σ ⟨E_i, E_j⟩
-        self.counts: dict[int, torch.Tensor] = {}  # decoder layer -> [N, N] n_ij
+        self.sums: torch.Tensor | None = None  # [L, N·N] Σ ⟨E_i, E_j⟩ per calibration layer row
+        self.counts: torch.Tensor | None = None  # [L, N·N] n_ij
+        self.seen: torch.Tensor | None = None  # [L] bool: the layer ran a pass in this prompt
+        self.stacked_gram: torch.Tensor | None = None  # set only by shortlists_each's stand-in
 
     def reset(self):
-        self.sums, self.counts = {}, {}
+        self.sums = self.counts = self.seen = None
+
+    @classmethod
+    def shortlists_each(cls, instances, batch, coverage, budgets):
+        """Every budget's instance in one call: the batch repeated once per budget, each copy
+        with its instance's blended Gram, and copy j's shortlist at budget j kept (coact's
+        greedy is incremental and substitution's choice is per budget, so this is exactly the
+        one-instance-per-call answer; each copy is scored at its own budget only)."""
+        t, count = batch.size, len(budgets)
+        stand_in = copy.copy(instances[0])
+        stand_in.stacked_gram = torch.cat([ranking.mean_gram(batch) for ranking in instances])
+        routing = dataclasses.replace(batch, terms=None)  # rankings never see expert outputs
+        repeated = routing.take(torch.arange(t, device=batch.device).repeat(count))
+        own = torch.as_tensor(budgets, device=batch.device).repeat_interleave(t)[:, None]
+        keep = stand_in.prefixes(repeated, coverage, own)  # [count·T, 1, N]
+        return keep[:, 0].view(count, t, batch.n).transpose(0, 1)
 
     def observe_outputs(self, layers, idx, weights, outputs):
         """``idx, weights [T, M, k]`` what each token of the finished pass ran at ``layers [T]``
         (weight 0: not run, padding included) and ``outputs [T, M, k, H]`` those experts'
         outputs."""
         n = self.calibration.num_experts
+        if self.sums is None:
+            size = (len(self.calibration.layers), n * n)
+            self.sums = torch.zeros(size, dtype=torch.float64, device=outputs.device)
+            self.counts = torch.zeros(size, dtype=torch.float64, device=outputs.device)
+            self.seen = torch.zeros(size[0], dtype=torch.bool, device=outputs.device)
         ran = (weights != 0).double()  # [T, M, k]
         out = outputs.double() * ran[..., None]
         dots = torch.einsum("tmah,tmbh->tmab", out, out)  # [T, M, k, k]
         both = ran[..., :, None] * ran[..., None, :]
-        flat = (idx[..., :, None] * n + idx[..., None, :]).flatten(1)  # [T, M·k·k]
-        for row, layer in enumerate(layers.tolist()):
-            if layer not in self.sums:
-                self.sums[layer] = torch.zeros(n * n, dtype=torch.float64, device=out.device)
-                self.counts[layer] = torch.zeros(n * n, dtype=torch.float64, device=out.device)
-            self.sums[layer].index_add_(0, flat[row], dots[row].flatten())
-            self.counts[layer].index_add_(0, flat[row], both[row].flatten())
+        rows = self.calibration.rows(layers).to(outputs.device)  # [T]
+        flat = (rows[:, None] * (n * n)
+                + (idx[..., :, None] * n + idx[..., None, :]).flatten(1)).flatten()
+        self.sums.view(-1).index_add_(0, flat, dots.flatten())
+        self.counts.view(-1).index_add_(0, flat, both.flatten())
+        self.seen[rows] = True
 
     def mean_gram(self, batch):
+        if self.stacked_gram is not None:
+            return self.stacked_gram
         gram = super().mean_gram(batch)  # [T, N, N] coact's calibration means
-        if not self.sums:
+        if self.sums is None:
             return gram
-        pairs = self.calibration.pairs[self.calibration.rows(batch.layers)].to(batch.device)
+        rows = self.calibration.rows(batch.layers).to(batch.device)
+        kappa = self.calibration.pairs[rows.cpu()].to(batch.device).clamp(max=self.prior)  # κ_ij
         n = batch.n
-        for i, layer in enumerate(batch.layers.tolist()):
-            if layer in self.sums:
-                kappa = pairs[i].clamp(max=self.prior)  # κ_ij
-                seen = self.counts[layer].view(n, n)
-                gram[i] = (kappa * gram[i] + self.sums[layer].view(n, n)) \
-                    / (kappa + seen).clamp_min(1)
-        return gram
+        blended = (kappa * gram + self.sums[rows].view(-1, n, n)) \
+            / (kappa + self.counts[rows].view(-1, n, n)).clamp_min(1)
+        return torch.where(self.seen[rows][:, None, None], blended, gram)
