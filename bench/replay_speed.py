@@ -1,6 +1,7 @@
 """Replay speed and memory, as ratios measured in one run on this machine.
 
     python bench/replay_speed.py sweep --traces traces --run demo-eval --calibration demo-cal
+    python bench/replay_speed.py closed --traces traces --run demo-eval --budgets 8 16 24 32
     python bench/replay_speed.py rss --trees 500 2000
     python bench/replay_speed.py width --shape olmoe
 
@@ -9,6 +10,10 @@
 (goal ≤ 3×); the same without the oracle; and ``replay --ranking oracle --budget 24`` vs the
 capture's decoding time of the same prompts (Σ ``sequences.wall_seconds``; goal ≤ 2×). Model
 loading is excluded on both sides.
+
+``closed``: closed-loop re-verification of the run's trees under ``--rankings`` × both coverages
+× ``--budgets`` (model loaded, start-up excluded) vs the capture's own verification of the same
+trees, ``median(trees.verify_seconds) × trees × cells`` (goal ≤ 2×).
 
 ``rss``: peak RSS of ``replay --ranking oracle --budget 24`` (a fresh process each) on synthetic
 runs of N trees × 8 layers of tiny-olmoe (goal ≤ 2 GiB, flat in N).
@@ -30,11 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import polars as pl
-import pyarrow.parquet as pq
 import torch
 
-from catalog import Catalog, reader
+from catalog import Catalog, location, reader
 from moe import models, shapes
 from moe.adapter import MoEAdapter
 from replay.run import ReplayRequest, calibration_stats, parse_budgets, replay
@@ -76,14 +81,16 @@ def gram_seconds(items, adapter) -> float:
         return time.perf_counter() - t0
 
 
-def timed_replay(cat, runs, adapter, rankings, budgets, stats, cal, device) -> tuple[float, int]:
+def timed_replay(cat, runs, adapter, rankings, budgets, stats, cal, device,
+                 mode: str = "open") -> tuple[float, int]:
     out = Path(tempfile.mkdtemp(prefix="replay-bench-"))
     try:
-        request = ReplayRequest(tuple(rankings), ("truncation", "substitution"), tuple(budgets))
+        request = ReplayRequest(tuple(rankings), ("truncation", "substitution"), tuple(budgets),
+                                mode=mode)
         t0 = time.perf_counter()
         outcome = replay(cat, runs, adapter, request, stats, cal, out, device=device,
                          progress=False)
-        return time.perf_counter() - t0, outcome.tree_layers
+        return time.perf_counter() - t0, outcome.tree_layers or outcome.trees
     finally:
         shutil.rmtree(out)
 
@@ -115,14 +122,39 @@ def sweep(args) -> dict:
         found[key] = dict(seconds=sec, tree_layers=tl, budgets=budgets)
         print(f"  {label} × 2 policies × {len(budgets)} budgets: {sec:.3f} s = "
               f"{sec / base:.2f}x the recompute ({tl / sec:.0f} tree-layers/s)")
-    sec, tl = timed_replay(cat, runs, adapter, ["oracle"], [24], None, [], loaded.device)
-    decode = sum(pq.read_table(runs[0].dir("sequences"), columns=["wall_seconds"])
+    decode = sum(location.read_table(runs[0].files("sequences"), columns=["wall_seconds"])
                  ["wall_seconds"].to_pylist())
+    sec = found["full_sweep"]["seconds"]
+    print(f"  full sweep vs capture decoding the same prompts {decode:.3f} s = {sec / decode:.2f}x")
+    found["full_sweep"]["capture_decode_s"] = decode
+    sec, tl = timed_replay(cat, runs, adapter, ["oracle"], [24], None, [], loaded.device)
     print(f"  replay --ranking oracle --budget 24 (both policies): {sec:.3f} s "
           f"({tl / sec:.0f} tree-layers/s) vs capture decoding the same prompts {decode:.3f} s "
           f"= {sec / decode:.2f}x")
     found["oracle_24"] = dict(seconds=sec, tree_layers=tl, capture_decode_s=decode)
     return found
+
+
+def closed(args) -> dict:
+    torch.set_num_threads(args.threads)
+    cat = Catalog(args.traces)
+    runs = cat.runs(names=[args.run])
+    loaded = models.load(runs[0].model, device=args.device)
+    adapter = MoEAdapter(loaded.model)
+    verify_s = location.read_table(runs[0].files("trees"), columns=["verify_seconds"])[
+        "verify_seconds"].to_numpy()
+    cells = len(args.rankings) * 2 * len(args.budgets)
+    sec, trees = timed_replay(cat, runs, adapter, args.rankings, args.budgets, None, [],
+                              loaded.device, mode="closed")
+    base = float(np.median(verify_s)) * len(verify_s) * cells
+    print(f"{runs[0].model}, run {args.run}: {len(verify_s)} trees × {cells} cells "
+          f"({' '.join(args.rankings)} × 2 policies × budgets {args.budgets}), "
+          f"{args.threads} torch threads")
+    print(f"  closed-loop re-verification {sec:.2f} s vs the capture's verification of the same "
+          f"trees (median {np.median(verify_s) * 1e3:.1f} ms × trees × cells) {base:.2f} s = "
+          f"{sec / base:.2f}x")
+    return dict(model=runs[0].model, trees=len(verify_s), cells=cells, seconds=sec,
+                captured_verify_s=base, ratio=sec / base)
 
 
 def rss(args) -> dict:
@@ -214,6 +246,13 @@ def main() -> None:
     s.add_argument("--calibration", default="demo-cal")
     s.add_argument("--device", default="cpu")
     s.add_argument("--threads", type=int, default=2)
+    c = sub.add_parser("closed")
+    c.add_argument("--traces", type=Path, default=Path("traces"))
+    c.add_argument("--run", default="demo-eval")
+    c.add_argument("--rankings", nargs="+", default=["router"])
+    c.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 24, 32])
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--threads", type=int, default=2)
     r = sub.add_parser("rss")
     r.add_argument("--trees", type=int, nargs="+", default=[500, 2000])
     w = sub.add_parser("width")
@@ -222,7 +261,7 @@ def main() -> None:
     w.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     models.quiet_transformers()
-    found = {"sweep": sweep, "rss": rss, "width": width}[args.what](args)
+    found = {"sweep": sweep, "closed": closed, "rss": rss, "width": width}[args.what](args)
     if args.out:
         args.out.write_text(json.dumps({args.what: found}, indent=1))
 

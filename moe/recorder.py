@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from moe.adapter import MoEAdapter, MoELayer
-from policy.budget import Budget
+from policy.budget import Budget, BudgetGroups
 from policy.coverage import experts_used
 
 
@@ -70,7 +70,7 @@ class VerifyRecorder:
     """Records every verification pass; ``take()`` hands the recorded passes over."""
 
     def __init__(self, adapter: MoEAdapter, *, store_expert_outputs: bool = False,
-                 budget: Budget | None = None, record_tensors: bool = True,
+                 budget: Budget | BudgetGroups | None = None, record_tensors: bool = True,
                  tensor_layers: list[int] | None = None):
         self.adapter = adapter
         self.store_expert_outputs = store_expert_outputs
@@ -129,7 +129,7 @@ class VerifyRecorder:
     @property
     def _learns_from_outputs(self) -> bool:
         """The budget's ranking refines itself from the outputs of the experts a pass ran."""
-        return self.budget is not None and self.budget.ranking.observes_outputs
+        return self.budget is not None and self.budget.observes_outputs
 
     @contextmanager
     def __call__(self, step: int, tree, prefix_len: int):
@@ -147,8 +147,9 @@ class VerifyRecorder:
             for h in hooks:
                 h.remove()
         layers = [records[layer.index] for layer in self.adapter]
-        if self.budget is not None:
+        for budget, start, stop in self.budget.parts(len(layers[0].probs)) if self.budget else []:
+            own = [r.rows(start, stop) for r in layers]  # its block of a grouped forward
             executed = {r.layer: (r.applied_ids, r.applied_weights, r.expert_outputs)
-                        for r in layers} if self._learns_from_outputs else None
-            self.budget.observe({r.layer: r.loaded() for r in layers}, executed)
+                        for r in own} if budget.observes_outputs else None
+            budget.observe({r.layer: r.loaded() for r in own}, executed)
         self.passes.append((step, layers))

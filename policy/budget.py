@@ -25,11 +25,13 @@ from policy.routing import RoutingRule
 class Routed:
     idx: torch.Tensor  # [M, k] experts each token uses
     weights: torch.Tensor  # [M, k] their weights (0: dropped slot)
-    keep: torch.Tensor  # [N] the shortlist
+    keep: torch.Tensor  # [N] the shortlist, or [M, N] each token's (budget groups)
 
-    def anchor(self) -> int:
-        """A shortlisted expert (the lowest id): what a dropped slot may point at."""
-        return int(self.keep.int().argmax())
+    def anchor(self) -> torch.Tensor:
+        """A shortlisted expert (the lowest id) per token, ``[M, 1]`` (or one for all): what a
+        dropped slot may point at."""
+        first = self.keep.int().argmax(-1)
+        return first[:, None] if first.dim() else first
 
     def loaded(self) -> torch.Tensor:
         """``[N]`` bool: experts with non-zero weight for some token (what is loaded)."""
@@ -69,3 +71,44 @@ class Budget:
 
     def reset(self) -> None:
         self.ranking.reset()
+
+    @property
+    def observes_outputs(self) -> bool:
+        return self.ranking.observes_outputs
+
+    def parts(self, rows: int) -> list[tuple[Budget, int, int]]:
+        """Which budget routed which of a forward's ``rows`` tokens: all of them, this one."""
+        return [(self, 0, rows)]
+
+
+@dataclass
+class BudgetGroups:
+    """Several budgets verified in ONE forward: the batch holds the same trees once per budget,
+    and in every MoE call the g-th equal block of tokens is budget g's (its own shortlist, from
+    its own block's router scores, as if it were the only pass). Closed-loop replay uses it to
+    re-verify a pass under every budget at once; each budget keeps its own state."""
+
+    budgets: list[Budget]
+
+    def route(self, layer: int, probs: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+              rule: RoutingRule) -> Routed:
+        count = len(self.budgets)
+        if probs.shape[0] % count:
+            raise ValueError(f"{probs.shape[0]} tokens do not split into {count} budget groups")
+        parts = [b.route(layer, *x, rule) for b, *x in zip(
+            self.budgets, probs.chunk(count), idx.chunk(count), weights.chunk(count))]
+        per = probs.shape[0] // count
+        return Routed(torch.cat([r.idx for r in parts]), torch.cat([r.weights for r in parts]),
+                      torch.stack([r.keep for r in parts]).repeat_interleave(per, 0))
+
+    @property
+    def observes_outputs(self) -> bool:
+        return any(b.observes_outputs for b in self.budgets)
+
+    def parts(self, rows: int) -> list[tuple[Budget, int, int]]:
+        per = rows // len(self.budgets)
+        return [(b, g * per, (g + 1) * per) for g, b in enumerate(self.budgets)]
+
+    def reset(self) -> None:
+        for b in self.budgets:
+            b.reset()

@@ -3,9 +3,9 @@
 Open-loop replay perturbs one layer at a time on captured inputs; a budget in every layer also
 changes the downstream hidden states and routing. For each captured tree (T = 0 captures) this
 rebuilds the target cache over the committed prefix, verifies the tree once without a budget
-(reproducing the captured pass) and once per ranking × coverage × budget with the budget applied
-inside every MoE layer (the shortlist from that layer's own tree-token router scores, as MoE-Spec
-does at run time), and records
+(reproducing the captured pass) and under every ranking × coverage × budget with the budget
+applied inside every MoE layer (the shortlist from that layer's own tree-token router scores, as
+MoE-Spec does at run time), and records
 
     accepted length under the budget vs captured, whether the accepted path (and bonus token) is
     unchanged, top-1 agreement over the tree's nodes, mean_t KL(p_t ‖ p_t^B) over nodes.
@@ -26,6 +26,14 @@ the pass shares). Each tree's cache over its committed prefix is built alone, wi
 (the captured tokens), as at b = 1. b = 1 is the same code with one tree per pass (``ClosedLoop``:
 each prompt a group of its own, a pass its step), bit for bit the per-tree replay.
 
+**Cells batched.** A pass is re-verified under all its (ranking × coverage × budget) cells in
+as few forwards as fit: its trees repeated once per cell (at most :data:`TREES_PER_FORWARD`
+trees a forward, the cache rows repeated with them), and in every MoE call each cell's block of
+tokens routed by its own budget alone (:class:`policy.budget.BudgetGroups`), so a cell's
+shortlists are exactly those of a forward of its own. Only float rounding differs from one
+forward per cell (a batched matmul may sum in another order: KL within ~1e-6 relative, the
+discrete metrics equal in the tests).
+
 A stateful ranking keeps one state per (task, budget) across the passes of a group (a prompt at
 b = 1, a batch at b > 1), reset before each group, as it would at run time.
 """
@@ -45,10 +53,14 @@ from eagle import acceptance, batched, verify
 from eagle.tree import DraftTree
 from moe.adapter import MoEAdapter
 from moe.recorder import VerifyRecorder
-from policy.budget import Budget
+from policy.budget import Budget, BudgetGroups
 from policy.calibration import CalibrationStats
 from policy.coverage import Coverage
 from policy.rankings import Ranking
+
+TREES_PER_FORWARD = 32  # a pass is re-verified under several (ranking, budget) cells at once:
+# its trees repeated once per cell in one batched forward (policy.budget.BudgetGroups), at most
+# this many trees per forward (the cache is repeated too)
 
 
 @dataclass
@@ -169,28 +181,35 @@ def replay_group(run: Run, prompts: list[int], pass_of: Callable[[int, int], int
         padded = batched.stack_caches([s.cache_at(model, p) for (s, _), p in
                                        zip(members, prefixes)])
 
-        def forward():  # each forward on its own shallow copy: padded keeps its width
-            return batched.verify_batch(model, batched.stack_caches([padded]), trees, prefixes,
-                                        window).logits
-
-        ref_logits = forward()
+        # every forward on its own copy (stack_caches): padded keeps its width
+        ref_logits = batched.verify_batch(model, batched.stack_caches([padded]), trees, prefixes,
+                                          window).logits
         refs = [acceptance.accept_greedy(tree, ref_logits[i]) for i, tree in enumerate(trees)]
         ref_logp = torch.log_softmax(ref_logits.float(), -1)
-        for i, task in enumerate(tasks):
-            for b in task.block.budgets:
-                rec = VerifyRecorder(adapter, budget=task.budget(b), record_tensors=False)
-                with rec(number, trees, prefixes):
-                    logits = forward()
-                loaded = [r.experts_loaded for r in rec.take()[0][1]]
+        cells = [(i, task, b) for i, task in enumerate(tasks) for b in task.block.budgets]
+        per = max(1, TREES_PER_FORWARD // len(trees))  # (task, budget) cells per forward
+        for lo in range(0, len(cells), per):
+            chunk = cells[lo:lo + per]
+            rec = VerifyRecorder(adapter, record_tensors=False, budget=BudgetGroups(
+                [task.budget(b) for _, task, b in chunk]))
+            with rec(number, trees, prefixes):
+                logits = batched.verify_batch(
+                    model, batched.stack_caches([padded] * len(chunk)), trees * len(chunk),
+                    prefixes * len(chunk), window).logits  # [cells · trees, M, V]
+            records = rec.take()[0][1]
+            tokens = len(trees) * trees[0].size  # one cell's block of every MoE call
+            for g, (i, task, b) in enumerate(chunk):
+                loaded = [r.rows(g * tokens, (g + 1) * tokens, False).experts_loaded
+                          for r in records]
                 for j, ((state, t), tree) in enumerate(zip(members, trees)):
-                    got = acceptance.accept_greedy(tree, logits[j])
+                    mine = logits[g * len(trees) + j]
                     rows[i].append(dict(
                         prompt_index=state.index, prompt_id=state.id, step=t["step"],
                         ranking=task.ranking.name, coverage=task.coverage.name, budget=b,
                         batch_pass=number, trees=len(members),
-                        **tree_metrics(got, refs[j], state.by_step[t["step"]][1],
-                                       t["accepted_length"], logits[j], ref_logits[j],
-                                       ref_logp[j], loaded)))
+                        **tree_metrics(acceptance.accept_greedy(tree, mine), refs[j],
+                                       state.by_step[t["step"]][1], t["accepted_length"],
+                                       mine, ref_logits[j], ref_logp[j], loaded)))
         for state, _ in members:
             if last[id(state)] == number:  # its last tree: its cache is not needed again
                 state.cache = None

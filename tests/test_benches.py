@@ -236,6 +236,12 @@ def test_replay_speed_bench_times_the_sweep_and_the_replay_process(coact_gap, tm
     for key in ("full_sweep", "sweep_without_oracle"):
         assert found[key]["tree_layers"] == found["tree_layers"] and found[key]["seconds"] > 0
     assert found["oracle_24"]["capture_decode_s"] > 0
+    assert found["full_sweep"]["capture_decode_s"] == found["oracle_24"]["capture_decode_s"]
+    run("bench/replay_speed.py", "--out", str(tmp_path / "c.json"), "closed", "--traces",
+        str(traces), "--run", "eval", "--budgets", "8", "--threads", "1")
+    found = json.loads((tmp_path / "c.json").read_text())["closed"]
+    assert found["cells"] == 2 and found["trees"] > 0
+    assert found["seconds"] > 0 and found["captured_verify_s"] > 0
     run("bench/replay_speed.py", "--out", str(tmp_path / "r.json"), "rss", "--trees", "4")
     found = json.loads((tmp_path / "r.json").read_text())["rss"]["4"]
     assert found["tree_layers"] == 32 and found["peak_rss_gib"] > 0 and found["replay_s"] > 0
@@ -371,3 +377,17 @@ def test_query_verify_bench_times_committed_reads(tmp_path):
     for cell in found["queries"].values():
         assert cell["warm_s"] > 0 and cell["as_found_s"] > 0 and cell["cold_s"] > 0
     assert "warm / as found" in out
+
+
+@smoke("import_routing.py")
+def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
+    """A few MiB of SGLang responses at Qwen3-30B-A3B's shape through import-routing (its own
+    process): every token-layer imported, throughput and peak RSS measured."""
+    out = run("bench/import_routing.py", "--mb", "3", "--out", str(tmp_path / "w"),
+              "--result", str(tmp_path / "r.json"))
+    found = json.loads((tmp_path / "r.json").read_text())
+    assert (found["layers"], found["num_experts"], found["top_k"]) == (48, 128, 8)
+    assert found["token_layers"] > 0 and found["responses"] > 0
+    assert found["token_layers_per_s"] > 0 and found["token_layers_per_cpu_s"] > 0
+    assert 0 < found["peak_rss_mib"] < 1024  # the goal: ≤ 1 GiB at any source size
+    assert "token-layers/s" in out and not (tmp_path / "w" / "sglang.jsonl").exists()

@@ -1,6 +1,7 @@
 """Closed-loop replay over (virtual) batches (replay/closed_loop.py): a pass's trees re-verified
 in one batched forward share one shortlist per MoE layer. b = 1 through that path is today's
-per-tree closed loop bit for bit; at B = N it is the unbudgeted verification; at a tight B the
+per-tree closed loop (to float rounding: the cells of a pass share a forward); at B = N it is the
+unbudgeted verification; at a tight B the
 shortlist is really shared (results differ from b = 1) and equals a slow reference that forms
 the union of the pass's router scores by hand, layer by layer. (Virtual vs real batches:
 tests/test_virtual_batch.py.)"""
@@ -90,7 +91,17 @@ def per_tree_reference(run, prompt, adapter, tasks_):
     return rows
 
 
-def test_b1_through_the_batched_path_is_todays_closed_loop_exactly(setup):
+DISCRETE = ("accepted_length", "captured_accepted_length", "path_unchanged", "experts_loaded")
+
+
+def same_cell(a, b):
+    """Equal discrete metrics; the continuous ones to float rounding (cells verified in one
+    batched forward may sum in another order than a forward of their own)."""
+    return {m: a[m] for m in DISCRETE} == {m: b[m] for m in DISCRETE} and all(
+        a[m] == pytest.approx(b[m], rel=1e-4, abs=1e-7) for m in ("top1_agreement", "mean_kl"))
+
+
+def test_b1_through_the_batched_path_is_todays_closed_loop(setup):
     run, adapter = setup
     specs = [("router", "truncation"), ("sqmass", "substitution"), ("previous", "truncation")]
     for prompt in run.prompt_indices():
@@ -101,7 +112,7 @@ def test_b1_through_the_batched_path_is_todays_closed_loop_exactly(setup):
             assert len(new[i]) == len(old[i]) > 0
             for a, b in zip(new[i], old[i]):
                 assert key(a) == key(b) and a["trees"] == 1 and a["batch_pass"] == a["step"]
-                assert {m: a[m] for m in METRICS} == {m: b[m] for m in METRICS}  # bit for bit
+                assert same_cell(a, b), (a, b)
 
 
 def group_rows(run, adapter, prompts, specs, budgets, b):
