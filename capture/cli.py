@@ -7,6 +7,7 @@ appears at once.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import sys
 
@@ -20,6 +21,7 @@ from tasks import benchmarks
 EXAMPLES = """
 capture --model tiny-olmoe --bench mbpp --limit 8
 capture --model tiny-olmoe --bench gsm8k --role calibration --run cal
+capture --model tiny-olmoe --bench mbpp,gsm8k,humaneval --limit 4     # one run per benchmark
 capture --budget 32 --ranking router --coverage substitution     # MoE-Spec online mode
 capture --model olmoe --bench mbpp --chat-template                # a real checkpoint, on a GPU
 capture --config run.toml --output summary.json
@@ -155,12 +157,13 @@ def preflight(settings: CaptureSettings, args) -> None:
     if args.workers < 0:
         raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
     console.check_output_option(args.output, CaptureError)  # before any work, not after it
-    run = settings.default_run_name() if args.run is None else args.run
+    from capture.run import default_run
+    source = models.check_available(settings.model)
+    run = args.run = default_run(settings, args.out, source.name) if args.run is None else args.run
     try:
         check_name(run, "--run")
     except InvalidName as exc:
         raise CaptureError(str(exc)) from None
-    source = models.check_available(settings.model)
     check_budget(settings, source.name)
     if not benchmarks.load(settings.bench, root=args.benchmarks, offset=settings.offset,
                            limit=settings.limit):
@@ -281,33 +284,51 @@ def _watch_lease(lease, poll: float = 0.25) -> None:
             return
 
 
+def planned(args) -> list[tuple[CaptureSettings, argparse.Namespace]]:
+    """One (settings, options) per benchmark of ``--bench a,b,…``, each checked before any
+    capture starts (:func:`preflight`)."""
+    names = [b.strip() for b in str(args.bench).split(",") if b.strip()]
+    if not names or len(set(names)) < len(names):
+        raise CaptureError(f"--bench {args.bench!r}: name each benchmark once, comma-separated")
+    found = []
+    for name in names:
+        mine = copy.copy(args)
+        mine.bench = name
+        settings = settings_from(mine)
+        preflight(settings, mine)
+        found.append((settings, mine))
+    return found
+
+
 @console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        settings = settings_from(args)
-        preflight(settings, args)
+        plan = planned(args)
     except UserError as exc:
         return fail("capture", exc)
     threads = console.threads.apply(args.threads)  # before torch and transformers start pools
 
     from capture.run import capture_run
     models.quiet_transformers()
-    try:
-        summary = capture_run(settings, args.out, args.run, role=args.role,
-                              benchmarks_root=args.benchmarks, progress=not args.no_progress,
-                              workers=args.workers, ray_address=args.ray_address,
-                              allow_evaluation_calibration=args.allow_evaluation_calibration)
-    except (UserError, ValueError) as exc:  # ValueError: a library's refusal, in one line too
-        return fail("capture", exc)
-    except KeyboardInterrupt:
-        print("capture: interrupted; rerun the same command to resume", file=sys.stderr)
-        return 130
-    print_summary(summary)
-    try:
-        console.write_json(args.output, {"tool": "capture", **dataclasses.asdict(summary),
-                                         "role": args.role, "threads": threads,
-                                         "settings": dataclasses.asdict(settings)})
+    done = []
+    for settings, mine in plan:
+        try:
+            summary = capture_run(settings, mine.out, mine.run, role=mine.role,
+                                  benchmarks_root=mine.benchmarks, progress=not mine.no_progress,
+                                  workers=mine.workers, ray_address=mine.ray_address,
+                                  allow_evaluation_calibration=mine.allow_evaluation_calibration)
+        except (UserError, ValueError) as exc:  # ValueError: a library's refusal, in one line
+            return fail("capture", exc)
+        except KeyboardInterrupt:
+            print("capture: interrupted; rerun the same command to resume", file=sys.stderr)
+            return 130
+        print_summary(summary)
+        done.append({"tool": "capture", **dataclasses.asdict(summary), "role": mine.role,
+                     "threads": threads, "settings": dataclasses.asdict(settings)})
+    try:  # one capture: its summary; several: {"tool": "capture", "captures": [...]}
+        console.write_json(args.output, done[0] if len(done) == 1 else
+                           {"tool": "capture", "captures": done})
     except OSError as exc:
         return fail("capture", f"cannot write --output {args.output}: {exc.strerror or exc}", 1)
     return 0

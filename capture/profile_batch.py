@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         with tqdm(total=runs, desc="profile-batch", unit="decoding",
-                  disable=args.no_progress) as bar:
+                  disable=True if args.no_progress else None) as bar:
             label = [""]
 
             def step(text):

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,8 +41,35 @@ def load_prompts(settings: CaptureSettings, benchmarks_root) -> list:
     return prompts
 
 
-def check_run(run: str | None, role: str, settings: CaptureSettings) -> str:
-    run = settings.default_run_name() if run is None else run
+def default_run(settings: CaptureSettings, out, model: str) -> str:
+    """The run a capture without ``--run`` writes: a run of ``model`` and the benchmark captured
+    with the same settings (:meth:`CaptureSettings.identity`), complete or not, so a rerun
+    resumes it; else a new readable name (:meth:`CaptureSettings.readable_run_name`, today's
+    date in UTC), with the settings digest appended where another run already has that name."""
+    bench_dir = RunWriter(out, model, settings.bench, "x").table_dir("runs").parent
+    identity, names = settings.identity(), set()
+    try:
+        folders = sorted(bench_dir.iterdir(), key=lambda f: f.name) if bench_dir.exists() else []
+    except OSError:
+        folders = []
+    for folder in folders:
+        if not folder.name.startswith("run="):
+            continue
+        names.add(folder.name[4:])
+        try:
+            manifest = json.loads((folder / schema.MANIFEST).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(manifest, dict) and manifest.get("settings") == identity:
+            return folder.name[4:]
+    day = time.strftime("%Y%m%d", time.gmtime())
+    name = settings.readable_run_name(model, day)
+    return name if name not in names else f"{name}-{settings.digest()}"
+
+
+def check_run(run: str | None, role: str, settings: CaptureSettings, out=None) -> str:
+    if run is None:
+        run = default_run(settings, out, models.check_available(settings.model).name)
     try:
         check_name(run, "--run")
     except InvalidName as exc:
@@ -128,7 +156,7 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
     (:mod:`capture.distributed`). ``--calibration`` runs must have the calibration role
     unless ``allow_evaluation_calibration``."""
     start = time.perf_counter()
-    run = check_run(run, role, settings)
+    run = check_run(run, role, settings, out)
     if not allow_evaluation_calibration:
         check_calibration_roles(settings, out)
     prompts = load_prompts(settings, benchmarks_root)
@@ -215,7 +243,8 @@ def run_lifecycle(executor: Executor, settings: CaptureSettings, out: Path, run:
             resumed = len(done)
             todo = [(settings.offset + i, p) for i, p in enumerate(prompts)
                     if settings.offset + i not in done]
-            bar = tqdm(total=len(prompts), initial=resumed, unit="prompt", disable=not progress,
+            bar = tqdm(total=len(prompts), initial=resumed, unit="prompt",
+                       disable=True if not progress else None,  # None: only on a terminal
                        desc=f"capture {fields['model']}/{settings.bench}{executor.label}")
             trees = accepted = 0
             results = executor.capture(todo, writer, lambda: writer.record_progress(manifest))

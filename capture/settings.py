@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -112,7 +113,9 @@ class CaptureSettings:
     """One capture's settings. Each field with ``option`` metadata is a ``capture`` option
     (capture/cli.py builds the parser and this object from the same declarations)."""
     model: str = field(default=DEFAULT_MODEL, metadata=option(RUN, model_help))
-    bench: str = field(default="mbpp", metadata=option(RUN, choices=benchmark_names))
+    bench: str = field(default="mbpp", metadata=option(RUN, lambda: (
+        f"benchmark: {', '.join(benchmark_names())}; several comma-separated (mbpp,gsm8k) "
+        "capture one run each, the model loaded once")))
     draft: str | None = field(default=None, metadata=option(
         RUN, "EAGLE-3 or EAGLE-1 head folder or hub id (default: the model's own)"))
     offset: int = field(default=0, metadata=option(
@@ -182,8 +185,19 @@ class CaptureSettings:
              "forward verifies all trees (continuous batching; a --budget caps the union over "
              "the whole batch)", bounds=Bounds(1, 4096, "1 to 4096")))
 
+    # the checkpoint's git revision on the hub (branch, tag or commit), as from_pretrained takes
+    revision: str | None = field(default=None, metadata=option(
+        RUN, "the model's hub revision: a branch, tag or commit hash (from_pretrained's "
+             "revision; recorded in the run, used again by replay)"))
+    trust_remote_code: bool = field(default=False, metadata=option(
+        RUN, "run the checkpoint's own modelling code from the hub (from_pretrained's "
+             "trust_remote_code): only for repositories you trust", store_true=True))
+
     def __post_init__(self):
         """Refuse settings that cannot describe a capture, in one line naming the option."""
+        if self.bench not in benchmark_names():
+            raise CaptureError(f"--bench {self.bench!r} is not a benchmark; use one of "
+                               f"{', '.join(benchmark_names())} (several: comma-separated)")
         # upper bounds too: a typo (max_new_tokens = 99999999999999999999) is refused at once,
         # not hours later (or never) in a generation loop or a seed overflow
         for f in dataclasses.fields(self):
@@ -226,10 +240,20 @@ class CaptureSettings:
         found = dataclasses.asdict(self)
         if found["batch_size"] == 1:
             del found["batch_size"]
+        if found["revision"] is None:  # likewise: runs before --revision existed
+            del found["revision"]
+        del found["trust_remote_code"]  # whose code ran, not what data it is
         return found
 
-    def default_run_name(self) -> str:
-        """Readable and unique per settings: a short digest of everything that matters."""
-        digest = hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()
+    def digest(self) -> str:
+        """A short digest of everything that makes the run (:meth:`identity`): the manifest's
+        ``settings_digest`` (a column of the ``runs`` view)."""
+        return hashlib.sha256(json.dumps(self.identity(), sort_keys=True).encode()).hexdigest()[:8]
+
+    def readable_run_name(self, model: str, day: str) -> str:
+        """A new run's default name: model, benchmark, mode, temperature and the day it
+        started, e.g. ``tiny-olmoe-mbpp-eagle-T0-20261201`` (``capture.run.default_run``
+        resumes a run of the same settings under its own name instead)."""
         kind = f"B{self.budget}-{self.ranking}-{self.coverage}" if self.budget else "eagle"
-        return f"{kind}-T{self.temperature:g}-{digest[:8]}"
+        tail = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rsplit("/", 1)[-1]).strip(".-_")[:48]
+        return f"{tail or 'model'}-{self.bench}-{kind}-T{self.temperature:g}-{day}"

@@ -53,8 +53,7 @@ class Target:
     @classmethod
     def load(cls, settings: CaptureSettings, out: Path, prompts: list,
              record_tensors: bool = True) -> Target:
-        loaded, head = loading.load_with_draft(settings.model, settings.draft,
-                                               device=settings.device, dtype=settings.dtype)
+        loaded, head = load_once(settings)
         adapter = MoEAdapter(loaded.model)
         try:
             storage = settings.storage().resolve(adapter.moe_layers,
@@ -196,6 +195,23 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
     return stats
 
 
+_LOADED: dict[tuple, tuple] = {}  # the last (model, head) this process loaded, by what loaded it
+
+
+def load_once(settings: CaptureSettings) -> tuple:
+    """The target and draft head, loaded once per process for the same model, draft, device and
+    dtype (``capture --bench a,b`` captures both benchmarks with one load); another model
+    replaces it."""
+    key = (settings.model, settings.draft, settings.device, settings.dtype, settings.revision,
+           settings.trust_remote_code)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = loading.load_with_draft(
+            settings.model, settings.draft, device=settings.device, dtype=settings.dtype,
+            revision=settings.revision, trust_remote_code=settings.trust_remote_code)
+    return _LOADED[key]
+
+
 def run_manifest(settings: CaptureSettings, loaded, head, adapter: MoEAdapter, storage: dict,
                  run: str, role: str, prompts: list) -> dict:
     """Every field of a capture's manifest (``runs/…/_manifest.json``): what was captured, with
@@ -205,6 +221,7 @@ def run_manifest(settings: CaptureSettings, loaded, head, adapter: MoEAdapter, s
     return dict(model=loaded.name, model_location=loaded.source.location,
                 draft=settings.draft or loading.default_draft(loaded.source),
                 bench=settings.bench, run=run, role=role, settings=settings.identity(),
+                settings_digest=settings.digest(),
                 num_experts=adapter.num_experts, top_k=adapter.top_k,
                 renormalize=adapter.renormalize, routing_rule=adapter.rule.to_dict(),
                 num_layers=adapter.num_decoder_layers,

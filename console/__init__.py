@@ -25,14 +25,18 @@ from console.commands import command, commandline
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown once (never for flags, empty values or help that already names one), and
-    the description / examples kept as written."""
+    """Every option's default shown once ("not set" where there is none; never for flags,
+    required options or help that already names one), and the description / examples kept as
+    written."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if ("default" in text or action.default in (None, False, [], (), argparse.SUPPRESS)
-                or isinstance(action, argparse._StoreConstAction)):
+        if ("default" in text or action.default is argparse.SUPPRESS or action.required
+                or not action.option_strings or action.nargs == 0):  # flags: off unless given
             return text
+        if action.default is None or (isinstance(action.default, (list, tuple, str))
+                                      and len(action.default) == 0):
+            return f"{text} (default: not set)"
         return super()._get_help_string(action)
 
 
@@ -52,10 +56,11 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {command(self.prog)} --help)\n")
 
     # --- --config ------------------------------------------------------------------------
-    def add_config_option(self) -> None:
+    def add_config_option(self, example: str = "max_new_tokens = 16") -> None:
+        """``--config``; ``example``: one TOML line of this command's own options."""
         self.add_argument("--config", type=Path, default=None, metavar="FILE.toml",
                           help="read options from a TOML file whose keys mirror the flags "
-                               "(max_new_tokens = 16); flags given here win")
+                               f"({example}); flags given here win")
 
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)

@@ -238,12 +238,15 @@ class LoadedModel:
 
 def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
          attn_implementation: str | None = None,
-         experts_implementation: str = "eager") -> LoadedModel:
+         experts_implementation: str = "eager", revision: str | None = None,
+         trust_remote_code: bool = False) -> LoadedModel:
     """Resolve and load model + tokenizer (eval mode) on the chosen device and dtype.
 
     Attention defaults to the family's (``sdpa``, which accepts the 4-D tree masks of
     verification, or ``eager`` where transformers has nothing else); the ``eager`` experts loop
-    is transformers' reference implementation, the one capture hooks into.
+    is transformers' reference implementation, the one capture hooks into. ``revision`` and
+    ``trust_remote_code`` are ``from_pretrained``'s (a hub branch, tag or commit; run the
+    repository's own modelling code).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -256,13 +259,14 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto
     location = source.location
     try:
         # the family first: an unsupported one is refused before any weight is read
-        spec = spec_for(AutoConfig.from_pretrained(location))
+        hub = dict(revision=revision, trust_remote_code=trust_remote_code)
+        spec = spec_for(AutoConfig.from_pretrained(location, **hub))
         if attn_implementation is None:
             attn_implementation = spec.attention
-        tokenizer = AutoTokenizer.from_pretrained(location)
+        tokenizer = AutoTokenizer.from_pretrained(location, **hub)
         net = AutoModelForCausalLM.from_pretrained(
             location, dtype=dt, attn_implementation=attn_implementation,
-            experts_implementation=experts_implementation)
+            experts_implementation=experts_implementation, **hub)
     except (OSError, ValueError, KeyError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"could not load model {source.name!r} from {location}: {first}") from exc

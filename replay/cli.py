@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
                     "Closed loop: each tree is re-verified through the whole target with the "
                     "budget in every MoE layer. Results go to Parquet beside the traces; cells "
                     "already replayed are reused, never stored twice.")
-    p.add_config_option()
+    p.add_config_option('ranking = ["router", "oracle"], budget = "8,16,24"')
     p.add_argument("--traces", default="traces",
                    help="captured traces root: a folder or s3://bucket/prefix")
     p.add_argument("--model", default=None,
@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
                    help="dtype the model is loaded in: captured (the dtype the runs were "
                         "captured in; a bf16 capture replayed on a CPU stays bf16 in memory, "
                         "experts are upcast per call), auto, float32, bfloat16, float16")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="run the checkpoint's own modelling code (as the capture did with "
+                        "--trust-remote-code); the hub revision is the one the run recorded")
     p.add_argument("--chunk-tree-layers", type=int, default=None, metavar="N",
                    help="tree-layers computed together in one chunk (default: as many as fit "
                         "in ~256 MiB of work arrays); not --batch-size, which is sequences per "
@@ -311,7 +314,9 @@ def compute(args, catalog, runs, layers, coverages):
         if need_cal and not args.calibration:
             raise ReplayError(f"--ranking {' '.join(need_cal)} needs --calibration RUN (captured "
                               "on other prompts)")
-        loaded = models.load(model, device=args.device, dtype=load_dtype(args.dtype, runs))
+        loaded = models.load(model, device=args.device, dtype=load_dtype(args.dtype, runs),
+                             revision=runs[0].settings.get("revision"),
+                             trust_remote_code=args.trust_remote_code)
         adapter = MoEAdapter(loaded.model)
         budgets = parse_budgets(args.budget, adapter.num_experts)
         if all(b < coverage.get(c).min_budget(adapter.top_k) for c in coverages for b in budgets):

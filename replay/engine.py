@@ -127,7 +127,7 @@ class OpenLoopEngine:
         self.weight_dtype = open_loop.captured_weight_dtype(run.manifest)
         total = len(prompts) * len(layers) * _steps_hint(run)
         bar = tqdm(total=total or None, desc=f"replay {run.name}", unit="tree-layer",
-                   disable=not self.progress, smoothing=0.1)
+                   disable=True if not self.progress else None, smoothing=0.1)
         pending: list[Slice] = []
         left: dict[int, int] = {}  # prompt -> tree-layers read but not yet scored
         size = None

@@ -56,7 +56,7 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     each run collected once per process (:func:`policy.calibration.collect_runs`)."""
     cal = catalog.calibration_runs(names, model, set().union(*(r.prompt_keys() for r in evaluated)))
     read = lambda run: tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",  # noqa: E731
-                            unit="tree-layer", disable=not progress)
+                            unit="tree-layer", disable=True if not progress else None)
     stats = collect_runs(cal, read, adapter, examples_for(rankings_used))
     problem = empty_calibration(stats, cal)
     if problem:
@@ -138,7 +138,7 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                 specs = [distributed.TaskSpec(mode.table, t.unit.unit, t.block, t.ranking.name,
                                               t.coverage.name) for t in tasks]
                 bar = tqdm(total=len(run.prompt_indices()), desc=f"replay {run.name} "
-                           f"({len(actors)} workers)", unit="prompt", disable=not progress)
+                           f"({len(actors)} workers)", unit="prompt", disable=True if not progress else None)
                 work = distributed.replay_distributed(ray, actors, out, run, specs, stats,
                                                       max_batch, bar)
                 bar.close()

@@ -45,7 +45,8 @@ def generate_responses(target, tokenizer, prompts: list[str], new_tokens: int,
     """Prompt + greedy continuation token ids for every prompt (left-padded batches)."""
     tokenizer.padding_side = "left"
     seqs = []
-    for i in tqdm(range(0, len(prompts), batch), desc="target responses", leave=False):
+    for i in tqdm(range(0, len(prompts), batch), desc="target responses", leave=False,
+                  disable=None):
         enc = tokenizer(prompts[i:i + batch], return_tensors="pt", padding=True)
         out = target.generate(**enc, do_sample=False, max_new_tokens=new_tokens,
                               pad_token_id=tokenizer.pad_token_id)
@@ -122,7 +123,7 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
     sources = {"responses": response_stream, **streams}
     mix = {"responses": 0.6, **{k: 0.4 * v for k, v in MIXTURE.items()}}
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc=f"draft for {target_name}", unit="step")
+    bar = tqdm(range(steps), desc=f"draft for {target_name}", unit="step", disable=None)
     for step in bar:
         frac = step / max(1, steps - 1)
         for g in opt.param_groups:

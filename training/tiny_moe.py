@@ -260,7 +260,7 @@ def train(name: str, *, steps: int, batch: int, seq: int, lr: float, seed: int, 
     opt = torch.optim.AdamW(param_groups(model, spec.router), lr=lr, betas=(0.9, 0.95))
     warmup = max(1, steps // 20)
     start = time.perf_counter()
-    bar = tqdm(range(steps), desc=name, unit="step")
+    bar = tqdm(range(steps), desc=name, unit="step", disable=None)  # None: off unless a TTY
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, lr, warmup) * group["lr_scale"]
