@@ -272,24 +272,89 @@ def _packed(kept: list[tuple]) -> list[Example]:
 
 
 _COLLECTED: dict[tuple, CalibrationStats] = {}
+STATS_FORMAT = 1  # the saved statistics' layout (save_stats / load_stats)
+
+
+def save_stats(stats: CalibrationStats, path) -> None:
+    """One run's statistics (sums, moments, examples, layers, sources) as safetensors, written
+    atomically: what :func:`collect_runs` reuses instead of recomputing every expert output."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    ex = stats.examples
+    tensors = {"gram": stats.gram, "pairs": stats.pairs,
+               "moments": stats.moments if stats.moments is not None else torch.zeros(0)}
+    if ex:
+        tensors.update(probs=torch.cat([e.probs for e in ex]), idx=torch.cat([e.idx for e in ex]),
+                       weights=torch.cat([e.weights for e in ex]),
+                       order=torch.stack([e.order for e in ex]),
+                       rows=torch.tensor([e.probs.shape[0] for e in ex]),
+                       layers=torch.tensor([e.layer for e in ex]))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{id(stats)}.tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={
+        "format": str(STATS_FORMAT), "layers": json.dumps(stats.layers),
+        "sources": json.dumps(stats.sources)})
+    tmp.replace(path)
+
+
+def load_stats(path) -> CalibrationStats | None:
+    """Statistics :func:`save_stats` wrote, or None for a file of another format or a damaged
+    one (then they are collected again)."""
+    import json
+
+    from safetensors import safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != str(STATS_FORMAT):
+                return None
+            t = {k: f.get_tensor(k) for k in f.keys()}
+        stats = CalibrationStats(json.loads(meta["layers"]), t["gram"], t["pairs"],
+                                 json.loads(meta["sources"]),
+                                 moments=t["moments"] if t["moments"].numel() else None)
+    except Exception:  # noqa: BLE001 - any unreadable cache file is recomputed, never trusted
+        return None
+    if "order" in t:
+        ends = t["rows"].cumsum(0).tolist()
+        starts = [0] + ends[:-1]
+        stats.examples = [Example(int(layer), t["probs"][a:b], t["idx"][a:b], t["weights"][a:b],
+                                  t["order"][i])
+                          for i, (layer, a, b) in enumerate(zip(t["layers"].tolist(), starts,
+                                                                ends))]
+    return stats
 
 
 def collect_runs(runs: list, read: Callable[[object], Iterable], model: ExpertModel,
-                 max_examples: int = 0) -> CalibrationStats:
+                 max_examples: int = 0, saved: Callable[[object], object] | None = None
+                 ) -> CalibrationStats:
     """Statistics over complete calibration ``runs`` (objects with ``run_id``, ``name`` and
     ``ref``), each run's tree-layers read by ``read(run)``.
 
     Each run is collected once per process (a complete run never changes: a recapture has a new
-    run id) and runs are merged, so a study that replays or captures against many calibration
-    choices collects each run once, and a ranking that fits on the statistics (``learned``)
-    fits once per choice."""
+    run id) and, with ``saved(run)`` (a path, or None), once per machine: saved there after
+    collecting and loaded from there next time. Runs are merged, so a study that replays or
+    captures against many calibration choices collects each run once, and a ranking that fits
+    on the statistics (``learned``) fits once per choice."""
     shape = (tuple(model.moe_layers), model.num_experts, max_examples)
     parts = []
     for run in runs:
         key = (run.run_id, run.name, *shape)
+        path = saved(run) if saved is not None and key not in _COLLECTED else None
+        if path is not None and path.exists():
+            found = load_stats(path)
+            if found is not None and found.layers == list(model.moe_layers):
+                _COLLECTED[key] = found
         if key not in _COLLECTED:
             _COLLECTED[key] = CalibrationStats.collect(read(run), model, sources=[run.ref],
                                                        max_examples=max_examples)
+            if path is not None:
+                try:
+                    save_stats(_COLLECTED[key], path)
+                except OSError:
+                    pass  # a read-only traces root: collected again next time
         parts.append(_COLLECTED[key])
     if len(parts) == 1:
         return parts[0]

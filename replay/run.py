@@ -13,6 +13,7 @@ A finished sweep answers any subset: ``--budget 24`` after a sweep recomputes no
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -49,6 +50,26 @@ from replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, deci
 )
 
 
+def saved_stats_path(catalog: Catalog, run: Run, adapter: MoEAdapter):
+    """Where a calibration run's statistics are kept for reuse (local traces roots only):
+    ``<traces>/calibration_stats/model=…/bench=…/run=…/<key>.safetensors``, the key a digest of
+    the run's commit, the MoE layers, the adapter's dtype and the model's expert weights (a
+    sample of each expert tensor), so a recapture or a retrained model never reads stale ones."""
+    if location.is_remote(catalog.root):
+        return None
+    import hashlib
+    h = hashlib.sha256(json.dumps([run.run_id, run.manifest.get("commit_digest"),
+                                   list(adapter.moe_layers), adapter.num_experts,
+                                   str(next(adapter.model.parameters()).dtype)]).encode())
+    for name, tensor in adapter.model.state_dict().items():
+        if "expert" in name:
+            h.update(name.encode())
+            h.update(tensor.detach().flatten()[:64].float().cpu().numpy().tobytes())
+    where = Path(run.root)
+    return (where / "calibration_stats" / run.dir("runs").relative_to(where / "runs")
+            / f"{h.hexdigest()[:16]}.safetensors")
+
+
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
                       adapter: MoEAdapter, progress: bool, rankings_used: tuple[str, ...] = ()
                       ) -> tuple[CalibrationStats, list[Run]]:
@@ -57,7 +78,8 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     cal = catalog.calibration_runs(names, model, set().union(*(r.prompt_keys() for r in evaluated)))
     read = lambda run: tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",  # noqa: E731
                             unit="tree-layer", disable=True if not progress else None)
-    stats = collect_runs(cal, read, adapter, examples_for(rankings_used))
+    stats = collect_runs(cal, read, adapter, examples_for(rankings_used),
+                         saved=lambda run: saved_stats_path(catalog, run, adapter))
     problem = empty_calibration(stats, cal)
     if problem:
         raise ReplayError(problem)
