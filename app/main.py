@@ -2,9 +2,10 @@
 
     workbench-app --traces traces          # or: streamlit run app/main.py -- --traces traces
 
-Every page (app/screens/<name>.py, drawn by app/views.py) has its own URL, e.g.
-``http://127.0.0.1:8501/coverage``. The folder is not called ``pages/``: Streamlit would treat
-that name as its older multipage layout and run a deep-linked page without this script.
+Every page is one module, app/screens/<name>.py (found by :mod:`app.screens`), and has its own
+URL, e.g. ``http://127.0.0.1:8501/coverage``. The folder is not called ``pages/``: Streamlit
+would treat that name as its older multipage layout and run a deep-linked page without this
+script.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import streamlit as st
 if __package__ in (None, ""):  # run as a script by `streamlit run`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from app import data, views  # noqa: E402
+from app import data, screens, views  # noqa: E402
 
 
 def traces_root():
@@ -47,7 +48,7 @@ if dataset is None:
 here = Path(__file__).resolve().parent
 pages = [st.Page(str(here / "screens" / f"{name}.py"), title=title,
                  url_path=name.replace("_", "-"), default=name == "overview")
-         for name, (title, _) in views.PAGES.items()]
+         for name, (title, _) in screens.PAGES.items()]
 page = st.navigation(pages)
 st.sidebar.caption(f"{dataset.runs.height} runs under `{root}`")
 page.run()

@@ -184,7 +184,7 @@ print(json.dumps(dict(timings=timings, peak_rss_gib=analysis_rss)))
 APP = r'''
 import json, resource, sys, time
 from streamlit.testing.v1 import AppTest
-from app.views import PAGES
+from app.screens import PAGES
 sys.argv = ["main.py", "--traces", sys.argv[1]]
 from pathlib import Path
 at = AppTest.from_file(str(Path.cwd() / "app" / "main.py"), default_timeout=600)

@@ -206,7 +206,7 @@ import json, resource, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 sys.argv = ["main.py", "--traces", {str(traces)!r}]
 from streamlit.testing.v1 import AppTest
-from app.views import PAGES
+from app.screens import PAGES
 at = AppTest.from_file({str(ROOT / 'app' / 'main.py')!r}, default_timeout=1200)
 times = {{}}
 t = time.perf_counter(); at.run(); times["overview"] = round(time.perf_counter() - t, 2)

@@ -81,3 +81,43 @@ def recommit(traces, run: str | None = None) -> None:
 def recommitted():
     """:func:`recommit`, for tests that edit a captured file on purpose."""
     return recommit
+
+
+@pytest.fixture(scope="session")
+def one_prompt(tmp_path_factory):
+    """One prompt of tiny-olmoe (run ``eval``), captured once for the session; read it, never
+    change it (replay results go to another ``--out``)."""
+    from capture import cli as capture_cli
+    root = tmp_path_factory.mktemp("one_prompt") / "traces"
+    assert capture_cli.main(["--limit", "1", "--max-new-tokens", "8", "--out", str(root),
+                             "--run", "eval", "--no-progress", "--threads", "1"]) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
+def replayed(tmp_path_factory):
+    """(traces, the CSV answer of ``helpers.QUERY``): two prompts (run ``r``) with router replay
+    results beside them, computed once for the session; copy the traces before changing them
+    (``helpers.copy_of``)."""
+    from helpers import CAP, QUERY, run
+
+    from capture import cli as capture_cli
+    traces = tmp_path_factory.mktemp("replayed") / "traces"
+    assert capture_cli.main([*CAP, "--limit", "2", "--out", str(traces), "--run", "r"]) == 0
+    r = run("replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
+            "16", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    q = run("analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
+    assert q.returncode == 0
+    return traces, q.stdout
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model or draft loaded fails the test: refusals come before them."""
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+    from eagle import loading
+    from moe import models
+    monkeypatch.setattr(models, "load", loaded)
+    monkeypatch.setattr(loading, "load_with_draft", loaded)

@@ -1,16 +1,19 @@
-"""The dashboard under Streamlit's AppTest: every page, its selectors, no-data and broken data."""
+"""The dashboard under Streamlit's AppTest: every page, its selectors, no-data and broken data;
+the pages' registry (adding a page is adding its module, docs/architecture.md)."""
 
+import re
 import sys
 from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app.views import PAGES
+from app.screens import PAGES
 from capture import cli as capture_cli
 from replay import cli as replay_cli
 
-APP = str(Path(__file__).resolve().parent.parent / "app" / "main.py")
+ROOT = Path(__file__).resolve().parent.parent
+APP = str(ROOT / "app" / "main.py")
 CAP = ["--model", "tiny-olmoe", "--max-new-tokens", "10", "--no-progress"]
 
 
@@ -177,10 +180,10 @@ def test_speedup_page_budgets_are_the_targets_and_start_at_the_headline(traces, 
 
 
 def test_unusable_calibration_is_not_offered(traces, monkeypatch):
-    from analysis import cost
-    from app import views
+    from analysis import cost, frames
     flat = cost.Calibration(0.0, 0.0, 0.05, 1.59, 0.0, 80)
-    monkeypatch.setattr(views, "calibration_frame", lambda *a, **k: (None, flat))
+    # the page's file runs as a script at every rerun: it imports the patched function
+    monkeypatch.setattr(frames, "calibration_frame", lambda *a, **k: (None, flat))
     at = _speedup_page(traces, monkeypatch)
     assert not [r for r in at.radio if r.key == "speed_m"]  # no "calibrated" choice
     why = next(c.value for c in at.caption if "not offered" in c.value)
@@ -190,12 +193,11 @@ def test_unusable_calibration_is_not_offered(traces, monkeypatch):
 def test_usable_calibration_adds_the_capturing_device(traces, monkeypatch):
     import polars as pl
 
-    from analysis import cost
-    from app import views
+    from analysis import cost, frames
     good = cost.Calibration(1.5, 0.2, 1e-3, 0.05, 0.95, 80)
     points = pl.DataFrame(dict(measured=[0.01, 0.02], predicted=[0.011, 0.019],
                                experts_loaded=[8.0, 16.0]))
-    monkeypatch.setattr(views, "calibration_frame", lambda *a, **k: (points, good))
+    monkeypatch.setattr(frames, "calibration_frame", lambda *a, **k: (points, good))
     at = _speedup_page(traces, monkeypatch)
     captured = next(t for t in at.selectbox(key="speed_target").options
                     if t.startswith("captured shape"))
@@ -203,6 +205,16 @@ def test_usable_calibration_adds_the_capturing_device(traces, monkeypatch):
     at.radio(key="speed_m").set_value("calibrated on this capture's timings").run()
     assert not at.exception
     assert any("capturing device (calibrated)" in spec for spec in chart_json(at))
+
+
+def test_speedup_page_warns_that_tau_comes_from_the_captured_model(traces, monkeypatch):
+    at = _speedup_page(traces, monkeypatch)
+    target = at.selectbox(key="speed_target")
+    assert not target.value.startswith("captured shape")  # a real shape by default
+    assert any("carry over" in w.value and "captured model" in w.value for w in at.warning)
+    captured = next(o for o in target.options if o.startswith("captured shape"))
+    target.set_value(captured).run()
+    assert not any("carry over" in w.value for w in at.warning)
 
 
 def test_coactivation_masks_the_diagonal_and_defaults_to_lift(traces, monkeypatch):
@@ -271,7 +283,7 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
                                      "Accepted path of one tree", "Error vs budget (replay)",
                                      "Replay variants", "Runs and their settings"])
 def test_every_sql_example_runs(traces, monkeypatch, example):
-    from app.views import EXAMPLES
+    from app.screens.sql_console import EXAMPLES
     assert example in EXAMPLES and len(EXAMPLES) == 6  # a new example: add it to this list
     at = goto(app_on(traces, monkeypatch), "SQL console")
     at.selectbox(key="sql_example").set_value(example).run()
@@ -384,3 +396,114 @@ def test_report_writes_one_file_per_setting_and_compares_runs(two_settings, tmp_
     assert "max_new_tokens" in page and "Settings that differ" in page
     assert report.main(["--traces", str(two_settings), "--out", str(out), "--compare", "short",
                         "nope"]) == 2
+
+
+def test_cached_frames_never_see_a_sessions_connection(traces, tmp_path):
+    from helpers import copy_of
+
+    from analysis import summaries
+    from app import data
+    traces = copy_of(traces, tmp_path)
+    summaries.ensure(traces, workers=1)
+    root = str(traces)
+    version = data.dataset_version(traces)
+    hacked = data.connection(root, version, None)  # the first visitor's own connection
+    hacked.execute("CREATE OR REPLACE VIEW trees AS SELECT 'tiny-olmoe' AS model, 'HACKED' AS "
+                   "bench, 'r' AS run, 'evaluation' AS role, 0 AS prompt_index, 1.0 AS "
+                   "accepted_length, [1] AS unique_experts, [1] AS experts_loaded, NULL AS budget")
+    hacked.execute("CREATE OR REPLACE VIEW summary_layers AS SELECT 1 AS evil")
+    overview = data.overview(root, version)
+    assert "HACKED" not in overview["bench"].to_list() and overview["trees"].sum() > 1
+    tails = data.frame("tails", root, version, ("evaluation",))
+    assert len(tails) and "evil" not in tails.columns
+
+
+# --- the pages' registry: one module per page, nothing else lists them ---------------------------
+HELLO = '''"""A page added by the recipe's test."""
+import streamlit as st
+
+from app import views
+
+TITLE = "Hello page"
+ORDER = 55
+
+
+def draw() -> None:
+    ds = views.dataset()
+    st.header("Hello page")
+    st.caption(f"How to read this: {ds.runs.height} runs.")
+
+
+if __name__ == "__main__":
+    draw()
+'''
+
+
+def test_every_module_in_app_screens_is_a_page_and_every_page_a_module():
+    modules = {p.stem for p in (ROOT / "app" / "screens").glob("*.py")} - {"__init__"}
+    assert set(PAGES) == modules
+    titles = [title for title, _ in PAGES.values()]
+    assert len(set(titles)) == len(titles), titles
+    assert list(PAGES)[0] == "overview"  # the landing page comes first
+    for name in modules:  # Streamlit runs the file itself: it must draw its page when run so
+        text = (ROOT / "app" / "screens" / f"{name}.py").read_text()
+        assert re.search(r'^if __name__ == "__main__":.*\n    draw\(\)$', text, re.M), name
+
+
+def test_pages_are_found_in_order_and_a_module_that_is_no_page_is_refused(tmp_path, monkeypatch):
+    from app.screens import discover
+    package = tmp_path / "somescreens"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "zeta.py").write_text(HELLO.replace("ORDER = 55", "ORDER = 1"))
+    (package / "alpha.py").write_text(HELLO.replace("Hello page", "Alpha page"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = discover("somescreens")
+    assert [(name, title) for name, (title, _) in found.items()] == [
+        ("zeta", "Hello page"), ("alpha", "Alpha page")]  # by ORDER, not by name
+    (package / "helpers.py").write_text("def draw():\n    pass\n")
+    with pytest.raises(TypeError, match=r"helpers\.py .*no page: it lacks TITLE, ORDER"):
+        discover("somescreens")
+
+
+def test_adding_a_page_is_adding_its_module(traces, tmp_path):
+    """The recipe of docs/architecture.md: a copy of app/ with one new file in app/screens/ has
+    the page in its navigation, in its ORDER, and draws it (tests/test_browser.py visits every
+    registered page at its own URL)."""
+    import os
+    import shutil
+    import subprocess
+    copy = tmp_path / "tree"
+    shutil.copytree(ROOT / "app", copy / "app", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "app" / "screens" / "hello_page.py").write_text(HELLO)
+    code = f"""
+import sys
+sys.argv = ["main.py", "--traces", {str(traces)!r}]
+from streamlit.testing.v1 import AppTest
+import app
+assert app.__file__.startswith({str(copy)!r}), app.__file__
+at = AppTest.from_file({str(copy / "app" / "main.py")!r}, default_timeout=180)
+at.run()
+assert not at.exception, [e.message for e in at.exception]
+at.switch_page("screens/hello_page.py").run()
+assert not at.exception, [e.message for e in at.exception]
+from app.screens import PAGES
+print(list(PAGES).index("hello_page"), PAGES["hello_page"].title, at.header[0].value,
+      at.caption[0].value)
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), str(ROOT)]))
+    done = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[0] == (
+        f"{list(PAGES).index('batch_regime') + 1} Hello page Hello page How to read this: 1 runs.")
+
+
+def test_no_function_of_the_app_is_longer_than_80_lines():
+    import ast
+    long = [f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in (ROOT / "app").rglob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > 80]
+    assert not long, long

@@ -1,7 +1,15 @@
+"""The benchmark prompt sets: every one loads with stable ids, and a missing or damaged file is
+one line naming it (in capture and evaluate too)."""
+
+import os
+import shutil
+
 import pytest
+from helpers import CAP, one_line_error, run
 
 from tasks import benchmarks
 
+BENCHMARKS = os.environ.get(benchmarks.ENV_VAR) or str(benchmarks.DEFAULT_DIR)
 EXPECTED = {"mbpp": 500, "humaneval": 164, "gsm8k": 1319, "math500": 500, "cnndm": 80,
             "specbench": 480}
 
@@ -39,3 +47,21 @@ def test_missing_folder_says_where_it_looked_and_how_to_fix(tmp_path, monkeypatc
 def test_missing_file_inside_folder_is_one_clear_line(tmp_path):
     with pytest.raises(benchmarks.BenchmarkError, match="is missing"):
         benchmarks.load("gsm8k", root=tmp_path)
+
+
+@pytest.mark.parametrize("content,words", [
+    ("", ["holds no rows"]),
+    ('{"text": "no task id"}\n', ["'task_id'", "line 1"]),
+    ('{"task_id": 11,\n', ["not valid JSON", "line 1"]),
+    (b'{"task_id": 11, "text": "\xff\xfe"}\n', ["not valid UTF-8"]),
+    ("[1, 2]\n", ["not a JSON object"]),
+])
+def test_bad_benchmark_files_are_one_line_naming_the_file(replayed, tmp_path, content, words):
+    bench = tmp_path / "benchmarks"
+    shutil.copytree(BENCHMARKS, bench, ignore=shutil.ignore_patterns("*.gz"))
+    target = bench / "mbpp" / "mbpp.jsonl"
+    target.write_bytes(content if isinstance(content, bytes) else content.encode())
+    one_line_error(run("capture.cli", *CAP, "--limit", "1", "--out", tmp_path / "x",
+                       "--benchmarks", bench), "mbpp.jsonl", *words)
+    one_line_error(run("analysis.evaluate_cli", "--traces", replayed[0], "--benchmarks", bench),
+                   "mbpp.jsonl", *words)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from app.views import PAGES
+from app.screens import PAGES
 from capture import cli as capture_cli
 from replay import cli as replay_cli
 

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
+from helpers import calibration_of, synthetic, synthetic_calibration
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_policy import _calibration, _synthetic_calibration, synthetic
 
 from policy import coverage, rankings
 from policy.batch import ExpertTerms, RoutingBatch
@@ -72,7 +72,7 @@ def _reference_kappa(records, layer, n):
 
 def test_kappa_zero_is_coact_then_coact_online_bit_for_bit():
     batch, experts = synthetic(1, n=8, k=2)
-    stats = _calibration(*synthetic(2, n=8, k=2))
+    stats = calibration_of(*synthetic(2, n=8, k=2))
     prior, coact = _fixed(stats, 0.0), rankings.get("coact")().fit(stats)
     online = rankings.get("coact-online")().fit(stats)
     assert torch.equal(prior.mean_gram(batch), coact.mean_gram(batch))
@@ -133,7 +133,7 @@ def test_moments_and_kappa_equal_a_loop_over_raw_energies(seed):
 
 
 def test_collect_groups_tokens_by_prompt_index():
-    stats, tls, model = _synthetic_calibration(0, 6)
+    stats, tls, model = synthetic_calibration(0, 6)
     for j, tl in enumerate(tls):
         tl.prompt_index = j // 3  # two prompts of three tree-layers
     grouped = CalibrationStats.collect(tls, model)
@@ -168,7 +168,7 @@ def test_the_chooser_recovers_a_known_prior_strength():
                                                                                 "substitution"]))
 def test_through_open_loop_all_experts_give_zero_and_the_union_gives_the_floor(seed, renorm, cov):
     from replay.open_loop import Stream, shortlists
-    stats, _, _ = _synthetic_calibration(seed % 7, 6)
+    stats, _, _ = synthetic_calibration(seed % 7, 6)
     first, e0 = synthetic(seed, m=3, n=8, k=2, renormalize=renorm, sharpness=6.0)
     second, e1 = synthetic(seed + 1, m=3, n=8, k=2, renormalize=renorm, sharpness=6.0)
     batch = RoutingBatch(torch.cat([first.probs, second.probs]),

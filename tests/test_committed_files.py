@@ -7,7 +7,7 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from test_hardening import CAP, one_line_error, run  # noqa: I001 - tests/ module
+from helpers import CAP, one_line_error, run
 
 from capture import cli as capture_cli
 

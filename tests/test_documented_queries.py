@@ -8,8 +8,8 @@ from pathlib import Path
 
 import polars as pl
 import pytest
+from helpers import run
 from polars.testing import assert_frame_equal
-from test_hardening import run  # noqa: I001 - tests/ module
 
 from capture import cli as capture_cli
 
@@ -30,7 +30,7 @@ def documented_queries() -> list[str]:
             body = "\n".join(line for line in block.splitlines()
                              if not line.strip().startswith("--"))
             found += [" ".join(q.split()) for q in body.split(";") if q.strip()]
-    from app.views import EXAMPLES
+    from app.screens.sql_console import EXAMPLES
     found += list(EXAMPLES.values())
     return sorted(set(found))
 

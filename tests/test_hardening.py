@@ -6,7 +6,6 @@ never a traceback, a NaN, or exit 0 with wrong data."""
 import json
 import random
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -14,33 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import recommit
+from helpers import CAP, QUERY, one_line_error, run
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from capture import cli as capture_cli
-
-CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress"]
-QUERY = "SELECT count(*) AS trees, round(avg(accepted_length), 6) AS tau FROM trees"
-
-
-def run(module, *args, timeout=300):
-    """``python -m module args`` or, for ``module:function`` (a console script), that function
-    called with the args."""
-    if ":" in module:
-        mod, func = module.split(":")
-        cmd = ["-c", f"import sys; from {mod} import {func}; sys.exit({func}(sys.argv[1:]))"]
-    else:
-        cmd = ["-m", module]
-    return subprocess.run([sys.executable, *cmd, *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def one_line_error(r, *words):
-    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    for w in words:
-        assert w in r.stderr, r.stderr
 
 
 @pytest.fixture(scope="module")

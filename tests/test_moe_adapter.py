@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from helpers import block_io, real_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe import models
 from moe.adapter import MoEAdapter
-from tasks import benchmarks
 from training.tiny_moe import SPECS
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -74,26 +74,6 @@ def reference_moe(layer, h: torch.Tensor) -> torch.Tensor:
             o = o + w * _reference_expert(layer, i, x)
         out[t] = o.to(h.dtype)
     return out
-
-
-def block_io(model, input_ids):
-    """(MoE input, MoE output) of every sparse block, captured by hooks during a forward."""
-    adapter = MoEAdapter(model)
-    seen = {}
-    hooks = [layer.block.register_forward_hook(  # gpt-oss's block returns (output, scores)
-        lambda mod, args, out, i=layer.index: seen.__setitem__(
-            i, (args[0], out[0] if isinstance(out, tuple) else out)))
-        for layer in adapter]
-    with torch.no_grad():
-        model(input_ids=input_ids)
-    for hook in hooks:
-        hook.remove()
-    return adapter, seen
-
-
-def real_ids(tokenizer, n=40):
-    text = benchmarks.load("mbpp", limit=1)[0].text
-    return tokenizer(text, return_tensors="pt")["input_ids"][:, :n]
 
 
 def router_trace(model, adapter, input_ids) -> dict:

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from golden import round1
+from helpers import calibration_of, synthetic, synthetic_calibration
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,19 +22,6 @@ from policy.rankings.base import by_mass, by_squared_mass, selected_first
 from policy.routing import RoutingRule
 
 COVERAGES = list(coverage.COVERAGES)
-
-
-def synthetic(seed: int, m=12, n=8, k=2, h=6, renormalize=True, sharpness=3.0, layer=3):
-    """One tree-layer as a RoutingBatch of size 1 with expert terms, plus its raw tensors."""
-    g = torch.Generator().manual_seed(seed)
-    probs = torch.softmax(torch.randn(m, n, generator=g) * sharpness, -1)
-    w, idx = probs.topk(k, -1)
-    if renormalize:
-        w = w / w.sum(-1, keepdim=True)
-    experts = torch.randn(m, n, h, generator=g, dtype=torch.float64).float()
-    batch = RoutingBatch.single(probs, idx, w, layer, RoutingRule(k, renormalize=renormalize))
-    batch.terms = ExpertTerms.from_outputs(experts[None], idx[None], w[None])
-    return batch, experts
 
 
 def loop_reference(batch: RoutingBatch, experts, keep, cov: str) -> torch.Tensor:
@@ -80,7 +68,7 @@ def test_policies_equal_the_per_token_loop_and_gram_equals_direct_error(seed, bu
 def test_budget_of_all_experts_is_exact_for_every_ranking(cov):
     batch, _ = synthetic(3)
     n = batch.n
-    stats = _synthetic_calibration(4, 50, n=n, examples=50)[0]  # learned trains on examples
+    stats = synthetic_calibration(4, 50, n=n, examples=50)[0]  # learned trains on examples
     for name in rankings.names():
         keep, valid = rankings.get(name)().fit(stats).shortlists(batch, coverage.get(cov), [n])
         assert valid == [n]
@@ -287,17 +275,10 @@ def test_previous_ranking_puts_last_pass_experts_first_then_router_mass():
     assert prev.order(batch, None, 8)[0].tolist() == mass_order
 
 
-def _calibration(batch, experts, layer=3):
-    stats = CalibrationStats.empty([layer], batch.n)
-    idx = batch.idx[0]
-    stats.add(layer, idx, experts.gather(1, idx[..., None].expand(-1, -1, experts.shape[-1])))
-    return stats
-
-
 def test_coact_online_starts_as_coact_and_learns_only_from_executed_experts():
     batch, experts = synthetic(1, n=8, k=2)
     cal_batch, cal_experts = synthetic(2, n=8, k=2)
-    stats = _calibration(cal_batch, cal_experts)
+    stats = calibration_of(cal_batch, cal_experts)
     online = rankings.get("coact-online")().fit(stats)
     coact = rankings.get("coact")().fit(stats)
     assert torch.equal(online.order(batch, None, 8), coact.order(batch, None, 8))
@@ -328,7 +309,7 @@ def test_coact_online_in_open_loop_learns_only_from_earlier_passes_and_its_own_b
     from replay.open_loop import Stream, shortlists
     first, e0 = synthetic(5, n=8, k=2)
     second, e1 = synthetic(6, n=8, k=2)
-    stats = _calibration(*synthetic(7, n=8, k=2))
+    stats = calibration_of(*synthetic(7, n=8, k=2))
 
     def run(e0, e1, budgets=(3, 5)):
         batch = RoutingBatch(torch.cat([first.probs, second.probs]),
@@ -354,26 +335,6 @@ def test_coact_online_in_open_loop_learns_only_from_earlier_passes_and_its_own_b
     assert not torch.equal(run(e0 * torch.linspace(0.1, 5, 8)[None, :, None], e1)[1], base[1])
 
 
-def _synthetic_calibration(seed: int, count: int, n=8, k=2, m=12, h=6, examples=0):
-    """Tree-layers whose experts differ in output size (which router mass cannot see), and the
-    calibration statistics collected from them through the real ``collect``."""
-    from types import SimpleNamespace
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.linspace(0.2, 3.0, n)[torch.randperm(n, generator=torch.Generator()
-                                                       .manual_seed(99))]
-    weights = torch.randn(n, h, h, generator=torch.Generator().manual_seed(98)) * scale[:, None,
-                                                                                         None]
-    model = SimpleNamespace(moe_layers=[3], num_experts=n, expert_outputs=lambda layer, x:
-                            torch.einsum("mh,nhd->mnd", x, weights))
-    tls = []
-    for _ in range(count):
-        probs = torch.softmax(torch.randn(m, n, generator=g) * 2.0, -1)
-        w, idx = probs.topk(k, -1)
-        tls.append(SimpleNamespace(layer=3, probs=probs, idx=idx, weights=w,
-                                   hidden=torch.randn(m, h, generator=g)))
-    return CalibrationStats.collect(tls, model, max_examples=examples), tls, model
-
-
 def _truncation_error(tl, model, order, budget):
     keep = torch.zeros(tl.probs.shape[-1], dtype=torch.bool)
     keep[order[:budget]] = True
@@ -386,7 +347,7 @@ def _truncation_error(tl, model, order, budget):
 def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
     from policy.greedy import greedy_quadratic
     from policy.rankings.learned import Learned
-    stats, tls, model = _synthetic_calibration(0, 300, examples=300)
+    stats, tls, model = synthetic_calibration(0, 300, examples=300)
     assert len(stats.examples) == 300
     for field in ("probs", "idx", "weights", "order"):  # packed: one block per field, not
         # 300 small tensors pinning the freed expert outputs between them
@@ -400,7 +361,7 @@ def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
     learned = rankings.get("learned")().fit(stats)
     assert stats.fitted["learned"] is learned.model  # fitted once per calibration
     assert rankings.get("learned")().fit(stats).model is learned.model
-    _, held_out, _ = _synthetic_calibration(1, 60)
+    _, held_out, _ = synthetic_calibration(1, 60)
     errors = {"learned": 0.0, "router": 0.0}
     router = rankings.get("router")()
     for tl in held_out:
@@ -415,12 +376,12 @@ def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
     with pytest.raises(rankings.RankingError, match="not a saved learned ranking"):
         Learned.load(tmp_path / "bad.skops", stats)
     with pytest.raises(rankings.RankingError, match="calibration examples"):
-        rankings.get("learned")().fit(_synthetic_calibration(2, 5)[0])
+        rankings.get("learned")().fit(synthetic_calibration(2, 5)[0])
 
 
 def test_merged_calibrations_equal_one_collected_over_all_runs():
-    a, tls_a, model = _synthetic_calibration(10, 30, examples=30)
-    b, tls_b, _ = _synthetic_calibration(11, 20, examples=20)
+    a, tls_a, model = synthetic_calibration(10, 30, examples=30)
+    b, tls_b, _ = synthetic_calibration(11, 20, examples=20)
     together = CalibrationStats.collect(tls_a + tls_b, model)
     merged = CalibrationStats.merge([a, b], max_examples=20)
     assert torch.allclose(merged.gram, together.gram) and torch.equal(merged.pairs, together.pairs)
@@ -430,7 +391,7 @@ def test_merged_calibrations_equal_one_collected_over_all_runs():
 
 def test_an_expert_calibration_never_selected_gets_the_layers_mean_energy_not_zero():
     batch, experts = synthetic(12, n=8, k=2)
-    stats = _calibration(batch, experts)
+    stats = calibration_of(batch, experts)
     seen = stats.pairs[0].diagonal() > 0
     assert not seen.all(), "the synthetic calibration should leave some expert unselected"
     g = stats.mean_gram(batch.layers)[0].double()
@@ -513,7 +474,7 @@ def test_calibrated_rankings_under_substitution_keep_the_best_predicted_candidat
     budget inside a verification pass (online, closed loop) uses the same shortlist."""
     from policy.budget import Budget
     from policy.substitution import predicted_sq_errors
-    stats, _, _ = _synthetic_calibration(seed % 97, 6, examples=6)
+    stats, _, _ = synthetic_calibration(seed % 97, 6, examples=6)
     batch, _ = synthetic(seed, m=12, n=8, k=2, renormalize=renorm)
     sub, trunc = coverage.get("substitution"), coverage.get("truncation")
     budgets = [2, 3, 4, 6]

@@ -1,4 +1,4 @@
-"""Issue 42.3: timing fits without warm-up — the warm-up rule (analysis.warmup), the sample check
+"""Timing fits without warm-up (issue 42.3): the warm-up rule (analysis.warmup), the sample check
 every fit passes before it is shown, and profile-batch's --warmup/--repeats, latency percentiles
 and partial results."""
 
@@ -138,7 +138,7 @@ def test_a_refused_batch_fit_is_not_drawn_and_the_report_says_why(tmp_path):
     assert "not fitted: only 1 pass at b = 2" in said and "6 passes dropped as warm-up" in said
 
 
-def test_an_old_profile_file_without_the_round4_columns_still_reads(tmp_path):
+def test_an_old_profile_file_without_repeats_and_percentiles_still_reads(tmp_path):
     """Files written before ``repeat`` and the latency percentiles: readers select by name."""
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -1,4 +1,31 @@
-"""A page of the dashboard (app/views.py)."""
-from app.views import PAGES
+"""Activation growth: unique experts among a tree's first t tokens vs MoESD's N(t)."""
 
-PAGES["growth"][1]()
+from __future__ import annotations
+
+import streamlit as st
+
+from analysis import figures
+from app import views
+
+TITLE = "Activation growth"
+ORDER = 40
+
+
+def draw() -> None:
+    page = views.start_page(
+        "Activation growth", "growth",
+        "How to read this: unique experts among the first t tree tokens vs MoESD's "
+        "N(t) and the i.i.d. expectation with each layer's own marginals (averaged over "
+        "layers); a measured curve below them means trees reuse experts.")
+    if page is None:
+        return
+    frame, n = page.frame("growth"), page.n
+    st.plotly_chart(figures.growth(frame, n), width="stretch")
+    last = frame.sort("tokens").tail(1).row(0, named=True)
+    st.write(f"At {last['tokens']} tree tokens: measured {last['unique_experts']:.1f}, "
+             f"i.i.d. per-layer marginals {last['marginal']:.1f}, uniform N(t) "
+             f"{last['uniform']:.1f} (of {n}).")
+
+
+if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)
+    draw()

@@ -1,4 +1,28 @@
-"""A page of the dashboard (app/views.py)."""
-from app.views import PAGES
+"""Heavy tails: how many experts hold 50 / 90 / 99% of a tree's router mass in one layer."""
 
-PAGES["heavy_tails"][1]()
+from __future__ import annotations
+
+import streamlit as st
+
+from analysis import figures
+from app import views
+
+TITLE = "Heavy tails"
+ORDER = 20
+
+
+def draw() -> None:
+    page = views.start_page(
+        "Heavy tails", "tails",
+        "How to read this: how many experts a verification tree needs to hold 50 / 90 / "
+        "99% of its router mass in one layer; a curve far below N means a budget can "
+        "drop most experts and keep most of the mass.")
+    if page is None:
+        return
+    frame = page.frame("tails")
+    st.plotly_chart(figures.heavy_tails(frame, page.n), width="stretch")
+    st.dataframe(frame, hide_index=True)
+
+
+if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)
+    draw()

@@ -1,4 +1,92 @@
-"""A page of the dashboard (app/views.py)."""
-from app.views import PAGES
+"""Replay results: what each ranking's choice of B experts costs, open and closed loop."""
 
-PAGES["replay"][1]()
+from __future__ import annotations
+
+import polars as pl
+import streamlit as st
+
+from analysis import figures, replay_views
+from app import data, views
+
+TITLE = "Replay results"
+ORDER = 70
+
+
+def draw() -> None:
+    ds = views.dataset()
+    st.header("Replay results")
+    st.caption("How to read this: replay re-runs the captured MoE layers with only B experts "
+               "per layer allowed; the error (relative squared error of the MoE output, open "
+               "loop) or the share of unchanged tree paths (closed loop) says what each ranking's "
+               "choice of B experts costs. Lower error at a smaller B is better.")
+    roles = views.role_choice("replay")
+    if "replay_open" not in ds.views and "replay_closed" not in ds.views:
+        st.info("No replay results yet. Run for example\n\n"
+                f"`replay --traces {ds.root} --ranking router oracle --budget sweep`")
+        return
+    have = {name: data.frame(name, str(ds.root), ds.version, roles)
+            for name in ("errors", "closed")}
+    picked = views.dataset_picker(ds, "replay_ds", roles, views.datasets_in(have["errors"], ds)
+                                  | views.datasets_in(have["closed"], ds))
+    if picked is None:
+        return
+    runs = views.setting_picker(views.role_runs(ds, roles).filter(
+        (pl.col("model") == picked[0]) & (pl.col("bench") == picked[1])), "replay_setting")
+    names = tuple(sorted(runs["run"].to_list()))
+    n = int(runs["num_experts"][0])
+    have = {name: data.frame(name, str(ds.root), ds.version, roles, names)
+            for name in ("errors", "closed")}
+    curves = views.pick(have["errors"], *picked) if have["errors"].height else have["errors"]
+    cl = views.pick(have["closed"], *picked) if have["closed"].height else have["closed"]
+    _variants_note(ds.con_for(roles, names))
+    if curves.is_empty() and cl.is_empty():
+        st.info(f"No replay results for {picked[0]} / {picked[1]} yet. Produce them with\n\n"
+                f"`replay --traces {ds.root} --model {picked[0]} --bench {picked[1]} "
+                "--ranking router oracle --budget sweep`")
+        return
+    if curves.height:
+        rank = views.url_multiselect("Rankings", sorted(set(curves["ranking"])), "replay_rank",
+                                     "ranking")
+        curves = curves.filter(pl.col("ranking").is_in(rank))
+        if curves.height:
+            st.plotly_chart(figures.error_vs_budget(curves, n), width="stretch")
+            if {"oracle", "router"} <= set(curves["ranking"]):
+                gap = replay_views.oracle_gap(curves)
+                st.plotly_chart(figures.oracle_gap(gap), width="stretch")  # notes its labels
+            steps = replay_views.ablation(curves)
+            if not steps.is_empty():
+                st.subheader("Where coact's gain comes from")
+                st.caption(replay_views.ABLATION_NOTE)
+                st.dataframe(steps, hide_index=True, column_config={
+                    c: st.column_config.NumberColumn(c, format="percent")
+                    for c in steps.columns[2:]})
+    if cl.height:
+        st.plotly_chart(figures.closed_loop(cl, n), width="stretch")
+        st.dataframe(cl, hide_index=True)
+    saved = [data.frame(name, str(ds.root), ds.version, roles, names)
+             for name in ("saved_open", "saved_closed")]
+    saved = [f for f in (views.pick(f, *picked) for f in saved if f.height) if f.height]
+    if saved:
+        st.subheader("Experts saved at matched quality vs router")
+        st.caption(replay_views.SAVED_NOTE)
+        st.dataframe(replay_views.experts_saved_display(pl.concat(saved)), hide_index=True,
+                     column_config={c: st.column_config.NumberColumn(c, format="percent")
+                                    for c in ("saved", "saved_lo", "saved_hi")})
+
+
+def _variants_note(con) -> None:
+    """Say when the replay tables hold more variants than the page draws (one per cell)."""
+    from analysis.sql import DEFAULT_VARIANT_RULE
+    try:
+        hidden = con.execute("SELECT count(*) FROM variants WHERE NOT shown_by_default"
+                             ).fetchall()[0][0]
+    except Exception:  # noqa: BLE001 - no results, no variants view
+        return
+    if hidden:
+        st.caption(f"{hidden} other stored variant(s) of these results are not drawn; the page "
+                   f"shows {DEFAULT_VARIANT_RULE}. The SQL console's `SELECT * FROM variants` "
+                   "lists them; `replay_open_all` holds their rows.")
+
+
+if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)
+    draw()

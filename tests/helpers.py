@@ -1,0 +1,141 @@
+"""Plain helpers several test files share (fixtures live in conftest.py): running a command and
+checking its one-line error, and synthetic routing and calibration data."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress"]
+CAP_ONE = ["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "1", "--max-new-tokens", "8",
+           "--no-progress", "--threads", "1"]  # one prompt, one thread: for refusals
+QUERY = "SELECT count(*) AS trees, round(avg(accepted_length), 6) AS tau FROM trees"
+
+
+# --- commands ------------------------------------------------------------------------------------
+def run(module, *args, timeout=300):
+    """``python -m module args`` or, for ``module:function`` (a console script), that function
+    called with the args."""
+    if ":" in module:
+        mod, func = module.split(":")
+        cmd = ["-c", f"import sys; from {mod} import {func}; sys.exit({func}(sys.argv[1:]))"]
+    else:
+        cmd = ["-m", module]
+    return subprocess.run([sys.executable, *cmd, *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def one_line_error(r, *words):
+    """``r`` (a finished subprocess) failed with exit code 2 and one stderr line holding
+    ``words``, no traceback."""
+    assert r.returncode == 2, (r.returncode, r.stdout[-500:], r.stderr[-2000:])
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    for w in words:
+        assert w in r.stderr, r.stderr
+
+
+def one_line(capsys, code, *words):
+    """An in-process ``main`` returned ``code`` 2 and wrote one stderr line holding ``words``;
+    the line."""
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def exit_code(main, argv):
+    """``main(argv)``'s exit status, whether returned or raised (argparse's ``error``)."""
+    try:
+        return main(argv)
+    except SystemExit as stop:
+        return stop.code
+
+
+def copy_of(traces, tmp_path: Path, name="t") -> Path:
+    """A copy of ``traces`` (a session fixture's) under ``tmp_path``, to change."""
+    import shutil
+    copy = tmp_path / name
+    shutil.copytree(traces, copy)
+    return copy
+
+
+def run_env(tmp_path: Path) -> dict:
+    """A subprocess environment: offline, one thread, its own cache folder."""
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+                XDG_CACHE_HOME=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
+
+
+# --- synthetic routing and calibration -----------------------------------------------------------
+def synthetic(seed: int, m=12, n=8, k=2, h=6, renormalize=True, sharpness=3.0, layer=3):
+    """One tree-layer as a RoutingBatch of size 1 with expert terms, plus its raw tensors."""
+    from policy.batch import ExpertTerms, RoutingBatch
+    from policy.routing import RoutingRule
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(m, n, generator=g) * sharpness, -1)
+    w, idx = probs.topk(k, -1)
+    if renormalize:
+        w = w / w.sum(-1, keepdim=True)
+    experts = torch.randn(m, n, h, generator=g, dtype=torch.float64).float()
+    batch = RoutingBatch.single(probs, idx, w, layer, RoutingRule(k, renormalize=renormalize))
+    batch.terms = ExpertTerms.from_outputs(experts[None], idx[None], w[None])
+    return batch, experts
+
+
+def calibration_of(batch, experts, layer=3):
+    """Calibration statistics of one synthetic tree-layer (:func:`synthetic`)."""
+    from policy.calibration import CalibrationStats
+    stats = CalibrationStats.empty([layer], batch.n)
+    idx = batch.idx[0]
+    stats.add(layer, idx, experts.gather(1, idx[..., None].expand(-1, -1, experts.shape[-1])))
+    return stats
+
+
+def synthetic_calibration(seed: int, count: int, n=8, k=2, m=12, h=6, examples=0):
+    """Tree-layers whose experts differ in output size (which router mass cannot see), and the
+    calibration statistics collected from them through the real ``collect``."""
+    from types import SimpleNamespace
+
+    from policy.calibration import CalibrationStats
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 3.0, n)[torch.randperm(n, generator=torch.Generator()
+                                                       .manual_seed(99))]
+    weights = torch.randn(n, h, h, generator=torch.Generator().manual_seed(98)) * scale[:, None,
+                                                                                         None]
+    model = SimpleNamespace(moe_layers=[3], num_experts=n, expert_outputs=lambda layer, x:
+                            torch.einsum("mh,nhd->mnd", x, weights))
+    tls = []
+    for _ in range(count):
+        probs = torch.softmax(torch.randn(m, n, generator=g) * 2.0, -1)
+        w, idx = probs.topk(k, -1)
+        tls.append(SimpleNamespace(layer=3, probs=probs, idx=idx, weights=w,
+                                   hidden=torch.randn(m, h, generator=g)))
+    return CalibrationStats.collect(tls, model, max_examples=examples), tls, model
+
+
+# --- real MoE blocks -----------------------------------------------------------------------------
+def block_io(model, input_ids):
+    """(MoE input, MoE output) of every sparse block, captured by hooks during a forward."""
+    from moe.adapter import MoEAdapter
+    adapter = MoEAdapter(model)
+    seen = {}
+    hooks = [layer.block.register_forward_hook(  # gpt-oss's block returns (output, scores)
+        lambda mod, args, out, i=layer.index: seen.__setitem__(
+            i, (args[0], out[0] if isinstance(out, tuple) else out)))
+        for layer in adapter]
+    with torch.no_grad():
+        model(input_ids=input_ids)
+    for hook in hooks:
+        hook.remove()
+    return adapter, seen
+
+
+def real_ids(tokenizer, n=40):
+    """The first ``n`` token ids of mbpp's first prompt, as a batch of one."""
+    from tasks import benchmarks
+    text = benchmarks.load("mbpp", limit=1)[0].text
+    return tokenizer(text, return_tensors="pt")["input_ids"][:, :n]
