@@ -192,6 +192,9 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
     problem = empty_calibration(stats, cal)
     if problem:
         raise CaptureError(problem)
+    if getattr(rankings.get(settings.ranking), "needs_hidden", False):  # token-aware: sketch
+        from policy.rankings.sketch import attach_surrogate_sums
+        attach_surrogate_sums(stats, cal, adapter, lambda run: reader.tree_layers([run]))
     return stats
 
 

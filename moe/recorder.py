@@ -103,7 +103,8 @@ class VerifyRecorder:
             if self.budget is None:
                 # the router's own top-k unless a tie at the k-th place fell the other way
                 return (logits, natural_w.to(weights.dtype), idx) if retied else None
-            routed = self.budget.route(layer.index, rec.probs, idx, natural_w, layer.rule)
+            hidden = args[0].reshape(-1, args[0].shape[-1]) if args else None  # h_t
+            routed = self.budget.route(layer.index, rec.probs, idx, natural_w, layer.rule, hidden)
             rec.applied_ids, rec.applied_weights = routed.idx, routed.weights
             # Dropped slots (weight 0) point at a shortlisted expert, so the experts module never
             # runs an expert outside the budget.

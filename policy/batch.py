@@ -118,13 +118,18 @@ class RoutingBatch:
     rule: RoutingRule
     terms: ExpertTerms | None = None
     _by_choice: torch.Tensor | None = field(default=None, repr=False)
+    hidden: torch.Tensor | None = field(default=None, repr=False)  # [T, M, H] the MoE inputs
+    # h_t: known in a verification pass before any expert runs (token-aware rankings read it)
 
     @classmethod
-    def single(cls, probs, idx, weights, layer: int, rule: RoutingRule) -> RoutingBatch:
-        """One tree-layer (``[M, …]`` tensors), as at run time inside a verification pass."""
+    def single(cls, probs, idx, weights, layer: int, rule: RoutingRule,
+               hidden: torch.Tensor | None = None) -> RoutingBatch:
+        """One tree-layer (``[M, …]`` tensors, ``hidden [M, H]`` its MoE inputs where known), as
+        at run time inside a verification pass."""
         return cls(probs[None], idx[None], weights[None],
                    torch.ones(1, probs.shape[0], dtype=torch.bool, device=probs.device),
-                   torch.tensor([layer], device=probs.device), rule)
+                   torch.tensor([layer], device=probs.device), rule,
+                   hidden=None if hidden is None else hidden[None])
 
     @property
     def size(self) -> int:
@@ -173,7 +178,8 @@ class RoutingBatch:
         return RoutingBatch(self.probs[rows], self.idx[rows], self.weights[rows], self.mask[rows],
                             self.layers[rows], rule,
                             None if self.terms is None else self.terms.take(rows),
-                            None if self._by_choice is None else self._by_choice[rows])
+                            None if self._by_choice is None else self._by_choice[rows],
+                            None if self.hidden is None else self.hidden[rows])
 
     def sq_errors(self, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """``||O*_t − Ô_t||²`` for every token, exactly (float64): ``idx, w [T, *E, M, k]`` →

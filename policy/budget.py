@@ -50,8 +50,11 @@ class Budget:
                                "outputs a verification pass does not have")
 
     def route(self, layer: int, probs: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-              rule: RoutingRule) -> Routed:
-        batch = RoutingBatch.single(probs, idx, weights.float(), layer, rule)
+              rule: RoutingRule, hidden: torch.Tensor | None = None) -> Routed:
+        """The shortlist and what each token runs, from the layer's router scores (and its MoE
+        inputs ``hidden [M, H]``, for token-aware rankings)."""
+        batch = RoutingBatch.single(probs, idx, weights.float(), layer, rule,
+                                    None if hidden is None else hidden.float())
         keep = self.ranking.shortlists(batch, self.coverage, [self.size])[0][:, 0]  # [1, N]
         new_idx, new_w = self.coverage.apply(batch, keep)
         return Routed(new_idx[0], new_w[0], keep[0])
@@ -91,12 +94,13 @@ class BudgetGroups:
     budgets: list[Budget]
 
     def route(self, layer: int, probs: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-              rule: RoutingRule) -> Routed:
+              rule: RoutingRule, hidden: torch.Tensor | None = None) -> Routed:
         count = len(self.budgets)
         if probs.shape[0] % count:
             raise ValueError(f"{probs.shape[0]} tokens do not split into {count} budget groups")
-        parts = [b.route(layer, *x, rule) for b, *x in zip(
-            self.budgets, probs.chunk(count), idx.chunk(count), weights.chunk(count))]
+        blocks = [None] * count if hidden is None else hidden.chunk(count)
+        parts = [b.route(layer, p, i, w, rule, x) for b, p, i, w, x in zip(
+            self.budgets, probs.chunk(count), idx.chunk(count), weights.chunk(count), blocks)]
         per = probs.shape[0] // count
         return Routed(torch.cat([r.idx for r in parts]), torch.cat([r.weights for r in parts]),
                       torch.stack([r.keep for r in parts]).repeat_interleave(per, 0))

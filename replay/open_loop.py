@@ -97,6 +97,7 @@ def load_batch(slices: list[Slice], adapter: MoEAdapter, device, tolerance: floa
     if not with_terms:
         return batch
     hidden = torch.from_numpy(pad(slices, "hidden", slices[0].data.hidden.shape[1], np.float32))
+    batch.hidden = hidden.to(device)  # h_t, what token-aware rankings read (before any expert)
     experts, shared = expert_outputs(adapter, hidden, layers, mask, device)
     gold = combine(experts, batch.idx, batch.weights)
     if shared is not None:

@@ -83,7 +83,12 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     problem = empty_calibration(stats, cal)
     if problem:
         raise ReplayError(problem)
+    if any(getattr(rankings.get(r), "needs_hidden", False) for r in rankings_used
+           if r in rankings.REGISTRY):
+        from policy.rankings.sketch import attach_surrogate_sums
+        attach_surrogate_sums(stats, cal, adapter, read)
     return stats, cal
+
 
 
 def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: ReplayRequest,

@@ -164,7 +164,7 @@ def test_budget_caps_the_experts_loaded(tmp_path, coverage):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "nope"], "unknown model 'nope'"),
-    (["--bench", "mmlu"], "invalid choice"),
+    (["--bench", "mmlu"], "--bench 'mmlu' is not a benchmark"),
     (["--budget", "65"], "out of range"),
     (["--budget", "4", "--coverage", "substitution"], "out of range"),
     (["--budget", "0", "--coverage", "truncation"], "out of range"),

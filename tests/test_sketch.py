@@ -203,3 +203,42 @@ def test_cost_counts_the_surrogate_bytes_and_flops():
     assert c4["expert_bytes"] == 3 * 2048 * 1024 * 2
     assert abs(c4["expert_equivalents"] - c4["bytes_per_layer"] / c4["expert_bytes"]) < 1e-12
     assert Sketch.cost(64, 2048, 1024, rank=4) == c4
+
+
+def test_the_online_budget_hands_sketch_the_tokens_moe_inputs():
+    """policy.budget.Budget.route passes h_t (what the router hook of a verification pass
+    sees) to the ranking: sketch is token-aware there, and blind (warned) without it."""
+    from policy.budget import Budget
+    model = linear_model()
+    stats = calibration(model)
+    batch = evaluation_batch(model)
+    cov = coverage.get("substitution")
+    budget = Budget(3, Sketch(rank=3).fit(stats), cov)
+    routed = budget.route(LAYER, batch.probs[0], batch.idx[0], batch.weights[0], batch.rule,
+                          batch.hidden[0])
+    assert budget.ranking.token_aware
+    want = Sketch(rank=3).fit(stats).shortlists(batch, cov, [3])[0][0, 0]
+    assert torch.equal(routed.keep, want)
+    with pytest.warns(UserWarning, match="no MoE inputs"):
+        budget.route(LAYER, batch.probs[0], batch.idx[0], batch.weights[0], batch.rule)
+
+
+@pytest.mark.slow
+def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
+    """End to end on tiny-olmoe: with sketch asked for, replay collects the surrogate's sums on
+    the calibration run and hands every batch its MoE inputs, open and closed loop: no
+    fallback warning, and the saved artifact is a surrogate (not coact-prior's record)."""
+    from helpers import run
+    cap = ["--model", "tiny-olmoe", "--limit", "1", "--max-new-tokens", "8", "--no-progress",
+           "--threads", "1", "--out", tmp_path]
+    assert run("capture.cli", *cap, "--bench", "mbpp", "--run", "ev").returncode == 0
+    assert run("capture.cli", *cap, "--bench", "gsm8k", "--run", "cal", "--role",
+               "calibration").returncode == 0
+    for mode in ("open", "closed"):
+        r = run("replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
+                "--ranking", "sketch", "--coverage", "substitution", "--budget", "8",
+                "--mode", mode, "--no-progress", "--threads", "1")
+        assert r.returncode == 0, r.stderr
+        assert "coact-prior's shortlists" not in r.stderr, r.stderr
+    saved = list((tmp_path / "replay_open").rglob("sketch*"))
+    assert saved and all(b"fallback" not in p.read_bytes()[:4096] for p in saved), saved

@@ -62,6 +62,7 @@ from policy.rankings.base import (
     selected_first,
 )
 from policy.rankings.exact import EXACT_LIMIT, exhaustive_best
+from policy.rankings.sketch import MOMENTS
 from policy.substitution import best_shortlists
 
 
@@ -149,8 +150,9 @@ def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
         cls = REGISTRY[name]
         if not cls.runtime or cls.stateful != stateful:
             continue
-        if getattr(cls, "needs_hidden", False):  # token-aware (sketch): replay hands rankings
-            continue  # no h_t yet, so it would run coact-prior's shortlists, a start already
+        if getattr(cls, "needs_hidden", False) and (
+                calibration is None or MOMENTS not in calibration.fitted):
+            continue  # token-aware (sketch) without its surrogate: coact-prior's, a start already
         if cls.needs_calibration and calibration is None:
             continue
         try:

@@ -17,10 +17,11 @@ Runtime-legal: it reads the batch's routing (``probs``, ``idx``, ``weights``, ``
 ``layers``, ``rule``), the MoE inputs the caller attaches (:func:`with_inputs`), and the
 surrogate fitted on calibration; never ``batch.terms`` (``tests/test_sketch.py`` perturbs the
 evaluation pass's expert outputs and checks the shortlist). The surrogate comes with the
-calibration statistics (:func:`attach_moments` / :func:`attach_surrogate`). Without a surrogate
-(calibration statistics collected the usual way carry none) or without the batch's MoE inputs
-(open-loop and closed-loop replay and capture's online budget do not hand rankings h_t yet) it
-cannot be token-aware: it then returns coact-prior's shortlists (before any pass: coact with the
+calibration statistics (:func:`attach_surrogate_sums`, which replay and capture's online budget
+call when sketch is asked for; :func:`attach_moments` / :func:`attach_surrogate`). Open-loop and
+closed-loop replay and the online budget hand rankings h_t (``RoutingBatch.hidden``). Without a
+surrogate or without the batch's MoE inputs it cannot be token-aware: it then returns
+coact-prior's shortlists (before any pass: coact with the
 energy prior), says so once in a warning and reports ``token_aware`` False. ``bench/sketch_gap.py``
 attaches both and checks ``token_aware``.
 
@@ -52,6 +53,20 @@ def attach_moments(stats, moments: InputMoments):
     return stats
 
 
+_SUMS: dict[str, InputMoments] = {}  # calibration run id -> its surrogate sums
+
+
+def attach_surrogate_sums(stats, runs: list, model, read) -> None:
+    """Attach to ``stats`` the surrogate's least-squares sums over the calibration ``runs``
+    (objects with ``run_id`` and ``ref``; ``read(run)`` their tree-layers; ``model`` computes
+    every expert's output), each run's sums collected once per process: what replay and the
+    online budget do when a token-aware ranking is asked for."""
+    for run in runs:
+        if run.run_id not in _SUMS:
+            _SUMS[run.run_id] = InputMoments.collect(read(run), model, sources=[run.ref])
+    attach_moments(stats, InputMoments.merge([_SUMS[r.run_id] for r in runs]))
+
+
 def attach_surrogate(stats, surrogate: Surrogate):
     """``stats`` made to carry a fitted (e.g. loaded) surrogate of rank ``surrogate.rank``."""
     stats.fitted[("sketch", surrogate.rank)] = surrogate
@@ -65,7 +80,7 @@ def with_inputs(batch: RoutingBatch, hidden: torch.Tensor) -> RoutingBatch:
         raise ValueError(f"MoE inputs {tuple(hidden.shape)} do not match the batch's "
                          f"{tuple(batch.probs.shape[:2])} tokens")
     batch.hidden = hidden
-    return batch
+    return batch  # (RoutingBatch.hidden: replay and the online budget attach h_t themselves)
 
 
 def routing_only(batch: RoutingBatch, rows: torch.Tensor) -> RoutingBatch:
@@ -74,7 +89,8 @@ def routing_only(batch: RoutingBatch, rows: torch.Tensor) -> RoutingBatch:
     if rule.selection_bias is not None and rule.selection_bias.dim() == 3:
         rule = rule.for_layers(rule.selection_bias[rows])
     return RoutingBatch(batch.probs[rows], batch.idx[rows], batch.weights[rows], batch.mask[rows],
-                        batch.layers[rows], rule)
+                        batch.layers[rows], rule,
+                        hidden=None if batch.hidden is None else batch.hidden[rows])
 
 
 @register
@@ -82,7 +98,7 @@ class Sketch(Ranking):
     name = "sketch"
     version = 1
     needs_calibration = True
-    needs_hidden = True  # reads the tree tokens' MoE inputs h_t (not yet passed by replay)
+    needs_hidden = True  # reads the tree tokens' MoE inputs h_t (RoutingBatch.hidden)
     artifact = "sketch.npz"
     rank: ClassVar[int] = 16  # the surrogate's rank r
 
