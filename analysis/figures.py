@@ -474,3 +474,47 @@ def frontier(frame: pl.DataFrame, y: str = "quality") -> go.Figure:
     fig.update_xaxes(title=f"projected speedup over plain EAGLE on {frame['hardware'][0]} (×)")
     fig.update_yaxes(title=labels[y])
     return _style(fig, "Speedup–quality frontier (MoE-Spec online mode vs its unbudgeted twin)")
+
+
+def truncation_coverage(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
+    """Share of token-expert assignments outside a budget's shortlist S (mean over layers):
+    static S (the run's top-B experts by selection count) and frequency S (each batch pass's
+    own top-B by count); ``frame``: :func:`analysis.ids.truncation`'s rows."""
+    mean = frame.group_by("budget").agg(pl.col("static_outside").mean(),
+                                        pl.col("frequency_outside").mean()).sort("budget")
+    fig = go.Figure()
+    for i, (col, name) in enumerate((("static_outside", "static: the run's top-B by count"),
+                                     ("frequency_outside", "frequency: each pass's top-B"))):
+        fig.add_scatter(x=mean["budget"], y=mean[col], mode="lines+markers", name=name,
+                        line=dict(color=COLORS[i]))
+    fig.update_xaxes(title=f"budget B (experts of {n})" if n else "budget B (experts)")
+    fig.update_yaxes(title="assignments outside S (truncated)", tickformat=".0%", rangemode="tozero")
+    return _style(fig, "Truncation coverage: share of token-expert assignments a budget drops")
+
+
+IDS_WORDS = (("a tree's router mass", "a batch pass's routed-token counts"),
+             ("Router mass covered by the top-B experts of a tree",
+              "Routed-token counts covered by the top-B experts of a batch pass"),
+             ("router mass covered", "assignments covered (routed-token counts)"),
+             ("vs tree size (mean over layers and trees)",
+              "vs batch-pass size (mean over layers and passes)"),
+             ("tree tokens t (breadth-first)", "batch-pass tokens t (request order)"))
+
+
+def as_ids_only(fig: go.Figure) -> go.Figure:
+    """A routing figure of a routing-only run says what it measures: routed-token counts (ids
+    only, no router probabilities) over batch passes, not router mass over trees."""
+    def swap(text):
+        for old, new in IDS_WORDS:
+            text = text.replace(old, new)
+        return text
+    if fig.layout.title.text:
+        fig.update_layout(title=swap(fig.layout.title.text) + " — routing-only (ids)")
+    for trace in fig.data:
+        if trace.name and "of mass" in trace.name:
+            trace.name = trace.name.replace("of mass", "of assignments")
+    for axis in ("xaxis", "yaxis"):
+        title = fig.layout[axis].title.text
+        if title:
+            fig.layout[axis].title.text = swap(title)
+    return fig

@@ -471,7 +471,9 @@ ANALYSES = {
     "saved_open": replay_views.experts_saved_open,
     "saved_closed": replay_views.experts_saved_closed,
 }
-NEEDS = {"errors": "replay_open", "closed": "replay_closed", "batch": "trees",
+NEEDS = {"tails": "summary_layers", "coverage": "summary_layers", "growth": "summary_layers",
+         "balance": "summary_layers",  # routing summaries: captures' and routing-only runs'
+         "errors": "replay_open", "closed": "replay_closed", "batch": "trees",
          "batch_speed": "batch_profile", "batch_errors": "replay_batch",
          "saved_open": "replay_open", "saved_closed": "replay_closed"}
 

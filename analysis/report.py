@@ -37,14 +37,15 @@ from analysis.frames import (
     speedup_note,
 )
 from analysis.sql import connect, views
-from catalog import Catalog, atomic, dataset_version, location, partition_value
+from catalog import Catalog, atomic, dataset_version, location, partition_value, schema
 from catalog.replay_metrics import gap_closed
 from errors import UserError, fail
 from moe import shapes
 
 
-def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
-                    root: Path | None = None) -> list:
+def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -> list:
+    """Heavy tails, coverage, growth, co-activation (first and last MoE layer), load balance:
+    what the routing summaries hold, for captures and routing-only runs alike."""
     part = partition_value(model)
     pick = lambda name: frames[name].filter((pl.col("model") == part)  # noqa: E731
                                             & (pl.col("bench") == bench))
@@ -59,6 +60,44 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
             f"Co-activation, layer {layer}: lift, all pairs, cluster order (concentration "
             f"{c.concentration:.1f}×)", lift=c.lift))
     figs.append(figures.load_balance(pick("balance")))
+    return figs
+
+
+def routing_only_section(runs: list) -> dict:
+    """A routing-only group's key numbers, its truncation-coverage table and figure
+    (:mod:`analysis.ids`, from the first run of the group), and what to say about it."""
+    from analysis import ids
+    run = runs[0]
+    figs = ids.figures(run)
+    n = figs.num_experts
+    trunc = ids.truncation(figs)
+    mean = trunc.group_by("budget").agg(pl.col("static_outside").mean(),
+                                        pl.col("frequency_outside").mean()).sort("budget")
+    table = Table(["budget B", "static: outside the run's top-B", "frequency: outside each "
+                   "pass's top-B"],
+                  [[b, f"{s:.2%}", f"{f:.2%}"] for b, s, f in mean.iter_rows()],
+                  frozenset({0, 1, 2}))
+    source = run.manifest.get("source") or {}
+    note = (f"Routing-only: imported from {source.get('engine') or run.source_format} "
+            f"({source.get('version')}) — top-k expert ids per token and MoE layer, no router "
+            "probabilities, trees or hidden states. Every figure counts routed tokens instead of "
+            "router mass; a \"tree\" is a batch pass ("
+            + ("the source's recorded forward passes" if figs.batching == "recorded" else
+               f"virtual batches of b = {figs.batch_size} consecutive requests at the same "
+               "decode step") + "). Replay does not apply (nothing to recompute).")
+    if len(runs) > 1:
+        note += f" Key numbers and truncation coverage are run {run.name}'s (of {len(runs)})."
+    return dict(note=note, table=table, numbers=ids.key_numbers(figs),
+                figure=figures.truncation_coverage(trunc, n))
+
+
+def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
+                    root: Path | None = None) -> list:
+    n = manifest["num_experts"]
+    part = partition_value(model)
+    pick = lambda name: frames[name].filter((pl.col("model") == part)  # noqa: E731
+                                            & (pl.col("bench") == bench))
+    figs = routing_figures(con, frames, model, bench, manifest)
     if "errors" in frames and pick("errors").height:
         curves = pick("errors")
         figs.append(figures.error_vs_budget(curves, n))
@@ -279,6 +318,10 @@ def settings_table(runs: list) -> Table:
     rows = []
     for r in runs:
         s = r.settings
+        if r.routing_only:
+            rows.append([r.name, r.role, r.manifest.get("prompts_total"), "—",
+                         f"routing-only: imported from {r.source_format}", "—", "—", "—", "—"])
+            continue
         rows.append([r.name, r.role, r.manifest.get("prompts_total"), s.get("max_new_tokens"),
                      f"{s.get('total_tokens')}/{s.get('depth')}/{s.get('tree_top_k')}",
                      s.get("temperature"), s.get("budget") or "—", _dtype(r.manifest.get("dtype")),
@@ -349,13 +392,13 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
     """One HTML file per dataset (model × benchmark) of the complete runs in ``roles``: key
     numbers, run settings, a table of contents, then every figure."""
     summaries.ensure(traces)  # routing summaries of new or changed runs, once
-    if "trees" not in views(connect(traces, roles=roles)):
+    if not {"trees", schema.ROUTING_IDS} & set(views(connect(traces, roles=roles))):
         raise FileNotFoundError(f"no complete {'/'.join(roles)} traces under {traces}; run "
-                                "`capture` first")
+                                "`capture` (or `import-routing`) first")
     written = []
     out.mkdir(parents=True, exist_ok=True)
-    runs = Catalog(traces).runs(roles=roles)
-    every_role = Catalog(traces).runs(roles=None)  # the Runs table lists calibration runs too
+    runs = Catalog(traces).runs(roles=roles, kinds=None)
+    every_role = Catalog(traces).runs(roles=None, kinds=None)  # calibration runs too
     for (model, bench), groups in setting_groups(runs).items():
         for i, mine in enumerate(groups):  # one report per capture setting: never pooled
             path = out / (f"{partition_value(model)}_{bench}.html" if len(groups) == 1 else
@@ -364,16 +407,26 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
             frames = all_frames(con)
             run = mine[0]
             listed = [r for r in every_role if r.model == model and r.bench == bench]
-            figs = dataset_figures(con, frames, model, bench, run.manifest, traces)
+            if run.routing_only:  # ids only: routing figures by counts, no trees or replay
+                ids_part = routing_only_section(mine)
+                figs = [figures.as_ids_only(f) for f in
+                        routing_figures(con, frames, model, bench, run.manifest)]
+                figs.append(ids_part["figure"])
+                numbers = ids_part["numbers"]
+                extra = dict(projection=None, calibration=None, ablation=None, saved=None)
+            else:
+                ids_part = None
+                figs = dataset_figures(con, frames, model, bench, run.manifest, traces)
+                numbers = key_numbers(con, frames, model, bench, mine)
+                extra = dict(**projection_section(con, model, bench, run.manifest),
+                             ablation=ablation_table(frames, model, bench),
+                             saved=experts_saved_table(frames, model, bench))
             html = template().render(
                 model=model if len(groups) == 1 else
                 f"{model} (setting {i + 1} of {len(groups)}: runs "
                 f"{', '.join(r.name for r in mine)})", bench=bench,
-                numbers=key_numbers(con, frames, model, bench, mine),
-                runs=settings_table(listed),
-                **projection_section(con, model, bench, run.manifest),
-                ablation=ablation_table(frames, model, bench),
-                saved=experts_saved_table(frames, model, bench),
+                numbers=numbers, routing_only=ids_part,
+                runs=settings_table(listed), **extra,
                 figures=[dict(title=f.layout.title.text or f"figure {i + 1}",
                               html=figure_html(f, include_plotlyjs=(i == 0)))
                          for i, f in enumerate(figs)])

@@ -40,8 +40,8 @@ from catalog.results import RESULT_TABLES, complete_blocks
 from catalog.runs import WHOLE_PART
 from errors import UserError
 
-VIEWS = (*schema.TRACE_TABLES, "runs", "quality", *RESULT_TABLES, *summaries.TABLES,
-         *schema.BATCH_PROFILE_TABLES)
+VIEWS = (*schema.TRACE_TABLES, schema.ROUTING_IDS, "runs", "quality", *RESULT_TABLES,
+         *summaries.TABLES, *schema.BATCH_PROFILE_TABLES)
 
 
 _WARNED: set[str] = set()
@@ -84,6 +84,7 @@ def runs_table(runs: list, root: Path) -> pa.Table:
     for r in runs:
         m, st = r.manifest, r.settings
         row = dict(model=partition_value(r.model), bench=r.bench, run=r.name, role=r.role,
+                   kind=r.kind, source_format=r.source_format,
                    run_id=r.run_id, status=m["status"], model_name=r.model,
                    model_location=m.get("model_location"), draft=m.get("draft"),
                    num_experts=m.get("num_experts"), top_k=m.get("top_k"),
@@ -100,8 +101,9 @@ def runs_table(runs: list, root: Path) -> pa.Table:
             value = st.get(key, 1 if key == "batch_size" else None)
             row[column] = value if not isinstance(value, (list, dict)) else json.dumps(value)
         rows.append(row)
-    fields = [(c, pa.string()) for c in ("model", "bench", "run", "role", "run_id", "status",
-                                         "model_name", "model_location", "draft")]
+    fields = [(c, pa.string()) for c in ("model", "bench", "run", "role", "kind",
+                                         "source_format", "run_id", "status", "model_name",
+                                         "model_location", "draft")]
     fields += [("num_experts", pa.int64()), ("top_k", pa.int64()), ("num_layers", pa.int64()),
                ("moe_layers", pa.list_(pa.int64())), ("hidden_size", pa.int64()),
                ("dtype", pa.string()), ("device", pa.string()), ("prompts", pa.int64()),
@@ -185,7 +187,7 @@ def _files(root: Path, runs: list, roles) -> tuple[dict[str, list[str]], list[di
         warn(f"run(s) {', '.join(legacy[:5])} predate committed file lists (trace schema 5): "
              "their folders are read as found; recapture them to protect their answers")
     for r in runs:
-        for table in schema.TRACE_TABLES:
+        for table in schema.run_tables(r.kind):
             paths = r.files(table)
             if r.committed is None and paths:
                 reader.check_paths(paths, table)  # types, from the footers
@@ -235,7 +237,7 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
         con.register_filesystem(remote)
     con.execute(f"SET threads = {console.threads.current()}")  # never more than this process's CPUs
     names = list(runs) if runs is not None else None
-    runs = Catalog(root).runs(roles=roles, names=names) if names != [] else []
+    runs = Catalog(root).runs(roles=roles, names=names, kinds=None) if names != [] else []
     files, blocks = _files(root, runs, roles)
     dtypes = {(partition_value(r.model), r.bench, r.name):
               str(r.manifest.get("dtype") or "float32").removeprefix("torch.") for r in runs}
@@ -269,9 +271,9 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
                             AND d.block = b.block AND d.run = b.run AND d."table" = b.table_name))
             AS shown_by_default
             FROM _blocks b GROUP BY ALL ORDER BY ALL""")
-    for name in schema.TRACE_TABLES:  # a table whose runs are all running: empty, not absent
-        if not files.get(name) and (root / name).is_dir():
-            empty = schema.TABLES[name].empty_table()
+    for name in (*schema.TRACE_TABLES, schema.ROUTING_IDS):  # a table whose runs are all
+        if not files.get(name) and (root / name).is_dir():  # running: empty, not absent
+            empty = schema.ALL_TABLES[name].empty_table()
             for column in ("model", "bench", "run", "role"):
                 empty = empty.append_column(column, pa.array([], pa.string()))
             con.register("_arrow", empty)

@@ -232,8 +232,14 @@ def pool(workers: int) -> ProcessPoolExecutor:
 
 # --- one run -----------------------------------------------------------------------------------
 def stamp_of(run: Run) -> dict:
-    """What a run's summaries were built from: rebuilt when any of it changes."""
-    return dict(version=VERSION, run_id=run.run_id, prompts=run.prompt_indices())
+    """What a run's summaries were built from: rebuilt when any of it changes (a routing-only
+    run's also when the ids-only definitions or its batching do: :mod:`analysis.ids`)."""
+    stamp = dict(version=VERSION, run_id=run.run_id, prompts=run.prompt_indices())
+    if run.routing_only:
+        from analysis import ids
+        stamp.update(ids=ids.VERSION, batching=run.settings.get("batching"),
+                     batch_size=run.settings.get("virtual_batch_size"))
+    return stamp
 
 
 def _folder(root: Path, table: str, run: Run) -> Path:
@@ -336,8 +342,40 @@ SCHEMAS = {
 }
 
 
+def ids_tables(run: Run) -> tuple[pa.Table, pa.Table]:
+    """A routing-only run's summaries (:mod:`analysis.ids`): the same two tables, a "tree" being
+    a batch pass (the source's, or b consecutive requests at one decode step) and the "mass"
+    its routed-token counts (what top-k ids alone give)."""
+    from analysis import ids
+    figs = ids.figures(run)
+    rows = figs.rows
+    typed = {f.name: rows[f.name] if f.name != "nodes" else np.minimum(rows["nodes"], 32767)
+             for f in SCHEMAS["summary_tree_layers"]}
+    if not len(rows["layer"]):
+        typed = {f.name: np.zeros(0) for f in SCHEMAS["summary_tree_layers"]}
+    tree_layers = _table(typed, SCHEMAS["summary_tree_layers"])
+    out = {c: [] for c in SCHEMAS["summary_layers"].names}
+    for layer in figs.layers:
+        s = figs.sums[layer]
+        count = s.growth_count
+        keep = int(np.flatnonzero(count)[-1]) + 1 if count.any() else 0
+        for name, value in (("layer", layer), ("tree_layers", s.passes), ("tokens", s.tokens),
+                            ("num_experts", figs.num_experts),
+                            ("coverage_sum", s.coverage_sum),
+                            ("growth_sum", s.growth_sum[:keep]),
+                            ("growth_count", count[:keep]), ("selections", s.selections),
+                            ("coact_all", s.coact_all.reshape(-1)),
+                            ("coact_adjacent", s.adjacent.reshape(-1))):
+            out[name].append(value)
+    return tree_layers, _table(out, SCHEMAS["summary_layers"])
+
+
 def build_run(root: Path, run: Run, workers: int | None = None) -> int:
     """Reduce one complete run's routing to its summaries; returns the tree-layers summarised."""
+    if run.routing_only:
+        tree_layers, layer_table = ids_tables(run)
+        _write(root, run, tree_layers, layer_table)
+        return tree_layers.num_rows
     n, k = int(run.manifest["num_experts"]), int(run.manifest["top_k"])
     max_nodes = int(run.settings.get("total_tokens", 63))
     parts = [p if location.is_remote(p) else str(p)  # remote paths go to the workers as paths
@@ -376,6 +414,12 @@ def build_run(root: Path, run: Run, workers: int | None = None) -> int:
     order = np.lexsort((rows["layer"], rows["step"], rows["prompt_index"]))
     tree_layers = _table({c: rows[c][order] for c in rows}, SCHEMAS["summary_tree_layers"])
     layer_table = _finish_layers(layers, n, max_nodes)
+    _write(root, run, tree_layers, layer_table)
+    return tree_layers.num_rows
+
+
+def _write(root: Path, run: Run, tree_layers: pa.Table, layer_table: pa.Table) -> None:
+    """A run's two summary files, swapped in whole, the stamp last."""
     files = {}
     for table, data in (("summary_tree_layers", tree_layers), ("summary_layers", layer_table)):
         folder = _folder(root, table, run)
@@ -384,7 +428,6 @@ def build_run(root: Path, run: Run, workers: int | None = None) -> int:
             files[table] = _digest(tmp / "part-0.parquet")
             if table == "summary_layers":  # the stamp goes last: present = complete
                 atomic.write_json(tmp / "_summary.json", {**stamp_of(run), "files": files})
-    return tree_layers.num_rows
 
 
 @dataclass
@@ -403,7 +446,7 @@ def ensure(root: Path, workers: int | None = None, progress=None) -> BuildReport
     root = location.root(root)
     report = BuildReport()
     start = time.perf_counter()
-    runs = Catalog(root).runs(complete=True)
+    runs = Catalog(root).runs(complete=True, kinds=None)  # routing-only runs too (ids-only)
     for run in runs:
         if is_fresh(root, run):
             report.fresh += 1

@@ -107,7 +107,8 @@ def load(root: Path) -> tuple[Dataset | None, str | None]:
                  prompts=r.manifest.get("prompts_total"), num_experts=r.manifest["num_experts"],
                  top_k=r.manifest["top_k"], moe_layers=r.manifest["moe_layers"],
                  model_location=r.manifest["model_location"], draft=r.manifest.get("draft"),
-                 budget=r.settings.get("budget"), depth=r.settings["depth"],
+                 budget=r.settings.get("budget"), depth=r.settings.get("depth"),
+                 kind=r.kind, source_format=r.source_format,
                  setting=json.dumps(r.setting, sort_keys=True, default=str))
             for r in all_runs]
     complete = [r for r in rows if r["status"] == "complete"]
@@ -123,7 +124,9 @@ def load(root: Path) -> tuple[Dataset | None, str | None]:
     try:
         con = connection(str(root), version, None).cursor()
         names = views(con)
-        con.execute("SELECT count(*) FROM trees").fetchall()[0]
+        for table in ("trees", "routing_ids"):  # captures' and routing-only runs' (imported)
+            if table in names:
+                con.execute(f"SELECT count(*) FROM {table}").fetchall()[0]
     except Exception as exc:  # noqa: BLE001 - a broken table must become a page, not a traceback
         return None, f"A trace table could not be read ({type(exc).__name__}: " \
                      f"{str(exc).splitlines()[0]}); recapture the affected run."
@@ -156,6 +159,11 @@ def pristine(root: str, roles: tuple[str, ...] | None, runs: tuple[str, ...] | N
 @st.cache_data(show_spinner=False)
 def overview(root: str, version: str) -> pl.DataFrame:
     with pristine(root, None) as con:
+        if "trees" not in views(con):  # routing-only runs alone (imported): no trees to count
+            return pl.DataFrame(schema=dict(
+                model=pl.String, bench=pl.String, run=pl.String, role=pl.String,
+                prompts=pl.Int64, trees=pl.Int64, tau=pl.Float64, unique_experts=pl.Float64,
+                experts_loaded=pl.Float64, budget=pl.Int16))
         return con.sql("""
         SELECT model, bench, run, role, count(DISTINCT prompt_index) AS prompts, count(*) AS trees,
                avg(accepted_length) AS tau, avg(list_avg(unique_experts)) AS unique_experts,

@@ -157,7 +157,7 @@ def preflight(settings: CaptureSettings, args) -> None:
     if args.workers < 0:
         raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
     console.check_output_option(args.output, CaptureError)  # before any work, not after it
-    from capture.run import default_run
+    from capture.naming import default_run
     source = models.check_available(settings.model)
     run = args.run = default_run(settings, args.out, source.name) if args.run is None else args.run
     try:

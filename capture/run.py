@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from capture.background import BackgroundWriter, WriterFailed
+from capture.naming import default_run
 from capture.settings import CaptureError, CaptureSettings
 from capture.target import Target, prompt_ids
 from catalog import Catalog, CatalogError, InvalidName, check_name, location, schema
@@ -39,32 +39,6 @@ def load_prompts(settings: CaptureSettings, benchmarks_root) -> list:
     if not prompts:
         raise CaptureError(f"no prompts in {settings.bench} at offset {settings.offset}")
     return prompts
-
-
-def default_run(settings: CaptureSettings, out, model: str) -> str:
-    """The run a capture without ``--run`` writes: a run of ``model`` and the benchmark captured
-    with the same settings (:meth:`CaptureSettings.identity`), complete or not, so a rerun
-    resumes it; else a new readable name (:meth:`CaptureSettings.readable_run_name`, today's
-    date in UTC), with the settings digest appended where another run already has that name."""
-    bench_dir = RunWriter(out, model, settings.bench, "x").table_dir("runs").parent
-    identity, names = settings.identity(), set()
-    try:
-        folders = sorted(bench_dir.iterdir(), key=lambda f: f.name) if bench_dir.exists() else []
-    except OSError:
-        folders = []
-    for folder in folders:
-        if not folder.name.startswith("run="):
-            continue
-        names.add(folder.name[4:])
-        try:
-            manifest = json.loads((folder / schema.MANIFEST).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(manifest, dict) and manifest.get("settings") == identity:
-            return folder.name[4:]
-    day = time.strftime("%Y%m%d", time.gmtime())
-    name = settings.readable_run_name(model, day)
-    return name if name not in names else f"{name}-{settings.digest()}"
 
 
 def check_run(run: str | None, role: str, settings: CaptureSettings, out=None) -> str:

@@ -14,7 +14,7 @@ VECTOR_TYPES = {pa.float32(), pa.float16(), pa.uint16()}  # storage dtypes (cata
 
 def expected_types(t: pa.Table, table: str) -> pa.Table:
     """Refuse columns whose type is not the schema's (vectors: any storage dtype)."""
-    expected = schema.TABLES[table]
+    expected = schema.ALL_TABLES[table]
     for name in t.column_names:
         want, got = expected.field(name).type, t.schema.field(name).type
         if schema.same_type(got, want):
@@ -40,5 +40,5 @@ def reason(exc: Exception, path) -> str:
 def check_footer(path, table: str) -> None:
     """A file's footer has ``table``'s column types (ValueError or an Arrow error otherwise)."""
     found = location.read_schema(path)
-    known = [n for n in found.names if n in schema.TABLES[table].names]
+    known = [n for n in found.names if n in schema.ALL_TABLES[table].names]
     expected_types(found.empty_table().select(known), table)

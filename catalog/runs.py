@@ -195,6 +195,8 @@ def manifest_problem(manifest: dict) -> str | None:
         return f"role {manifest['role']!r} is not one of {', '.join(schema.ROLES)}"
     if manifest["status"] not in ("running", "complete"):
         return f"status {manifest['status']!r} is not running or complete"
+    if manifest.get("kind", schema.CAPTURE) not in schema.KINDS:
+        return f"kind {manifest.get('kind')!r} is not one of {', '.join(schema.KINDS)}"
     if not isinstance(manifest["settings"], dict):
         return "settings is not an object"
     if not isinstance(manifest.get("run_id", ""), str):
@@ -247,6 +249,31 @@ class Run:
     def settings(self) -> dict:
         return self.manifest["settings"]
 
+    @property
+    def kind(self) -> str:
+        """``capture`` or ``routing-only`` (imported from a serving engine: top-k ids only)."""
+        return self.manifest.get("kind", schema.CAPTURE)
+
+    @property
+    def routing_only(self) -> bool:
+        return self.kind == schema.ROUTING_ONLY
+
+    @property
+    def source_format(self) -> str | None:
+        """The serving engine's format a routing-only run was imported from (vllm, sglang,
+        megatron, llamacpp); None for a capture."""
+        source = self.manifest.get("source")
+        return source.get("format") if isinstance(source, dict) else None
+
+    def refusal(self, what: str = "nothing to replay, evaluate or calibrate from") -> str:
+        """One line: why a routing-only run cannot be replayed, evaluated or used as
+        calibration, and where its analyses are."""
+        return (f"run {self.name} is routing-only (imported from "
+                f"{self.source_format or 'a serving engine'}): it holds top-k expert ids only, no "
+                f"router probabilities, trees or hidden states, so there is {what}; its ids-only "
+                "analyses are in `report`, the dashboard and `query` (views routing_ids, "
+                "summary_layers)")
+
     PROMPT_RANGE = ("offset", "limit")  # settings that choose prompts, not how they are decoded
 
     @property
@@ -286,7 +313,7 @@ class Run:
             except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
                 raise CatalogError(f"{path}: corrupt or unreadable {table} part "
                                    f"({columns.reason(exc, path)}); recapture the run") from None
-        types = types if table in schema.TABLES else None
+        types = types if table in schema.ALL_TABLES else None
         paths = []
         for entry in entries:
             path = self.dir(table) / entry[0]
@@ -338,6 +365,11 @@ class Run:
         if not self.complete:
             return self
         expected = self.expected_prompts()
+        if self.routing_only:  # imported: committed whole, parts of bounded size (not per prompt)
+            missing = [t for t in schema.ROUTING_ONLY_TABLES if t not in (self.committed or {})]
+            if missing:
+                raise CatalogError(f"the commit record of routing-only run {self.name} lacks its "
+                                   f"{missing[0]} table; import the routing again")
         if self.committed is not None:  # the record lists every part; readers verify them
             for table, record in self.committed.items():  # a folder gone or moved behind
                 folder = self.dir(table)  # a link (its files are verified as they are read)
@@ -348,6 +380,8 @@ class Run:
                                        f"the trace of run {self.name} was damaged; recapture "
                                        "the run")
             for table in ("sequences", "trees", "nodes", "routing"):
+                if self.routing_only:
+                    break
                 present = {commit.prompt_of(e[0]) for e in self._entries(table)}
                 missing = sorted(set(expected) - present)
                 if missing:
@@ -392,11 +426,21 @@ class Catalog:
 
     def runs(self, *, model: str | None = None, bench: str | None = None,
              names: list[str] | None = None, roles: tuple[str, ...] | None = None,
-             complete: bool = True) -> list[Run]:
-        """Runs matching every given filter; only complete ones unless ``complete=False``."""
+             complete: bool = True,
+             kinds: tuple[str, ...] | None = (schema.CAPTURE,)) -> list[Run]:
+        """Runs matching every given filter; only complete ones unless ``complete=False``. Only
+        captures unless ``kinds`` says otherwise (None: every kind): what needs router
+        probabilities, trees or hidden states (replay, evaluate, calibration) never gets a
+        routing-only run, and one named in ``names`` is refused in one line
+        (:meth:`Run.refusal`)."""
         found = []
         for run in self.all_runs():
             if complete and not run.complete:
+                continue
+            if kinds is not None and run.kind not in kinds:
+                if names and run.name in names and (model is None or run.model == model) \
+                        and (bench is None or run.bench == bench):
+                    raise CatalogError(run.refusal())
                 continue
             if model and run.model != model:
                 continue

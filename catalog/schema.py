@@ -127,6 +127,36 @@ TABLES: dict[str, pa.Schema] = {
 FAST_DECODE_COLUMNS = frozenset({"router_probs"})
 TRACE_TABLES = tuple(TABLES)  # written per prompt; "sequences" must stay the last one written
 
+# A run's kind (manifest ``kind``; absent: a capture). A *routing-only* run holds routing
+# imported from a serving engine (``import-routing``: vLLM, SGLang, Megatron-LM, llama.cpp): the
+# top-k expert ids of every token and MoE layer, and nothing else (no router probabilities,
+# trees or hidden states), so only the ids-only analyses read it and replay refuses it.
+CAPTURE, ROUTING_ONLY = "capture", "routing-only"
+KINDS = (CAPTURE, ROUTING_ONLY)
+ROUTING_IDS = "routing_ids"
+# one row per (request, token, MoE layer) of a routing-only run, rows in that order (a token's
+# MoE layers consecutive, in the manifest's ``moe_layers`` order); parts of bounded size, each
+# named by the first request it holds (a long request spans parts: its chunks)
+ROUTING_IDS_SCHEMA = pa.schema(_KEY + [  # prompt_index: the request's place in the source
+    # (0, 1, …), prompt_id: the engine's request id
+    pa.field("token", pa.int32(), nullable=False),  # 0: the first generated token's forward
+    # (its position is the prompt's length); −1, −2, …: prompt tokens (import-routing --tokens all)
+    pa.field("layer", pa.int16(), nullable=False),  # decoder layer index (the config's layer map)
+    pa.field("topk_ids", vector(pa.int16()), nullable=False),  # T_k(t), as the engine ordered it
+    pa.field("step", pa.int32()),  # the engine's forward pass that routed the token (Megatron's
+    # step, llama.cpp's ubatch), null where the source records none
+    pa.field("timestamp", pa.float64()),  # seconds since the epoch where the source has a time
+    # (vLLM's and SGLang's OpenAI-compatible responses: `created`, per request), else null
+])
+ROUTING_ONLY_TABLES = (ROUTING_IDS, "sequences")  # what a routing-only run commits (sequences:
+# one row per request; prompt/output token ids where the source has them, the rest null)
+ALL_TABLES: dict[str, pa.Schema] = {**TABLES, ROUTING_IDS: ROUTING_IDS_SCHEMA}
+
+
+def run_tables(kind: str) -> tuple[str, ...]:
+    """The trace tables a run of ``kind`` writes and commits."""
+    return ROUTING_ONLY_TABLES if kind == ROUTING_ONLY else TRACE_TABLES
+
 # Task quality of a run's outputs (analysis/quality.py, the `evaluate` command), one row per
 # prompt, partitioned like the traces: quality/model=…/bench=…/run=…/part-0.parquet
 QUALITY = pa.schema(_KEY + [

@@ -55,11 +55,19 @@ def list_column(matrix: np.ndarray, dtype: pa.DataType) -> pa.ListArray:
 
 
 class RunWriter:
-    """The tables of one run (``model``/``bench``/``run``) under the traces root ``root``."""
+    """The tables of one run (``model``/``bench``/``run``) under the traces root ``root``.
 
-    def __init__(self, root: str | Path, model: str, bench: str, run: str):
+    ``kind``: a capture (per-prompt parts, resumed prompt by prompt) or a routing-only run
+    (``import-routing``: the ``routing_ids`` and ``sequences`` tables in parts of bounded size,
+    started afresh on every write and committed whole by :meth:`finish`, or removed by
+    :meth:`abandon`: an import is never half committed)."""
+
+    def __init__(self, root: str | Path, model: str, bench: str, run: str,
+                 kind: str = schema.CAPTURE):
         self.root = location.root(root)
         self.model, self.bench, self.run = model, bench, run
+        self.kind = kind
+        self.tables = schema.run_tables(kind)
 
     def table_dir(self, table: str) -> Path:
         return run_dir(self.root, table, self.model, self.bench, self.run)
@@ -116,11 +124,17 @@ class RunWriter:
                                        f"({_changed(old[key], manifest[key])}); pass another "
                                        f"--run or the same {key}")
         try:
-            for table in (*schema.TRACE_TABLES, "runs"):
+            for table in (*self.tables, "runs"):
                 location.mkdir(self.table_dir(table))
         except OSError as exc:
             raise CatalogError(f"cannot create {self.root}: {exc.strerror}; choose a writable "
                                "--out") from exc
+        if self.kind == schema.ROUTING_ONLY:  # never resumed: every part written afresh
+            self._clean_incomplete(set())
+            manifest = {**manifest, "run_id": uuid.uuid4().hex, "status": "running",
+                        "prompts_done": 0}
+            self.write_manifest(manifest)
+            return manifest, set()
         done = self.completed()
         if old is not None and old.get("status") == "complete" \
                 and old.get("prompt_ids") == manifest.get("prompt_ids") \
@@ -146,7 +160,7 @@ class RunWriter:
         return {prompt_of_part(p) for p in self.table_dir(schema.COMPLETION_TABLE).glob(PART_GLOB)}
 
     def _clean_incomplete(self, done: set[int]) -> None:
-        for table in schema.TRACE_TABLES:
+        for table in self.tables:
             for p in location.iterdir(self.table_dir(table)):
                 stale = p.name.endswith(".tmp") or (
                     fnmatch(p.name, PART_GLOB) and prompt_of_part(p) not in done)
@@ -164,11 +178,13 @@ class RunWriter:
         atomic.write_table(self.table_dir("runs") / WHOLE_PART,
                            pa.Table.from_pylist([runs_row(manifest)], schema=schema.RUNS_SCHEMA))
         done = self.completed()
+        whole = self.kind == schema.ROUTING_ONLY  # every part it wrote (named by first request)
         files = {}
-        for table in schema.TRACE_TABLES:
+        for table in self.tables:
             files[table] = commit.table_record(
                 [p for p in location.iterdir(self.table_dir(table))
-                 if commit.prompt_of(p.name) in done])
+                 if commit.prompt_of(p.name) in done
+                 or (whole and commit.prompt_of(p.name) is not None)])
         files["runs"] = commit.table_record([self.table_dir("runs") / WHOLE_PART])
         committed = {**manifest, "status": "complete", "files": files,
                      "schema_version": max(manifest.get("schema_version", 0),
@@ -177,8 +193,15 @@ class RunWriter:
         self.write_manifest(committed)
 
     def bytes_written(self) -> int:
-        return sum(size for t in (*schema.TRACE_TABLES, "runs")
+        return sum(size for t in (*self.tables, "runs")
                    for name, size, _ in location.listing(self.table_dir(t)) if "/" not in name)
+
+    def abandon(self) -> None:
+        """Remove every folder of this run (its parts and its manifest): what a failed import
+        leaves, so nothing of it is ever read or mistaken for a run. Only for runs this writer
+        started (an import refuses to write over a committed run before it starts)."""
+        for table in (*self.tables, "runs"):
+            location.remove_tree(self.table_dir(table), ignore_errors=True)
 
 
 def runs_row(manifest: dict) -> dict:

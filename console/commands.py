@@ -16,7 +16,8 @@ from pathlib import Path
 
 # pyproject.toml's [project.scripts] (a test checks they agree)
 COMMANDS = ("capture", "replay", "query", "report", "evaluate", "profile-target", "profile-batch",
-            "workbench-app", "inspect-model", "train-tiny", "train-draft")
+            "import-routing", "export-routing", "workbench-app", "inspect-model", "train-tiny",
+            "train-draft")
 
 
 def bin_dir() -> Path:

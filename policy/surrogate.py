@@ -41,6 +41,8 @@ import torch
 FORMAT_VERSION = 1
 RIDGE = 1e-6  # λ relative to the mean input energy: a numerical guard, not a prior
 
+MOMENTS = "sketch-moments"  # key in CalibrationStats.fitted of the surrogate's sums
+
 
 @dataclass
 class InputMoments:

@@ -91,7 +91,10 @@ UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size", "ba
 def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,
                      outcome: ReplayOutcome) -> list[int]:
     """The layers of ``run`` a replay in ``mode`` can score (open loop: those whose MoE inputs
-    the storage policy kept), noting in ``outcome`` what the policy left out."""
+    the storage policy kept), noting in ``outcome`` what the policy left out. A routing-only
+    run (imported top-k ids) has nothing to replay: refused in one line."""
+    if getattr(run, "routing_only", False):
+        raise ReplayError(run.refusal("nothing to replay (no hidden states: no error to measure)"))
     return modes.get(mode).scored_layers(run, layers, outcome.notes)
 
 

@@ -18,6 +18,7 @@ SCRIPTS = {  # console script -> module:function (pyproject's [project.scripts])
     "workbench-app": "app.launch:main",
     "inspect-model": "moe.inspect_model:main", "train-tiny": "training.cli:train_tiny",
     "train-draft": "training.cli:train_draft",
+    "import-routing": "capture.import_routing:main", "export-routing": "capture.export_routing:main",
 }
 
 

@@ -62,8 +62,8 @@ from policy.rankings.base import (
     selected_first,
 )
 from policy.rankings.exact import EXACT_LIMIT, exhaustive_best
-from policy.rankings.sketch import MOMENTS
 from policy.substitution import best_shortlists
+from policy.surrogate import MOMENTS
 
 
 @register

@@ -40,9 +40,8 @@ import torch
 from policy.batch import ExpertTerms, RoutingBatch
 from policy.coverage import Truncation, prefix_masks
 from policy.rankings.base import Ranking, RankingError, by_mass, register
-from policy.surrogate import InputMoments, Surrogate, predicted_outputs, surrogate_cost
+from policy.surrogate import MOMENTS, InputMoments, Surrogate, predicted_outputs, surrogate_cost
 
-MOMENTS = "sketch-moments"  # key in CalibrationStats.fitted of the surrogate's sums
 WORK_BYTES = 256 * 2**20  # predicted outputs, their float64 copy and Gram per chunk
 
 

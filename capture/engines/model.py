@@ -1,0 +1,87 @@
+"""The model's facts routing is checked against, from its ``config.json`` alone (no weights):
+N routed experts, top-k, decoder layers, which of them have a sparse MoE block (the family's
+dense-layer rule, :mod:`moe.families`) and how many shared experts run beside the routed ones.
+
+``--model`` takes what ``capture`` takes (an alias, a hub id in the local cache, a folder with
+a ``config.json``); the config is read with ``transformers.AutoConfig`` (its defaults fill keys a
+config leaves out), offline.
+"""
+
+from __future__ import annotations
+
+from capture.engines.base import ModelFacts
+from errors import UserError
+from moe import models
+
+
+class ModelFactsError(UserError, ValueError):
+    """A --model whose config does not say what routing needs; one line."""
+
+
+def _dense_layers(cfg, model_type: str) -> set[int]:
+    """The family's rule where the family is known (moe.families), else the config keys every
+    family uses (first_k_dense_replace, mlp_only_layers, decoder_sparse_step)."""
+    from moe.families import FAMILIES
+    spec = FAMILIES.get(model_type)
+    if spec is not None:
+        return set(spec.dense_layers(cfg))
+    layers = int(cfg.num_hidden_layers)
+    dense = set(range(min(int(getattr(cfg, "first_k_dense_replace", 0) or 0), layers)))
+    dense |= {int(i) for i in (getattr(cfg, "mlp_only_layers", None) or [])}
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    dense |= {i for i in range(layers) if (i + 1) % step != 0}
+    return dense
+
+
+def model_facts(model: str) -> ModelFacts:
+    """Resolve ``--model`` and read its facts, or raise one line."""
+    try:
+        source = models.resolve(model)
+    except models.ModelError as exc:
+        raise ModelFactsError(str(exc)) from None
+    models.quiet_transformers()
+    from transformers import AutoConfig
+    try:  # a hub id: its config.json from the local cache (or the hub where it is reachable)
+        cfg = AutoConfig.from_pretrained(source.location)
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        hint = ("; offline, put the model's config.json (no weights needed) in a folder and "
+                "pass that folder" if source.hub_id else "")
+        raise ModelFactsError(f"cannot read the config of {model!r} ({source.location}): "
+                              f"{first[:160]}{hint}") from None
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    raw = models.read_config(model) or {}  # what config.json says wins over class defaults
+    raw = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
+    config = {**cfg.to_dict(), **{k: v for k, v in raw.items() if v is not None}}
+    shape = models.expert_shape(config)
+    if shape is None:
+        raise ModelFactsError(f"the config of {model!r} names no routed experts and top-k "
+                              f"(one of {', '.join(models.EXPERT_COUNT_KEYS)} and "
+                              "num_experts_per_tok): not a MoE model")
+    model_type = str(getattr(cfg, "model_type", config.get("model_type", "")))
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(layers, int) or layers < 1:
+        raise ModelFactsError(f"the config of {model!r} names no num_hidden_layers")
+    moe = tuple(i for i in range(layers) if i not in _dense_layers(cfg, model_type))
+    if not moe:
+        raise ModelFactsError(f"the config of {model!r} has no MoE layer (every layer dense)")
+    shared = getattr(cfg, "n_shared_experts", None)
+    if not isinstance(shared, int):
+        shared = 1 if (getattr(cfg, "shared_expert_intermediate_size", 0) or 0) > 0 else 0
+    n, k = shape
+    return ModelFacts(name=source.name, location=source.location, model_type=model_type,
+                      num_experts=n, top_k=k, num_layers=layers, moe_layers=moe,
+                      shared_experts=int(shared),
+                      hidden_size=getattr(cfg, "hidden_size", None))
+
+
+def facts_of_run(manifest: dict) -> ModelFacts:
+    """A run's facts as its manifest states them (what an export writes against)."""
+    return ModelFacts(name=manifest["model"], location=manifest.get("model_location") or "",
+                      model_type=manifest.get("model_type") or "",
+                      num_experts=int(manifest["num_experts"]), top_k=int(manifest["top_k"]),
+                      num_layers=int(manifest.get("num_layers") or
+                                     max(manifest["moe_layers"]) + 1),
+                      moe_layers=tuple(int(x) for x in manifest["moe_layers"]),
+                      shared_experts=int(manifest.get("shared_experts") or 0),
+                      hidden_size=manifest.get("hidden_size"))

@@ -1,0 +1,206 @@
+"""``export-routing``: a run's decode-token routing in a serving engine's format.
+
+Any complete run, captured or imported: its decode tokens (:mod:`catalog.tokens`: a capture's
+accepted paths in output order) are written as vLLM or SGLang responses, a Megatron-LM router
+trace or llama.cpp moe-trace CSVs, so a user can check ``import-routing`` against what their
+engine writes, and a capture round-trips: capture → export → import gives the same ids and the
+same ids-only figures (``tests/test_import_routing.py``).
+
+A capture records no prefill routing: the records hold the generated tokens' rows only (vLLM's
+split layout with ``prompt_routed_experts: null``; SGLang's ``routed_experts_start_len`` = the
+prompt's length; llama.cpp's CSVs one-token ubatches). Megatron's steps are the run's batch
+passes: recorded ones where it has them, else virtual batches of ``--batch-size`` consecutive
+requests at the same decode position.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+import console
+from capture.engines import FORMATS
+from capture.engines.model import facts_of_run
+from catalog import Catalog, CatalogError, location, tokens
+from errors import UserError, fail
+
+EXAMPLES = """
+export-routing --format sglang --run demo-eval out.jsonl
+export-routing --format vllm --run demo-eval --traces traces out.jsonl
+export-routing --format megatron --run demo-eval trace_dir --batch-size 4
+export-routing --format llamacpp --run demo-eval csv_dir --force
+"""
+
+
+class ExportRefused(UserError, ValueError):
+    """An export refused; one line."""
+
+
+@dataclass
+class ExportSummary:
+    run: str
+    format: str
+    dest: str
+    files: list[str] = field(default_factory=list)
+    records: int = 0
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+
+
+def find_run(traces, name: str, model: str | None = None, bench: str | None = None):
+    found = Catalog(traces).runs(model=model, bench=bench, names=[name], kinds=None)
+    if not found:
+        raise ExportRefused(f"no complete run {name!r} under {location.display(traces)}"
+                            + (f" for {model}" if model else "") + (f" / {bench}" if bench else ""))
+    if len(found) > 1:
+        raise ExportRefused(f"{len(found)} runs are named {name!r} ("
+                            + ", ".join(f"{r.model} / {r.bench}" for r in found)
+                            + "); pick one with --model and --bench")
+    return found[0]
+
+
+def _counted(requests, summary: ExportSummary):
+    for req in requests:
+        t = req.tokens
+        if len(t) and (t.token != np.arange(len(t))).any():
+            raise ExportRefused(f"request {req.prompt_id} of run {summary.run}: its decode tokens "
+                                "are not 0, 1, … (gaps): the formats hold consecutive tokens")
+        summary.requests += 1
+        summary.tokens += len(t)
+        yield req
+
+
+def _passes(run, batch_size: int | None, summary: ExportSummary):
+    """(step, ids) of every batch pass, numbered 0, 1, … in order."""
+    for block in tokens.passes(run, batch_size=batch_size):
+        for p in range(len(block)):
+            ids = block.ids[block.bounds[p]:block.bounds[p + 1]]
+            summary.tokens += len(ids)
+            summary.records += 1
+            yield summary.records - 1, ids
+
+
+def prepare_dest(dest: Path, folder: bool, force: bool) -> Path:
+    """A file or folder that may be written: never a link, device or FIFO; an existing
+    non-empty folder or file only with ``force``."""
+    if dest.is_symlink():
+        raise ExportRefused(f"DEST {dest} is a symbolic link; give a real path")
+    if folder:
+        if dest.exists() and not dest.is_dir():
+            raise ExportRefused(f"DEST {dest} is a file; this format writes a folder")
+        if dest.is_dir() and any(dest.iterdir()):
+            if not force:
+                raise ExportRefused(f"DEST {dest} is a folder that is not empty; pass --force to "
+                                    "replace it")
+            shutil.rmtree(dest)
+        return dest
+    if dest.exists() and not dest.is_file():
+        raise ExportRefused(f"DEST {dest} is not a regular file; this format writes one .jsonl")
+    if dest.exists() and not force:
+        raise ExportRefused(f"DEST {dest} exists; pass --force to replace it")
+    return dest
+
+
+def export_routing(run, fmt_name: str, dest: Path, *, batch_size: int | None = None,
+                   force: bool = False) -> ExportSummary:
+    fmt = FORMATS[fmt_name]
+    start = time.perf_counter()
+    dest = prepare_dest(Path(dest), fmt.dest_is_folder, force)
+    facts = facts_of_run(run.manifest)
+    summary = ExportSummary(run.name, fmt.name, str(dest))
+    if fmt.dest_is_folder:  # built beside DEST, then put in place
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        target = tmp
+    else:
+        tmp = dest.with_name(f".{dest.name}.tmp")
+        target = tmp
+    try:
+        if fmt.writes_passes:
+            files, _ = fmt.write(_passes(run, batch_size, summary), target, facts)
+            summary.requests = run.manifest.get("prompts_total", 0)
+        else:
+            files, summary.records = fmt.write(_counted(tokens.requests(run), summary), target,
+                                               facts)
+        if fmt.dest_is_folder:
+            if dest.exists():
+                shutil.rmtree(dest)
+            os.replace(tmp, dest)
+            files = [dest / f.relative_to(tmp) for f in files]
+        else:
+            os.replace(tmp, dest)
+            files = [dest]
+    except BaseException:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()
+        raise
+    summary.files = [str(f) for f in files]
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def parser() -> console.ArgumentParser:
+    p = console.ArgumentParser(
+        prog="export-routing", examples=EXAMPLES,
+        description="Write a run's decode-token routing (a capture's accepted tokens, or an "
+                    "imported run's) in a serving engine's format, to check import-routing "
+                    "against an engine or round-trip a capture. Formats: "
+                    + "; ".join(f"{f.name}: {f.engine}" for f in FORMATS.values()))
+    p.add_argument("dest", type=Path, metavar="DEST",
+                   help="vllm, sglang: a .jsonl file; megatron, llamacpp: a folder")
+    p.add_argument("--format", required=True, choices=list(FORMATS), help="the engine format")
+    p.add_argument("--run", required=True, help="the run to export")
+    p.add_argument("--model", default=None, help="the run's model, where two runs share its name")
+    p.add_argument("--bench", default=None, help="the run's benchmark, likewise")
+    p.add_argument("--traces", default="traces", help="traces root: a folder or "
+                                                      "s3://bucket/prefix")
+    location.add_storage_options_argument(p)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="megatron: b of the virtual batches its steps are made of (runs without "
+                        "recorded passes; default: the run's, else 8)")
+    p.add_argument("--force", action="store_true", help="replace an existing DEST")
+    p.add_output_option()
+    return p
+
+
+@console.pipes.quiet_broken_pipe
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.batch_size is not None and args.batch_size < 1:
+            raise ExportRefused(f"--batch-size {args.batch_size} must be at least 1")
+        console.check_output_option(args.output, ExportRefused)
+        traces = location.from_args(args.traces, args.storage_options)
+        run = find_run(traces, args.run, args.model, args.bench)
+        summary = export_routing(run, args.format, args.dest, batch_size=args.batch_size,
+                                 force=args.force)
+    except (UserError, ValueError) as exc:
+        return fail("export-routing", exc)
+    except CatalogError as exc:
+        return fail("export-routing", exc)
+    except OSError as exc:
+        return fail("export-routing", f"{exc.filename or args.dest}: {exc.strerror or exc}")
+    unit = "batch pass(es), a record per MoE layer each" if FORMATS[args.format].writes_passes \
+        else "request record(s)"
+    print(f"export-routing: {summary.requests} request(s), {summary.tokens} decode token(s) of "
+          f"run {summary.run} as {summary.format}: {summary.records} {unit} in "
+          f"{summary.dest} ({summary.seconds:.1f} s)")
+    try:
+        console.write_json(args.output, {"tool": "export-routing", **asdict(summary)})
+    except OSError as exc:
+        return fail("export-routing", f"cannot write --output {args.output}: "
+                    f"{exc.strerror or exc}", 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
