@@ -101,7 +101,8 @@ def sweep(args) -> dict:
     runs = cat.runs(names=[args.run])
     loaded = models.load(runs[0].model, device=args.device)
     adapter = MoEAdapter(loaded.model)
-    stats, cal = calibration_stats(cat, [args.calibration], runs[0].model, runs, adapter, False)
+    stats, cal = calibration_stats(cat, [args.calibration], runs[0].model, runs, adapter, False,
+                                   rankings_used=("static", "router", "oracle", "coact"))
     budgets = parse_budgets("sweep", adapter.num_experts)
     items = list(reader.tree_layers(runs))  # read once, for both reference timings
     base = recompute_seconds(items, adapter)
@@ -222,7 +223,8 @@ def width(args) -> dict:
                                router_oracle_24=dict(seconds=sec, tree_layers=tl))
             print(f"{head} router+oracle@24 both policies {tl / sec:.1f} tree-layers/s = "
                   f"{sec / base:.2f}x one all-experts recompute")
-            stats, cal = calibration_stats(cat, ["cal"], model_path, runs, adapter, False)
+            stats, cal = calibration_stats(cat, ["cal"], model_path, runs, adapter, False,
+                                           rankings_used=("static", "router", "oracle", "coact"))
             budgets = parse_budgets("sweep", adapter.num_experts)
             sec, tl = timed_replay(cat, runs, adapter, ["static", "router", "oracle", "coact"],
                                    budgets, stats, cal, torch.device("cpu"))

@@ -106,6 +106,8 @@ class CalibrationStats:
     sources: list[dict] = field(default_factory=list)
     examples: list[Example] = field(default_factory=list)
     fitted: dict = field(default_factory=dict)  # ranking name -> what it fitted
+    saved: object | None = None  # where one run's statistics are saved (collect_runs), if they
+    # are: rankings that fit on them may keep what they fit beside them
     _means: torch.Tensor | None = field(default=None, repr=False)  # layer_means(), once
     moments: torch.Tensor | None = None  # [L, 4, N] float64 per-prompt energy moments (above)
     _prompt: tuple | None = field(default=None, repr=False)  # (key, s [L, N], c [L, N]) open
@@ -343,9 +345,12 @@ def collect_runs(runs: list, read: Callable[[object], Iterable], model: ExpertMo
     for run in runs:
         key = (run.run_id, run.name, *shape)
         path = saved(run) if saved is not None and key not in _COLLECTED else None
+        if path is not None:  # examples are collected on request: part of what is saved
+            path = path.with_name(f"{path.stem}-examples{max_examples}{path.suffix}")
         if path is not None and path.exists():
             found = load_stats(path)
             if found is not None and found.layers == list(model.moe_layers):
+                found.saved = path
                 _COLLECTED[key] = found
         if key not in _COLLECTED:
             _COLLECTED[key] = CalibrationStats.collect(read(run), model, sources=[run.ref],
@@ -353,6 +358,7 @@ def collect_runs(runs: list, read: Callable[[object], Iterable], model: ExpertMo
             if path is not None:
                 try:
                     save_stats(_COLLECTED[key], path)
+                    _COLLECTED[key].saved = path
                 except OSError:
                     pass  # a read-only traces root: collected again next time
         parts.append(_COLLECTED[key])

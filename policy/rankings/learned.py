@@ -69,8 +69,21 @@ class Learned(SubstitutionAware, Ranking):
     def fit(self, calibration=None):
         super().fit(calibration)
         cached = calibration.fitted.get(self.name)
+        beside = None if calibration.saved is None else Path(calibration.saved).with_suffix(
+            f".{self.name}-v{FORMAT_VERSION}.skops")  # fitted once per saved calibration
+        if cached is None and beside is not None and beside.exists():
+            try:
+                cached = calibration.fitted[self.name] = self.load(beside, calibration).model
+            except RankingError:
+                cached = None  # another format: refitted below
         if cached is None:
             cached = calibration.fitted[self.name] = self.train(calibration)
+            if beside is not None:
+                self.model = cached
+                try:
+                    self.save(beside)
+                except OSError:
+                    pass
         self.model = cached
         return self
 
