@@ -31,7 +31,7 @@ from capture.storage import StoragePolicy
 from catalog import Catalog, Run, reader
 from eagle import loading
 from eagle.decoding import EagleDecoder
-from eagle.fixtures import real_width_pair
+from training.real_width import real_width_pair
 from moe import models, shapes
 from tasks import benchmarks
 

@@ -26,7 +26,7 @@ import torch
 from capture.run import CaptureSettings, capture_run
 from eagle import loading
 from eagle.decoding import EagleDecoder
-from eagle.fixtures import real_width_pair
+from training.real_width import real_width_pair
 from moe import models
 from replay import cli as replay_cli
 from tasks import benchmarks

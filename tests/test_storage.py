@@ -140,7 +140,7 @@ def test_a_failing_writer_stops_the_capture_and_leaves_only_complete_prompts(tmp
 def test_capture_and_replay_at_olmoe_width(tmp_path):
     """One decoder layer of OLMoE-1B-7B's real width (2048 hidden, 64 experts × 1024, top-8),
     random weights and a random EAGLE-3 head: capture, then open-loop replay checks the gold."""
-    from eagle.fixtures import real_width_pair
+    from training.real_width import real_width_pair
     model_dir, draft_dir = real_width_pair("olmoe", tmp_path / "fixture", layers=1)
     assert capture_cli.main(["--model", str(model_dir), "--draft", str(draft_dir), "--limit",
                              "1", "--max-new-tokens", "4", "--no-progress", "--out",

@@ -1,5 +1,6 @@
-"""Real-width fixtures: a random-weight target with a real model's widths and routing, and a
-random EAGLE-3 head for it, saved as folders ``capture --model DIR --draft DIR`` loads.
+"""Real-width model pairs: a random-weight target with a real model's widths and routing, and a
+random EAGLE-3 head for it, saved as folders ``capture --model DIR --draft DIR`` loads (beside
+the trained tiny models of this package: models built, not downloaded).
 
 Built on the fly for benchmarks and tests (minutes at most), never committed. With one or two
 decoder layers EAGLE-3's feature layers {2, L//2, L−3} do not exist; the head taps the inputs of
