@@ -95,12 +95,17 @@ def timed_replay(cat, runs, adapter, rankings, budgets, stats, cal, device,
         shutil.rmtree(out)
 
 
-def sweep(args) -> dict:
+def loaded_run(args):
+    """(catalog, [the run], the loaded model, its MoE adapter) for ``--traces``/``--run``."""
     torch.set_num_threads(args.threads)
     cat = Catalog(args.traces)
     runs = cat.runs(names=[args.run])
     loaded = models.load(runs[0].model, device=args.device)
-    adapter = MoEAdapter(loaded.model)
+    return cat, runs, loaded, MoEAdapter(loaded.model)
+
+
+def sweep(args) -> dict:
+    cat, runs, loaded, adapter = loaded_run(args)
     stats, cal = calibration_stats(cat, [args.calibration], runs[0].model, runs, adapter, False,
                                    rankings_used=("static", "router", "oracle", "coact"))
     budgets = parse_budgets("sweep", adapter.num_experts)
@@ -137,11 +142,7 @@ def sweep(args) -> dict:
 
 
 def closed(args) -> dict:
-    torch.set_num_threads(args.threads)
-    cat = Catalog(args.traces)
-    runs = cat.runs(names=[args.run])
-    loaded = models.load(runs[0].model, device=args.device)
-    adapter = MoEAdapter(loaded.model)
+    cat, runs, loaded, adapter = loaded_run(args)
     verify_s = location.read_table(runs[0].files("trees"), columns=["verify_seconds"])[
         "verify_seconds"].to_numpy()
     cells = len(args.rankings) * 2 * len(args.budgets)
