@@ -185,6 +185,18 @@ def frame(name: str, root: str, version: str,
         return ANALYSES[name](con)
 
 
+@st.cache_data(show_spinner=False)
+def truncation(root: str, version: str, model: str, bench: str, run: str) -> pl.DataFrame:
+    """A routing-only run's truncation coverage of static and frequency budgets
+    (:func:`analysis.ids.truncation`), cached per dataset version."""
+    from analysis import ids
+    found = Catalog(Path(root)).runs(model=model, bench=bench, names=[run], roles=None,
+                                     kinds=None)
+    if not found:
+        return pl.DataFrame()
+    return ids.truncation(ids.figures(found[0]))
+
+
 def prompt_rows(root: Path, model: str, bench: str, run: str, table: str, prompt: int,
                 columns: list[str], **equal) -> pl.DataFrame:
     """One prompt's rows of a trace table, read from that prompt's own part files (never a scan

@@ -14,8 +14,10 @@ from typing import NamedTuple
 import polars as pl
 import streamlit as st
 
+from analysis import figures
 from app import data
 from catalog import partition_value
+from catalog.schema import ROUTING_ONLY  # a run's kind when imported from a serving engine
 
 
 def dataset() -> data.Dataset:
@@ -70,18 +72,81 @@ def url_multiselect(label: str, options: list, key: str, param: str):
 
 
 def dataset_picker(ds: data.Dataset, key: str, roles=("evaluation",),
-                   prefer: set | None = None) -> tuple[str, str] | None:
+                   prefer: set | None = None, runs: pl.DataFrame | None = None
+                   ) -> tuple[str, str] | None:
     """The dataset (model / benchmark) a page draws; starts at the first one in ``prefer`` (the
-    datasets that have what the page shows) unless the URL names one."""
-    pairs = sorted({(r["model"], r["bench"]) for r in role_runs(ds, roles).iter_rows(named=True)})
+    datasets that have what the page shows) unless the URL names one. ``runs``: the runs to pick
+    among (default: every complete run of ``roles``)."""
+    every = role_runs(ds, roles)
+    pairs = sorted({(r["model"], r["bench"]) for r in (every if runs is None else runs)
+                    .iter_rows(named=True)})
     if not pairs:
-        st.info(f"No complete {' or '.join(roles)} run yet.")
+        st.info(f"No complete {' or '.join(roles)} run yet." if runs is None or not imported(
+            every).height else f"No complete {' or '.join(roles)} capture with "
+            "verification trees yet (routing-only runs have none); capture one, e.g. "
+            f"`capture --model tiny-olmoe --bench mbpp --limit 8 --out {ds.root}`.")
         return None
     first = next((i for i, p in enumerate(pairs) if prefer is None or p in prefer), 0)
     label = url_select(st, "Dataset (model / benchmark)", [f"{m} / {b}" for m, b in pairs],
                        key, "dataset", index=first)
     model, bench = label.split(" / ")
     return model, bench
+
+
+def imported(runs: pl.DataFrame) -> pl.DataFrame:
+    """The routing-only runs among ``runs`` (imported from a serving engine: top-k ids only)."""
+    if "kind" not in runs.columns:
+        return runs.clear()
+    return runs.filter(pl.col("kind") == ROUTING_ONLY)
+
+
+def with_trees(runs: pl.DataFrame) -> pl.DataFrame:
+    """``runs`` without routing-only ones, for pages that need trees or replay; one caption
+    says which imported runs are left out, when there are any."""
+    left_out = imported(runs)
+    if left_out.is_empty():
+        return runs
+    st.caption(f"Imported routing-only run(s) {', '.join(sorted(left_out['run']))} are left out: "
+               "they hold top-k expert ids only, no verification trees to draw or replay.")
+    return runs.filter(pl.col("kind") != ROUTING_ONLY)
+
+
+def routing_only(runs: pl.DataFrame) -> bool:
+    """Whether ``runs`` (one setting) are routing-only runs."""
+    return runs.height > 0 and imported(runs).height == runs.height
+
+
+def batch_passes(setting: dict) -> str:
+    """What a routing-only run's batch pass is (its settings say): the source's recorded forward
+    passes, or virtual batches of b consecutive requests."""
+    batching = setting.get("batching")
+    if batching == "recorded" or (batching not in ("virtual",) and setting.get("recorded_passes")):
+        return "one of the source's recorded forward passes"
+    from catalog.tokens import DEFAULT_BATCH
+    b = setting.get("virtual_batch_size") or DEFAULT_BATCH
+    return (f"a virtual batch: b = {b} consecutive requests at the same decode step (the import's "
+            "`virtual_batch_size`)")
+
+
+def ids_only_note(runs: pl.DataFrame) -> bool:
+    """For routing-only runs: an ``st.info`` naming the source format and a caption saying what
+    the figures measure; True when the page's figures must be drawn ids-only
+    (:func:`figure`)."""
+    if not routing_only(runs):
+        return False
+    formats = ", ".join(sorted({f for f in runs["source_format"] if f})) or "a serving engine"
+    setting = json.loads(runs["setting"][0]) if "setting" in runs.columns else {}
+    st.info(f"Routing-only run(s) {', '.join(sorted(runs['run']))}, imported from {formats}: "
+            "top-k expert ids only (no router probabilities, trees or hidden states).")
+    st.caption(f"Routing-only: here *mass* is routed-token counts (the tokens whose top-k holds "
+               f"an expert, over all token-expert assignments), and a *tree* is a batch pass — "
+               f"{batch_passes(setting)}.")
+    return True
+
+
+def figure(fig, ids_only: bool):
+    """``fig`` as drawn for the page's runs: relabelled ids-only for routing-only runs."""
+    return figures.as_ids_only(fig) if ids_only else fig
 
 
 def datasets_in(frame: pl.DataFrame, ds: data.Dataset) -> set:
@@ -148,25 +213,30 @@ class Page(NamedTuple):
 
     def frame(self, name: str) -> pl.DataFrame:
         """The analysis frame ``name`` of these roles, for this dataset and setting only."""
-        return pick(data.frame(name, str(self.ds.root), self.ds.version, self.roles,
-                               self.names), self.model, self.bench)
+        found = data.frame(name, str(self.ds.root), self.ds.version, self.roles, self.names)
+        if found.is_empty():
+            return found
+        return pick(found, self.model, self.bench)
 
 
 def start_page(title: str, key: str, caption: str | None = None, prefer=None,
-               across: tuple[str, ...] = ()) -> Page | None:
+               across: tuple[str, ...] = (), trees: bool = False) -> Page | None:
     """Header, the sidebar's role choice and the dataset picker every one-dataset page starts
     with; None (with a note shown) when there is nothing to draw. ``prefer(ds, roles)``: the
-    datasets the picker should start at (those with this page's results)."""
+    datasets the picker should start at (those with this page's results). ``trees``: the page
+    needs trees or replay, so routing-only runs are left out (a caption says so)."""
     ds = dataset()
     st.header(title)
     if caption:
         st.caption(caption)
     roles = role_choice(key)
-    picked = dataset_picker(ds, f"{key}_ds", roles, prefer(ds, roles) if prefer else None)
+    pool = with_trees(role_runs(ds, roles)) if trees else role_runs(ds, roles)
+    picked = dataset_picker(ds, f"{key}_ds", roles, prefer(ds, roles) if prefer else None,
+                            runs=pool if trees else None)
     if picked is None:
         return None
     model, bench = picked
-    runs = role_runs(ds, roles).filter((pl.col("model") == model) & (pl.col("bench") == bench))
+    runs = pool.filter((pl.col("model") == model) & (pl.col("bench") == bench))
     return Page(ds, roles, model, bench, setting_picker(runs, f"{key}_setting", across))
 
 

@@ -507,3 +507,86 @@ def test_no_function_of_the_app_is_longer_than_80_lines():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > 80]
     assert not long, long
+
+
+@pytest.fixture(scope="module")
+def imports(tmp_path_factory):
+    """A capture (run cap, replayed) and the same routing exported to SGLang's format and
+    imported (routing-only run imp); and a second folder holding the import alone."""
+    from capture import export_routing, import_routing
+    root = tmp_path_factory.mktemp("imports")
+    assert capture_cli.main([*CAP, "--limit", "2", "--out", str(root / "both"), "--run",
+                             "cap"]) == 0
+    source = root / "s.jsonl"
+    assert export_routing.main(["--format", "sglang", "--run", "cap", "--traces",
+                                str(root / "both"), str(source)]) == 0
+    for folder in ("both", "only"):
+        assert import_routing.main(["--format", "sglang", str(source), "--model", "tiny-olmoe",
+                                    "--bench", "mbpp", "--out", str(root / folder), "--run",
+                                    "imp"]) == 0
+    assert replay_cli.main(["--traces", str(root / "both"), "--ranking", "router", "--budget",
+                            "16,32", "--no-progress"]) == 0  # leaves the import alone
+    return root
+
+
+ROUTING_PAGES = ("Heavy tails", "Coverage curves", "Activation growth", "Co-activation")
+TREE_PAGES = ("Replay results", "Speedup projection", "Tree viewer", "Batch regime",
+              "Compare runs")
+
+
+def _pick_import(at: AppTest, page: str) -> AppTest:
+    """Pick the imported run's setting on a routing page."""
+    key = {"Coverage curves": "cov", "Heavy tails": "tails", "Activation growth": "growth",
+           "Co-activation": "coact"}[page] + "_setting"
+    picker = at.selectbox(key=key)
+    picker.set_value(next(o for o in picker.options if "runs imp" in o)).run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+@pytest.mark.parametrize("folder", ["both", "only"])
+def test_every_page_renders_with_routing_only_runs(imports, monkeypatch, folder):
+    at = app_on(imports / folder, monkeypatch)
+    for page in NAMES:
+        goto(at, page)
+        assert not at.error, (page, [e.value for e in at.error])
+    if folder == "only":
+        at = app_on(imports / folder, monkeypatch)
+        assert any(i.value.startswith("routing-only runs: no trees") for i in at.info)
+        assert not any(m.label == "mean τ (evaluation runs)" for m in at.metric)
+        for page in TREE_PAGES:
+            goto(at, page)
+            assert at.info and not at.get("plotly_chart"), page  # the usual no-data note
+
+
+def test_overview_marks_routing_only_runs(imports, monkeypatch):
+    at = app_on(imports / "both", monkeypatch)
+    table = at.dataframe[0].value.set_index("run")
+    assert table.loc["imp", "kind"] == "routing-only" and table.loc["imp", "source_format"] == \
+        "sglang"
+    assert table.loc["cap", "kind"] == "capture"
+    assert any("routing-only run(s)" in c.value for c in at.caption)
+
+
+@pytest.mark.parametrize("page", ROUTING_PAGES)
+def test_routing_pages_mark_the_imported_run(imports, monkeypatch, page):
+    at = goto(app_on(imports / "both", monkeypatch), page)
+    assert not any("Routing-only run(s)" in i.value for i in at.info)  # the capture first
+    assert not any("routing-only (ids)" in spec for spec in chart_json(at))
+    at = _pick_import(at, page)
+    assert any("Routing-only run(s) imp, imported from sglang" in i.value for i in at.info)
+    assert any("routed-token counts" in c.value and "virtual_batch_size" in c.value
+               for c in at.caption)
+    assert all("routing-only (ids)" in spec for spec in chart_json(at)
+               if "Truncation coverage" not in spec), page
+    if page == "Coverage curves":
+        assert any("Truncation coverage" in spec for spec in chart_json(at))
+        assert any(h.value.startswith("Truncation coverage") for h in at.subheader)
+
+
+@pytest.mark.parametrize("page", TREE_PAGES)
+def test_tree_pages_leave_imported_runs_out(imports, monkeypatch, page):
+    at = goto(app_on(imports / "both", monkeypatch), page)
+    assert any("left out" in c.value and "imp" in c.value for c in at.caption), page
+    for box in [*at.selectbox, *at.multiselect]:
+        assert not any("imp" == str(o) or "runs imp" in str(o) for o in box.options), page

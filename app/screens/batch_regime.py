@@ -23,7 +23,7 @@ def draw() -> None:
         "extra tokens come nearly free until compute takes over.",
         prefer=lambda ds, roles: views.datasets_in(
             data.frame("batch", str(ds.root), ds.version, roles), ds),
-        across=("batch_size",))  # runs that differ only in b: the page's x axis
+        across=("batch_size",), trees=True)  # runs that differ only in b: the page's x axis
     if page is None:
         return
     frame, n = page.frame("batch"), page.n

@@ -22,6 +22,7 @@ def draw() -> None:
     if page is None:
         return
     model, bench = page.model, page.bench
+    ids_only = views.ids_only_note(page.runs)
     run = page.runs.row(0, named=True)
     c1, c2, c3 = st.columns(3)
     layer = views.url_select(c1, "Layer", run["moe_layers"], "coact_layer", "layer")
@@ -43,10 +44,10 @@ def draw() -> None:
               f"{c.concentration:.1f}×")
     bar = "tokens with both experts" if convention == "all_pairs" else "P(b | a)"
     lift = colour.startswith("lift")
-    st.plotly_chart(figures.coactivation(
+    st.plotly_chart(views.figure(figures.coactivation(
         c.matrix, order, f"Co-activation, layer {layer}, {convention.replace('_', ' ')}, "
         f"{'lift over independent selection' if lift else 'observed'}, {ordering} order", bar,
-        lift=c.lift if lift else None), width="content")
+        lift=c.lift if lift else None), ids_only), width="content")
     if lift:
         st.caption("Lift: the pair's count over the count expected if each expert were picked "
                    "independently with its own measured frequency (1 = independent; red above, "

@@ -22,7 +22,7 @@ def draw() -> None:
                "figures with one line per run on shared axes. Nothing is pooled across runs; "
                "replay results show one variant per cell.")
     roles = views.role_choice("cmp")
-    runs = views.role_runs(ds, roles)
+    runs = views.with_trees(views.role_runs(ds, roles))  # routing-only runs: no trees to compare
     names = runs["run"].to_list()
     if len(names) < 2:
         st.info("Compare needs two or more complete runs; capture another setting, e.g. "

@@ -19,10 +19,15 @@ def draw() -> None:
         "layers); a measured curve below them means trees reuse experts.")
     if page is None:
         return
+    ids_only = views.ids_only_note(page.runs)
     frame, n = page.frame("growth"), page.n
-    st.plotly_chart(figures.growth(frame, n), width="stretch")
+    if frame.is_empty():
+        st.info("No routing summaries for these runs yet.")
+        return
+    st.plotly_chart(views.figure(figures.growth(frame, n), ids_only), width="stretch")
     last = frame.sort("tokens").tail(1).row(0, named=True)
-    st.write(f"At {last['tokens']} tree tokens: measured {last['unique_experts']:.1f}, "
+    unit = "batch-pass tokens" if ids_only else "tree tokens"
+    st.write(f"At {last['tokens']} {unit}: measured {last['unique_experts']:.1f}, "
              f"i.i.d. per-layer marginals {last['marginal']:.1f}, uniform N(t) "
              f"{last['uniform']:.1f} (of {n}).")
 

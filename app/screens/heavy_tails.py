@@ -19,8 +19,9 @@ def draw() -> None:
         "drop most experts and keep most of the mass.")
     if page is None:
         return
+    ids_only = views.ids_only_note(page.runs)
     frame = page.frame("tails")
-    st.plotly_chart(figures.heavy_tails(frame, page.n), width="stretch")
+    st.plotly_chart(views.figure(figures.heavy_tails(frame, page.n), ids_only), width="stretch")
     st.dataframe(frame, hide_index=True)
 
 

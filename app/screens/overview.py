@@ -7,6 +7,7 @@ import streamlit as st
 
 from analysis.frames import routing_warnings
 from app import data, views
+from catalog import partition_value
 
 TITLE = "Runs overview"
 ORDER = 10
@@ -17,25 +18,50 @@ def draw() -> None:
     st.header("Runs overview")
     st.caption("How to read this: one row per complete run; τ is the mean accepted length per "
                "verification tree, unique experts the experts a tree's tokens route to in one "
-               "layer (averaged over layers and trees). The tiles average evaluation runs only.")
+               "layer (averaged over layers and trees). The tiles average evaluation runs only. Kind "
+               "routing-only: a run imported from a serving engine (source format), top-k ids "
+               "only, no trees.")
     frame = data.overview(str(ds.root), ds.version)
     for model, line in routing_warnings(ds.runs):
         st.warning(f"{model}: {line}")
-    c1, c2, c3, c4 = st.columns([0.8, 1, 1.2, 2])  # room for the long labels in full
-    c1.metric("runs", ds.runs.height)
-    c2.metric("verification trees", int(frame["trees"].sum()))
-    ev = frame.filter(pl.col("role") == "evaluation")
-    c3.metric("mean τ (evaluation runs)", f"{ev['tau'].mean():.2f}" if ev.height else "—")
-    c4.metric("unique experts / layer / tree (evaluation runs)",
-              f"{ev['unique_experts'].mean():.1f}" if ev.height else "—")
+    imports = views.imported(ds.runs)
+    if frame.is_empty() and imports.height:  # routing-only runs alone: no τ, no trees
+        c1, c2 = st.columns([0.8, 3])
+        c1.metric("runs", ds.runs.height)
+        c2.metric("routing-only runs (imported)", imports.height)
+        st.info("routing-only runs: no trees — τ, verification trees and unique experts per tree "
+                "need a capture. The routing pages draw these runs' routed-token counts over "
+                "batch passes.")
+    else:
+        c1, c2, c3, c4 = st.columns([0.8, 1, 1.2, 2])  # room for the long labels in full
+        c1.metric("runs", ds.runs.height)
+        c2.metric("verification trees", int(frame["trees"].sum()))
+        ev = frame.filter(pl.col("role") == "evaluation")
+        c3.metric("mean τ (evaluation runs)", f"{ev['tau'].mean():.2f}" if ev.height else "—")
+        c4.metric("unique experts / layer / tree (evaluation runs)",
+                  f"{ev['unique_experts'].mean():.1f}" if ev.height else "—")
+        if imports.height:
+            st.caption(f"{imports.height} routing-only run(s) (imported: top-k ids only) have no "
+                       "trees: the tiles count and average captures only.")
     if frame["budget"].is_null().all():  # without a budget every tree loads what it uses
         frame = frame.drop("experts_loaded", "budget")
-    st.dataframe(frame, hide_index=True, width="stretch")
+    st.dataframe(_table(ds.runs, frame), hide_index=True, width="stretch")
     storage = ds.runs.select("model", "bench", "run", "role", "storage")
     st.caption("What each run keeps of the MoE hidden states (routing, trees and nodes are "
                "always complete):")
     st.dataframe(storage, hide_index=True, width="stretch")
     st.caption(f"traces: `{ds.root}` · dataset version {ds.version}")
+
+
+def _table(runs: pl.DataFrame, frame: pl.DataFrame) -> pl.DataFrame:
+    """One row per complete run: what it is (kind, source format of an import) beside its trees'
+    numbers (none for a routing-only run)."""
+    left = runs.select("model", "bench", "run", "role", "kind", "source_format",
+                       pl.col("prompts").cast(pl.Int64)).with_columns(
+        pl.col("model").map_elements(partition_value, return_dtype=pl.String).alias("_part"))
+    right = frame.drop("prompts", "role").rename({"model": "_part"})
+    table = left.join(right, on=["_part", "bench", "run"], how="left").drop("_part")
+    return table.sort("model", "bench", "run")
 
 
 if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)

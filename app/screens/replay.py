@@ -26,11 +26,12 @@ def draw() -> None:
         return
     have = {name: data.frame(name, str(ds.root), ds.version, roles)
             for name in ("errors", "closed")}
+    pool = views.with_trees(views.role_runs(ds, roles))  # routing-only runs: nothing to replay
     picked = views.dataset_picker(ds, "replay_ds", roles, views.datasets_in(have["errors"], ds)
-                                  | views.datasets_in(have["closed"], ds))
+                                  | views.datasets_in(have["closed"], ds), runs=pool)
     if picked is None:
         return
-    runs = views.setting_picker(views.role_runs(ds, roles).filter(
+    runs = views.setting_picker(pool.filter(
         (pl.col("model") == picked[0]) & (pl.col("bench") == picked[1])), "replay_setting")
     names = tuple(sorted(runs["run"].to_list()))
     n = int(runs["num_experts"][0])

@@ -34,7 +34,8 @@ def draw() -> None:
         "budget is the fastest one within the quality bound.",
         prefer=lambda ds, roles: {(r["model"], r["bench"]) for r in
                                   views.role_runs(ds, roles).iter_rows(named=True)
-                                  if r["budget"] is None})
+                                  if r["budget"] is None},
+        trees=True)
     if page is None:
         return
     model, bench = page.model, page.bench

@@ -31,6 +31,13 @@ EXAMPLES = {  # each gives one row per run (and variant): nothing pooled across 
                                "tree_depth, batch_size, storage FROM runs ORDER BY run",
 }
 
+ROUTING_EXAMPLES = {  # a folder of routing-only runs (imported): no trees, nodes or replay views
+    "Routed experts (routing-only runs)": "SELECT run, prompt_index, token, layer, topk_ids FROM "
+                                          "routing_ids ORDER BY ALL LIMIT 20",
+    "Runs and their kind": "SELECT run, role, kind, source_format, prompts FROM runs "
+                           "ORDER BY run",
+}
+
 
 def draw() -> None:
     ds = views.dataset()
@@ -38,13 +45,17 @@ def draw() -> None:
     st.caption("How to read this: read-only SQL (SELECT, WITH … SELECT, EXPLAIN) over the views " +
                ", ".join(ds.views) + "; hive partitions (model, bench, run) and each run's role "
                "are columns. Pick an example to start from, edit it, download the result.")
+    examples = EXAMPLES if "trees" in ds.views else ROUTING_EXAMPLES
+    if examples is ROUTING_EXAMPLES:
+        st.caption("These runs are routing-only (imported: top-k ids only): there are no trees, "
+                   "nodes or replay views; `routing_ids` and the `summary_*` views hold them.")
     c1, c2 = st.columns([3, 1])
-    example = views.url_select(c1, "Example", list(EXAMPLES), "sql_example", "example")
+    example = views.url_select(c1, "Example", list(examples), "sql_example", "example")
     scope = c2.radio("Views hold", ["evaluation runs", "all roles"], key="sql_roles",
                      help="evaluation runs: calibration runs are not pooled into results; all "
                           "roles: every run, told apart by the role column")
     roles = ("evaluation",) if scope == "evaluation runs" else ("evaluation", "calibration")
-    sql = st.text_area("Query", EXAMPLES[example], height=120, key=f"sql_{example}")
+    sql = st.text_area("Query", examples[example], height=120, key=f"sql_{example}")
     try:
         frame = pl.from_arrow(run_query(ds.con_for(roles), sql))
     except Exception as exc:  # noqa: BLE001 - show the database's message, not a traceback

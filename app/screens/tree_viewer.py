@@ -20,7 +20,8 @@ def draw() -> None:
         "Tree viewer", "tree",
         "How to read this: one verification tree of one prompt and step, drafted "
         "tokens by depth; red is the path the target accepted, orange nodes lose one of "
-        "their experts in this layer if only the router's top-B experts are kept.")
+        "their experts in this layer if only the router's top-B experts are kept.",
+        trees=True)
     if page is None:
         return
     ds, roles, model, bench, runs = page
