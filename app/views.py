@@ -158,6 +158,17 @@ def datasets_in(frame: pl.DataFrame, ds: data.Dataset) -> set:
             if (partition_value(r["model"]), r["bench"]) in have}
 
 
+def setting_label(setting: dict, differ: list[str], most: int = 6) -> str:
+    """A setting in a few words: an imported run as ``routing-only (format)``, then the values
+    that differ from the other settings (unset ones left out), at most ``most`` of them."""
+    head = [f"routing-only ({setting.get('source_format') or 'imported'})"] \
+        if setting.get("kind") == "routing-only" else []
+    rest = [f"{k} {setting[k]}" for k in differ
+            if setting.get(k) is not None and k not in ("kind", "source_format")]
+    shown = head + rest[:most]
+    return ", ".join(shown + (["…"] if len(rest) > most else [])) or "capture"
+
+
 def setting_picker(runs: pl.DataFrame, key: str, across: tuple[str, ...] = ()) -> pl.DataFrame:
     """The runs of one setting: runs of one model and benchmark whose capture settings (the
     prompt range aside) are equal are one experiment; runs that differ are never pooled. With
@@ -176,14 +187,15 @@ def setting_picker(runs: pl.DataFrame, key: str, across: tuple[str, ...] = ()) -
     settings = [json.loads(s) for s in groups["_group"]]
     differ = sorted({k for s in settings for k in s
                      if any(s.get(k) != other.get(k) for other in settings)})
-    labels = [", ".join(f"{k} {s.get(k)}" for k in differ) + f" — runs {', '.join(names)}"
+    labels = [setting_label(s, differ) + f" — runs {', '.join(names)}"
               for s, names in zip(settings, groups["run"])]
     first = max(range(groups.height),  # most prompts, then the plain capture (b = 1)
                 key=lambda i: (groups["prompts"][i] or 0, settings[i].get("batch_size") == 1))
     label = url_select(st, "Setting (runs with other settings are never pooled)", labels, key,
                        "setting", index=first)
+    named = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
     st.caption(f"This dataset has {groups.height} capture settings (they differ in "
-               f"{', '.join(differ)}); the page draws one at a time. The *Compare runs* page "
+               f"{named}); the page draws one at a time. The *Compare runs* page "
                "sets them side by side.")
     return runs.filter(pl.col("run").is_in(groups["run"][labels.index(label)])).drop("_group")
 
