@@ -50,24 +50,33 @@ from replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, deci
 )
 
 
-def saved_stats_path(catalog: Catalog, run: Run, adapter: MoEAdapter):
-    """Where a calibration run's statistics are kept for reuse (local traces roots only):
-    ``<traces>/calibration_stats/model=…/bench=…/run=…/<key>.safetensors``, the key a digest of
-    the run's commit, the MoE layers, the adapter's dtype and the model's expert weights (a
-    sample of each expert tensor), so a recapture or a retrained model never reads stale ones."""
-    if location.is_remote(catalog.root):
-        return None
+def expert_weights_digest(adapter: MoEAdapter) -> str:
+    """A digest of the model's MoE layout, dtype and a sample of every expert tensor (the first
+    64 values of its first row, never a copy of the tensor): what tells a retrained model."""
     import hashlib
-    h = hashlib.sha256(json.dumps([run.run_id, run.manifest.get("commit_digest"),
-                                   list(adapter.moe_layers), adapter.num_experts,
+    h = hashlib.sha256(json.dumps([list(adapter.moe_layers), adapter.num_experts,
                                    str(next(adapter.model.parameters()).dtype)]).encode())
     for name, tensor in adapter.model.state_dict().items():
         if "expert" in name:
+            row = tensor.detach()[(0,) * (tensor.dim() - 1)] if tensor.dim() else tensor.detach()
             h.update(name.encode())
-            h.update(tensor.detach().flatten()[:64].float().cpu().numpy().tobytes())
+            h.update(row.reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def saved_stats_path(catalog: Catalog, run: Run, weights: str):
+    """Where a calibration run's statistics are kept for reuse (local traces roots only):
+    ``<traces>/calibration_stats/model=…/bench=…/run=…/<key>.safetensors``, the key a digest of
+    the run's commit and the model's :func:`expert_weights_digest` ``weights``, so a recapture
+    or a retrained model never reads stale ones."""
+    if location.is_remote(catalog.root):
+        return None
+    import hashlib
+    key = hashlib.sha256(json.dumps([run.run_id, run.manifest.get("commit_digest"),
+                                     weights]).encode()).hexdigest()[:16]
     where = Path(run.root)
-    return (where / "calibration_stats" / run.dir("runs").relative_to(where / "runs")
-            / f"{h.hexdigest()[:16]}.safetensors")
+    return where / "calibration_stats" / run.dir("runs").relative_to(where / "runs") / \
+        f"{key}.safetensors"
 
 
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
@@ -78,8 +87,9 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     cal = catalog.calibration_runs(names, model, set().union(*(r.prompt_keys() for r in evaluated)))
     read = lambda run: tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",  # noqa: E731
                             unit="tree-layer", disable=True if not progress else None)
+    weights = expert_weights_digest(adapter)  # once for every calibration run
     stats = collect_runs(cal, read, adapter, examples_for(rankings_used),
-                         saved=lambda run: saved_stats_path(catalog, run, adapter))
+                         saved=lambda run: saved_stats_path(catalog, run, weights))
     problem = empty_calibration(stats, cal)
     if problem:
         raise ReplayError(problem)
@@ -88,7 +98,6 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
         from policy.rankings.sketch import attach_surrogate_sums
         attach_surrogate_sums(stats, cal, adapter, read)
     return stats, cal
-
 
 
 def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: ReplayRequest,
