@@ -40,7 +40,7 @@ from analysis.sql import connect, views
 from catalog import Catalog, atomic, dataset_version, location, partition_value, schema
 from catalog.replay_metrics import gap_closed
 from errors import UserError, fail
-from moe import shapes
+from moe import families, models, shapes
 
 
 def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -> list:
@@ -219,14 +219,17 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
 
 def headline_projection(con, model: str, bench: str, manifest: dict):
     """(target name, speedup frame on H100, :func:`analysis.frames.headline`) for the real
-    checkpoint of the captured family (the captured shape when there is none), or None."""
+    checkpoint of the captured family (the captured shape when there is none), or None. The
+    family is the registry's (``moe.families.lookup``) for the ``model_type`` of the manifest
+    (routing-only imports) or of the captured model's config, else for the model's name."""
     stats = routing_statistics(con, model, bench)
     shape = model_shape(manifest["model_location"])
     if stats is None or shape is None:
         return None
-    real = shapes.REAL_SHAPES.get(next((a for a in ("olmoe", "qwen3-moe", "mixtral",
-                                                   "deepseek-v3", "gpt-oss")
-                                        if a in model), ""))
+    model_type = manifest.get("model_type") or \
+        (models.read_config(manifest["model_location"]) or {}).get("model_type")
+    family = families.lookup(model_type, manifest.get("model") or model)
+    real = shapes.REAL_SHAPES.get(family.alias) if family else None
     target = cost.ModelShape.from_config(real.build_config()) if real else shape
     sp = speedup_frame(stats, target, [cost.PROFILES["H100-SXM"]],
                        manifest.get("settings", {}).get("depth", 7))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from errors import UserError
+from moe.families import REGISTRY
 
 if TYPE_CHECKING:
     import torch
@@ -44,23 +45,11 @@ class Alias:
         return None if self.hub_id else EMBEDDED_DIR / self.name
 
 
+# alias -> Alias, derived from the families' records (moe/families/): each family's real
+# checkpoint, in family order, then each family's embedded tiny model
 ALIASES = {a.name: a for a in (
-    # The public OLMoE EAGLE-3 head was trained on the inputs of layers {2, 8, 15}, not the
-    # official {2, L//2, L-3} (shared/docs/eagle-notes.md §5.2).
-    Alias("olmoe", "allenai/OLMoE-1B-7B-0924", "tiny-olmoe", "wantsleep/OLMoE_1B_7B_Eagle3",
-          (2, 8, 15)),
-    Alias("qwen3-moe", "Qwen/Qwen3-30B-A3B", "tiny-qwen3-moe", "Tengyunw/qwen3_30b_moe_eagle3"),
-    # Only an EAGLE-1 head exists for Mixtral.
-    Alias("mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", "tiny-mixtral",
-          "yuhuili/EAGLE-mixtral-instruct-8x7B"),
-    # No EAGLE-3 head for these is known to load in EAGLE's native layout here: pass --draft.
-    Alias("deepseek-v3", "deepseek-ai/DeepSeek-V3", "tiny-deepseek-v3"),
-    Alias("gpt-oss", "openai/gpt-oss-20b", "tiny-gpt-oss"),
-    Alias("tiny-olmoe", None),
-    Alias("tiny-qwen3-moe", None),
-    Alias("tiny-mixtral", None),
-    Alias("tiny-deepseek-v3", None),
-    Alias("tiny-gpt-oss", None),
+    *(Alias(f.alias, f.hub_id, f.tiny.name, f.draft, f.feature_layers) for f in REGISTRY.values()),
+    *(Alias(f.tiny.name, None) for f in REGISTRY.values()),
 )}
 EMBEDDED = tuple(name for name, a in ALIASES.items() if a.hub_id is None)
 
@@ -158,7 +147,8 @@ def read_config(model: str) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")  # per model_type
+# the config keys naming N routed experts, one per family (moe/families/), each once
+EXPERT_COUNT_KEYS = tuple(dict.fromkeys(f.experts_key for f in REGISTRY.values()))
 
 
 def _positive_int(value) -> int | None:
@@ -167,7 +157,7 @@ def _positive_int(value) -> int | None:
 
 def expert_shape(config: dict | None) -> tuple[int, int] | None:
     """(N routed experts, top-k) a model's ``config.json`` names (the keys differ per family:
-    moe/families.py), or None where it names them not."""
+    moe/families/), or None where it names them not."""
     if not config:
         config = {}
     config = config.get("text_config", config) if isinstance(config.get("text_config"),

@@ -35,21 +35,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import (
-    AutoTokenizer,
-    DeepseekV3Config,
-    DeepseekV3ForCausalLM,
-    GptOssConfig,
-    GptOssForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    OlmoeConfig,
-    OlmoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from transformers import AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from catalog import atomic
+from moe.families import REGISTRY, Family
 from training import corpus, quality
 from training.tokenizer import train_tokenizer
 
@@ -98,38 +89,22 @@ class TinySpec:
         return self.config_cls(**{**COMMON, **self.config, **overrides})
 
 
-# N, k and the mixing-weight rule follow the real checkpoints (DESIGN.md, "Models"); the aux-loss
-# coefficients are the real configs' (OLMoE 0.01, Qwen3-30B-A3B 0.001, Mixtral-8x7B 0.02).
-SPECS = {
-    "tiny-olmoe": TinySpec(OlmoeForCausalLM, OlmoeConfig, dict(
-        num_key_value_heads=4, num_experts=64, num_experts_per_tok=8, intermediate_size=16,
-        norm_topk_prob=False, router_aux_loss_coef=0.01)),
-    "tiny-qwen3-moe": TinySpec(Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
-        num_key_value_heads=2, head_dim=32, num_experts=128, num_experts_per_tok=8,
-        moe_intermediate_size=8, intermediate_size=256, norm_topk_prob=True,
-        router_aux_loss_coef=0.001)),
-    "tiny-mixtral": TinySpec(MixtralForCausalLM, MixtralConfig, dict(
-        num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, intermediate_size=128,
-        router_aux_loss_coef=0.02, router_jitter_noise=0.0)),
-    # DeepSeek-V3's routing at small scale: 64 routed experts in 8 groups, top-6 within the best
-    # 4 groups, sigmoid scores with a selection bias updated aux-loss-free (γ = 1e-3), weights
-    # renormalised × 2.5, one shared expert, the first layer dense, MLA attention.
-    "tiny-deepseek-v3": TinySpec(DeepseekV3ForCausalLM, DeepseekV3Config, dict(
-        num_key_value_heads=4, n_routed_experts=64, n_group=8, topk_group=4,
-        num_experts_per_tok=6, n_shared_experts=1, moe_intermediate_size=16,
-        intermediate_size=256, first_k_dense_replace=1, routed_scaling_factor=2.5,
-        norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=64, qk_rope_head_dim=16,
-        qk_nope_head_dim=16, v_head_dim=32, head_dim=16), balancing="bias",
-        router=RouterRecipe(lr_scale=5.0, weight_decay=0.1, seq_aux=1e-4)),
-    # gpt-oss: router with bias, softmax over the top-4 of 32 experts, experts with biases and a
-    # clamped SwiGLU, attention sinks, sliding-window (32 tokens) and full layers alternating,
-    # the real config's aux coefficient 0.9; transformers runs it with eager attention only.
-    "tiny-gpt-oss": TinySpec(GptOssForCausalLM, GptOssConfig, dict(
-        num_key_value_heads=2, head_dim=32, num_local_experts=32, num_experts_per_tok=4,
-        intermediate_size=32, sliding_window=32,
-        layer_types=["sliding_attention", "full_attention"] * 4, router_aux_loss_coef=0.9),
-        attn_implementation="eager"),
-}
+def tiny_spec(family: Family) -> TinySpec:
+    """The :class:`TinySpec` of a family's embedded model, built from its record
+    (``moe.families.TinyModel``): the transformers config and causal-LM classes of its
+    ``model_type``, its config overrides, balancing and router recipe, and the attention the
+    family runs with."""
+    config_cls = CONFIG_MAPPING[family.model_type]
+    tiny = family.tiny
+    return TinySpec(MODEL_FOR_CAUSAL_LM_MAPPING[config_cls], config_cls, dict(tiny.config),
+                    balancing=tiny.balancing, attn_implementation=family.routing.attention,
+                    router=RouterRecipe(**tiny.router) if tiny.router else None)
+
+
+# tiny model name -> its spec, derived from the families' records (moe/families/: N, k and the
+# mixing-weight rule follow the real checkpoints, DESIGN.md "Models"; the aux-loss coefficients
+# are the real configs')
+SPECS = {f.tiny.name: tiny_spec(f) for f in REGISTRY.values()}
 
 # Share of training windows drawn from each source (stdlib dominates by size; the benchmark
 # train splits teach the prompt templates capture uses).

@@ -1,0 +1,185 @@
+"""The recipe "Add a model family" of docs/architecture.md, kept true: a family is one module of
+moe/families/ (its record), and every list of families, aliases, real shapes and tiny models is
+derived from those records."""
+
+import ast
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe import families, models, shapes
+from moe.families import REGISTRY, Family, FamilySpec, TinyModel
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("errors", "catalog", "policy", "tasks", "console", "cluster", "moe", "eagle", "capture",
+            "replay", "analysis", "app", "training")
+
+
+def test_every_module_of_moe_families_is_a_family_named_after_its_model_type():
+    modules = {p.stem for p in (ROOT / "moe" / "families").glob("*.py")} - {"__init__"}
+    assert set(REGISTRY) == modules
+    assert [f.order for f in REGISTRY.values()] == sorted(f.order for f in REGISTRY.values())
+    assert list(REGISTRY)[0] == "olmoe"  # the default model's family comes first
+
+
+def test_every_registry_is_derived_from_the_records():
+    from training.tiny_moe import SPECS
+    records = list(REGISTRY.values())
+    assert families.FAMILIES == {f.model_type: f.routing for f in records}
+    assert list(models.ALIASES) == [f.alias for f in records] + [f.tiny.name for f in records]
+    assert models.EMBEDDED == tuple(f.tiny.name for f in records)
+    assert list(shapes.REAL_SHAPES) == [f.alias for f in records]
+    assert list(SPECS) == list(models.EMBEDDED)
+    assert set(models.EXPERT_COUNT_KEYS) == {f.experts_key for f in records}
+    for f in records:
+        alias = models.ALIASES[f.alias]
+        assert (alias.hub_id, alias.embedded_alternative, alias.draft, alias.feature_layers) == (
+            f.hub_id, f.tiny.name, f.draft, f.feature_layers)
+        shape = shapes.REAL_SHAPES[f.alias]
+        assert (shape.checkpoint, shape.model_type, shape.config) == (
+            f.hub_id, f.model_type, f.real_config)
+        assert shape.config[f.experts_key] > 0  # the key its config names N by
+        spec = SPECS[f.tiny.name]
+        assert spec.config == f.tiny.config and spec.balancing == f.tiny.balancing
+        assert spec.attn_implementation == f.routing.attention
+        assert spec.build_config().model_type == f.model_type
+        assert spec.model_cls.config_class is spec.config_cls
+        for name in (f.alias, f.hub_id, f.tiny.name):
+            assert families.lookup(name=name) is f
+        assert families.lookup(f.model_type, "whatever") is f
+    assert families.lookup("llama", "meta/llama") is None
+
+
+def test_no_code_outside_the_records_names_a_family():
+    """The old second lists (an alias table, a shapes table, tiny specs, the report's tuple of
+    family names) stay gone: no project module outside moe/families/ spells a family's model
+    type, alias, hub id or tiny model as a string of its own (the default model aside)."""
+    names = {n for f in REGISTRY.values() for n in (f.model_type, f.alias, f.hub_id, f.tiny.name)}
+    found = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if path.parent == ROOT / "moe" / "families":
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            allowed = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                       and [getattr(t, "id", None) for t in node.targets] == ["DEFAULT_MODEL"]}
+            found += [f"{path.relative_to(ROOT)}:{node.lineno} {node.value!r}"
+                      for node in ast.walk(tree) if isinstance(node, ast.Constant)
+                      and node.value in names and id(node) not in allowed]
+    assert not found, found
+    assert models.DEFAULT_MODEL in models.EMBEDDED
+
+
+RECORD = '''"""A throwaway family added by the recipe's test."""
+from moe.families import Family, FamilySpec, TinyModel
+
+FAMILY = Family(
+    FamilySpec("granitemoe", scoring_func="softmax", renormalize=True, router="router"),
+    alias="toy-granite", hub_id="example/toy-granite-moe",
+    real_config=dict(hidden_size=1024, intermediate_size=512, num_local_experts=32,
+                     num_experts_per_tok=8, num_attention_heads=16, num_key_value_heads=8,
+                     num_hidden_layers=24, vocab_size=49152, max_position_embeddings=4096),
+    tiny=TinyModel("tiny-toy-granite", dict(num_key_value_heads=2, num_local_experts=16,
+                                            num_experts_per_tok=4, intermediate_size=32)),
+    draft="example/toy-granite-eagle3", feature_layers=(1, 2, 3),
+    experts_key="num_local_experts", order=ORDER,
+)
+'''
+
+
+def _record(order: int, **changes) -> str:
+    text = RECORD.replace("ORDER", str(order))
+    for old, new in changes.items():
+        text = text.replace(old, new)
+    return text
+
+
+def test_families_are_found_in_order_and_a_module_that_is_no_family_is_refused(tmp_path,
+                                                                               monkeypatch):
+    package = tmp_path / "somefamilies"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "zeta.py").write_text(_record(1))
+    (package / "alpha.py").write_text(_record(2, granitemoe="phimoe", **{
+        "toy-granite": "toy-phi"}))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = families.discover("somefamilies")
+    assert list(found) == ["granitemoe", "phimoe"]  # by order, not by module name
+    assert isinstance(found["phimoe"], Family) and found["phimoe"].tiny.name == "tiny-toy-phi"
+    (package / "beta.py").write_text(_record(3))  # the same family again
+    importlib.invalidate_caches()
+    with pytest.raises(ValueError, match=r"somefamilies\.beta declares granitemoe, "
+                                         r"tiny-toy-granite, toy-granite"):
+        families.discover("somefamilies")
+    (package / "beta.py").unlink()
+    (package / "helpers.py").write_text("def dense_layers(config):\n    return set()\n")
+    importlib.invalidate_caches()
+    with pytest.raises(TypeError, match=r"helpers\.py is in the families' folder but is no "
+                                        r"family"):
+        families.discover("somefamilies")
+
+
+def test_a_record_is_plain_data():
+    """The moe layer stays free of torch and transformers: a record names its transformers
+    classes by ``model_type`` only, and importing the registry (what every --help reads) loads
+    neither."""
+    code = ("import sys\nimport moe.models, moe.shapes, moe.families\n"
+            "print([m for m in ('torch', 'transformers') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+    for f in REGISTRY.values():
+        assert isinstance(f.routing, FamilySpec) and isinstance(f.tiny, TinyModel)
+        assert all(isinstance(v, (int, float, bool, str, list)) for v in f.tiny.config.values())
+        assert f.tiny.router is None or isinstance(f.tiny.router, dict)
+
+
+def test_adding_a_family_is_adding_its_module(tmp_path):
+    """The recipe of docs/architecture.md: a copy of moe/ with one new module in moe/families/
+    has the family in the routing lookup, the aliases, the embedded models, the real shapes,
+    the expert-count keys, the random real-shape models and train-tiny's specs."""
+    copy = tmp_path / "tree"
+    shutil.copytree(ROOT / "moe", copy / "moe", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "moe" / "families" / "granitemoe.py").write_text(_record(60))
+    code = f"""
+from types import SimpleNamespace
+import moe
+assert moe.__file__.startswith({str(copy)!r}), moe.__file__
+from moe import families, models, shapes
+from training.tiny_moe import SPECS
+assert list(families.REGISTRY)[-1] == "granitemoe"
+spec = families.spec_for(SimpleNamespace(model_type="granitemoe"))
+assert spec is families.FAMILIES["granitemoe"] and spec.router == "router"
+alias = models.ALIASES["toy-granite"]
+assert (alias.hub_id, alias.embedded_alternative, alias.draft, alias.feature_layers) == (
+    "example/toy-granite-moe", "tiny-toy-granite", "example/toy-granite-eagle3", (1, 2, 3))
+assert models.EMBEDDED[-1] == "tiny-toy-granite" and models.ALIASES["tiny-toy-granite"].path
+try:
+    models.resolve("tiny-toy-granite")
+except models.ModelError as exc:
+    assert "retrain it with" in str(exc) and "--model tiny-toy-granite" in str(exc), exc
+assert models.expert_shape(dict(num_local_experts=32, num_experts_per_tok=8)) == (32, 8)
+shape = shapes.REAL_SHAPES["toy-granite"]
+assert shape.checkpoint == "example/toy-granite-moe"
+assert shape.build_config().num_local_experts == 32
+net = shapes.random_model("toy-granite", layers=1, vocab_size=64)
+assert type(net).__name__ == "GraniteMoeForCausalLM", type(net)
+tiny = SPECS["tiny-toy-granite"]
+cfg = tiny.build_config()
+assert (tiny.model_cls.__name__, cfg.num_local_experts, cfg.hidden_size) == (
+    "GraniteMoeForCausalLM", 16, 128)
+assert tiny.router is None and tiny.balancing == "aux" and tiny.attn_implementation == "sdpa"
+assert families.lookup("granitemoe").alias == "toy-granite"
+assert families.lookup(None, "tiny-toy-granite").model_type == "granitemoe"
+print("OK", len(families.REGISTRY), len(models.ALIASES), len(SPECS))
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), str(ROOT)]))
+    done = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    n = len(REGISTRY) + 1
+    assert done.stdout.split() == ["OK", str(n), str(2 * n), str(n)]
