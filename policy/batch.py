@@ -56,14 +56,14 @@ class ExpertTerms:
     the part the budget changes, so a token whose experts and weights are unchanged costs
     nothing and ``||δ||²`` is the error floor every policy shares."""
 
-    experts: torch.Tensor  # [T, M, N, H] as computed (float32), 0 on padding
+    experts: torch.Tensor | None  # [T, M, N, H] as computed (float32), 0 on padding (None:
+    # left out by take(outputs=False))
     routed: torch.Tensor  # [T, M, H] float64: R*, the model's sum
     delta: torch.Tensor  # [T, M, H] float64: δ = R* − R̂
     gold_sq: torch.Tensor  # [T, M] float64: ||O*||² (shared experts included)
     natural: torch.Tensor  # [T, M, k, k] float64: ⟨ḡ_a E_a, ḡ_b E_b⟩ over each top-k
     cross: torch.Tensor  # [T, M, k] float64: ⟨δ, ḡ_a E_a⟩
     _gram: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
-    _experts64: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_outputs(cls, experts: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
@@ -87,25 +87,22 @@ class ExpertTerms:
         """``||δ||² [T, M]``: the error of a token whose routing the budget leaves unchanged."""
         return self.delta.pow(2).sum(-1)
 
-    @property
-    def experts64(self) -> torch.Tensor:
-        """The expert outputs in float64, converted once on first use."""
-        if self._experts64 is None:
-            self._experts64 = self.experts.double()
-        return self._experts64
-
     def gram(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Q [T, M, N, N], b [T, M, N])`` in float64, computed on first use."""
         if self._gram is None:
-            e = self.experts64
+            e = self.experts.double()  # not kept: [T, M, N, H] float64 is the batch's largest
             self._gram = (torch.einsum("tmnh,tmph->tmnp", e, e),
                           torch.einsum("tmnh,tmh->tmn", e, self.routed))
         return self._gram
 
-    def take(self, rows: torch.Tensor) -> ExpertTerms:
+    def take(self, rows: torch.Tensor, outputs: bool = True) -> ExpertTerms:
+        """The tree-layers ``rows``; ``outputs=False`` leaves the raw outputs ``experts`` out
+        (None) once the Gram terms exist (they are all the swap search reads; copying
+        ``[T, M, N, H]`` per search round cost more than the round)."""
         gram = None if self._gram is None else (self._gram[0][rows], self._gram[1][rows])
-        return ExpertTerms(self.experts[rows], self.routed[rows], self.delta[rows],
-                           self.gold_sq[rows], self.natural[rows], self.cross[rows], gram)
+        experts = self.experts[rows] if outputs or gram is None else None
+        return ExpertTerms(experts, self.routed[rows], self.delta[rows], self.gold_sq[rows],
+                           self.natural[rows], self.cross[rows], gram)
 
 
 @dataclass
@@ -170,14 +167,15 @@ class RoutingBatch:
         counts = self.mask[..., None].expand(self.idx.shape).int()
         return hit.scatter_add_(-1, self.idx.flatten(1), counts.flatten(1)) > 0
 
-    def take(self, rows: torch.Tensor) -> RoutingBatch:
-        """The tree-layers ``rows`` of this batch (and of its expert terms)."""
+    def take(self, rows: torch.Tensor, outputs: bool = True) -> RoutingBatch:
+        """The tree-layers ``rows`` of this batch (and of its expert terms, with the raw outputs
+        unless ``outputs=False``: :meth:`ExpertTerms.take`)."""
         rule = self.rule
         if rule.selection_bias is not None and rule.selection_bias.dim() == 3:
             rule = rule.for_layers(rule.selection_bias[rows])
         return RoutingBatch(self.probs[rows], self.idx[rows], self.weights[rows], self.mask[rows],
                             self.layers[rows], rule,
-                            None if self.terms is None else self.terms.take(rows),
+                            None if self.terms is None else self.terms.take(rows, outputs),
                             None if self._by_choice is None else self._by_choice[rows],
                             None if self.hidden is None else self.hidden[rows])
 
@@ -195,7 +193,7 @@ class RoutingBatch:
             per_t = out.numel() // t  # E·M
             token = (changed // per_t) * m + changed % m  # row of [T·M]
             rows = (token[:, None] * n + idx.reshape(-1, k).index_select(0, changed)).flatten()
-            picked = terms.experts64.reshape(-1, h).index_select(0, rows).view(-1, k, h)
+            picked = terms.experts.reshape(-1, h).index_select(0, rows).view(-1, k, h).double()
             weights = w.reshape(-1, k).index_select(0, changed).double()
             approx = torch.einsum("ckh,ck->ch", picked, weights)
             gold = terms.routed.reshape(-1, h).index_select(0, token)

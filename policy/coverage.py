@@ -111,11 +111,13 @@ class Substitution(Coverage):
         (:meth:`policy.batch.RoutingBatch.by_choice`), for plain top-k rules and |S| ≥ k: the
         rule's top-k restricted to S (what :meth:`policy.routing.RoutingRule.select` returns),
         without a top-k per shortlist."""
-        lead = keep.shape[:-1]
+        lead, k = keep.shape[:-1], batch.k
         order = grow(batch.by_choice(), lead)  # [T, *E, M, N]
         inside = keep[..., None, :].expand(*lead, order.shape[-2], batch.n).gather(-1, order)
-        first = inside & (inside.cumsum(-1) <= batch.k)  # exactly k per token
-        return order.masked_select(first).view(*lead, order.shape[-2], batch.k)
+        place = inside.cumsum(-1)  # 1-based place among S's experts in selection order
+        slot = torch.where(inside & (place <= k), place - 1, k)  # the rest to a spare slot k
+        out = torch.empty(*order.shape[:-1], k + 1, dtype=order.dtype, device=order.device)
+        return out.scatter_(-1, slot, order)[..., :k]  # (scatter, not masked_select: no sync)
 
 
 COVERAGES: dict[str, Coverage] = {c.name: c for c in (Truncation(), Substitution())}

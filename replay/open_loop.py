@@ -233,10 +233,20 @@ def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budget
         keep[rows] = masks
         idx, w = coverage.apply(part, masks)  # what each budgeted pass ran: [R, B, M, k]
         w = w * part.mask[:, None, :, None]
-        experts = batch.terms.experts[rows]  # [R, M, N, H]: the outputs the passes computed
+        dots = executed_dots(batch, rows, idx)  # [R, B, M, k, k]: what the passes computed
         for j, own in enumerate(instances):
-            outputs = experts.gather(2, idx[:, j, ..., None].expand(*idx[:, j].shape,
-                                                                     experts.shape[-1]))
             own.observe(part.layers, experts_used(idx[:, j], w[:, j], batch.n))
-            own.observe_outputs(part.layers, idx[:, j], w[:, j], outputs)
+            own.observe_outputs(part.layers, idx[:, j], w[:, j], None, dots=dots[:, j])
     return keep, budgets
+
+
+def executed_dots(batch: RoutingBatch, rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``⟨E_a(h_t), E_b(h_t)⟩ [R, B, M, k, k]`` (float64) of the experts ``idx [R, B, M, k]`` that
+    each budget's pass ran for the tree-layers ``rows``, read from the batch's per-token Gram
+    (:meth:`policy.batch.ExpertTerms.gram`, computed once per batch) instead of gathering the
+    outputs for every budget."""
+    q = batch.terms.gram()[0]  # [T, M, N, N]
+    m, n, k = q.shape[1], batch.n, idx.shape[-1]
+    token = rows.to(idx.device)[:, None, None] * m + torch.arange(m, device=idx.device)  # [R, 1, M]
+    pairs = (idx[..., :, None] * n + idx[..., None, :]).flatten(-2)  # [R, B, M, k·k]
+    return q.reshape(-1).take(token[..., None] * (n * n) + pairs).unflatten(-1, (k, k))

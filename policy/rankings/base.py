@@ -80,11 +80,13 @@ class Ranking(ABC):
         """After a verification pass: ``loaded [T, N]`` the experts it loaded at ``layers [T]``."""
 
     def observe_outputs(self, layers: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                        outputs: torch.Tensor) -> None:
+                        outputs: torch.Tensor | None, dots: torch.Tensor | None = None) -> None:
         """After a verification pass, what it executed: ``idx, weights [T, M, k]`` each token's
-        experts at ``layers [T]`` (weight 0: not run) and ``outputs [T, M, k, H]`` their outputs.
-        Only rankings with ``observes_outputs`` are called; what a pass executes depends on the
-        budget, so callers keep one instance per budget."""
+        experts at ``layers [T]`` (weight 0: not run) and ``outputs [T, M, k, H]`` their outputs,
+        or, from a caller that already holds every expert's output Gram (open-loop replay), only
+        their inner products ``dots [T, M, k, k]`` (float64; ``outputs`` None). Only rankings with
+        ``observes_outputs`` are called; what a pass executes depends on the budget, so callers
+        keep one instance per budget."""
 
     @abstractmethod
     def order(self, batch: RoutingBatch, coverage: Coverage, max_budget: int) -> torch.Tensor:

@@ -59,21 +59,24 @@ class CoactOnline(Coact):
         keep = stand_in.prefixes(repeated, coverage, own)  # [count·T, 1, N]
         return keep[:, 0].view(count, t, batch.n).transpose(0, 1)
 
-    def observe_outputs(self, layers, idx, weights, outputs):
+    def observe_outputs(self, layers, idx, weights, outputs, dots=None):
         """``idx, weights [T, M, k]`` what each token of the finished pass ran at ``layers [T]``
         (weight 0: not run, padding included) and ``outputs [T, M, k, H]`` those experts'
-        outputs."""
+        outputs, or their inner products ``dots [T, M, k, k]`` alone (the sums need no more)."""
         n = self.calibration.num_experts
+        device = idx.device
         if self.sums is None:
             size = (len(self.calibration.layers), n * n)
-            self.sums = torch.zeros(size, dtype=torch.float64, device=outputs.device)
-            self.counts = torch.zeros(size, dtype=torch.float64, device=outputs.device)
-            self.seen = torch.zeros(size[0], dtype=torch.bool, device=outputs.device)
+            self.sums = torch.zeros(size, dtype=torch.float64, device=device)
+            self.counts = torch.zeros(size, dtype=torch.float64, device=device)
+            self.seen = torch.zeros(size[0], dtype=torch.bool, device=device)
         ran = (weights != 0).double()  # [T, M, k]
-        out = outputs.double() * ran[..., None]
-        dots = torch.einsum("tmah,tmbh->tmab", out, out)  # [T, M, k, k]
         both = ran[..., :, None] * ran[..., None, :]
-        rows = self.calibration.rows(layers).to(outputs.device)  # [T]
+        if dots is None:
+            out = outputs.double()
+            dots = torch.einsum("tmah,tmbh->tmab", out, out)  # [T, M, k, k]
+        dots = dots * both  # a pair counts only where both ran
+        rows = self.calibration.rows(layers).to(device)  # [T]
         flat = (rows[:, None] * (n * n)
                 + (idx[..., :, None] * n + idx[..., None, :]).flatten(1)).flatten()
         self.sums.view(-1).index_add_(0, flat, dots.flatten())

@@ -201,7 +201,7 @@ def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], candid
             if not bool(active.any()):
                 break
             sub = active.nonzero().squeeze(1)
-            part = batch if len(sub) == batch.size else batch.take(sub)
+            part = batch if len(sub) == batch.size else batch.take(sub, outputs=False)
             tries = one_swap_away(part, coverage, current[sub], b, candidates, verify)
             found = errors(part, coverage, tries)  # [R, V] exact
             low, at = found.min(-1)
