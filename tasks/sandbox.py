@@ -563,6 +563,8 @@ def run_calls(program: str, calls: list[dict], timeout: float = TIMEOUT) -> Resu
 
 
 def _run(program: str, timeout: float, calls: list[dict] | None) -> Result:
+    """Run ``program`` in a fresh sandbox: start it, feed it, collect its pipes until the
+    deadline, then read the verdict (:func:`_verdict`)."""
     header = b"" if calls is None else json.dumps(
         [{**c, "env": {k: encode(v) for k, v in c["env"].items()}} for c in calls]).encode()
     where = layout()
@@ -570,12 +572,35 @@ def _run(program: str, timeout: float, calls: list[dict] | None) -> Result:
     nonce = secrets.token_hex(16)
     status_r, status_w = os.pipe()
     verdict_r, verdict_w = os.pipe()
+    proc = _start(where, command, timeout, status_w, verdict_w, (status_r, verdict_r))
+    deadline = time.monotonic() + timeout
+    out = proc.stdout.fileno()
+    got = {out: bytearray(), status_r: bytearray(), verdict_r: bytearray()}
+    try:
+        _feed(proc, nonce.encode() + b"\n" + header + b"\n"
+              + program.encode("utf-8", "surrogatepass"))
+        timed_out = _collect(got, out, verdict_r, deadline)
+    finally:
+        _kill(proc)
+        proc.stdout.close()
+        os.close(status_r)
+        os.close(verdict_r)
+    return _verdict(got[out].decode("utf-8", "replace")[-OUTPUT:],
+                    got[status_r].decode("utf-8", "replace").splitlines(),
+                    bytes(got[verdict_r]), proc.returncode, timed_out, calls, nonce)
+
+
+def _start(where: dict, command: str, timeout: float, status_w: int, verdict_w: int,
+           readers: tuple[int, int]) -> subprocess.Popen:
+    """The sandboxed runner (new user, mount, pid, net, ipc, uts and cgroup namespaces, limits
+    from :data:`MEMORY` etc.), given the write ends of the status and verdict pipes (closed here
+    in this process); the read ``readers`` are closed too if it cannot start."""
     config = dict(where, status=status_w, verdict=verdict_w, runner=RUNNER,
                   cpu=int(timeout) + 1, wall=int(timeout) + 2, memory=MEMORY,
                   file_size=FILE_SIZE, open_files=OPEN_FILES, processes=PROCESSES,
                   writable=WRITABLE, legacy_remount=LEGACY_REMOUNT)
     try:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [command, "--user", "--map-root-user", "--mount", "--pid", "--net", "--ipc", "--uts",
              "--cgroup", "--fork", "--kill-child", "--",
              where["python"], "-I", "-S", "-c", INIT, json.dumps(config)],
@@ -583,69 +608,72 @@ def _run(program: str, timeout: float, calls: list[dict] | None) -> Result:
             env={"PATH": SYSTEM_PATH}, pass_fds=(status_w, verdict_w), start_new_session=True,
             **_sandbox_user())
     except OSError as exc:
-        os.close(status_r)
-        os.close(verdict_r)
+        for fd in readers:
+            os.close(fd)
         raise SandboxUnavailable(f"code sandbox unavailable: {exc}") from exc
     finally:
         os.close(status_w)
         os.close(verdict_w)
-    deadline = time.monotonic() + timeout
-    out = proc.stdout.fileno()
-    got = {out: bytearray(), status_r: bytearray(), verdict_r: bytearray()}
-    timed_out = False
+
+
+def _feed(proc: subprocess.Popen, data: bytes) -> None:
+    """Write the runner's input and close its stdin (a runner that did not start: the status
+    pipe says why)."""
     try:
-        try:
-            proc.stdin.write(nonce.encode() + b"\n" + header + b"\n"
-                             + program.encode("utf-8", "surrogatepass"))
-        except OSError:
-            pass  # the sandbox did not start: the status pipe says why
-        finally:
-            try:
-                proc.stdin.close()
-            except OSError:
-                pass
-        with selectors.DefaultSelector() as sel:
-            for fd in got:
-                sel.register(fd, selectors.EVENT_READ)
-            while sel.get_map():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    timed_out = True
-                    break
-                for key, _ in sel.select(left):
-                    chunk = os.read(key.fd, 1 << 16)
-                    if not chunk:
-                        sel.unregister(key.fd)
-                        continue
-                    buf = got[key.fd]
-                    buf += chunk
-                    if key.fd == out:
-                        del buf[:-4 * OUTPUT]  # keep the tail only, whatever it prints
-                    else:
-                        del buf[RESULTS + 1 if key.fd == verdict_r else 4096:]
+        proc.stdin.write(data)
+    except OSError:
+        pass
     finally:
-        _kill(proc)
-        proc.stdout.close()
-        os.close(status_r)
-        os.close(verdict_r)
-    output = got[out].decode("utf-8", "replace")[-OUTPUT:]
-    status = got[status_r].decode("utf-8", "replace").splitlines()
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+
+
+def _collect(got: dict[int, bytearray], out: int, verdict_r: int, deadline: float) -> bool:
+    """Read every pipe of ``got`` until all close or the deadline passes (then True), keeping
+    the output's tail and bounded heads of the status and verdict pipes."""
+    with selectors.DefaultSelector() as sel:
+        for fd in got:
+            sel.register(fd, selectors.EVENT_READ)
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            for key, _ in sel.select(left):
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buf = got[key.fd]
+                buf += chunk
+                if key.fd == out:
+                    del buf[:-4 * OUTPUT]  # keep the tail only, whatever it prints
+                else:
+                    del buf[RESULTS + 1 if key.fd == verdict_r else 4096:]
+    return False
+
+
+def _verdict(output: str, status: list[str], verdict: bytes, returncode, timed_out: bool,
+             calls: list[dict] | None, nonce: str) -> Result:
+    """The run's :class:`Result` from what its pipes said; a sandbox that never became ready
+    raises :class:`SandboxUnavailable` (unless the run timed out first)."""
     errors = [s[6:] for s in status if s.startswith("error ")]
     if errors or "ready" not in status:
         if timed_out and not errors:
             return Result(False, "timeout", output)
         if errors:
             raise SandboxUnavailable(f"code sandbox unavailable: {errors[0]}")
-        why = (output.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        why = (output.strip().splitlines() or [f"exit status {returncode}"])[-1]
         raise SandboxUnavailable(f"code sandbox unavailable: {why} (needs unprivileged user "
                                  "namespaces: sysctl kernel.unprivileged_userns_clone=1 and "
                                  "user.max_user_namespaces > 0)")
     exit_line = next((s for s in status if s.startswith("exit ")), "")
-    if calls is None and bytes(got[verdict_r]) == f"{nonce} passed\n".encode():
+    if calls is None and verdict == f"{nonce} passed\n".encode():
         return Result(True, "passed", output)
-    if calls is not None and got[verdict_r] and not timed_out and exit_line == "exit 0":
+    if calls is not None and verdict and not timed_out and exit_line == "exit 0":
         try:
-            values = parse_values(bytes(got[verdict_r]), nonce, len(calls))
+            values = parse_values(verdict, nonce, len(calls))
         except (ValueError, TypeError, RecursionError) as exc:  # TypeError: an unhashable key
             why = f"ValueError: the sandbox's results are not well-formed ({exc})"[:300]
             return Result(False, "failed", (output + "\n" + why)[-OUTPUT:])
