@@ -269,28 +269,7 @@ def import_routing(fmt: Format, source: Path, facts: ModelFacts, out, bench: str
             if bar is not None:
                 bar.update(n)
 
-        kwargs = dict(skipped=summary.skipped) if fmt.name == "megatron" else {}
-        index, current, rid, row = -1, None, None, None
-        for piece in fmt.read(source, facts, options, advance, **kwargs):
-            if current is None or current != piece.request:  # a new request
-                if current is not None:
-                    raise SourceError(f"{source}: the routing of request {current} stops before "
-                                      "its end")
-                index += 1
-                current, rid = piece.request, piece.request
-                row = dict(prompt_index=index, prompt_id=rid,
-                           prompt_token_ids=piece.prompt_token_ids,
-                           output_token_ids=piece.output_token_ids, steps=None,
-                           mean_accepted_length=None, wall_seconds=piece.seconds,
-                           stop_reason=piece.finish_reason)
-            decode = int((piece.token >= 0).sum())
-            summary.tokens += decode
-            summary.prompt_rows += len(piece.token) - decode
-            summary.token_layers += len(piece.token) * len(facts.moe_layers)
-            parts.add(index, rid, piece)
-            if piece.last:
-                parts.done(row)
-                current = None
+        index = _stream(fmt, source, facts, options, parts, summary, advance)
         if index < 0:
             raise SourceError(f"{source} holds no routing record")
         parts.flush()
@@ -320,6 +299,35 @@ def import_routing(fmt: Format, source: Path, facts: ModelFacts, out, bench: str
     summary.token_layers_per_cpu_s = summary.token_layers / max(summary.cpu_seconds, 1e-9)
     summary.peak_rss_mib = peak_rss_mib()
     return summary
+
+
+def _stream(fmt: Format, source: Path, facts: ModelFacts, options: ReadOptions, parts: _Parts,
+            summary: ImportSummary, advance) -> int:
+    """Every record of ``source`` into ``parts``, request by request (one ``sequences`` row per
+    request when its last piece arrives); the last prompt index (−1: none)."""
+    kwargs = dict(skipped=summary.skipped) if fmt.name == "megatron" else {}
+    index, current, row = -1, None, None
+    for piece in fmt.read(source, facts, options, advance, **kwargs):
+        if current is None or current != piece.request:  # a new request
+            if current is not None:
+                raise SourceError(f"{source}: the routing of request {current} stops before "
+                                  "its end")
+            index += 1
+            current = piece.request
+            row = dict(prompt_index=index, prompt_id=current,
+                       prompt_token_ids=piece.prompt_token_ids,
+                       output_token_ids=piece.output_token_ids, steps=None,
+                       mean_accepted_length=None, wall_seconds=piece.seconds,
+                       stop_reason=piece.finish_reason)
+        decode = int((piece.token >= 0).sum())
+        summary.tokens += decode
+        summary.prompt_rows += len(piece.token) - decode
+        summary.token_layers += len(piece.token) * len(facts.moe_layers)
+        parts.add(index, current, piece)
+        if piece.last:
+            parts.done(row)
+            current = None
+    return index
 
 
 # --- the command line ---------------------------------------------------------------------------
