@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import console
@@ -298,9 +299,20 @@ def check_request(args, budgets: list[int], coverages: tuple[str, ...], k: int, 
         raise ReplayError(f"substitution needs a budget ≥ k = {k}")
 
 
-def compute(args, catalog, runs, layers, coverages):
-    """Load the model and replay what is missing: (exit code, outcome, request, budgets,
-    loaded model)."""
+@dataclass
+class Computed:
+    """What :func:`compute` replayed: the outcome, the request it answered, its budgets (N known
+    once the model is loaded) and the model."""
+
+    outcome: object
+    request: object
+    budgets: list[int]
+    loaded: object
+
+
+def compute(args, catalog, runs, layers, coverages) -> Computed:
+    """Load the model and replay what is missing (a write that fails is a one-line
+    :class:`UserError` naming where)."""
     console.threads.apply(args.threads)  # torch's pools
     from moe import models
     from moe.adapter import MoEAdapter
@@ -337,40 +349,72 @@ def compute(args, catalog, runs, layers, coverages):
                          key_dtype=str(loaded.dtype))
     except OSError as exc:
         where = getattr(exc, "filename", None) or args.out or args.traces
-        return fail("replay", f"cannot write results to {where}: {exc.strerror or exc}; choose "
-                    "a writable --out"), None, None, None, None
-    except UserError as exc:
-        return fail("replay", exc), None, None, None, None
-    return 0, outcome, request, budgets, loaded
+        raise ReplayError(f"cannot write results to {where}: {exc.strerror or exc}; choose "
+                          "a writable --out") from None
+    return Computed(outcome, request, budgets, loaded)
+
+
+@dataclass
+class Planned:
+    """What the command line asks, checked without the model: the runs, budgets (None until N
+    is known), layers, N and k from the manifests, and the outcome when every cell is stored."""
+
+    catalog: object
+    runs: list
+    budgets: list[int] | None
+    layers: tuple[int, ...] | None
+    n: int | None
+    k: int | None
+    request: object = None
+    outcome: object = None
+
+
+def plan_request(args, coverages: tuple[str, ...]) -> Planned:
+    """Every check that needs no model; where N and k are in the manifests and every cell is
+    stored already, the answer too (without the model or torch)."""
+    from replay import plan
+    catalog, runs, budgets, layers = preflight(args)
+    n, k = runs[0].manifest.get("num_experts"), runs[0].manifest.get("top_k")
+    found = Planned(catalog, runs, budgets, layers, n, k)
+    if budgets is not None and isinstance(k, int):  # N and k from the manifests
+        facts = plan.policy_facts(n, k)
+        check_request(args, budgets, coverages, k, facts)
+        found.request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets),
+                                           layers, args.mode, args.batch_size, args.batch_seed)
+        dtype = key_dtype(args, runs)
+        if dtype is not None:
+            found.outcome = plan.stored_outcome(catalog, runs, found.request, args.calibration,
+                                                args.out or args.traces, facts, dtype)
+    return found
 
 
 @console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from replay import plan
     coverages = tuple(index.COVERAGES) if args.coverage == "both" else (args.coverage,)
     threads = console.threads.apply(args.threads, torch=False)  # before any pool starts
-    outcome, loaded = None, None
     try:
-        catalog, runs, budgets, layers = preflight(args)
-        model = runs[0].model
-        n, k = runs[0].manifest.get("num_experts"), runs[0].manifest.get("top_k")
-        if budgets is not None and isinstance(k, int):  # N and k from the manifests
-            facts = plan.policy_facts(n, k)
-            check_request(args, budgets, coverages, k, facts)
-            request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers,
-                                         args.mode, args.batch_size, args.batch_seed)
-            # every cell stored already: answered without the model (or torch)
-            dtype = key_dtype(args, runs)
-            if dtype is not None:
-                outcome = plan.stored_outcome(catalog, runs, request, args.calibration,
-                                              args.out or args.traces, facts, dtype)
+        planned = plan_request(args, coverages)
+        done = Computed(planned.outcome, planned.request, planned.budgets, None) \
+            if planned.outcome is not None else \
+            compute(args, planned.catalog, planned.runs, planned.layers, coverages)
     except UserError as exc:
         return fail("replay", exc)
-    if outcome is None:
-        code, outcome, request, budgets, loaded = compute(args, catalog, runs, layers, coverages)
-        if code:
-            return code
+    frame = print_outcome(args, planned, done, coverages)
+    payload = result_payload(args, planned, done, coverages, frame, threads)
+    try:
+        if args.output is not None:
+            write_output(args.output, payload, frame)
+    except OSError as exc:
+        return fail("replay", f"cannot write --output {args.output}: {exc.strerror or exc}", 1)
+    return 0
+
+
+def print_outcome(args, planned: Planned, done: Computed, coverages):
+    """Skips, notes and reuse on stderr; per run the summary table, then variants, the rate and
+    where the results are. Returns the summary frame (None when nothing was summarised)."""
+    from replay import plan
+    outcome, request, n, k = done.outcome, done.request, planned.n, planned.k
     for name, skipped in outcome.skipped.items():
         if isinstance(n, int) and isinstance(k, int):
             limit = plan.policy_facts(n, k).rankings[name].limit
@@ -383,15 +427,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"replay: {note}", file=sys.stderr)
     for name in outcome.reused:
         print(f"reused stored results for run {name}" +
-              ("" if loaded else " (model not loaded)"), file=sys.stderr)
+              ("" if done.loaded else " (model not loaded)"), file=sys.stderr)
     frame = plan.summary_frame(outcome, request)
-    for run in runs if frame is not None else []:  # one block per run: never pooled
+    for run in planned.runs if frame is not None else []:  # one block per run: never pooled
         mine = frame.filter(frame["run"] == run.name).drop("run")
         if mine.is_empty():
             continue
         print("\n".join(summary_lines(mine, request.mode, [run], list(args.ranking),
                                        list(coverages))))
-    folders = sorted({str(u.folder.parent) for u in outcome.units})
     variants = sorted({plan.variant_text(u.unit) for u in outcome.units})
     if variants:
         print("variants: " + "; ".join(variants))
@@ -403,31 +446,35 @@ def main(argv: list[str] | None = None) -> int:
     if outcome.trees:
         print(f"re-verified {outcome.trees} trees in {outcome.seconds:.1f} s "
               f"({outcome.trees / max(outcome.seconds, 1e-9):.3g} trees/s)")
-    print(f"results: {', '.join(folders)}")
+    print(f"results: {', '.join(result_folders(outcome))}")
     if frame is not None:
         table = request.mode.table
         print(f"every metric per cell: --output FILE.csv, or {console.command('query')} --traces "
               f"{args.out or args.traces} \"SELECT * FROM {table}\"")
-    payload = {"tool": "replay", "mode": args.mode, "batch_size": args.batch_size,
-               "batch_seed": args.batch_seed, "traces": str(args.traces),
-               "model": model, "runs": [r.name for r in runs],
-               "calibration": list(args.calibration), "rankings": list(args.ranking),
-               "coverages": list(coverages), "budgets": list(budgets),
-               "tree_layers": outcome.tree_layers, "trees": outcome.trees,
-               "seconds": outcome.seconds, "results": folders, "threads": threads,
-               "model_loaded": loaded is not None,
-               "model_dtype": None if loaded is None else str(loaded.dtype).removeprefix("torch."),
-               "reused": list(outcome.reused), "notes": list(outcome.notes),
-               "variants": [dict(u.unit, config=u.folder.name.split("=", 1)[1])
-                            for u in outcome.units],
-               "skipped": {name: list(b) for name, b in outcome.skipped.items()},
-               "summary": frame.to_dicts() if frame is not None else []}
-    try:
-        if args.output is not None:
-            write_output(args.output, payload, frame)
-    except OSError as exc:
-        return fail("replay", f"cannot write --output {args.output}: {exc.strerror or exc}", 1)
-    return 0
+    return frame
+
+
+def result_folders(outcome) -> list[str]:
+    return sorted({str(u.folder.parent) for u in outcome.units})
+
+
+def result_payload(args, planned: Planned, done: Computed, coverages, frame, threads) -> dict:
+    """The machine-readable result (``--output``)."""
+    outcome, loaded = done.outcome, done.loaded
+    return {"tool": "replay", "mode": args.mode, "batch_size": args.batch_size,
+            "batch_seed": args.batch_seed, "traces": str(args.traces),
+            "model": planned.runs[0].model, "runs": [r.name for r in planned.runs],
+            "calibration": list(args.calibration), "rankings": list(args.ranking),
+            "coverages": list(coverages), "budgets": list(done.budgets),
+            "tree_layers": outcome.tree_layers, "trees": outcome.trees,
+            "seconds": outcome.seconds, "results": result_folders(outcome), "threads": threads,
+            "model_loaded": loaded is not None,
+            "model_dtype": None if loaded is None else str(loaded.dtype).removeprefix("torch."),
+            "reused": list(outcome.reused), "notes": list(outcome.notes),
+            "variants": [dict(u.unit, config=u.folder.name.split("=", 1)[1])
+                         for u in outcome.units],
+            "skipped": {name: list(b) for name, b in outcome.skipped.items()},
+            "summary": frame.to_dicts() if frame is not None else []}
 
 
 if __name__ == "__main__":

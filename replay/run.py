@@ -118,49 +118,12 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
     engine = OpenLoopEngine(adapter, device, progress=progress, max_batch=max_batch)
     actors = None
     for run in runs:
-        tasks = []
         run_layers = run_layers_noted(run, layers, mode, outcome)
         if not run_layers:
             continue
         with ExitStack() as locks:
-            for name in request.rankings:
-                cls = rankings.get(name)
-                note = (f"{name} keeps one state per batch of {request.batch_size}, carried "
-                        "across that batch's passes (capture --batch-size refuses stateful "
-                        "rankings online)")
-                if request.batch_size > 1 and cls.stateful and note not in outcome.notes:
-                    outcome.notes.append(note)
-                for cov_name in request.coverages:
-                    cover = coverage.get(cov_name)
-                    budgets = [b for b in request.budgets if b >= cover.min_budget(adapter.top_k)]
-                    skip = cls().skipped(adapter.num_experts, budgets)
-                    if skip:
-                        outcome.skipped.setdefault(name, sorted(set(skip)))
-                    budgets = [b for b in budgets if b not in skip]
-                    if not budgets:
-                        continue
-                    unit = UnitResults(out, mode.table, run, unit_key(mode, cls, cover,
-                                                                      calibration,
-                                                                      dtype=key_dtype))
-                    other = stored_calibrated(catalog, out, run, unit, cls, calibration,
-                                              mode.cell_layers(run_layers), budgets)
-                    if other is not None:  # answered by a stored calibrated variant
-                        outcome.units.append(other)
-                        outcome.notes.append(answered_note(name, cov_name, run, other))
-                        continue
-                    locks.enter_context(unit.locked())
-                    unit.drop_superseded(UNIT_IDENTITY)
-                    outcome.units.append(unit)
-                    saved = unit.folder / cls.artifact if cls.artifact else None
-                    if saved and not saved.exists():  # what it learned, beside its results
-                        # (a unit names its calibration runs, so a saved model is this one)
-                        location.mkdir(unit.folder)
-                        atomic.write_via(saved, cls().fit(stats).save)
-                    todo = unit.plan(mode.cell_layers(run_layers), budgets)
-                    for block in todo:
-                        tasks.append(mode.task(unit, block, cls, cover, stats))
-                    if todo:
-                        outcome.notes += new_variant_notes(out, run, unit, cls, calibration)
+            tasks = run_tasks(catalog, out, run, run_layers, request, adapter, stats,
+                              calibration, key_dtype, outcome, locks)
             if not tasks:
                 outcome.reused.append(run.name)
                 continue
@@ -185,6 +148,56 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
         ray.kill(actor)
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+def run_tasks(catalog: Catalog, out: Path, run: Run, run_layers, request: ReplayRequest,
+              adapter: MoEAdapter, stats, calibration: list[Run], key_dtype: str,
+              outcome: ReplayOutcome, locks: ExitStack) -> list:
+    """The tasks one run still needs, unit by unit (ranking × coverage): cells stored already,
+    or answered by a stored calibrated variant, are left out; every unit with work is locked
+    for the rest of the replay (``locks``), superseded results dropped, and a learned ranking's
+    model saved beside its results."""
+    mode = request.mode
+    tasks = []
+    for name in request.rankings:
+        cls = rankings.get(name)
+        note = (f"{name} keeps one state per batch of {request.batch_size}, carried "
+                "across that batch's passes (capture --batch-size refuses stateful "
+                "rankings online)")
+        if request.batch_size > 1 and cls.stateful and note not in outcome.notes:
+            outcome.notes.append(note)
+        for cov_name in request.coverages:
+            cover = coverage.get(cov_name)
+            budgets = [b for b in request.budgets if b >= cover.min_budget(adapter.top_k)]
+            skip = cls().skipped(adapter.num_experts, budgets)
+            if skip:
+                outcome.skipped.setdefault(name, sorted(set(skip)))
+            budgets = [b for b in budgets if b not in skip]
+            if not budgets:
+                continue
+            unit = UnitResults(out, mode.table, run, unit_key(mode, cls, cover,
+                                                              calibration,
+                                                              dtype=key_dtype))
+            other = stored_calibrated(catalog, out, run, unit, cls, calibration,
+                                      mode.cell_layers(run_layers), budgets)
+            if other is not None:  # answered by a stored calibrated variant
+                outcome.units.append(other)
+                outcome.notes.append(answered_note(name, cov_name, run, other))
+                continue
+            locks.enter_context(unit.locked())
+            unit.drop_superseded(UNIT_IDENTITY)
+            outcome.units.append(unit)
+            saved = unit.folder / cls.artifact if cls.artifact else None
+            if saved and not saved.exists():  # what it learned, beside its results
+                # (a unit names its calibration runs, so a saved model is this one)
+                location.mkdir(unit.folder)
+                atomic.write_via(saved, cls().fit(stats).save)
+            todo = unit.plan(mode.cell_layers(run_layers), budgets)
+            for block in todo:
+                tasks.append(mode.task(unit, block, cls, cover, stats))
+            if todo:
+                outcome.notes += new_variant_notes(out, run, unit, cls, calibration)
+    return tasks
 
 
 def new_variant_notes(out: Path, run: Run, unit: UnitResults, cls,
