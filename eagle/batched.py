@@ -76,6 +76,31 @@ class BatchPass:
     finished: list[tuple[object, Generation]]  # sequences that stopped after this pass
 
 
+@dataclass
+class _Batch:
+    """The decoding loop's state: prompts waiting, sequences in the batch (row order), free
+    slots, and the padded batch cache."""
+
+    queue: deque
+    active: list[Sequence]
+    free: list[int]
+    cache: object = None
+
+    def leave(self, rows: list[int], *, after_pass: bool) -> None:
+        """The sequences at batch ``rows`` leave: slots freed, cache rows dropped, and after a
+        pass the padding columns no remaining sequence needs."""
+        keep = [i for i in range(len(self.active)) if i not in rows]
+        self.free.extend(self.active[i].slot for i in rows)
+        self.free.sort()
+        self.active = [self.active[i] for i in keep]
+        if not self.active:
+            self.cache = None
+            return
+        BatchedDecoder._keep_rows(self.cache, keep)
+        if after_pass:
+            BatchedDecoder._trim(self.cache, [s.prefix for s in self.active])
+
+
 class BatchedDecoder:
     """Continuous-batching EAGLE decoding over an :class:`EagleDecoder`'s target, head and
     settings. ``verify_context(pass_index, trees, prefixes)`` wraps each batched verification
@@ -129,100 +154,103 @@ class BatchedDecoder:
         verification pass and ``(key, Generation)`` for a prompt that stops before any pass
         (its first token already ends it). ``seed`` is one seed for all prompts or a function of
         the key (each prompt's generator is seeded as its b = 1 decoding would be)."""
-        dec = self.decoder
         eos = set(eos_token_ids or ())
-        queue = deque(prompts)
-        active: list[Sequence] = []
-        free = list(range(self.batch_size))
-        cache = None
-        tree_size = 1 if autoregressive else dec.tree_settings.total_tokens
+        batch = _Batch(deque(prompts), [], list(range(self.batch_size)))
+        tree_size = 1 if autoregressive else self.decoder.tree_settings.total_tokens
         index = 0
-        while queue or active:
-            while queue and free:  # continuous batching: fill every free slot
-                entries = [queue.popleft() for _ in range(min(len(queue), len(free)))]
-                joined, stopped, rows = self._admit(entries, free, eos, max_new_tokens, seed)
-                for key, generation in stopped:
-                    yield key, generation
-                if joined:
-                    active.extend(joined)
-                    cache = self._join(cache, rows)
-            if not active:
+        while batch.queue or batch.active:
+            yield from self._fill(batch, eos, max_new_tokens, seed)
+            if not batch.active:
                 break
-            finished = [s for s in active if s.prefix + tree_size + 1 > dec.max_length]
-            if finished:
+            full = [i for i, s in enumerate(batch.active)
+                    if s.prefix + tree_size + 1 > self.decoder.max_length]
+            if full:  # no room for another tree: these stop before the pass
+                finished = [batch.active[i] for i in full]
                 for s in finished:
                     self._finish(s, "context_length")
-                keep = [i for i, s in enumerate(active) if s not in finished]
-                for s in finished:
-                    free.append(s.slot)
-                active = [active[i] for i in keep]
-                if active:
-                    self._keep_rows(cache, keep)
-                else:
-                    cache = None
+                batch.leave(full, after_pass=False)
                 yield BatchPass(index, [], [], [], 0, 0.0, 0.0,
                                 [(s.key, s.result) for s in finished])
                 continue
-            _sync(dec.device)
-            t0 = time.perf_counter()
-            trees = [None] * len(active) if autoregressive else build_trees(
-                dec.head, [DraftInput(s.draft_cache, s.new_feats, s.new_tokens, s.root)
-                           for s in active], dec.tree_settings)
-            _sync(dec.device)
-            t1 = time.perf_counter()
-            width = cache.layers[0].keys.shape[-2]
-            prefixes = [s.prefix for s in active]
-            roots = torch.tensor([[s.root] for s in active], device=dec.device) \
-                if autoregressive else None
-            ctx = self.verify_context(index, trees, prefixes) if self.verify_context \
-                else contextlib.nullcontext()
-            with ctx, dec.tap.active():
-                out = verify_batch(dec.target, cache, trees, prefixes, self.window, roots)
-                feats = dec.tap.features()
-            cache = out.cache
-            logits = out.logits
-            verdicts = []
-            for i, (s, tree) in enumerate(zip(active, trees)):
-                if tree is None:
-                    verdicts.append(acceptance.Acceptance([0], acceptance.next_token(
-                        logits[i, 0], dec.sampling, s.generator)))
-                else:
-                    verdicts.append(acceptance.accept(tree, logits[i], dec.sampling, s.generator))
-            _sync(dec.device)
-            t2 = time.perf_counter()
-            paths = [torch.tensor(v.path, device=dec.device) for v in verdicts]
-            self._compact(cache, width, prefixes, paths)
-            records, done = [], []
-            for i, (s, tree, v, path) in enumerate(zip(active, trees, verdicts, paths)):
-                accepted = [] if tree is None else tree.tokens[path[1:]].tolist()
-                record = StepRecord(s.step, s.prefix, tree, v.path, v.bonus,
-                                    (t1 - t0) / len(active), t2 - t1)
-                records.append(record)
-                s.result.steps.append(record)
-                s.prefix += len(v.path)
-                s.out, reason = dec._stop(s.out + accepted + [v.bonus], eos, max_new_tokens)
-                s.root = v.bonus
-                s.new_feats = feats[i, path]
-                s.new_tokens = torch.tensor(accepted + [s.root], device=dec.device)
-                s.step += 1
-                s.result.output_ids = s.out
-                if reason:
-                    self._finish(s, reason)
-                    done.append(i)
-            yield BatchPass(index, [s.slot for s in active], [s.key for s in active], records,
-                            len(active) * tree_size, t1 - t0, t2 - t1,
-                            [(active[i].key, active[i].result) for i in done])
+            done, batch_pass = self._pass(batch, index, tree_size, autoregressive, eos,
+                                          max_new_tokens)
+            yield batch_pass
             index += 1
             if done:
-                keep = [i for i in range(len(active)) if i not in done]
-                free.extend(active[i].slot for i in done)
-                free.sort()
-                active = [active[i] for i in keep]
-                if active:
-                    self._keep_rows(cache, keep)
-                    self._trim(cache, [s.prefix for s in active])
-                else:
-                    cache = None
+                batch.leave(done, after_pass=True)
+
+    def _fill(self, batch: _Batch, eos, max_new_tokens, seed
+              ) -> Iterator[tuple[object, Generation]]:
+        """Continuous batching: prefill queued prompts into every free slot; yields the prompts
+        whose first token already stops them."""
+        while batch.queue and batch.free:
+            entries = [batch.queue.popleft()
+                       for _ in range(min(len(batch.queue), len(batch.free)))]
+            joined, stopped, rows = self._admit(entries, batch.free, eos, max_new_tokens, seed)
+            yield from stopped
+            if joined:
+                batch.active.extend(joined)
+                batch.cache = self._join(batch.cache, rows)
+
+    def _pass(self, batch: _Batch, index: int, tree_size: int, autoregressive: bool, eos,
+              max_new_tokens) -> tuple[list[int], BatchPass]:
+        """One verification pass: every active sequence's tree drafted, verified in one batched
+        target forward, its path accepted and committed. Returns the rows that stopped and the
+        pass."""
+        dec, active = self.decoder, batch.active
+        _sync(dec.device)
+        t0 = time.perf_counter()
+        trees = [None] * len(active) if autoregressive else build_trees(
+            dec.head, [DraftInput(s.draft_cache, s.new_feats, s.new_tokens, s.root)
+                       for s in active], dec.tree_settings)
+        _sync(dec.device)
+        t1 = time.perf_counter()
+        width = batch.cache.layers[0].keys.shape[-2]
+        prefixes = [s.prefix for s in active]
+        roots = torch.tensor([[s.root] for s in active], device=dec.device) \
+            if autoregressive else None
+        ctx = self.verify_context(index, trees, prefixes) if self.verify_context \
+            else contextlib.nullcontext()
+        with ctx, dec.tap.active():
+            out = verify_batch(dec.target, batch.cache, trees, prefixes, self.window, roots)
+            feats = dec.tap.features()
+        batch.cache = out.cache
+        verdicts = [acceptance.Acceptance([0], acceptance.next_token(
+                        out.logits[i, 0], dec.sampling, s.generator)) if tree is None
+                    else acceptance.accept(tree, out.logits[i], dec.sampling, s.generator)
+                    for i, (s, tree) in enumerate(zip(active, trees))]
+        _sync(dec.device)
+        t2 = time.perf_counter()
+        paths = [torch.tensor(v.path, device=dec.device) for v in verdicts]
+        self._compact(batch.cache, width, prefixes, paths)
+        records, done = [], []
+        for i, (s, tree, v, path) in enumerate(zip(active, trees, verdicts, paths)):
+            record = StepRecord(s.step, s.prefix, tree, v.path, v.bonus,
+                                (t1 - t0) / len(active), t2 - t1)
+            records.append(record)
+            if self._commit(s, record, tree, path, feats[i], eos, max_new_tokens):
+                done.append(i)
+        return done, BatchPass(index, [s.slot for s in active], [s.key for s in active],
+                               records, len(active) * tree_size, t1 - t0, t2 - t1,
+                               [(active[i].key, active[i].result) for i in done])
+
+    def _commit(self, s: Sequence, record: StepRecord, tree, path: torch.Tensor,
+                feats: torch.Tensor, eos, max_new_tokens) -> bool:
+        """Append a pass's accepted tokens and bonus token to sequence ``s`` (its next draft's
+        inputs too); True when it stops."""
+        dec = self.decoder
+        accepted = [] if tree is None else tree.tokens[path[1:]].tolist()
+        s.result.steps.append(record)
+        s.prefix += len(record.path)
+        s.out, reason = dec._stop(s.out + accepted + [record.bonus], eos, max_new_tokens)
+        s.root = record.bonus
+        s.new_feats = feats[path]
+        s.new_tokens = torch.tensor(accepted + [s.root], device=dec.device)
+        s.step += 1
+        s.result.output_ids = s.out
+        if reason:
+            self._finish(s, reason)
+        return bool(reason)
 
     @staticmethod
     def _trim(cache, prefixes: list[int]) -> None:
