@@ -66,8 +66,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg, bytes_per_param: float = 2.0) -> "ModelShape":
-        n = getattr(cfg, "num_experts", None) or getattr(cfg, "n_routed_experts", None) or \
-            getattr(cfg, "num_local_experts")
+        from moe.models import EXPERT_COUNT_KEYS  # each family's record names its key
+        n = next(v for v in (getattr(cfg, key, None) for key in EXPERT_COUNT_KEYS) if v)
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shared = (getattr(cfg, "n_shared_experts", 0) or 0) * inter

@@ -84,7 +84,8 @@ def main(argv=None) -> int:
     shutil.rmtree(out / "traces", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     config = write_config(args.shape, out / "model")
-    n = config.get("num_experts") or config.get("num_local_experts") or config["n_routed_experts"]
+    from moe import models
+    n = next(config[key] for key in models.EXPERT_COUNT_KEYS if config.get(key))
     k, layers = config["num_experts_per_tok"], config["num_hidden_layers"]
     t0 = time.perf_counter()
     source = write_source(out / "sglang.jsonl", size, n, k, layers)

@@ -19,7 +19,7 @@ per cell and budget, the median over the diagonal and the off-diagonal cells at 
 and per ranking the experts saved at matched error (router's mean RSE at B, the budget X needs
 on its own sweep, linear interpolation; mean over the router budgets inside the sweep) minus the
 surrogate's bytes in expert-equivalents, at the tiny model's shape and at the family's real
-shape (``REAL_SHAPES``; the saving measured on the tiny model, the charge at real size: a
+shape (:func:`real_shape`; the saving measured on the tiny model, the charge at real size: a
 projection). The cost figures (bytes per layer, FLOPs per token) are in the output.
 """
 
@@ -48,13 +48,18 @@ from replay import open_loop  # noqa: E402
 from replay.run import calibration_stats  # noqa: E402
 from replay.virtual_batch import PromptSource  # noqa: E402
 
-# (N, H, I) of the real checkpoints each tiny family stands for (DESIGN.md's models; the
-# configs' num_experts, hidden_size, moe_intermediate_size)
-REAL_SHAPES = {"tiny-olmoe": ("OLMoE-1B-7B", 64, 2048, 1024),
-               "tiny-qwen3-moe": ("Qwen3-30B-A3B", 128, 2048, 768),
-               "tiny-gpt-oss": ("gpt-oss-20b", 32, 2880, 2880),
-               "tiny-deepseek-v3": ("DeepSeek-V3", 256, 7168, 2048),
-               "tiny-mixtral": ("Mixtral-8x7B", 8, 4096, 14336)}
+
+def real_shape(model: str) -> tuple[str, int, int, int] | None:
+    """(checkpoint, N, H, I) of the real checkpoint the tiny model ``model`` stands for, from
+    its family's record (``moe.families``: N, hidden size, the experts' intermediate size)."""
+    from moe import families, models
+    family = families.lookup(name=model)
+    if family is None:
+        return None
+    cfg = family.real_config
+    n = next(cfg[key] for key in models.EXPERT_COUNT_KEYS if key in cfg)
+    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    return family.hub_id.split("/")[-1], n, cfg["hidden_size"], inter
 
 
 def capture_runs(root: Path, model: str, args) -> None:
@@ -257,7 +262,7 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
                 parts.append(f"B={b}: {fmt(d)} | {fmt(o)} | {fmt(x)}")
             print(f"  {cov_name:<12} {name:<13} " + "; ".join(parts))
     saved = experts_saved(args, mean, budgets, sources, names, k)
-    label, rn, rh, ri = REAL_SHAPES.get(args.model, (args.model, n, h, inter))
+    label, rn, rh, ri = real_shape(args.model) or (args.model, n, h, inter)
     costs = {name: dict(tiny=surrogate_cost(n, h, int(name.split("-r")[1]), inter),
                         real=surrogate_cost(rn, rh, int(name.split("-r")[1]), ri))
              for name in names if name.startswith("sketch")}
