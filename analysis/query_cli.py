@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 
 import console
 from analysis.sql import (
@@ -35,6 +37,48 @@ FORMATS = ("table", "csv", "json", "parquet")
 
 @console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        _check_args(args)
+    except UserError as exc:
+        return fail("query", exc)
+    if not args.traces.is_dir():
+        return fail("query", f"no traces folder at {args.traces}; run "
+                    f"`{console.command('capture')}` first or pass --traces")
+    try:
+        con = connect(args.traces, roles=None if args.role == "all" else (args.role,))
+    except UserError as exc:
+        return fail("query", exc)
+    names = views(con)
+    if args.schema:
+        _print_schema(con, names, args.role, args.traces)
+        return 0
+    if not args.sql:
+        return fail("query", "give a SQL query or --schema")
+    if args.format == "parquet" and not args.out:
+        return fail("query", "--format parquet needs --out FILE")
+    try:
+        result = _run(con, args.sql, args.timeout)
+        if args.format == "parquet":
+            _write_parquet(result, args.out)
+            return 0
+        import polars as pl
+        df = pl.from_arrow(result)
+    except duckdb.Error as exc:
+        return fail("query", _query_failure(args.traces, args.sql, exc, names))
+    except OSError as exc:
+        return fail("query", _cannot_write(args.out, exc))
+    except UserError as exc:  # a refused query
+        return fail("query", exc)
+    try:
+        text = _RENDERERS[args.format](df, result, args.max_rows)
+    except UserError as exc:  # a result the format cannot hold
+        return fail("query", exc)
+    return _emit(text, args.out)
+
+
+def _parser() -> console.ArgumentParser:
+    """The command line of ``query``."""
     p = console.ArgumentParser(
         prog="query", examples=__doc__.split("\n\n")[1],
         description="Run SQL over every trace table (sequences, trees, nodes, routing, moe_io, "
@@ -63,89 +107,103 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"stop a query after this long (default ${TIMEOUT_ENV} or 120)")
     p.add_argument("--memory-limit", default=None, metavar="SIZE",
                    help=f"DuckDB's memory limit, e.g. 2GB (default ${MEMORY_ENV} or 4GB)")
-    args = p.parse_args(argv)
-    try:
-        args.traces = location.from_args(args.traces, args.storage_options)
-        sql_limits(args.memory_limit, args.timeout)
-        if args.memory_limit:
-            import os
-            os.environ[MEMORY_ENV] = args.memory_limit  # the connection's limit
-        if args.max_rows < 1:
-            raise UserError(f"--max-rows {args.max_rows} must be at least 1")
-        check_out(args.out, args.traces)
-    except UserError as exc:
-        return fail("query", exc)
-    if not args.traces.is_dir():
-        return fail("query", f"no traces folder at {args.traces}; run "
-                    f"`{console.command('capture')}` first or pass --traces")
-    try:
-        con = connect(args.traces, roles=None if args.role == "all" else (args.role,))
-    except UserError as exc:
-        return fail("query", exc)
-    names = views(con)
-    if args.schema:
-        if not names:
-            print(f"no tables of {args.role} runs under {args.traces} yet; run "
-                  f"`{console.command('capture')}` first" + ("" if args.role == "all" else
-                                                             " or pass --role all"))
-        for name in names:
-            cols = con.execute(f"DESCRIBE {name}").fetchall()
-            print(f"{name}: " + ", ".join(f"{c[0]} {c[1]}" for c in cols))
-        return 0
-    if not args.sql:
-        return fail("query", "give a SQL query or --schema")
-    if args.format == "parquet" and not args.out:
-        return fail("query", "--format parquet needs --out FILE")
-    try:
-        result = run_query(con, args.sql, timeout=args.timeout)
-        for note in hidden_variants(con, args.sql):
-            print(f"note: {note}", file=sys.stderr)
-        if args.format == "parquet" and str(args.out) == "-":  # stdout, on purpose
-            import io
+    return p
 
-            import pyarrow.parquet as pq
-            buffer = io.BytesIO()
-            pq.write_table(result, buffer, compression="zstd")
-            sys.stdout.buffer.write(buffer.getvalue())
-            sys.stdout.flush()
-            return 0
-        if args.format == "parquet":  # written by Python (DuckDB writes no file), atomically
-            atomic.write_table(args.out, result)
-            print(f"wrote {result.num_rows} rows × {result.num_columns} columns to {args.out}",
-                  file=sys.stderr)
-            return 0
-        import polars as pl
-        df = pl.from_arrow(result)
-    except duckdb.Error as exc:
-        damaged = damaged_file(args.traces, args.sql, exc)  # a corrupt page names no file
-        if damaged:
-            return fail("query", damaged)
-        first = str(exc).strip().splitlines()[0]
-        return fail("query", f"{first} (views: {', '.join(names) or 'none'})")
-    except OSError as exc:
-        return fail("query", f"cannot write {args.out}: {exc.strerror or exc}; choose a writable "
-                    "--out")
-    except UserError as exc:  # a refused query
-        return fail("query", exc)
-    if args.format == "csv":
-        nested = [name for name, dtype in df.schema.items() if dtype.is_nested()]
-        if nested:
-            return fail("query", f"CSV cannot hold the list columns {', '.join(nested)}; select "
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Resolve ``--traces`` and check the limits, ``--max-rows`` and ``--out`` (UserError)."""
+    args.traces = location.from_args(args.traces, args.storage_options)
+    sql_limits(args.memory_limit, args.timeout)
+    if args.memory_limit:
+        import os
+        os.environ[MEMORY_ENV] = args.memory_limit  # the connection's limit
+    if args.max_rows < 1:
+        raise UserError(f"--max-rows {args.max_rows} must be at least 1")
+    check_out(args.out, args.traces)
+
+
+def _print_schema(con: duckdb.DuckDBPyConnection, names: list[str], role: str, traces) -> None:
+    """Print each view and its columns (``--schema``), or how to get some."""
+    if not names:
+        print(f"no tables of {role} runs under {traces} yet; run "
+              f"`{console.command('capture')}` first" + ("" if role == "all" else
+                                                         " or pass --role all"))
+    for name in names:
+        cols = con.execute(f"DESCRIBE {name}").fetchall()
+        print(f"{name}: " + ", ".join(f"{c[0]} {c[1]}" for c in cols))
+
+
+def _run(con: duckdb.DuckDBPyConnection, sql: str, timeout: float | None) -> pa.Table:
+    """Run the user's query; notes on stderr for default-variant views that hide variants."""
+    result = run_query(con, sql, timeout=timeout)
+    for note in hidden_variants(con, sql):
+        print(f"note: {note}", file=sys.stderr)
+    return result
+
+
+def _write_parquet(result: pa.Table, out: Path) -> None:
+    """The result as Parquet: to stdout for ``--out -``, else to the file, atomically."""
+    if str(out) == "-":  # stdout, on purpose
+        import io
+
+        import pyarrow.parquet as pq
+        buffer = io.BytesIO()
+        pq.write_table(result, buffer, compression="zstd")
+        sys.stdout.buffer.write(buffer.getvalue())
+        sys.stdout.flush()
+        return
+    atomic.write_table(out, result)  # written by Python (DuckDB writes no file), atomically
+    print(f"wrote {result.num_rows} rows × {result.num_columns} columns to {out}",
+          file=sys.stderr)
+
+
+def _query_failure(traces, sql: str, exc: duckdb.Error, names: list[str]) -> str:
+    """One line for a query DuckDB could not run: the damaged file it read, else its error."""
+    damaged = damaged_file(traces, sql, exc)  # a corrupt page names no file
+    if damaged:
+        return damaged
+    first = str(exc).strip().splitlines()[0]
+    return f"{first} (views: {', '.join(names) or 'none'})"
+
+
+def _cannot_write(out: Path | None, exc: OSError) -> str:
+    """One line for an ``--out`` that could not be written."""
+    return f"cannot write {out}: {exc.strerror or exc}; choose a writable --out"
+
+
+def _csv(df, result: pa.Table, max_rows: int) -> str:
+    """The result as CSV; list columns are refused (UserError): CSV cannot hold them."""
+    nested = [name for name, dtype in df.schema.items() if dtype.is_nested()]
+    if nested:
+        raise UserError(f"CSV cannot hold the list columns {', '.join(nested)}; select "
                         "other columns, or use --format json or --format parquet --out FILE")
-        text = df.write_csv()
-    elif args.format == "json":
-        text = df.write_json()
-    else:  # DuckDB's own box rendering (types under the names, tiny numbers in e-notation)
-        shown = result.slice(0, args.max_rows)
-        text = str(duckdb.connect().from_arrow(shown)).rstrip("\n")
-        text += f"\n{result.num_rows} row(s)" + (
-            f", {args.max_rows} shown (--max-rows)" if result.num_rows > args.max_rows else "")
-    if args.out and str(args.out) != "-":  # - is stdout, on purpose
+    return df.write_csv()
+
+
+def _json(df, result: pa.Table, max_rows: int) -> str:
+    """The result as JSON records."""
+    return df.write_json()
+
+
+def _box(df, result: pa.Table, max_rows: int) -> str:
+    """DuckDB's own box rendering (types under the names, tiny numbers in e-notation) of the
+    first ``max_rows`` rows, and the row count."""
+    shown = result.slice(0, max_rows)
+    text = str(duckdb.connect().from_arrow(shown)).rstrip("\n")
+    return text + f"\n{result.num_rows} row(s)" + (
+        f", {max_rows} shown (--max-rows)" if result.num_rows > max_rows else "")
+
+
+_RENDERERS = {"csv": _csv, "json": _json, "table": _box}  # --format -> text (parquet: binary)
+
+
+def _emit(text: str, out: Path | None) -> int:
+    """Write the text to ``--out`` (atomically) or print it; the exit status."""
+    if out and str(out) != "-":  # - is stdout, on purpose
         try:
-            atomic.write_bytes(args.out, text.encode("utf-8"))
+            atomic.write_bytes(out, text.encode("utf-8"))
         except OSError as exc:
-            return fail("query", f"cannot write {args.out}: {exc.strerror or exc}; choose a "
-                        "writable --out")
+            return fail("query", _cannot_write(out, exc))
     else:
         print(text)
     return 0

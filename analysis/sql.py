@@ -231,18 +231,46 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
     ranking version, calibration, mode, batch seed, dtype, …) and ``replay_open`` (one
     variant per cell, :data:`DEFAULT_VARIANT_RULE`); the ``variants`` view lists them."""
     root = location.root(root)
+    con = _open(root, database)
+    names = list(runs) if runs is not None else None
+    runs = Catalog(root).runs(roles=roles, names=names, kinds=None) if names != [] else []
+    files, blocks = _files(root, runs, roles)
+    for name, table in (("_complete_runs", runs_table(runs, root)),
+                        ("_blocks", _variants_table(blocks)),
+                        ("_default_cells", _default_cells_table(blocks, runs))):
+        _create_table(con, name, table)  # tables, not registrations: cursors must see them too
+    if runs or (root / "runs").is_dir():  # (a folder with no capture at all: no views)
+        con.execute("CREATE VIEW runs AS SELECT * EXCLUDE (summarised) FROM _complete_runs")
+    if blocks:  # the variants of the replay results there are
+        _create_variants_view(con)
+    _create_empty_views(con, root, files)
+    for name in VIEWS:
+        if name != "runs" and files.get(name):
+            _create_views(con, name, _view_bodies(name, _scan(files[name])))
+    lock_down(con, root)
+    return con
+
+
+def _open(root: Path, database: str) -> duckdb.DuckDBPyConnection:
+    """A DuckDB connection that can read ``root`` (local or remote), on this process's CPUs."""
     con = duckdb.connect(database)
     remote = location.duckdb_filesystem(root)
     if remote is not None:
         con.register_filesystem(remote)
     con.execute(f"SET threads = {console.threads.current()}")  # never more than this process's CPUs
-    names = list(runs) if runs is not None else None
-    runs = Catalog(root).runs(roles=roles, names=names, kinds=None) if names != [] else []
-    files, blocks = _files(root, runs, roles)
-    dtypes = {(partition_value(r.model), r.bench, r.name):
-              str(r.manifest.get("dtype") or "float32").removeprefix("torch.") for r in runs}
-    run_rows = runs_table(runs, root)
-    variant_rows = pa.Table.from_pylist(
+    return con
+
+
+def _create_table(con: duckdb.DuckDBPyConnection, name: str, table: pa.Table) -> None:
+    """Copy an Arrow table into the connection as table ``name``."""
+    con.register("_arrow", table)
+    con.execute(f"CREATE TABLE {name} AS SELECT * FROM _arrow")
+    con.unregister("_arrow")
+
+
+def _variants_table(blocks: list[dict]) -> pa.Table:
+    """One row per replay result block: its cell and which variant it is (``_blocks``)."""
+    return pa.Table.from_pylist(
         [dict(table_name=b["table"], model=b["model"], bench=b["bench"], run=b["run"],
               config=b["config"], block=b["block"], ranking=b["unit"].get("ranking"),
               coverage=b["unit"].get("coverage"), batch_size=b["unit"].get("batch_size", 1),
@@ -253,65 +281,79 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
                           ("block", pa.string()), ("ranking", pa.string()),
                           ("coverage", pa.string()), ("batch_size", pa.int64()),
                           *VARIANT_FIELDS]))
-    chosen = pa.Table.from_pylist(default_cells(blocks, dtypes), schema=pa.schema(
+
+
+def _default_cells_table(blocks: list[dict], runs: list) -> pa.Table:
+    """The blocks the default result views show, per cell (``_default_cells``)."""
+    dtypes = {(partition_value(r.model), r.bench, r.name):
+              str(r.manifest.get("dtype") or "float32").removeprefix("torch.") for r in runs}
+    return pa.Table.from_pylist(default_cells(blocks, dtypes), schema=pa.schema(
         [(c, pa.string()) for c in ("table", "model", "bench", "run", "config", "block")]
         + [("budget", pa.int64()), ("layer", pa.int64())]))
-    for name, table in (("_complete_runs", run_rows), ("_blocks", variant_rows),
-                        ("_default_cells", chosen)):
-        con.register("_arrow", table)  # tables, not registrations: cursors must see them too
-        con.execute(f"CREATE TABLE {name} AS SELECT * FROM _arrow")
-        con.unregister("_arrow")
-    if runs or (root / "runs").is_dir():  # (a folder with no capture at all: no views)
-        con.execute("CREATE VIEW runs AS SELECT * EXCLUDE (summarised) FROM _complete_runs")
-    variant_select = ", ".join(f"v.{c}" for c, _ in VARIANT_FIELDS if c != "variant")
-    if blocks:  # the variants of the replay results there are
-        con.execute(f"""CREATE VIEW variants AS SELECT table_name, model, bench, run, ranking,
+
+
+def _create_variants_view(con: duckdb.DuckDBPyConnection) -> None:
+    """The ``variants`` view: each replay variant, its blocks, and whether the views show it."""
+    con.execute(f"""CREATE VIEW variants AS SELECT table_name, model, bench, run, ranking,
         coverage, batch_size, {', '.join(c for c, _ in VARIANT_FIELDS)}, count(*) AS blocks,
             bool_or(EXISTS (SELECT 1 FROM _default_cells d WHERE d.config = b.config
                             AND d.block = b.block AND d.run = b.run AND d."table" = b.table_name))
             AS shown_by_default
             FROM _blocks b GROUP BY ALL ORDER BY ALL""")
-    for name in (*schema.TRACE_TABLES, schema.ROUTING_IDS):  # a table whose runs are all
-        if not files.get(name) and (root / name).is_dir():  # running: empty, not absent
+
+
+def _create_empty_views(con: duckdb.DuckDBPyConnection, root: Path,
+                        files: dict[str, list[str]]) -> None:
+    """An empty view for each trace table whose runs are all running: empty, not absent."""
+    for name in (*schema.TRACE_TABLES, schema.ROUTING_IDS):
+        if not files.get(name) and (root / name).is_dir():
             empty = schema.ALL_TABLES[name].empty_table()
             for column in ("model", "bench", "run", "role"):
                 empty = empty.append_column(column, pa.array([], pa.string()))
-            con.register("_arrow", empty)
-            con.execute(f"CREATE TABLE _empty_{name} AS SELECT * FROM _arrow")
-            con.unregister("_arrow")
+            _create_table(con, f"_empty_{name}", empty)
             con.execute(f"CREATE VIEW {name} AS SELECT * FROM _empty_{name}")
-    for name in VIEWS:
-        if name == "runs" or not files.get(name):
-            continue
-        scan = _scan(files[name])
-        if name in RESULT_TABLES:
-            per_layer = name in (OPEN_TABLE, BATCH_TABLE)
-            body = (f"SELECT t.*, {variant_select} FROM {scan} t JOIN _blocks v "
-                    "USING (model, bench, run, config, block)")
-            cell = "t.budget = d.budget" + (" AND t.layer = d.layer" if per_layer else "")
-            default = (f"SELECT t.* FROM {name}_all t SEMI JOIN (SELECT * FROM _default_cells "
-                       f"WHERE \"table\" = '{name}') d ON t.model = d.model AND t.bench = d.bench "
-                       f"AND t.run = d.run AND t.config = d.config AND t.block = d.block AND "
-                       f"{cell}")
-            views_sql = [(f"{name}_all", body), (name, default)]
-        elif name in schema.BATCH_PROFILE_TABLES:  # measurements, not runs: every one
-            views_sql = [(name, f"SELECT * FROM {scan}")]
-        else:
-            views_sql = [(name, f"SELECT t.*, c.role FROM {scan} t JOIN _complete_runs c "
-                                "USING (model, bench, run)")]
-        for view, body in views_sql:
-            try:
-                con.execute(f"CREATE OR REPLACE VIEW {view} AS {body}")
-            except duckdb.Error as exc:  # DuckDB reads the files' schemas here
-                first = str(exc).strip().splitlines()[0]
-                if name in summaries.TABLES:  # derived data: leave it out, never fail the rest
-                    warn(f"the {name} view is left out (a summary file is damaged: "
-                         f"{first[:200]}); run `report` to rebuild it")
-                    continue
-                raise CatalogError(f"the {name} table cannot be read ({first[:300]}); "
-                                   "recapture the affected run") from None
-    lock_down(con, root)
-    return con
+
+
+def _result_views(name: str, scan: str) -> list[tuple[str, str]]:
+    """A replay result table's two views: ``<name>_all`` (every variant, each row saying which)
+    and ``<name>`` (the default variant of each cell)."""
+    per_layer = name in (OPEN_TABLE, BATCH_TABLE)
+    variant_select = ", ".join(f"v.{c}" for c, _ in VARIANT_FIELDS if c != "variant")
+    body = (f"SELECT t.*, {variant_select} FROM {scan} t JOIN _blocks v "
+            "USING (model, bench, run, config, block)")
+    cell = "t.budget = d.budget" + (" AND t.layer = d.layer" if per_layer else "")
+    default = (f"SELECT t.* FROM {name}_all t SEMI JOIN (SELECT * FROM _default_cells "
+               f"WHERE \"table\" = '{name}') d ON t.model = d.model AND t.bench = d.bench "
+               f"AND t.run = d.run AND t.config = d.config AND t.block = d.block AND "
+               f"{cell}")
+    return [(f"{name}_all", body), (name, default)]
+
+
+def _view_bodies(name: str, scan: str) -> list[tuple[str, str]]:
+    """(view, SELECT) for each view of table ``name``, reading the files of ``scan``."""
+    if name in RESULT_TABLES:
+        return _result_views(name, scan)
+    if name in schema.BATCH_PROFILE_TABLES:  # measurements, not runs: every one
+        return [(name, f"SELECT * FROM {scan}")]
+    return [(name, f"SELECT t.*, c.role FROM {scan} t JOIN _complete_runs c "
+                   "USING (model, bench, run)")]
+
+
+def _create_views(con: duckdb.DuckDBPyConnection, name: str,
+                  views_sql: list[tuple[str, str]]) -> None:
+    """Create table ``name``'s views; a damaged summary is left out (warned), any other
+    unreadable table refused in one line."""
+    for view, body in views_sql:
+        try:
+            con.execute(f"CREATE OR REPLACE VIEW {view} AS {body}")
+        except duckdb.Error as exc:  # DuckDB reads the files' schemas here
+            first = str(exc).strip().splitlines()[0]
+            if name in summaries.TABLES:  # derived data: leave it out, never fail the rest
+                warn(f"the {name} view is left out (a summary file is damaged: "
+                     f"{first[:200]}); run `report` to rebuild it")
+                continue
+            raise CatalogError(f"the {name} table cannot be read ({first[:300]}); "
+                               "recapture the affected run") from None
 
 
 def hidden_variants(con: duckdb.DuckDBPyConnection, sql: str) -> list[str]:

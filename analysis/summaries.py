@@ -109,6 +109,47 @@ def reduce_part(path: str, n: int, k: int, max_nodes: int) -> PartSums:
     if not t.num_rows:  # a prompt that stopped at its first token: no pass, an empty part
         return PartSums({f.name: np.zeros(0, f.type.to_pandas_dtype())
                          for f in SCHEMAS["summary_tree_layers"]})
+    part = _rows(t, path, n, k)
+    _check_values(path, part, n, max_nodes)
+    key, part = _in_tree_layer_order(part)
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])  # [G]
+    g_of_row = np.cumsum(np.r_[False, key[1:] != key[:-1]])  # [R]
+    nodes = np.diff(np.r_[starts, len(key)])  # [G]
+    g_layer = part.layer[starts]
+    cum, experts, gini = _shares(_router_mass(part.probs, starts, nodes, n), n)
+    first = _first_node(g_of_row, part.ids, part.node, len(starts), n, k, max_nodes)
+    seen = first < max_nodes
+    rows = dict(prompt_index=part.prompt[starts].astype(np.int32),
+                step=part.step[starts].astype(np.int32),
+                layer=g_layer.astype(np.int16), nodes=nodes.astype(np.int16),
+                unique_experts=seen.sum(1).astype(np.int16),
+                experts_50=experts[0.5].astype(np.int16), experts_90=experts[0.9].astype(np.int16),
+                experts_99=experts[0.99].astype(np.int16), gini=gini.astype(np.float32),
+                top_half_share=cum[:, n // 2 - 1].astype(np.float32))
+    return PartSums(rows, *_layer_sums(g_layer, g_of_row, nodes, first, seen, part.ids, cum,
+                                       n, k, max_nodes))
+
+
+@dataclass
+class _Rows:
+    """A routing part's columns as numpy arrays, one entry per row (a node of a tree-layer)."""
+
+    prompt: np.ndarray  # [R]
+    step: np.ndarray  # [R]
+    layer: np.ndarray  # [R]
+    node: np.ndarray  # [R] int64
+    probs: np.ndarray  # [R, N] float32
+    ids: np.ndarray  # [R, k] int64
+
+    def take(self, order: np.ndarray) -> _Rows:
+        """The rows in ``order``."""
+        return _Rows(self.prompt[order], self.step[order], self.layer[order], self.node[order],
+                     self.probs[order], self.ids[order])
+
+
+def _rows(t: pa.Table, path: str, n: int, k: int) -> _Rows:
+    """A part's columns as arrays; :class:`CatalogError` naming the file for a null key or a
+    list of another length than N probabilities or k expert ids."""
     keys = [_column(t, c) for c in COLUMNS[:4]]
     probs = _lists(_column(t, "router_probs"), n)  # [R, N] float32
     ids = _lists(_column(t, "topk_ids"), k)  # [R, k] int16
@@ -117,66 +158,103 @@ def reduce_part(path: str, n: int, k: int, max_nodes: int) -> PartSums:
                            "ids under non-null keys (a null, or a list of another length); the "
                            "trace is damaged, recapture the run")
     prompt, step, layer, node = (_numpy(c) for c in keys)
-    node, ids = node.astype(np.int64), ids.astype(np.int64)
+    return _Rows(prompt, step, layer, node.astype(np.int64), probs, ids.astype(np.int64))
+
+
+def _check_values(path: str, part: _Rows, n: int, max_nodes: int) -> None:
+    """:class:`CatalogError` naming the file for probabilities, expert ids or node ids no
+    capture writes."""
+    if not len(part.node):
+        return
     problem = None
-    if len(node):  # two passes (min/max, NaN propagates); the full check only to name the fault
-        lo, hi = probs.min(), probs.max()
-        if not (np.isfinite(lo) and np.isfinite(hi) and lo >= -1e-6 and hi <= 1 + 1e-3
-                and ids.min() >= 0 and ids.max() < n):
-            problem = reader.check_values(dict(probs=probs, topk_ids=ids, topk_weights=None))
-    if problem is None and len(node) and (node.min() < 0 or node.max() >= max_nodes):
+    # two passes (min/max, NaN propagates); the full check only to name the fault
+    lo, hi = part.probs.min(), part.probs.max()
+    if not (np.isfinite(lo) and np.isfinite(hi) and lo >= -1e-6 and hi <= 1 + 1e-3
+            and part.ids.min() >= 0 and part.ids.max() < n):
+        problem = reader.check_values(dict(probs=part.probs, topk_ids=part.ids, topk_weights=None))
+    if problem is None and (part.node.min() < 0 or part.node.max() >= max_nodes):
         problem = f"node ids outside 0..{max_nodes - 1}"
     if problem:
         raise CatalogError(f"{path}: {problem}; the trace is damaged, recapture the run")
-    key = (prompt.astype(np.int64) << 40) | (step.astype(np.int64) << 16) | layer.astype(np.int64)
-    if len(key) > 1 and (np.any(np.diff(key) < 0) or np.any((np.diff(key) == 0)
-                                                              & (np.diff(node) < 0))):
-        order = np.lexsort((node, key))
-        key, node, layer, step, prompt = key[order], node[order], layer[order], step[order], \
-            prompt[order]
-        probs, ids = probs[order], ids[order]
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])  # [G]
-    g_of_row = np.cumsum(np.r_[False, key[1:] != key[:-1]])  # [R]
-    nodes = np.diff(np.r_[starts, len(key)])  # [G]
-    g_layer = layer[starts]
 
-    # router mass, shares sorted descending, and what they say
+
+def _in_tree_layer_order(part: _Rows) -> tuple[np.ndarray, _Rows]:
+    """Each row's tree-layer key (prompt, step, layer) and the rows sorted by key, then node
+    (reordered only where they are not already)."""
+    key = (part.prompt.astype(np.int64) << 40) | (part.step.astype(np.int64) << 16) \
+        | part.layer.astype(np.int64)
+    if len(key) > 1 and (np.any(np.diff(key) < 0) or np.any((np.diff(key) == 0)
+                                                              & (np.diff(part.node) < 0))):
+        order = np.lexsort((part.node, key))
+        return key[order], part.take(order)
+    return key, part
+
+
+def _router_mass(probs: np.ndarray, starts: np.ndarray, nodes: np.ndarray, n: int) -> np.ndarray:
+    """``s_i = Σ_t g_i(t)`` of each tree-layer, [G, N] float64."""
     if len(starts) and (nodes == nodes[0]).all():  # every tree the same size: one reshape,
         by_node = probs.reshape(len(starts), nodes[0], n)  # then a node at a time in float64:
         mass = by_node[:, 0].astype(np.float64)  # sum(1, dtype=float64)'s order, 40% less CPU
         for j in range(1, nodes[0]):
             mass += by_node[:, j]  # [G, N]
-    else:
-        mass = np.add.reduceat(probs, starts, axis=0, dtype=np.float64)
+        return mass
+    return np.add.reduceat(probs, starts, axis=0, dtype=np.float64)
+
+
+def _shares(mass: np.ndarray, n: int) -> tuple[np.ndarray, dict[float, np.ndarray], np.ndarray]:
+    """From the router mass, the shares sorted descending and what they say: C(B) for
+    B = 1..N, experts_q per quantile, gini."""
     share = mass / np.maximum(mass.sum(1, keepdims=True), 1e-300)
     desc = -np.sort(-share, axis=1)
     cum = np.cumsum(desc, axis=1)  # C(B), B = 1..N
     experts = {q: (cum < q - 1e-9).sum(1) + 1 for q in QUANTILES}
     r = np.arange(1, n + 1)
     gini = ((2 * r - n - 1) * desc[:, ::-1]).sum(1) / n  # Σ x = 1
+    return cum, experts, gini
 
-    # the node at which each expert first appears in a tree-layer (nodes increase in a group)
+
+def _first_node(g_of_row: np.ndarray, ids: np.ndarray, node: np.ndarray, groups: int, n: int,
+                k: int, max_nodes: int) -> np.ndarray:
+    """The node at which each expert first appears in each tree-layer, [G, N] (``max_nodes``
+    where it never does; nodes increase within a tree-layer)."""
     codes = (g_of_row[:, None] * n + ids).reshape(-1)
-    first = np.full(len(starts) * n, max_nodes, dtype=np.int64)
+    first = np.full(groups * n, max_nodes, dtype=np.int64)
     np.minimum.at(first, codes, np.repeat(node, k))
-    first = first.reshape(len(starts), n)
-    seen = first < max_nodes
-    unique = seen.sum(1)
+    return first.reshape(groups, n)
 
-    rows = dict(prompt_index=prompt[starts].astype(np.int32), step=step[starts].astype(np.int32),
-                layer=g_layer.astype(np.int16), nodes=nodes.astype(np.int16),
-                unique_experts=unique.astype(np.int16),
-                experts_50=experts[0.5].astype(np.int16), experts_90=experts[0.9].astype(np.int16),
-                experts_99=experts[0.99].astype(np.int16), gini=gini.astype(np.float32),
-                top_half_share=cum[:, n // 2 - 1].astype(np.float32))
-    # per-layer sums, all layers at once: li = the layer's position among this part's layers
+
+def _layer_sums(g_layer: np.ndarray, g_of_row: np.ndarray, nodes: np.ndarray,
+                first: np.ndarray, seen: np.ndarray, ids: np.ndarray, cum: np.ndarray, n: int,
+                k: int, max_nodes: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """A part's per-layer sums, all its MoE layers at once: the layers and :attr:`PartSums.sums`."""
+    # li = the layer's position among this part's layers
     layers_here, li_g = np.unique(g_layer, return_inverse=True)
     li_row = li_g[g_of_row]
     count = len(layers_here)
     side = max_nodes + 1  # new experts at node f in tree-layers of m nodes: H[li, m, f]
     hist = np.bincount((np.repeat(li_g * side + nodes, n)[seen.reshape(-1)] * side
                         + first[seen]), minlength=count * side * side)
-    # token-level counts, one bincount each over codes li·N² + a·N + b built a top-k position
+    pairs, adjacent, selections = _token_counts(ids, li_row, count, n, k)
+    # Σ C(B) per layer: weighted bincount adds in row order, as np.add.at (same sums), faster
+    cover = np.bincount((li_g[:, None] * n + np.arange(n)).reshape(-1), weights=cum.reshape(-1),
+                        minlength=count * n).reshape(count, n)
+    # the [count, ...] counts cross the process boundary as int32 (a part holds < 2³¹ tokens):
+    # half the bytes to pickle, pipe and unpickle; build_run sums them in int64
+    return layers_here.astype(np.int64), dict(
+        tree_layers=np.bincount(li_g, minlength=count),
+        tokens=np.bincount(li_row, minlength=count),
+        coverage_sum=cover,
+        new_at=hist.reshape(count, side, side).astype(np.int32),
+        selections=selections.reshape(count, n).astype(np.int32),
+        pairs=pairs.reshape(count, n, n).astype(np.int32),
+        adjacent=(adjacent + adjacent.transpose(0, 2, 1)).reshape(count, n * n).astype(np.int32))
+
+
+def _token_counts(ids: np.ndarray, li_row: np.ndarray, count: int, n: int,
+                  k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token-level counts per layer: expert pairs (p < q), adjacent-rank pairs [count, N, N]
+    and selections, flat."""
+    # one bincount each over codes li·N² + a·N + b built a top-k position
     # pair at a time (rows of ids.T, long contiguous adds, not [R, 28] fancy indexing); for
     # positions p < q, pairs + pairsᵀ counts the tokens holding both (a token's experts are
     # distinct) and adjacent + adjacentᵀ the adjacent-rank pairs both ways. One bincount for
@@ -193,19 +271,7 @@ def reduce_part(path: str, n: int, k: int, max_nodes: int) -> PartSums:
     pairs, adjacent = both[:block] + both[block:], both[block:].reshape(count, n, n)
     selections = np.bincount((li_row[None, :] * n + by_position).reshape(-1),
                              minlength=count * n)
-    # Σ C(B) per layer: weighted bincount adds in row order, as np.add.at (same sums), faster
-    cover = np.bincount((li_g[:, None] * n + np.arange(n)).reshape(-1), weights=cum.reshape(-1),
-                        minlength=count * n).reshape(count, n)
-    # the [count, ...] counts cross the process boundary as int32 (a part holds < 2³¹ tokens):
-    # half the bytes to pickle, pipe and unpickle; build_run sums them in int64
-    return PartSums(rows, layers_here.astype(np.int64), dict(
-        tree_layers=np.bincount(li_g, minlength=count),
-        tokens=np.bincount(li_row, minlength=count),
-        coverage_sum=cover,
-        new_at=hist.reshape(count, side, side).astype(np.int32),
-        selections=selections.reshape(count, n).astype(np.int32),
-        pairs=pairs.reshape(count, n, n).astype(np.int32),
-        adjacent=(adjacent + adjacent.transpose(0, 2, 1)).reshape(count, n * n).astype(np.int32)))
+    return pairs, adjacent, selections
 
 
 def _reduce_part_args(args) -> PartSums:
