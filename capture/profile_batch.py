@@ -386,52 +386,78 @@ def latency_lines(decodings: list[Decoding]) -> list[str]:
 
 @console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
-    from moe import models
-    from tasks import benchmarks
-
     args = parser().parse_args(argv)
     try:
-        settings = settings_from(args)
-        models.check_available(settings.model)
-        check_model_limits(settings)
-        prompts_found = benchmarks.load(settings.bench, offset=settings.offset,
-                                        limit=settings.limit, root=args.benchmarks)
-        console.check_output_option(args.output, ValueError)
+        settings, prompts_found = checked(args)
     except (ValueError, UserError) as exc:
         return fail("profile-batch", exc)
     threads = console.threads.apply(args.threads)
+    try:
+        loaded, head, adapter = load_target(settings)
+    except (ValueError, UserError) as exc:
+        return fail("profile-batch", exc)
+    from capture.target import prompt_ids
+    ids = [prompt_ids(loaded.tokenizer, p.text, settings.chat_template) for p in prompts_found]
+    runs = len(settings.batch_sizes) * (2 + len(settings.budgets)) * settings.repeats
+    decodings: list[Decoding] = []
+    save = saver(args, settings, loaded, adapter, threads, decodings, runs)
+    try:
+        folders = measure_all(args, settings, loaded, head, ids, decodings, runs, save)
+    except KeyboardInterrupt:
+        kept = f"kept the {len(decodings)} finished decodings of {runs} under {args.out}" \
+            if decodings else "no decoding had finished: nothing stored"
+        print(f"profile-batch: interrupted; {kept}", file=sys.stderr)
+        return 130
+    except OSError as exc:
+        return fail("profile-batch", f"cannot write under {args.out} or --output: "
+                                     f"{exc.strerror or exc}", 1)
+    print_summary(args, settings, loaded, ids, decodings, folders)
+    return 0
 
-    from tqdm import tqdm
 
+def checked(args) -> tuple[ProfileBatchSettings, list]:
+    """Settings and prompts from the command line, every check that needs no model done."""
+    from moe import models
+    from tasks import benchmarks
+
+    settings = settings_from(args)
+    models.check_available(settings.model)
+    check_model_limits(settings)
+    prompts_found = benchmarks.load(settings.bench, offset=settings.offset,
+                                    limit=settings.limit, root=args.benchmarks)
+    console.check_output_option(args.output, ValueError)
+    return settings, prompts_found
+
+
+def load_target(settings: ProfileBatchSettings):
+    """The target and draft head, and the checks that need the model (budgets against k)."""
     from eagle import loading
+    from moe import models
     from moe.adapter import MoEAdapter
     from policy import rankings
 
     models.quiet_transformers()
-    try:
-        if settings.budgets and rankings.get(settings.ranking).needs_calibration:
-            raise ValueError(f"--ranking {settings.ranking} needs calibration statistics; "
-                             "profile-batch budgets use a ranking without them (router, "
-                             "sqmass, previous)")
-        loaded, head = loading.load_with_draft(settings.model, settings.draft,
-                                               device=settings.device, dtype=settings.dtype)
-        adapter = MoEAdapter(loaded.model)
-        if settings.budgets and settings.coverage == "substitution" \
-                and min(settings.budgets) < adapter.top_k:
-            raise ValueError(f"--budget {min(settings.budgets)} is below k = {adapter.top_k}; "
-                             "substitution needs B ≥ k (or use --coverage truncation)")
-    except (ValueError, UserError) as exc:
-        return fail("profile-batch", exc)
-    from capture.target import prompt_ids
-    from catalog.writer import write_batch_profile
-    ids = [prompt_ids(loaded.tokenizer, p.text, settings.chat_template) for p in prompts_found]
-    runs = len(settings.batch_sizes) * (2 + len(settings.budgets)) * settings.repeats
-    name = run_name(settings)
-    decodings: list[Decoding] = []
+    if settings.budgets and rankings.get(settings.ranking).needs_calibration:
+        raise ValueError(f"--ranking {settings.ranking} needs calibration statistics; "
+                         "profile-batch budgets use a ranking without them (router, "
+                         "sqmass, previous)")
+    loaded, head = loading.load_with_draft(settings.model, settings.draft,
+                                           device=settings.device, dtype=settings.dtype)
+    adapter = MoEAdapter(loaded.model)
+    if settings.budgets and settings.coverage == "substitution" \
+            and min(settings.budgets) < adapter.top_k:
+        raise ValueError(f"--budget {min(settings.budgets)} is below k = {adapter.top_k}; "
+                         "substitution needs B ≥ k (or use --coverage truncation)")
+    return loaded, head, adapter
 
-    def save(complete: bool) -> tuple[dict, list]:
-        """The tables (and ``--output`` file) of the decodings so far, rewritten atomically:
-        a stopped run leaves every decoding it finished."""
+
+def saver(args, settings, loaded, adapter, threads, decodings: list[Decoding], runs: int):
+    """``save(complete)``: the tables (and ``--output`` file) of the decodings so far,
+    rewritten atomically, so a stopped run leaves every decoding it finished."""
+    from catalog.writer import write_batch_profile
+    name = run_name(settings)
+
+    def save(complete: bool) -> list:
         found = tables(settings, decodings, num_experts=adapter.num_experts,
                        top_k=adapter.top_k, device=str(loaded.device), threads=threads)
         folders = write_batch_profile(args.out, loaded.name, settings.bench, name, found)
@@ -443,33 +469,36 @@ def main(argv: list[str] | None = None) -> int:
                 "percentiles_of": "per-pass latency, draft + verify seconds (first pass of each "
                                   "decoding left out as warm-up)",
                 "rows": found["batch_profile"].to_pylist()})
-        return found, folders
+        return folders
+    return save
 
-    try:
-        with tqdm(total=runs, desc="profile-batch", unit="decoding",
-                  disable=True if args.no_progress else None) as bar:
-            label = [""]
 
-            def step(text):
-                label[0] = text
-                bar.set_postfix_str(text)
-                bar.update(0)
+def measure_all(args, settings, loaded, head, ids, decodings: list[Decoding], runs: int,
+                save) -> list:
+    """Every decoding, with a progress bar, each saved as it finishes; the folders written."""
+    from tqdm import tqdm
+    folders = []
+    with tqdm(total=runs, desc="profile-batch", unit="decoding",
+              disable=True if args.no_progress else None) as bar:
+        label = [""]
 
-            def on_pass(n):
-                bar.set_postfix_str(f"{label[0]}: {n} passes", refresh=False)
+        def step(text):
+            label[0] = text
+            bar.set_postfix_str(text)
+            bar.update(0)
 
-            for d in measure(settings, loaded, head, ids, progress=step, on_pass=on_pass,
-                             done=lambda d: bar.update(1)):
-                decodings.append(d)
-                found, folders = save(complete=len(decodings) == runs)
-    except KeyboardInterrupt:
-        kept = f"kept the {len(decodings)} finished decodings of {runs} under {args.out}" \
-            if decodings else "no decoding had finished: nothing stored"
-        print(f"profile-batch: interrupted; {kept}", file=sys.stderr)
-        return 130
-    except OSError as exc:
-        return fail("profile-batch", f"cannot write under {args.out} or --output: "
-                                     f"{exc.strerror or exc}", 1)
+        def on_pass(n):
+            bar.set_postfix_str(f"{label[0]}: {n} passes", refresh=False)
+
+        for d in measure(settings, loaded, head, ids, progress=step, on_pass=on_pass,
+                         done=lambda d: bar.update(1)):
+            decodings.append(d)
+            folders = save(complete=len(decodings) == runs)
+    return folders
+
+
+def print_summary(args, settings, loaded, ids, decodings: list[Decoding], folders) -> None:
+    """The compact summary: throughput and per-pass latency per decoding, where it is stored."""
     print(f"profile-batch {loaded.name}/{settings.bench}: {len(ids)} prompts x "
           f"{settings.max_new_tokens} new tokens at each b (tokens/s over the whole decoding; "
           f"{settings.warmup} warm-up round(s), {settings.repeats} repeat(s))")
@@ -482,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     print("look at it:\n  " + console.commandline(
         f"query --traces {args.out} \"SELECT batch_size, mode, budget, tokens_per_s, latency_p50, "
         f"latency_p99 FROM batch_profile ORDER BY ALL\""))
-    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
