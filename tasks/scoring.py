@@ -236,55 +236,77 @@ class _Checker:
 
     # -- what this process can evaluate ------------------------------------------------------
     def here(self, node: ast.AST, env: dict, bound: frozenset = frozenset()) -> bool:
-        """Whether ``node`` needs nothing of the program (checked without side effects)."""
-        ok = lambda n: self.here(n, env, bound)  # noqa: E731
-        if isinstance(node, ast.Constant):
+        """Whether ``node`` needs nothing of the program (checked without side effects): the
+        rule of its node type (:attr:`_HERE`); a node type without one needs the sandbox."""
+        rule = self._HERE.get(type(node))
+        return rule is not None and rule(self, node, env, bound)
+
+    def _all_here(self, nodes, env: dict, bound: frozenset) -> bool:
+        return all(self.here(n, env, bound) for n in nodes)
+
+    def _here_name(self, node: ast.Name, env: dict, bound: frozenset) -> bool:
+        if node.id in bound:
             return True
-        if isinstance(node, ast.Name):
-            if node.id in bound:
-                return True
-            if node.id in env:
-                return not isinstance(env[node.id], (_Symbolic, _Module))
-            return node.id in _BUILTINS and node.id not in self.program
-        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-            return all(ok(e) and not isinstance(e, ast.Starred) for e in node.elts)
-        if isinstance(node, ast.Dict):
-            return all(k is not None and ok(k) for k in node.keys) and all(map(ok, node.values))
-        if isinstance(node, ast.UnaryOp):
-            return type(node.op) in _UNARY and ok(node.operand)
-        if isinstance(node, ast.BinOp):
-            return type(node.op) in _BINARY and ok(node.left) and ok(node.right)
-        if isinstance(node, ast.BoolOp):
-            return all(map(ok, node.values))
-        if isinstance(node, ast.Compare):
-            return all(type(o) in _COMPARE for o in node.ops) and ok(node.left) and \
-                all(map(ok, node.comparators))
-        if isinstance(node, ast.IfExp):
-            return ok(node.test) and ok(node.body) and ok(node.orelse)
-        if isinstance(node, ast.Subscript):
-            return ok(node.value) and ok(node.slice)
-        if isinstance(node, ast.Slice):
-            return all(p is None or ok(p) for p in (node.lower, node.upper, node.step))
-        if isinstance(node, ast.Attribute):
-            return self._module_attr(node, env) is not None
-        if isinstance(node, ast.Call):
-            return self._callable_here(node.func, env, bound) and \
-                all(ok(a) and not isinstance(a, ast.Starred) for a in node.args) and \
-                all(k.arg is not None and ok(k.value) for k in node.keywords)
-        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
-            inner = set(bound)
-            for gen in node.generators:
-                if gen.is_async or not self.here(gen.iter, env, frozenset(inner)):
-                    return False
-                names = self._targets(gen.target)
-                if names is None:
-                    return False
-                inner |= names
-                if not all(self.here(c, env, frozenset(inner)) for c in gen.ifs):
-                    return False
-            parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
-            return all(self.here(p, env, frozenset(inner)) for p in parts)
-        return False
+        if node.id in env:
+            return not isinstance(env[node.id], (_Symbolic, _Module))
+        return node.id in _BUILTINS and node.id not in self.program
+
+    def _here_elements(self, node, env: dict, bound: frozenset) -> bool:
+        return all(self.here(e, env, bound) and not isinstance(e, ast.Starred)
+                   for e in node.elts)
+
+    def _here_dict(self, node: ast.Dict, env: dict, bound: frozenset) -> bool:
+        return all(k is not None and self.here(k, env, bound) for k in node.keys) and \
+            self._all_here(node.values, env, bound)
+
+    def _here_compare(self, node: ast.Compare, env: dict, bound: frozenset) -> bool:
+        return all(type(o) in _COMPARE for o in node.ops) and \
+            self._all_here([node.left, *node.comparators], env, bound)
+
+    def _here_slice(self, node: ast.Slice, env: dict, bound: frozenset) -> bool:
+        return self._all_here([p for p in (node.lower, node.upper, node.step) if p is not None],
+                              env, bound)
+
+    def _here_call(self, node: ast.Call, env: dict, bound: frozenset) -> bool:
+        return self._callable_here(node.func, env, bound) and \
+            all(self.here(a, env, bound) and not isinstance(a, ast.Starred) for a in node.args) \
+            and all(k.arg is not None and self.here(k.value, env, bound) for k in node.keywords)
+
+    def _here_comprehension(self, node, env: dict, bound: frozenset) -> bool:
+        inner = set(bound)
+        for gen in node.generators:
+            if gen.is_async or not self.here(gen.iter, env, frozenset(inner)):
+                return False
+            names = self._targets(gen.target)
+            if names is None:
+                return False
+            inner |= names
+            if not self._all_here(gen.ifs, env, frozenset(inner)):
+                return False
+        parts = [node.key, node.value] if isinstance(node, ast.DictComp) else [node.elt]
+        return self._all_here(parts, env, frozenset(inner))
+
+    _HERE = {
+        ast.Constant: lambda self, node, env, bound: True,
+        ast.Name: _here_name,
+        ast.Tuple: _here_elements, ast.List: _here_elements, ast.Set: _here_elements,
+        ast.Dict: _here_dict,
+        ast.UnaryOp: lambda self, node, env, bound: type(node.op) in _UNARY and self.here(
+            node.operand, env, bound),
+        ast.BinOp: lambda self, node, env, bound: type(node.op) in _BINARY and self._all_here(
+            [node.left, node.right], env, bound),
+        ast.BoolOp: lambda self, node, env, bound: self._all_here(node.values, env, bound),
+        ast.Compare: _here_compare,
+        ast.IfExp: lambda self, node, env, bound: self._all_here(
+            [node.test, node.body, node.orelse], env, bound),
+        ast.Subscript: lambda self, node, env, bound: self._all_here(
+            [node.value, node.slice], env, bound),
+        ast.Slice: _here_slice,
+        ast.Attribute: lambda self, node, env, bound: self._module_attr(node, env) is not None,
+        ast.Call: _here_call,
+        ast.ListComp: _here_comprehension, ast.SetComp: _here_comprehension,
+        ast.GeneratorExp: _here_comprehension, ast.DictComp: _here_comprehension,
+    }  # node type -> whether it is evaluable here (anything else: in the sandbox)
 
     @staticmethod
     def _targets(target: ast.expr) -> set[str] | None:
@@ -321,62 +343,70 @@ class _Checker:
 
     # -- evaluating here ----------------------------------------------------------------------
     def value(self, node: ast.AST, env: dict):
-        """``node`` evaluated here; only after :meth:`here` said yes (or with call values)."""
-        v = lambda n: self.value(n, env)  # noqa: E731
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, ast.Name):
-            return env[node.id] if node.id in env else _BUILTINS[node.id]
-        if isinstance(node, ast.Tuple):
-            return tuple(map(v, node.elts))
-        if isinstance(node, ast.List):
-            return list(map(v, node.elts))
-        if isinstance(node, ast.Set):
-            return set(map(v, node.elts))
-        if isinstance(node, ast.Dict):
-            return {v(k): v(x) for k, x in zip(node.keys, node.values)}
-        if isinstance(node, ast.UnaryOp):
-            return _UNARY[type(node.op)](v(node.operand))
-        if isinstance(node, ast.BinOp):
-            return _binary(type(node.op), v(node.left), v(node.right))
-        if isinstance(node, ast.BoolOp):
-            result = None
-            for part in node.values:
-                result = v(part)
-                if bool(result) != isinstance(node.op, ast.And):
-                    break
-            return result
-        if isinstance(node, ast.Compare):
-            left = v(node.left)
-            for op, right in zip(node.ops, node.comparators):
-                right = v(right)
-                if not _COMPARE[type(op)](left, right):
-                    return False
-                left = right
-            return True
-        if isinstance(node, ast.IfExp):
-            return v(node.body) if v(node.test) else v(node.orelse)
-        if isinstance(node, ast.Subscript):
-            return v(node.value)[v(node.slice)]
-        if isinstance(node, ast.Slice):
-            return slice(*(None if p is None else v(p) for p in (node.lower, node.upper,
-                                                                  node.step)))
-        if isinstance(node, ast.Attribute):
-            return self._module_attr(node, env).get(node.attr)
-        if isinstance(node, ast.Call):
-            func = node.func
-            if isinstance(func, ast.Attribute) and self._module_attr(func, env) is None:
-                target = getattr(v(func.value), func.attr)
-            else:
-                target = v(func)
-            return target(*map(v, node.args), **{k.arg: v(k.value) for k in node.keywords})
-        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp, ast.DictComp)):
-            out = []
-            self._comprehend(node, list(node.generators), dict(env), out)
-            if isinstance(node, ast.SetComp):
-                return set(out)
-            return dict(out) if isinstance(node, ast.DictComp) else out
-        raise Unsplittable(f"cannot evaluate {type(node).__name__}")
+        """``node`` evaluated here; only after :meth:`here` said yes (or with call values): the
+        evaluation of its node type (:attr:`_VALUE`)."""
+        rule = self._VALUE.get(type(node))
+        if rule is None:
+            raise Unsplittable(f"cannot evaluate {type(node).__name__}")
+        return rule(self, node, env)
+
+    def _value_bool(self, node: ast.BoolOp, env: dict):
+        result = None
+        for part in node.values:
+            result = self.value(part, env)
+            if bool(result) != isinstance(node.op, ast.And):
+                break
+        return result
+
+    def _value_compare(self, node: ast.Compare, env: dict) -> bool:
+        left = self.value(node.left, env)
+        for op, right in zip(node.ops, node.comparators):
+            right = self.value(right, env)
+            if not _COMPARE[type(op)](left, right):
+                return False
+            left = right
+        return True
+
+    def _value_call(self, node: ast.Call, env: dict):
+        func = node.func
+        if isinstance(func, ast.Attribute) and self._module_attr(func, env) is None:
+            target = getattr(self.value(func.value, env), func.attr)
+        else:
+            target = self.value(func, env)
+        return target(*(self.value(a, env) for a in node.args),
+                      **{k.arg: self.value(k.value, env) for k in node.keywords})
+
+    def _value_comprehension(self, node, env: dict):
+        out = []
+        self._comprehend(node, list(node.generators), dict(env), out)
+        if isinstance(node, ast.SetComp):
+            return set(out)
+        return dict(out) if isinstance(node, ast.DictComp) else out
+
+    _VALUE = {
+        ast.Constant: lambda self, node, env: node.value,
+        ast.Name: lambda self, node, env: env[node.id] if node.id in env else _BUILTINS[node.id],
+        ast.Tuple: lambda self, node, env: tuple(self.value(e, env) for e in node.elts),
+        ast.List: lambda self, node, env: [self.value(e, env) for e in node.elts],
+        ast.Set: lambda self, node, env: {self.value(e, env) for e in node.elts},
+        ast.Dict: lambda self, node, env: {self.value(k, env): self.value(x, env)
+                                           for k, x in zip(node.keys, node.values)},
+        ast.UnaryOp: lambda self, node, env: _UNARY[type(node.op)](self.value(node.operand, env)),
+        ast.BinOp: lambda self, node, env: _binary(type(node.op), self.value(node.left, env),
+                                                   self.value(node.right, env)),
+        ast.BoolOp: _value_bool,
+        ast.Compare: _value_compare,
+        ast.IfExp: lambda self, node, env: self.value(node.body, env)
+        if self.value(node.test, env) else self.value(node.orelse, env),
+        ast.Subscript: lambda self, node, env: self.value(node.value, env)[
+            self.value(node.slice, env)],
+        ast.Slice: lambda self, node, env: slice(*(None if p is None else self.value(p, env)
+                                                   for p in (node.lower, node.upper, node.step))),
+        ast.Attribute: lambda self, node, env: self._module_attr(node, env).get(node.attr),
+        ast.Call: _value_call,
+        ast.ListComp: _value_comprehension, ast.SetComp: _value_comprehension,
+        ast.GeneratorExp: _value_comprehension, ast.DictComp: _value_comprehension,
+    }  # node type -> its value here
 
     def _comprehend(self, node, generators, env, out):
         if not generators:
@@ -500,51 +530,77 @@ class _Checker:
             self.statement(st, env)
 
     def statement(self, st: ast.stmt, env: dict) -> None:
-        if isinstance(st, ast.Assert):
-            snapshot = {k: copy.deepcopy(v) if type(v) in sandbox.PLAIN else v
-                        for k, v in env.items()}
-            self.asserts.append((self.split(st.test, env), snapshot, ast.unparse(st.test)))
-        elif isinstance(st, ast.Expr):
-            if isinstance(st.value, (ast.Constant, ast.Name)):
-                return  # a docstring, a bare ``print``
-            if self.here(st.value, env):
-                self.value(st.value, env)
-            else:
-                self.call(st.value, env, discard=True)
-        elif isinstance(st, ast.Assign) and len(st.targets) == 1:
-            target = st.targets[0]
-            if self.here(st.value, env):
-                self._bind_checked(target, self.value(st.value, env), env)
-            elif isinstance(target, ast.Name):
-                sent: dict = {}
-                node = self._send(copy.deepcopy(st.value), env, sent)
-                env[target.id] = _Symbolic(node, sent)
-            else:
-                raise Unsplittable("unpacking a value that needs the program")
-        elif isinstance(st, ast.For) and not st.orelse and self.here(st.iter, env):
-            if self._targets(st.target) is None:
-                raise Unsplittable("a for loop target that is not names")
-            for item in self.value(st.iter, env):
-                self._bind(st.target, item, env)
-                self.run(st.body, env)
-        elif isinstance(st, ast.If) and self.here(st.test, env):
-            self.run(st.body if self.value(st.test, env) else st.orelse, env)
-        elif isinstance(st, ast.Import):
-            for alias in st.names:
-                if alias.name not in _MODULES:
-                    raise Unsplittable(f"import {alias.name}")
-                env[alias.asname or alias.name] = _Module(alias.name, self.rng)
-        elif isinstance(st, ast.ImportFrom) and st.module in _MODULES and not st.level:
-            module = _Module(st.module, self.rng)
-            for alias in st.names:
-                found = module.get(alias.name)
-                self.imported.append(found)
-                env[alias.asname or alias.name] = found
-        elif isinstance(st, ast.Pass):
-            return
-        else:
+        """Run one test statement: the rule of its type (:attr:`_STATEMENTS`) where it takes the
+        statement, else it cannot be split (:class:`Unsplittable`, naming the line)."""
+        rule = self._STATEMENTS.get(type(st))
+        if rule is None or rule(self, st, env) is False:
             raise Unsplittable(f"line {getattr(st, 'lineno', '?')}: "
                                f"{ast.unparse(st).splitlines()[0][:80]}")
+
+    def _assert(self, st: ast.Assert, env: dict) -> None:
+        snapshot = {k: copy.deepcopy(v) if type(v) in sandbox.PLAIN else v
+                    for k, v in env.items()}
+        self.asserts.append((self.split(st.test, env), snapshot, ast.unparse(st.test)))
+
+    def _expression(self, st: ast.Expr, env: dict) -> None:
+        if isinstance(st.value, (ast.Constant, ast.Name)):
+            return  # a docstring, a bare ``print``
+        if self.here(st.value, env):
+            self.value(st.value, env)
+        else:
+            self.call(st.value, env, discard=True)
+
+    def _assign(self, st: ast.Assign, env: dict) -> bool | None:
+        if len(st.targets) != 1:
+            return False
+        target = st.targets[0]
+        if self.here(st.value, env):
+            self._bind_checked(target, self.value(st.value, env), env)
+        elif isinstance(target, ast.Name):
+            sent: dict = {}
+            node = self._send(copy.deepcopy(st.value), env, sent)
+            env[target.id] = _Symbolic(node, sent)
+        else:
+            raise Unsplittable("unpacking a value that needs the program")
+        return None
+
+    def _for(self, st: ast.For, env: dict) -> bool | None:
+        if st.orelse or not self.here(st.iter, env):
+            return False
+        if self._targets(st.target) is None:
+            raise Unsplittable("a for loop target that is not names")
+        for item in self.value(st.iter, env):
+            self._bind(st.target, item, env)
+            self.run(st.body, env)
+        return None
+
+    def _if(self, st: ast.If, env: dict) -> bool | None:
+        if not self.here(st.test, env):
+            return False
+        self.run(st.body if self.value(st.test, env) else st.orelse, env)
+        return None
+
+    def _import(self, st: ast.Import, env: dict) -> None:
+        for alias in st.names:
+            if alias.name not in _MODULES:
+                raise Unsplittable(f"import {alias.name}")
+            env[alias.asname or alias.name] = _Module(alias.name, self.rng)
+
+    def _import_from(self, st: ast.ImportFrom, env: dict) -> bool | None:
+        if st.module not in _MODULES or st.level:
+            return False
+        module = _Module(st.module, self.rng)
+        for alias in st.names:
+            found = module.get(alias.name)
+            self.imported.append(found)
+            env[alias.asname or alias.name] = found
+        return None
+
+    _STATEMENTS = {
+        ast.Assert: _assert, ast.Expr: _expression, ast.Assign: _assign, ast.For: _for,
+        ast.If: _if, ast.Import: _import, ast.ImportFrom: _import_from,
+        ast.Pass: lambda self, st, env: None,
+    }  # statement type -> how it runs here (False: this one cannot be split)
 
     def _bind_checked(self, target: ast.expr, item, env: dict) -> None:
         if self._targets(target) is None:
