@@ -63,7 +63,7 @@ def measured_speed(traces: Path, model: str, sizes: list[int], budget: int, prom
     """profile-batch at every b (stored under ``traces``), and MoESD's fit to its passes."""
     from analysis import frames
     from analysis.sql import connect
-    from capture import profile_batch
+    from profiling import profile_batch
     assert profile_batch.main([
         "--model", model, "--limit", str(prompts), "--max-new-tokens", str(new_tokens),
         "--batch-sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out",

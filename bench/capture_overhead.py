@@ -31,9 +31,9 @@ from capture.storage import StoragePolicy
 from catalog import Catalog, Run, reader
 from eagle import loading
 from eagle.decoding import EagleDecoder
-from training.real_width import real_width_pair
 from moe import models, shapes
 from tasks import benchmarks
+from training.real_width import real_width_pair
 
 MBPP_PROMPTS = 500
 

@@ -184,7 +184,7 @@ PROFILE = pa.schema([
     pa.field("top_k", pa.int32()),  # k of the target
 ])
 
-# profile-batch's measurements (capture/profile_batch.py): one row per decoding (mode, b, budget)
+# profile-batch's measurements (profiling/profile_batch.py): one row per decoding (mode, b, budget)
 # and one per verification pass, per run of the command (its settings' hash names it; a rerun
 # replaces its own points): batch_profile*/model=…/bench=…/run=batch-<hash>/part-0.parquet
 _DECODING = [

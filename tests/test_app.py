@@ -255,7 +255,7 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     assert any("MoESD's pass-time model not fitted: only" in w.value for w in at.warning)
     assert not any("MoESD's pass-time model fitted" in m.value for m in at.markdown)
     assert any("profile-batch --model" in c.value for c in at.caption)  # not measured yet
-    from capture import profile_batch
+    from profiling import profile_batch
     assert profile_batch.main(["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "3",
                                "--max-new-tokens", "4", "--batch-sizes", "1,2,3", "--budget",
                                "16", "--out", str(tmp_path), "--no-progress"]) == 0
@@ -350,12 +350,12 @@ def test_selections_live_in_the_url(traces, monkeypatch):
 def test_speedup_page_draws_eta_from_profile_target(traces, tmp_path, monkeypatch):
     import shutil
 
-    from analysis import moesd
+    from profiling import profile_target
     copy = tmp_path / "eta"
     shutil.copytree(traces, copy)
     at = _speedup_page(copy, monkeypatch)
     assert any("profile-target --model tiny-olmoe" in c.value for c in at.caption)
-    assert moesd.main(["--model", "tiny-olmoe", "--batches", "1", "--gammas", "1,4",
+    assert profile_target.main(["--model", "tiny-olmoe", "--batches", "1", "--gammas", "1,4",
                        "--prefix", "8", "--repeats", "1", "--out", str(copy)]) == 0
     at = _speedup_page(copy, monkeypatch)
     assert any("MoESD target efficiency" in spec for spec in chart_json(at))

@@ -1,4 +1,4 @@
-"""profile-batch (capture.profile_batch): MoESD's speedup-vs-b measured, stored, fitted, shown;
+"""profile-batch (profiling.profile_batch): MoESD's speedup-vs-b measured, stored, fitted, shown;
 and the roofline's batch terms against a per-sequence reference."""
 
 import subprocess
@@ -10,8 +10,8 @@ import pytest
 
 from analysis import cost, frames
 from analysis.sql import connect
-from capture import profile_batch
 from moe import shapes
+from profiling import profile_batch
 
 
 def test_a_batch_pass_reads_weights_once_and_computes_every_sequence():
@@ -45,7 +45,7 @@ def test_a_batch_pass_reads_weights_once_and_computes_every_sequence():
 ])
 def test_bad_input_is_one_line_before_torch_loads(args, says):
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "capture.profile_batch", *args],
+    done = subprocess.run([sys.executable, "-m", "profiling.profile_batch", *args],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()

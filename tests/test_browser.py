@@ -52,7 +52,7 @@ def server(tmp_path_factory):
     assert replay_cli.main(["--traces", str(root), "--run", "eval", "--calibration", "cal",
                             "--ranking", "router", "coact", "oracle", "--budget", "8,16,24,32",
                             "--batch-size", "2", "--no-progress"]) == 0
-    from capture import profile_batch
+    from profiling import profile_batch
     assert profile_batch.main(["--limit", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2,4",
                                "--budget", "16", "--out", str(root), "--no-progress"]) == 0
     port = free_port()

@@ -14,9 +14,9 @@ from replay import cli as replay_cli
 SCRIPTS = {  # console script -> module:function (pyproject's [project.scripts])
     "capture": "capture.cli:main", "replay": "replay.cli:main", "query": "analysis.query_cli:main",
     "report": "analysis.report:main", "evaluate": "analysis.evaluate_cli:main",
-    "profile-target": "analysis.moesd:main", "profile-batch": "capture.profile_batch:main",
+    "profile-target": "profiling.profile_target:main", "profile-batch": "profiling.profile_batch:main",
     "workbench-app": "app.launch:main",
-    "inspect-model": "moe.inspect_model:main", "train-tiny": "training.cli:train_tiny",
+    "inspect-model": "profiling.inspect_model:main", "train-tiny": "training.cli:train_tiny",
     "train-draft": "training.cli:train_draft",
     "import-routing": "capture.import_routing:main", "export-routing": "capture.export_routing:main",
 }

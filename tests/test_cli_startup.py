@@ -30,8 +30,8 @@ def _probe(tmp_path, body: str) -> subprocess.CompletedProcess:
      "closed loop takes runtime rankings only"),
     ("capture.cli:main|['--model', 'olmoe', '--out', T]", "cannot be reached (offline)"),
     ("capture.cli:main|['--run', 'a/b', '--out', T]", "--run 'a/b' is not allowed"),
-    ("analysis.moesd:main|['--model', 'olmoe']", "cannot be reached (offline)"),
-    ("moe.inspect_model:main|['--model', 'olmoe']", "cannot be reached (offline)"),
+    ("profiling.profile_target:main|['--model', 'olmoe']", "cannot be reached (offline)"),
+    ("profiling.inspect_model:main|['--model', 'olmoe']", "cannot be reached (offline)"),
     ("training.cli:train_draft|['--model', 'olmoe']", "cannot be reached (offline)"),
     ("analysis.evaluate_cli:main|['--traces', T + '/missing']", "no complete runs"),
 ])

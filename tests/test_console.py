@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(os.path.abspath(sys.executable)).parent
 COMPUTING = {  # commands that compute -> module:function
     "capture": "capture.cli:main", "replay": "replay.cli:main", "report": "analysis.report:main",
-    "evaluate": "analysis.evaluate_cli:main", "profile-target": "analysis.moesd:main",
-    "inspect-model": "moe.inspect_model:main", "train-tiny": "training.cli:train_tiny",
+    "evaluate": "analysis.evaluate_cli:main", "profile-target": "profiling.profile_target:main",
+    "inspect-model": "profiling.inspect_model:main", "train-tiny": "training.cli:train_tiny",
     "train-draft": "training.cli:train_draft",
 }
 

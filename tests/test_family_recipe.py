@@ -17,7 +17,7 @@ from moe.families import REGISTRY, Family, FamilySpec, TinyModel
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("errors", "catalog", "policy", "tasks", "console", "cluster", "moe", "eagle", "capture",
-            "replay", "analysis", "app", "training")
+            "replay", "analysis", "app", "training", "profiling")
 
 
 def test_every_module_of_moe_families_is_a_family_named_after_its_model_type():

@@ -163,8 +163,8 @@ def test_running_captures_and_interrupted_replays_are_not_shown(pristine, tmp_pa
     ("replay.cli", ["--layers", "a,b"], ["cannot read --layers"]),
     ("replay.cli", ["--chunk-tree-layers", "0"], ["--chunk-tree-layers 0"]),
     ("replay.cli", ["--batch", "3"], ["--chunk-tree-layers"]),
-    ("analysis.moesd", ["--batches", "0"], ["must all be"]),
-    ("analysis.moesd", ["--batches", "x"], ["cannot read --batches"]),
+    ("profiling.profile_target", ["--batches", "0"], ["must all be"]),
+    ("profiling.profile_target", ["--batches", "x"], ["cannot read --batches"]),
     ("app.launch", ["--port", "99999"], ["not a port"]),
     ("training.cli:train_draft", ["--batch", "0"], ["--batch 0"]),
 ])

@@ -75,7 +75,7 @@ def test_embedded_models_load_with_their_tokenizers(embedded):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "moe.inspect_model", *args],
+    return subprocess.run([sys.executable, "-m", "profiling.inspect_model", *args],
                           capture_output=True, text=True, timeout=120)
 
 

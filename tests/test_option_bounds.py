@@ -82,7 +82,7 @@ def test_profile_target_sizes_are_bounded_before_the_model_loads(args, words, tm
 ])
 def test_profile_batch_sizes_are_bounded_before_the_model_loads(args, words, tmp_path, capsys,
                                                                 no_model):
-    from capture import profile_batch
+    from profiling import profile_batch
     argv = ["--model", "tiny-olmoe", "--out", str(tmp_path), "--threads", "1", "--no-progress",
             *args]
     one_line(capsys, exit_code(profile_batch.main, argv), *words)

@@ -2,8 +2,9 @@
 
 import polars as pl
 
-from analysis import moesd, report
+from analysis import report
 from capture import cli as capture_cli
+from profiling import profile_target
 from replay import cli as replay_cli
 
 
@@ -14,7 +15,7 @@ def test_report_writes_one_self_contained_html_per_dataset(tmp_path):
                                  "--out", str(traces), "--no-progress"]) == 0
     assert replay_cli.main(["--traces", str(traces), "--bench", "mbpp", "--ranking", "router",
                             "oracle", "--budget", "16,32", "--no-progress"]) == 0
-    assert moesd.main(["--model", "tiny-olmoe", "--batches", "1", "--gammas", "1,4,16",
+    assert profile_target.main(["--model", "tiny-olmoe", "--batches", "1", "--gammas", "1,4,16",
                        "--prefix", "8", "--repeats", "1", "--out", str(traces)]) == 0
     assert report.main(["--traces", str(traces), "--out", str(tmp_path / "r")]) == 0
     files = sorted(p.name for p in (tmp_path / "r").iterdir() if not p.name.startswith("."))
@@ -57,14 +58,14 @@ def test_a_report_of_unchanged_traces_is_not_rewritten(tmp_path, capsys):
 
 
 def test_profile_target_stores_points_and_fits(tmp_path, capsys):
-    assert moesd.main(["--model", "tiny-mixtral", "--batches", "1,2", "--gammas", "1,4",
+    assert profile_target.main(["--model", "tiny-mixtral", "--batches", "1,2", "--gammas", "1,4",
                        "--prefix", "8", "--repeats", "1", "--out", str(tmp_path)]) == 0
     points = pl.read_parquet(tmp_path / "profile" / "model=tiny-mixtral" / "device=cpu" /
                              "part-0.parquet")
     assert points.height == 4 and (points["seconds"] > 0).all()
     out = capsys.readouterr().out  # 4 points for 3 parameters: refused in words, not fitted
     assert "fit: not fitted" in out and "nan" not in out.split("fit:")[1]
-    assert moesd.main(["--model", "tiny-mixtral", "--batches", "1,2,3", "--gammas", "1,4",
+    assert profile_target.main(["--model", "tiny-mixtral", "--batches", "1,2,3", "--gammas", "1,4",
                        "--prefix", "8", "--repeats", "1", "--out", str(tmp_path)]) == 0
     assert "fit: T =" in capsys.readouterr().out  # 6 points: fitted
 

@@ -44,10 +44,10 @@ def test_the_rule_and_the_embedded_models():
 @pytest.mark.parametrize("warns", [True, False])
 def test_inspect_model_says_it(near_uniform, warns):
     model = str(near_uniform) if warns else "tiny-olmoe"
-    done = subprocess.run([sys.executable, "-m", "moe.inspect_model", "--model", model],
+    done = subprocess.run([sys.executable, "-m", "profiling.inspect_model", "--model", model],
                           capture_output=True, text=True)
     assert done.returncode == 0 and ("warning: routing is near-uniform" in done.stdout) == warns
-    done = subprocess.run([sys.executable, "-m", "moe.inspect_model", "--model", model, "--json"],
+    done = subprocess.run([sys.executable, "-m", "profiling.inspect_model", "--model", model, "--json"],
                           capture_output=True, text=True)
     assert (json.loads(done.stdout)["routing_warning"] is not None) == warns
 
