@@ -66,9 +66,9 @@ def test_draft_sizes_are_bounded_by_the_target(args, words, tmp_path, capsys, no
 ])
 def test_profile_target_sizes_are_bounded_before_the_model_loads(args, words, tmp_path, capsys,
                                                                  no_model):
-    from analysis import moesd
+    from profiling import profile_target
     argv = ["--model", "tiny-olmoe", "--out", str(tmp_path), "--threads", "1", *args]
-    one_line(capsys, exit_code(moesd.main, argv), *words)
+    one_line(capsys, exit_code(profile_target.main, argv), *words)
 
 
 @pytest.mark.parametrize("args,words", [
