@@ -207,6 +207,12 @@ class RoutingBatch:
         return gram_sq_errors(self.terms.routed_sq, b, q, idx, w).clamp_min(0)
 
 
+def pair_index(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``a·N + b`` for every pair of each token's experts ``idx [..., k]`` → ``[..., k·k]``: where
+    ``Q_t[a, b]`` sits in a flattened ``[N·N]`` Gram."""
+    return (idx[..., :, None] * n + idx[..., None, :]).flatten(-2)
+
+
 def gram_sq_errors(r_sq: torch.Tensor, b: torch.Tensor, q: torch.Tensor, idx: torch.Tensor,
                    w: torch.Tensor) -> torch.Tensor:
     """``||R*_t||² − 2 wᵀ b_t[i] + wᵀ Q_t[i, i] w`` for every token: ``r_sq [T, M]``, ``b [T, M, N]``,
@@ -214,7 +220,7 @@ def gram_sq_errors(r_sq: torch.Tensor, b: torch.Tensor, q: torch.Tensor, idx: to
     lead = idx.shape[:-2]  # (T, *E)
     n, k = q.shape[-1], idx.shape[-1]
     bb = grow(b, lead).gather(-1, idx)  # [T, *E, M, k]
-    pairs = (idx[..., :, None] * n + idx[..., None, :]).flatten(-2)  # [T, *E, M, k*k]
+    pairs = pair_index(idx, n)  # [T, *E, M, k*k]
     qq = grow(q.flatten(-2), lead).gather(-1, pairs).unflatten(-1, (k, k))
     w = w.double()
     return grow(r_sq, lead) - 2 * (w * bb).sum(-1) + torch.einsum(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from policy.batch import pair_index
+
 
 def greedy_quadratic(q: torch.Tensor, tie: torch.Tensor, max_budget: int) -> torch.Tensor:
     """Order of additions ``[T, min(max_budget, N)]`` for ``q [T, N, N]``, ``tie [T, N]``."""
@@ -37,7 +39,7 @@ def pair_sums(idx: torch.Tensor, dots: torch.Tensor, n: int) -> torch.Tensor:
     top-k ``idx [T, M, k]`` holds i at a and j at b (``dots [T, M, k, k]``): the k² products of
     each token scattered, never an ``[M, N, ·]`` temporary."""
     t = idx.shape[0]
-    flat = (idx[..., :, None] * n + idx[..., None, :]).reshape(t, -1)
+    flat = pair_index(idx, n).reshape(t, -1)
     return torch.zeros(t, n * n, dtype=torch.float64, device=idx.device).scatter_add_(
         1, flat, dots.double().reshape(t, -1)).view(t, n, n)
 

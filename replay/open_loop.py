@@ -27,7 +27,7 @@ import torch
 from catalog.reader import PromptTreeLayers
 from errors import UserError
 from moe.adapter import MoEAdapter
-from policy.batch import ExpertTerms, RoutingBatch, combine
+from policy.batch import ExpertTerms, RoutingBatch, combine, pair_index
 from policy.coverage import Coverage, experts_used
 from policy.rankings import Ranking
 
@@ -248,5 +248,4 @@ def executed_dots(batch: RoutingBatch, rows: torch.Tensor, idx: torch.Tensor) ->
     q = batch.terms.gram()[0]  # [T, M, N, N]
     m, n, k = q.shape[1], batch.n, idx.shape[-1]
     token = rows.to(idx.device)[:, None, None] * m + torch.arange(m, device=idx.device)  # [R, 1, M]
-    pairs = (idx[..., :, None] * n + idx[..., None, :]).flatten(-2)  # [R, B, M, k·k]
-    return q.reshape(-1).take(token[..., None] * (n * n) + pairs).unflatten(-1, (k, k))
+    return q.reshape(-1).take(token[..., None] * (n * n) + pair_index(idx, n)).unflatten(-1, (k, k))

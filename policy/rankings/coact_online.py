@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import torch
 
+from policy.batch import pair_index
 from policy.rankings.base import register
 from policy.rankings.coact import Coact
 
@@ -78,7 +79,7 @@ class CoactOnline(Coact):
         dots = dots * both  # a pair counts only where both ran
         rows = self.calibration.rows(layers).to(device)  # [T]
         flat = (rows[:, None] * (n * n)
-                + (idx[..., :, None] * n + idx[..., None, :]).flatten(1)).flatten()
+                + pair_index(idx, n).flatten(1)).flatten()
         self.sums.view(-1).index_add_(0, flat, dots.flatten())
         self.counts.view(-1).index_add_(0, flat, both.flatten())
         self.seen[rows] = True
