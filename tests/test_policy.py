@@ -5,6 +5,7 @@ policies equal a per-token loop, the Gram expansion equals the direct error, a b
 tree-layers equals each tree-layer alone, and every ranking equals the frozen round-1 replay.
 """
 
+import hashlib
 import math
 
 import pytest
@@ -359,8 +360,8 @@ def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
     assert torch.equal(ex.order.long(),
                        greedy_quadratic(q[None], dense.double().sum(0)[None] * 1e-12, 8)[0])
     learned = rankings.get("learned")().fit(stats)
-    assert stats.fitted["learned"] is learned.model  # fitted once per calibration
-    assert rankings.get("learned")().fit(stats).model is learned.model
+    assert stats.fitted["learned"][0] is learned.model  # fitted once per calibration
+    assert rankings.get("learned")().fit(stats).trees is learned.trees
     _, held_out, _ = synthetic_calibration(1, 60)
     errors = {"learned": 0.0, "router": 0.0}
     router = rankings.get("router")()
@@ -377,6 +378,37 @@ def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
         Learned.load(tmp_path / "bad.skops", stats)
     with pytest.raises(rankings.RankingError, match="calibration examples"):
         rankings.get("learned")().fit(synthetic_calibration(2, 5)[0])
+
+
+def test_learned_trees_predict_as_the_model_bit_for_bit(tmp_path):
+    """The numpy walk of the fitted trees (what scores at run time, no scikit-learn import)
+    against the estimator's own predict, NaN features included; the arrays' file is tied to the
+    .skops it came from and refused when tampered with."""
+    import numpy as np
+
+    from policy.rankings.learned import FEATURES, Learned, Trees
+    stats = synthetic_calibration(0, 200, examples=200)[0]
+    learned = rankings.get("learned")().fit(stats)
+    rng = np.random.default_rng(0)
+    x = rng.random((3000, len(FEATURES))).astype(np.float32)
+    x[rng.random(x.shape) < 0.05] = np.nan
+    x[:50] = 0.0  # exact ties with thresholds are rare at random: add the boundary
+    assert np.array_equal(learned.trees.predict(x), learned.model.predict(x))
+    skops = tmp_path / "l.skops"
+    learned.save(skops)
+    arrays = Learned.arrays_path(skops)
+    digest = hashlib.sha256(skops.read_bytes()).hexdigest()
+    learned.trees.save(arrays, digest)
+    back = Trees.load(arrays, digest)
+    assert back is not None and np.array_equal(back.predict(x), learned.model.predict(x))
+    assert Trees.load(arrays, "0" * 64) is None  # arrays of another model: re-derived
+    found = dict(np.load(arrays))
+    found["left"] = found["left"].copy()
+    found["left"][~found["leaf"]] = 0  # a cycle: a walk would never end
+    np.savez(tmp_path / "bad.npz", **found)
+    assert Trees.load(tmp_path / "bad.npz", digest) is None
+    (tmp_path / "junk.npz").write_bytes(b"PK junk")
+    assert Trees.load(tmp_path / "junk.npz", digest) is None
 
 
 def test_merged_calibrations_equal_one_collected_over_all_runs():

@@ -19,10 +19,18 @@ with those already chosen). scikit-learn's HistGradientBoostingRegressor, seeded
 per calibration (cached on the statistics) and saved with skops (:meth:`save`, :meth:`load`:
 a safe format that loads only the types it names, never pickle). Under substitution its order
 is one candidate of :class:`policy.rankings.base.SubstitutionAware`.
+
+Predicting needs neither scikit-learn nor skops: the fitted trees are also kept as flat arrays
+(:class:`Trees`, an ``.npz`` beside the ``.skops`` file, tied to it by its SHA-256) and walked
+with numpy, summed in the model's own order, so scores equal ``model.predict`` bit for bit
+(``tests/test_policy.py``). Importing the two packages costs ~3 s, more than a replay's oracle
+spends on this start; the model itself stays the artifact, for anyone who wants the estimator.
 """
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -36,6 +44,124 @@ from policy.rankings.base import Ranking, RankingError, SubstitutionAware, by_ma
 FEATURES = ("router_share", "sqmass_share", "token_share", "max_weight", "energy", "calib_share",
             "coact_row")
 FORMAT_VERSION = 1
+TREES_VERSION = 1  # the .npz layout of Trees
+
+
+@dataclass(frozen=True)
+class Trees:
+    """A fitted ``HistGradientBoostingRegressor`` (squared error, numerical features) as flat
+    arrays over all its nodes, trees in fitting order: per node the split feature, threshold,
+    the side missing values take, the children (global indices), whether it is a leaf, and the
+    leaf value; ``roots`` the first node of each tree.
+
+        predict(x) = baseline + Σ_trees value(leaf reached by x)    (added tree by tree)
+
+    A node goes left when ``x[feature] <= threshold`` (NaN: ``missing_left``), as scikit-learn's
+    ``_predict_from_raw_data``; features are compared in float64, as the model converts them."""
+
+    baseline: float
+    feature: np.ndarray  # int64 [nodes]
+    threshold: np.ndarray  # float64
+    missing_left: np.ndarray  # bool
+    left: np.ndarray  # int64, global
+    right: np.ndarray  # int64, global
+    leaf: np.ndarray  # bool
+    value: np.ndarray  # float64
+    roots: np.ndarray  # int64 [trees]
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("feature", "threshold", "missing_left", "left", "right",
+                                         "leaf", "value", "roots")
+
+    @classmethod
+    def from_model(cls, model) -> Trees:
+        """The trees of a fitted model (its ``_predictors`` and ``_baseline_prediction``: the
+        estimator exposes no public tree arrays; the pinned scikit-learn range is tested)."""
+        categorical = getattr(model, "is_categorical_", None)
+        if model.n_trees_per_iteration_ != 1 or (categorical is not None and np.any(categorical)):
+            raise RankingError("learned: only single-output models on numerical features")
+        parts, roots, offset = [], [], 0
+        for (predictor,) in model._predictors:
+            nodes = predictor.nodes
+            roots.append(offset)
+            parts.append((nodes, offset))
+            offset += len(nodes)
+        cat = np.concatenate([n for n, _ in parts])
+        shift = np.concatenate([np.full(len(n), o, dtype=np.int64) for n, o in parts])
+        leaf = cat["is_leaf"].astype(bool)
+        return cls(baseline=float(np.asarray(model._baseline_prediction).reshape(-1)[0]),
+                   feature=cat["feature_idx"].astype(np.int64),
+                   threshold=cat["num_threshold"].astype(np.float64),
+                   missing_left=cat["missing_go_to_left"].astype(bool),
+                   left=np.where(leaf, -1, cat["left"].astype(np.int64) + shift),
+                   right=np.where(leaf, -1, cat["right"].astype(np.int64) + shift),
+                   leaf=leaf, value=cat["value"].astype(np.float64),
+                   roots=np.asarray(roots, dtype=np.int64))
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        """``[S, F] → [S]`` float64, all trees walked at once (one step per depth level)."""
+        x = np.asarray(x, dtype=np.float64)
+        rows = np.arange(len(x))
+        node = np.repeat(self.roots[:, None], len(x), 1)  # [trees, S]
+        inner = ~self.leaf[node]
+        while inner.any():
+            at = node[inner]
+            v = x[np.broadcast_to(rows, node.shape)[inner], self.feature[at]]
+            go_left = np.where(np.isnan(v), self.missing_left[at], v <= self.threshold[at])
+            node[inner] = np.where(go_left, self.left[at], self.right[at])
+            inner = ~self.leaf[node]
+        values = self.value[node]
+        out = np.full(len(x), self.baseline)
+        for tree in values:  # tree by tree, the model's order of additions
+            out += tree
+        return out
+
+    def save(self, path: Path, source: str) -> None:
+        """An ``.npz`` (no pickled objects) naming the SHA-256 of the ``.skops`` it came from."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp.npz")
+        np.savez(tmp, version=TREES_VERSION, source=source, baseline=self.baseline,
+                 **{f: getattr(self, f) for f in self.FIELDS})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path, source: str) -> Trees | None:
+        """The arrays saved for the ``.skops`` file with SHA-256 ``source``, or None when they are
+        missing, of another version or model, or not a well-formed forest (every child after its
+        parent, inside its own tree, so a walk always ends)."""
+        try:
+            with np.load(Path(path), allow_pickle=False) as found:
+                if int(found["version"]) != TREES_VERSION or str(found["source"]) != source:
+                    return None
+                trees = cls(baseline=float(found["baseline"]),
+                            **{f: np.asarray(found[f]) for f in cls.FIELDS})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return trees if trees.well_formed() else None
+
+    def well_formed(self) -> bool:
+        n = len(self.leaf)
+        dtypes = dict(feature="i", threshold="f", missing_left="b", left="i", right="i", leaf="b",
+                      value="f", roots="i")
+        if any(getattr(self, f).dtype.kind != k or getattr(self, f).ndim != 1
+               for f, k in dtypes.items()) or n == 0 or len(self.roots) == 0:
+            return False
+        if any(len(getattr(self, f)) != n for f in self.FIELDS if f != "roots"):
+            return False
+        ends = np.append(self.roots[1:], n)
+        if self.roots[0] != 0 or np.any(ends <= self.roots) or not np.isfinite(self.baseline):
+            return False
+        tree_end = np.repeat(ends, ends - self.roots)
+        idx = np.arange(n)
+        inner = ~self.leaf
+        return bool(np.all((self.left[inner] > idx[inner]) & (self.left[inner] < tree_end[inner])
+                           & (self.right[inner] > idx[inner])
+                           & (self.right[inner] < tree_end[inner]))
+                    and np.all(self.feature[inner] >= 0) and np.all(self.feature[inner] < len(FEATURES))
+                    and np.all(np.isfinite(self.value[self.leaf])))
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def features(batch, calibration: CalibrationStats) -> torch.Tensor:
@@ -64,28 +190,55 @@ class Learned(SubstitutionAware, Ranking):
     needs_calibration = True
     artifact = "learned.skops"
     seed: ClassVar[int] = 0
-    model = None
+    model = None  # the scikit-learn estimator, where this process fitted or loaded it
+    trees: Trees | None = None  # what scores (the model's trees as arrays)
+    source: Path | None = None  # the .skops file the trees came from, where there is one
 
     def fit(self, calibration=None):
+        """Once per calibration (cached on it): beside a saved calibration, the arrays of the
+        ``.skops`` saved there (numpy only), else that model (then the arrays are written), else
+        a model trained now (both written)."""
         super().fit(calibration)
-        cached = calibration.fitted.get(self.name)
+        found = calibration.fitted.get(self.name)
         beside = None if calibration.saved is None else Path(calibration.saved).with_suffix(
             f".{self.name}-v{FORMAT_VERSION}.skops")  # fitted once per saved calibration
-        if cached is None and beside is not None and beside.exists():
-            try:
-                cached = calibration.fitted[self.name] = self.load(beside, calibration).model
-            except RankingError:
-                cached = None  # another format: refitted below
-        if cached is None:
-            cached = calibration.fitted[self.name] = self.train(calibration)
+        if found is None and beside is not None and beside.exists():
+            found = self._read(beside, calibration)
+        if found is None:
+            self.model = self.train(calibration)
+            self.trees, self.source = Trees.from_model(self.model), None
             if beside is not None:
-                self.model = cached
                 try:
                     self.save(beside)
+                    self.source = beside
+                    self.trees.save(self.arrays_path(beside), _sha256(beside))
                 except OSError:
                     pass
-        self.model = cached
+            found = calibration.fitted[self.name] = (self.model, self.trees, self.source)
+        self.model, self.trees, self.source = found
         return self
+
+    @staticmethod
+    def arrays_path(skops: Path) -> Path:
+        return Path(skops).with_suffix(".trees.npz")
+
+    def _read(self, skops: Path, calibration):
+        """``(model or None, trees, skops)`` from a saved fit, or None to refit (another format)."""
+        arrays, digest = self.arrays_path(skops), _sha256(skops)
+        trees = Trees.load(arrays, digest) if arrays.exists() else None
+        model = None
+        if trees is None:
+            try:
+                model = self.load(skops, calibration).model
+            except RankingError:
+                return None
+            trees = Trees.from_model(model)
+            try:
+                trees.save(arrays, digest)
+            except OSError:
+                pass
+        found = calibration.fitted[self.name] = (model, trees, Path(skops))
+        return found
 
     @classmethod
     def train(cls, calibration: CalibrationStats):
@@ -107,14 +260,20 @@ class Learned(SubstitutionAware, Ranking):
 
     def order(self, batch, coverage, max_budget):
         x = features(batch, self.calibration)  # [T, N, F]
-        score = torch.as_tensor(self.model.predict(x.reshape(-1, x.shape[-1]).cpu().numpy()))
+        score = torch.as_tensor(self.trees.predict(x.reshape(-1, x.shape[-1]).cpu().numpy()))
         score = score.view(batch.size, batch.n).to(batch.device).double()
         return by_mass(score + mass_tiebreak(batch))
 
     def save(self, path: Path) -> None:
-        """The fitted model in skops' safe format, with the feature names and format version."""
-        import skops.io as sio
+        """The fitted model in skops' safe format, with the feature names and format version (a
+        copy of the file it was read from, where this process did not load the model itself)."""
         path = Path(path)
+        if self.model is None and self.source is not None:
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(Path(self.source).read_bytes())
+            tmp.replace(path)
+            return
+        import skops.io as sio
         tmp = path.with_name(f".{path.name}.tmp")
         sio.dump(dict(version=FORMAT_VERSION, features=list(FEATURES), model=self.model), tmp)
         tmp.replace(path)
@@ -134,7 +293,8 @@ class Learned(SubstitutionAware, Ranking):
             raise RankingError(f"{path}: a learned ranking of another format; refit it")
         ranking = cls()
         Ranking.fit(ranking, calibration)
-        ranking.model = found["model"]
+        ranking.model, ranking.source = found["model"], Path(path)
+        ranking.trees = Trees.from_model(ranking.model)
         return ranking
 
 
