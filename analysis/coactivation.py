@@ -118,7 +118,7 @@ def coactivation(con: duckdb.DuckDBPyConnection, layer: int, num_experts: int,
     the definitions they reproduce)."""
     if convention not in ("all_pairs", "adjacent"):
         raise ValueError(f"unknown convention {convention!r}; use all_pairs or adjacent")
-    from analysis.routing import require_summaries
+    from moe_spec.analysis.routing import require_summaries
     require_summaries(con)
     column = "coact_all" if convention == "all_pairs" else "coact_adjacent"
     cond = f"layer = {int(layer)}" + (f" AND ({where})" if where else "")

@@ -14,9 +14,9 @@ import json
 import plotly.graph_objects as go
 import polars as pl
 
-from analysis import figures, routing
-from analysis.sql import views
-from catalog import Run
+from moe_spec.analysis import figures, routing
+from moe_spec.analysis.sql import views
+from moe_spec.catalog import Run
 
 BY = "model, bench, run"
 

@@ -66,7 +66,7 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg, bytes_per_param: float = 2.0) -> "ModelShape":
-        from moe.models import EXPERT_COUNT_KEYS  # each family's record names its key
+        from moe_spec.moe.models import EXPERT_COUNT_KEYS  # each family's record names its key
         n = next(v for v in (getattr(cfg, key, None) for key in EXPERT_COUNT_KEYS) if v)
         inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -221,7 +221,7 @@ def calibrate(shape: ModelShape, hw: Hardware, seconds, tokens, prefix, experts_
     (:func:`analysis.warmup.nonneg_fit`); relative RMSE ``√mean(r²) / mean(T)`` and R² over the
     passes given. The passes are those the warm-up rule kept (``dropped``: how many it dropped,
     :func:`analysis.warmup.drop`); fewer than 5 are refused (``Calibration.refused``)."""
-    from analysis import warmup
+    from moe_spec.analysis import warmup
     seconds = np.asarray(seconds, dtype=float)
     refused = warmup.check_passes(len(seconds), 3)
     if refused:

@@ -18,11 +18,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import console
-from analysis import quality
-from catalog import Catalog, CatalogError, location
-from errors import UserError, fail
-from tasks import benchmarks
+from moe_spec import console
+from moe_spec.analysis import quality
+from moe_spec.catalog import Catalog, CatalogError, location
+from moe_spec.errors import UserError, fail
+from moe_spec.tasks import benchmarks
 
 
 def parser() -> argparse.ArgumentParser:

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-from analysis import cost, replay_views, routing
-from analysis.sql import views
-from catalog import partition_value
-from catalog.runs import profile_parts
+from moe_spec.analysis import cost, replay_views, routing
+from moe_spec.analysis.sql import views
+from moe_spec.catalog import partition_value
+from moe_spec.catalog.runs import profile_parts
 
 
 @functools.lru_cache(maxsize=16)
@@ -53,7 +53,7 @@ def real_targets() -> dict[str, cost.ModelShape]:
     projection's targets)."""
     from types import SimpleNamespace
 
-    from moe.shapes import REAL_SHAPES  # each entry lists every width the cost model reads
+    from moe_spec.moe.shapes import REAL_SHAPES  # each entry lists every width the cost model reads
     return {s.checkpoint: cost.ModelShape.from_config(SimpleNamespace(**s.config))
             for s in REAL_SHAPES.values()}
 
@@ -280,7 +280,7 @@ def batch_regime(con) -> pl.DataFrame:
     captured one sequence at a time, schema 2 included): mean unique experts per MoE layer over
     the pass's union of b trees, tokens verified per pass (b·M), median verification seconds,
     passes; MoESD's uniform ``N(t)`` at the same t beside it. Unbudgeted passes only."""
-    from analysis.routing import moesd_uniform
+    from moe_spec.analysis.routing import moesd_uniform
     columns = set(con.sql("DESCRIBE trees").pl()["column_name"].to_list())
     if "batch_size" in columns:
         pass_id = "coalesce(t.batch_pass, -1)"
@@ -316,7 +316,7 @@ def routing_warnings(runs: pl.DataFrame) -> list[tuple[str, str]]:
     """(model, one line) for each model of ``runs`` (``model``, ``model_location`` columns)
     whose quality record says its routing is near-uniform (:func:`moe.models.near_uniform_routing`;
     models without a record, e.g. hub checkpoints, are not judged)."""
-    from moe.models import near_uniform_routing, quality_record
+    from moe_spec.moe.models import near_uniform_routing, quality_record
     found = []
     for model, location in runs.select("model", "model_location").unique(
             maintain_order=True).iter_rows():
@@ -356,7 +356,7 @@ def batch_pass_points(passes: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     repeat where stored) — on ``profile-batch`` passes, then one point per measured (sequences,
     γ): (batch, gamma, seconds = median kept verify seconds, passes = kept passes); and the
     passes the rule dropped."""
-    from analysis import warmup
+    from moe_spec.analysis import warmup
     decoding = [c for c in ("mode", "batch_size", "budget", "repeat") if c in passes.columns]
     kept, dropped = warmup.drop(passes, "verify_seconds", decoding, "pass_index")
     points = kept.group_by("batch", "gamma").agg(
@@ -372,7 +372,7 @@ def batch_fit(con, model: str, bench: str, run: str, speed: pl.DataFrame) -> dic
     fitted: only 1 pass at b = 2 (need 5)", then ``predicted`` is empty and nothing may be drawn;
     ``left_out``: points with too few passes), and the verification-only speedup it predicts per
     b, ``τ(b) · T(b, 1) / T(b, M)``; None without passes."""
-    from analysis import moesd
+    from moe_spec.analysis import moesd
     columns = set(con.sql("DESCRIBE batch_profile_passes").pl()["column_name"].to_list())
     repeat = ", repeat" if "repeat" in columns else ""
     passes = con.sql(f"""
@@ -410,7 +410,7 @@ def capture_batch_fit(con, model: str, bench: str) -> dict | None:
     per b (the b a run was captured with) — γ = mean tokens a pass / b, seconds = median kept
     verify seconds, passes kept — and :func:`analysis.moesd.fit` with its sample check.
     dict(coef, points, dropped) or None without passes."""
-    from analysis import moesd, warmup
+    from moe_spec.analysis import moesd, warmup
     columns = set(con.sql("DESCRIBE trees").pl()["column_name"].to_list())
     if "batch_pass" in columns:
         pass_id, tokens = "coalesce(t.batch_pass, -1)", "coalesce(t.batch_tokens, t.nodes)"
@@ -444,7 +444,7 @@ def batch_projection(speed: pl.DataFrame, shape: cost.ModelShape, hw: cost.Hardw
     (:func:`analysis.cost.projected_batch_speedup`), with the measured τ at each b and budget;
     experts per pass from MoESD's uniform ``N(t)`` (an assumption: real routing is skewed, so
     fewer experts load) capped at the budget."""
-    from analysis.routing import moesd_uniform
+    from moe_spec.analysis.routing import moesd_uniform
     rows = []
     for r in speed.iter_rows(named=True):
         b = int(r["batch_size"])
@@ -499,7 +499,7 @@ def calibration_passes(shape: cost.ModelShape, hw: cost.Hardware, t: pl.DataFram
     """:func:`analysis.cost.calibrate` on the passes of ``t`` (run, pass_order, measured, nodes,
     prefix_len, experts_loaded) that the warm-up rule keeps (:func:`analysis.warmup.drop`, per
     run); (kept frame with ``predicted``, Calibration with the count dropped)."""
-    from analysis import warmup
+    from moe_spec.analysis import warmup
     kept, dropped = warmup.drop(t, "measured", ["run"], "pass_order")
     cal = cost.calibrate(shape, hw, kept["measured"], kept["nodes"], kept["prefix_len"],
                          kept["experts_loaded"], dropped=dropped)
@@ -530,13 +530,13 @@ def calibration_frame(con, model: str, bench: str, manifest: dict,
 
 def efficiency_frame(root: Path | None, model: str) -> pl.DataFrame | None:
     """MoESD η(b, γ) with regimes from ``profile-target`` points, if any were stored."""
-    from analysis import moesd
+    from moe_spec.analysis import moesd
     if root is None:
         return None
     parts = profile_parts(root, model)
     if not parts:
         return None
-    from catalog.location import read_frame
+    from moe_spec.catalog.location import read_frame
     points = read_frame([parts[-1]])
     n, k = int(points["num_experts"][0]), int(points["top_k"][0])
     eff = moesd.efficiency(points.select("batch", "gamma", "seconds"))

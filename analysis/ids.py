@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from catalog import Run
-from catalog import tokens as catalog_tokens
+from moe_spec.catalog import Run
+from moe_spec.catalog import tokens as catalog_tokens
 
 VERSION = 1  # of these definitions: a routing-only run's summaries are rebuilt when it changes
 QUANTILES = (0.5, 0.9, 0.99)
@@ -253,7 +253,7 @@ def growth(figs: IdsFigures) -> pl.DataFrame:
     """Measured unique experts among a pass's first t tokens (mean over passes with ≥ t
     tokens, then over layers) beside MoESD's uniform N(t) and the i.i.d. expectation with each
     layer's own marginals."""
-    from analysis.routing import moesd_marginal, moesd_uniform
+    from moe_spec.analysis.routing import moesd_marginal, moesd_uniform
     n, k = figs.num_experts, figs.top_k
     frames = []
     for layer in figs.layers:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from analysis.routing import moesd_uniform
+from moe_spec.analysis.routing import moesd_uniform
 
 
 def efficiency(points: pl.DataFrame) -> pl.DataFrame:
@@ -34,7 +34,7 @@ def fit(points: pl.DataFrame, n: int, k: int) -> dict:
     3 + 2 points left refuse the fit (``refused``: "not fitted: only 1 pass at b = 2 (need 5)";
     c₀, c₁, c₂ and the relative RMSE are then NaN). ``relative_rmse = √mean(r²) / mean(T)`` over
     the points fitted (``points``)."""
-    from analysis import warmup
+    from moe_spec.analysis import warmup
     single = points.group_by("batch").agg(pl.col("gamma").n_unique() == 1)["gamma"].all()
     labels = [f"b = {b:g}" if single else f"b = {b:g}, γ = {g:g}"
               for b, g in zip(points["batch"], points["gamma"])]

@@ -18,8 +18,8 @@ import re
 import numpy as np
 import pyarrow as pa
 
-from catalog import Run, atomic, location, schema
-from tasks import benchmarks, scoring
+from moe_spec.catalog import Run, atomic, location, schema
+from moe_spec.tasks import benchmarks, scoring
 
 BUDGET_KEYS = ("budget", "ranking", "coverage", "calibration")
 REASON_CHARS = 300  # of an exception's class and message kept per prompt

@@ -17,8 +17,8 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-import console
-from analysis.sql import (
+from moe_spec import console
+from moe_spec.analysis.sql import (
     MEMORY_ENV,
     RESULT_TABLES,
     TIMEOUT_ENV,
@@ -29,8 +29,8 @@ from analysis.sql import (
     sql_limits,
     views,
 )
-from catalog import atomic, location
-from errors import UserError, fail
+from moe_spec.catalog import atomic, location
+from moe_spec.errors import UserError, fail
 
 FORMATS = ("table", "csv", "json", "parquet")
 

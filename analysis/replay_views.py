@@ -27,9 +27,9 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from catalog import replay_metrics
-from catalog.replay_metrics import BATCH_TABLE, CLOSED_TABLE, OPEN_TABLE
-from policy import index  # torch-free: the rankings' table (tests/test_layering.py)
+from moe_spec.catalog import replay_metrics
+from moe_spec.catalog.replay_metrics import BATCH_TABLE, CLOSED_TABLE, OPEN_TABLE
+from moe_spec.policy import index  # torch-free: the rankings' table (tests/test_layering.py)
 
 
 def error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:

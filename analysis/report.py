@@ -19,9 +19,9 @@ import plotly.io as pio
 import polars as pl
 from markupsafe import Markup
 
-import console
-from analysis import coactivation, cost, figures, replay_views, summaries
-from analysis.frames import (
+from moe_spec import console
+from moe_spec.analysis import coactivation, cost, figures, replay_views, summaries
+from moe_spec.analysis.frames import (
     all_frames,
     batch_fit,
     batch_projection,
@@ -36,11 +36,11 @@ from analysis.frames import (
     speedup_frame,
     speedup_note,
 )
-from analysis.sql import connect, views
-from catalog import Catalog, atomic, dataset_version, location, partition_value, schema
-from catalog.replay_metrics import gap_closed
-from errors import UserError, fail
-from moe import families, models, shapes
+from moe_spec.analysis.sql import connect, views
+from moe_spec.catalog import Catalog, atomic, dataset_version, location, partition_value, schema
+from moe_spec.catalog.replay_metrics import gap_closed
+from moe_spec.errors import UserError, fail
+from moe_spec.moe import families, models, shapes
 
 
 def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -> list:
@@ -66,7 +66,7 @@ def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -
 def routing_only_section(runs: list) -> dict:
     """A routing-only group's key numbers, its truncation-coverage table and figure
     (:mod:`analysis.ids`, from the first run of the group), and what to say about it."""
-    from analysis import ids
+    from moe_spec.analysis import ids
     run = runs[0]
     figs = ids.figures(run)
     n = figs.num_experts
@@ -168,7 +168,7 @@ def batch_figures(con, frames: dict, model: str, bench: str, n: int) -> list:
             shown = fit if fit and not fit["refused"] else None  # a refused fit is never drawn
             fig = figures.batch_speedup(mine, shown, projection, f"{name} on {hw}")
             if fit:  # the fit's sample and the warm-up rule, in words on the figure
-                from analysis import warmup
+                from moe_spec.analysis import warmup
                 left = fit["left_out"]
                 said = fit["refused"] or (
                     f"fitted to {fit['coef']['points']} (b, γ) points" + (
@@ -268,7 +268,7 @@ def projection_section(con, model: str, bench: str, manifest: dict) -> dict:
                                      table=Table(head, rows, frozenset({6}), frozenset(bold)))
     fitted = calibration_frame(con, model, bench, manifest)
     if fitted is not None:
-        from analysis import warmup
+        from moe_spec.analysis import warmup
         section["calibration"] = dict(verdict=f"{fitted[1].verdict}; {warmup.RULE}",
                                       usable=fitted[1].usable)
     return section
@@ -456,8 +456,8 @@ def write_comparison(traces: Path, out: Path, names: list[str],
                      roles: tuple[str, ...] | None = None) -> Path:
     """``report --compare``: the named runs side by side (:mod:`analysis.compare`): their
     settings diffed, key numbers, and the same figures with one line per run."""
-    from analysis import compare
-    from analysis.sql import DEFAULT_VARIANT_RULE
+    from moe_spec.analysis import compare
+    from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE
     found = {r.name: r for r in Catalog(traces).runs(roles=roles, names=names)}
     missing = [n for n in names if n not in found]
     if missing:

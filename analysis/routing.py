@@ -24,7 +24,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from catalog import CatalogError
+from moe_spec.catalog import CatalogError
 
 
 def require_summaries(con: duckdb.DuckDBPyConnection) -> None:

@@ -32,13 +32,13 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-import console
-from analysis import summaries
-from catalog import Catalog, CatalogError, location, partition_value, reader, schema
-from catalog.replay_metrics import BATCH_TABLE, OPEN_TABLE
-from catalog.results import RESULT_TABLES, complete_blocks
-from catalog.runs import WHOLE_PART
-from errors import UserError
+from moe_spec import console
+from moe_spec.analysis import summaries
+from moe_spec.catalog import Catalog, CatalogError, location, partition_value, reader, schema
+from moe_spec.catalog.replay_metrics import BATCH_TABLE, OPEN_TABLE
+from moe_spec.catalog.results import RESULT_TABLES, complete_blocks
+from moe_spec.catalog.runs import WHOLE_PART
+from moe_spec.errors import UserError
 
 VIEWS = (*schema.TRACE_TABLES, schema.ROUTING_IDS, "runs", "quality", *RESULT_TABLES,
          *summaries.TABLES, *schema.BATCH_PROFILE_TABLES)
@@ -180,7 +180,7 @@ def _result_blocks(root: Path, runs: list) -> list[dict]:
 
 def _files(root: Path, runs: list, roles) -> tuple[dict[str, list[str]], list[dict]]:
     """table -> the files its view reads (committed, verified), and the result blocks."""
-    from catalog.results import block_files
+    from moe_spec.catalog.results import block_files
     files: dict[str, list] = {name: [] for name in VIEWS}
     legacy = [r.name for r in runs if r.committed is None]
     if legacy:

@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - flatten() imports it (~50 ms): once, before workers fork
 
-from catalog import Catalog, CatalogError, Run, atomic, location, partition_value, reader
+from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, partition_value, reader
 
 FOLDER = "summaries"
 TABLES = ("summary_tree_layers", "summary_layers")
@@ -302,7 +302,7 @@ def stamp_of(run: Run) -> dict:
     run's also when the ids-only definitions or its batching do: :mod:`analysis.ids`)."""
     stamp = dict(version=VERSION, run_id=run.run_id, prompts=run.prompt_indices())
     if run.routing_only:
-        from analysis import ids
+        from moe_spec.analysis import ids
         stamp.update(ids=ids.VERSION, batching=run.settings.get("batching"),
                      batch_size=run.settings.get("virtual_batch_size"))
     return stamp
@@ -412,7 +412,7 @@ def ids_tables(run: Run) -> tuple[pa.Table, pa.Table]:
     """A routing-only run's summaries (:mod:`analysis.ids`): the same two tables, a "tree" being
     a batch pass (the source's, or b consecutive requests at one decode step) and the "mass"
     its routed-token counts (what top-k ids alone give)."""
-    from analysis import ids
+    from moe_spec.analysis import ids
     figs = ids.figures(run)
     rows = figs.rows
     typed = {f.name: rows[f.name] if f.name != "nodes" else np.minimum(rows["nodes"], 32767)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import polars as pl
 
-from catalog.schema import WARMUP_PASSES  # the count, owned below capture (profile-batch)
+from moe_spec.catalog.schema import WARMUP_PASSES  # the count, owned below capture (profile-batch)
 
 OUTLIER_MADS = 5.0
 MAD_FLOOR = 0.01  # × the median

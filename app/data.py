@@ -20,10 +20,10 @@ from pathlib import Path
 import polars as pl
 import streamlit as st
 
-from analysis import summaries
-from analysis.frames import ANALYSES, NEEDS
-from analysis.sql import connect, run_query, views
-from catalog import Catalog, CatalogError, dataset_version  # noqa: F401 - data.dataset_version
+from moe_spec.analysis import summaries
+from moe_spec.analysis.frames import ANALYSES, NEEDS
+from moe_spec.analysis.sql import connect, run_query, views
+from moe_spec.catalog import Catalog, CatalogError, dataset_version  # noqa: F401 - data.dataset_version
 
 EVALUATION = ("evaluation",)
 
@@ -189,7 +189,7 @@ def frame(name: str, root: str, version: str,
 def truncation(root: str, version: str, model: str, bench: str, run: str) -> pl.DataFrame:
     """A routing-only run's truncation coverage of static and frequency budgets
     (:func:`analysis.ids.truncation`), cached per dataset version."""
-    from analysis import ids
+    from moe_spec.analysis import ids
     found = Catalog(Path(root)).runs(model=model, bench=bench, names=[run], roles=None,
                                      kinds=None)
     if not found:
@@ -201,7 +201,7 @@ def prompt_rows(root: Path, model: str, bench: str, run: str, table: str, prompt
                 columns: list[str], **equal) -> pl.DataFrame:
     """One prompt's rows of a trace table, read from that prompt's own part files (never a scan
     over the run), filtered by ``column=value`` pairs."""
-    from catalog import reader
+    from moe_spec.catalog import reader
     found = Catalog(root).runs(model=model, bench=bench, names=[run], roles=None)
     if not found:
         raise CatalogError(f"run {run} of {model} / {bench} is gone; reload the page")

@@ -12,9 +12,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import console
-from catalog import location
-from errors import UserError, fail
+from moe_spec import console
+from moe_spec.catalog import location
+from moe_spec.errors import UserError, fail
 
 
 def parser() -> argparse.ArgumentParser:

@@ -17,16 +17,15 @@ from pathlib import Path
 
 import streamlit as st
 
-if __package__ in (None, ""):  # run as a script by `streamlit run`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from moe_spec.app import data, screens, views  # run as a script by `streamlit run`: the
 
-from app import data, screens, views  # noqa: E402
+# installed package (scripts/setup.sh), never this folder's neighbours
 
 
 def traces_root():
     """The traces root the app was started on: a folder or s3://bucket/prefix
     (:func:`catalog.location.root`, with ``--storage-options`` installed)."""
-    from catalog import location
+    from moe_spec.catalog import location
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--traces", default=os.environ.get("MOESPEC_TRACES", "traces"))
     p.add_argument("--storage-options", default=None)

@@ -14,10 +14,10 @@ from typing import NamedTuple
 import polars as pl
 import streamlit as st
 
-from analysis import figures
-from app import data
-from catalog import partition_value
-from catalog.schema import ROUTING_ONLY  # a run's kind when imported from a serving engine
+from moe_spec.analysis import figures
+from moe_spec.app import data
+from moe_spec.catalog import partition_value
+from moe_spec.catalog.schema import ROUTING_ONLY  # a run's kind when imported from a serving engine
 
 
 def dataset() -> data.Dataset:
@@ -122,7 +122,7 @@ def batch_passes(setting: dict) -> str:
     batching = setting.get("batching")
     if batching == "recorded" or (batching not in ("virtual",) and setting.get("recorded_passes")):
         return "one of the source's recorded forward passes"
-    from catalog.tokens import DEFAULT_BATCH
+    from moe_spec.catalog.tokens import DEFAULT_BATCH
     b = setting.get("virtual_batch_size") or DEFAULT_BATCH
     return (f"a virtual batch: b = {b} consecutive requests at the same decode step (the import's "
             "`virtual_batch_size`)")

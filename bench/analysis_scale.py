@@ -38,8 +38,8 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from catalog import schema  # noqa: E402
-from catalog.writer import RunWriter, list_column  # noqa: E402
+from moe_spec.catalog import schema  # noqa: E402
+from moe_spec.catalog.writer import RunWriter, list_column  # noqa: E402
 
 N, K, LAYERS, M = 64, 8, 16, 63
 MODEL, BENCH, RUN = "synthetic-olmoe", "mbpp", "scale"
@@ -138,7 +138,7 @@ def write_prompt(args) -> int:
 
 def write_synthetic(root: Path, prompts: int, steps: int, seed: int = 0) -> int:
     """A complete run of ``prompts × steps`` trees; returns tree-layers written."""
-    from moe.shapes import REAL_SHAPES
+    from moe_spec.moe.shapes import REAL_SHAPES
     shape_dir = root.parent / f"{root.name}-olmoe-shape"  # OLMoE's config, for the cost model
     REAL_SHAPES["olmoe"].build_config().save_pretrained(shape_dir)
     manifest = dict(model=MODEL, model_location=str(shape_dir), draft=None, bench=BENCH, run=RUN,
@@ -166,8 +166,8 @@ root = Path(sys.argv[1])
 timings = {}
 def timed(name, fn):
     t0 = time.perf_counter(); out = fn(); timings[name] = time.perf_counter() - t0; return out
-from analysis import coactivation, frames, routing
-from analysis.sql import connect
+from moe_spec.analysis import coactivation, frames, routing
+from moe_spec.analysis.sql import connect
 con = timed("connect", lambda: connect(root, roles=("evaluation",)))
 for name in ("tails", "coverage", "growth", "balance"):
     timed(name, lambda: frames.ANALYSES[name](con))
@@ -184,7 +184,7 @@ print(json.dumps(dict(timings=timings, peak_rss_gib=analysis_rss)))
 APP = r'''
 import json, resource, sys, time
 from streamlit.testing.v1 import AppTest
-from app.screens import PAGES
+from moe_spec.app.screens import PAGES
 sys.argv = ["main.py", "--traces", sys.argv[1]]
 from pathlib import Path
 at = AppTest.from_file(str(Path.cwd() / "app" / "main.py"), default_timeout=600)
@@ -212,7 +212,7 @@ def _run(code: str, root: Path) -> dict:
 
 
 def _part_cpu(path: str, shape: tuple, repeats: int) -> tuple[int, float]:
-    from analysis import summaries
+    from moe_spec.analysis import summaries
     tree_layers = len(summaries.reduce_part(path, *shape).rows["layer"])
     best = float("inf")
     for _ in range(repeats):
@@ -225,8 +225,8 @@ def _part_cpu(path: str, shape: tuple, repeats: int) -> tuple[int, float]:
 def part_seconds(root: Path, repeats: int = 5) -> dict:
     """CPU time of :func:`analysis.summaries.reduce_part` on one routing part in a worker
     process set up as the build's (the fastest of ``repeats`` after one warm-up read)."""
-    from analysis import summaries
-    from catalog import Catalog
+    from moe_spec.analysis import summaries
+    from moe_spec.catalog import Catalog
     run = Catalog(root).runs(complete=True)[0]
     path = str(sorted(run.dir("routing").glob("part-*.parquet"))[0])
     shape = (int(run.manifest["num_experts"]), int(run.manifest["top_k"]),
@@ -246,7 +246,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="also write the measured numbers here (JSON)")
     args = p.parse_args()
-    from analysis import summaries
+    from moe_spec.analysis import summaries
     tmp = Path(tempfile.mkdtemp(prefix="scale-")) if args.keep is None else args.keep
     root = tmp / f"traces-{uuid.uuid4().hex[:6]}" if args.keep is None else args.keep
     try:

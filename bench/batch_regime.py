@@ -38,7 +38,7 @@ RANKINGS = ("router", "coact")
 def budgets_across_batches(traces: Path, model: str, sizes: list[int], budgets: list[int]
                            ) -> dict[int, dict]:
     """Per b: mean RSE per ranking @ budget, unique experts per layer per pass, seconds."""
-    from analysis.sql import connect
+    from moe_spec.analysis.sql import connect
     found = {}
     for b in sizes:  # each b its own result units: computed now (timed) unless kept from before
         outcome = pipeline.replay_runs(
@@ -61,9 +61,9 @@ def budgets_across_batches(traces: Path, model: str, sizes: list[int], budgets: 
 def measured_speed(traces: Path, model: str, sizes: list[int], budget: int, prompts: int,
                    new_tokens: int, threads: int) -> tuple[dict, dict | None]:
     """profile-batch at every b (stored under ``traces``), and MoESD's fit to its passes."""
-    from analysis import frames
-    from analysis.sql import connect
-    from profiling import profile_batch
+    from moe_spec.analysis import frames
+    from moe_spec.analysis.sql import connect
+    from moe_spec.profiling import profile_batch
     assert profile_batch.main([
         "--model", model, "--limit", str(prompts), "--max-new-tokens", str(new_tokens),
         "--batch-sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out",

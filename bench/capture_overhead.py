@@ -26,14 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from capture.run import CaptureSettings, capture_run
-from capture.storage import StoragePolicy
-from catalog import Catalog, Run, reader
-from eagle import loading
-from eagle.decoding import EagleDecoder
-from moe import models, shapes
-from tasks import benchmarks
-from training.real_width import real_width_pair
+from moe_spec.capture.run import CaptureSettings, capture_run
+from moe_spec.capture.storage import StoragePolicy
+from moe_spec.catalog import Catalog, Run, reader
+from moe_spec.eagle import loading
+from moe_spec.eagle.decoding import EagleDecoder
+from moe_spec.moe import models, shapes
+from moe_spec.tasks import benchmarks
+from moe_spec.training.real_width import real_width_pair
 
 MBPP_PROMPTS = 500
 

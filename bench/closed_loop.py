@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cross_domain import add_table_options, mean_rse, model_budgets, rewrite_readme  # noqa: E402
 from pipeline import capture, replay_runs, run_names  # noqa: E402
 
-from catalog import Catalog, reader  # noqa: E402
+from moe_spec.catalog import Catalog, reader  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 ORDER = ("router", "sqmass", "coact", "coact-online", "coact-prior", "learned")  # table columns

@@ -22,7 +22,7 @@ import numpy as np
 import polars as pl
 from pipeline import capture, replay_runs
 
-from analysis.replay_views import budget_at
+from moe_spec.analysis.replay_views import budget_at
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline import capture, loaded_model, replay_runs  # noqa: E402
 
-from catalog.replay_metrics import gap_closed  # noqa: E402
+from moe_spec.catalog.replay_metrics import gap_closed  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 BUDGETS = (8, 16, 24, 32)  # k = 8, N ≥ 64 (tiny-olmoe, tiny-qwen3-moe): budgets_for(8, 64)

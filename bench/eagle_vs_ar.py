@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from eagle import loading
-from eagle.decoding import EagleDecoder
-from eagle.tree import TreeSettings
-from moe import models
-from moe.adapter import MoEAdapter
-from tasks import benchmarks
+from moe_spec.eagle import loading
+from moe_spec.eagle.decoding import EagleDecoder
+from moe_spec.eagle.tree import TreeSettings
+from moe_spec.moe import models
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.tasks import benchmarks
 
 
 class ExpertCounter:

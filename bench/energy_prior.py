@@ -28,12 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from catalog import Catalog  # noqa: E402
-from catalog.replay_metrics import gap_closed  # noqa: E402
-from moe import models  # noqa: E402
-from moe.adapter import MoEAdapter  # noqa: E402
-from policy.calibration import CalibrationStats  # noqa: E402
-from replay.run import ReplayRequest, calibration_stats, replay  # noqa: E402
+from moe_spec.catalog import Catalog  # noqa: E402
+from moe_spec.catalog.replay_metrics import gap_closed  # noqa: E402
+from moe_spec.moe import models  # noqa: E402
+from moe_spec.moe.adapter import MoEAdapter  # noqa: E402
+from moe_spec.policy.calibration import CalibrationStats  # noqa: E402
+from moe_spec.replay.run import ReplayRequest, calibration_stats, replay  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 BUDGETS = (8, 16, 24, 32)

@@ -57,9 +57,9 @@ def make_folder(folder: Path, *, small: bool, seed: int = 0) -> dict:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eagle.draft_head import DraftConfig, Eagle3Draft, default_feature_layers
-    from moe import shapes
-    from moe.models import EMBEDDED_DIR
+    from moe_spec.eagle.draft_head import DraftConfig, Eagle3Draft, default_feature_layers
+    from moe_spec.moe import shapes
+    from moe_spec.moe.models import EMBEDDED_DIR
 
     done = folder / "_complete.json"
     if done.is_file():
@@ -160,15 +160,15 @@ def one_layer_projection(folder: Path, traces: Path, common: list[str], env: dic
     sys.path.insert(0, str(ROOT / "bench"))
     from capture_overhead import projected  # the one projection, not a copy
 
-    from moe import shapes
+    from moe_spec.moe import shapes
     one = folder / "one-layer"
     head = one / "draft"
     if not (head / "config.json").is_file():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from eagle.draft_head import new_eagle3
-        from moe.models import EMBEDDED_DIR
+        from moe_spec.eagle.draft_head import new_eagle3
+        from moe_spec.moe.models import EMBEDDED_DIR
 
         cfg = shapes.REAL_SHAPES[SHAPE].build_config(
             tie_word_embeddings=False, pad_token_id=1, eos_token_id=0, bos_token_id=None,
@@ -206,7 +206,7 @@ import json, resource, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 sys.argv = ["main.py", "--traces", {str(traces)!r}]
 from streamlit.testing.v1 import AppTest
-from app.screens import PAGES
+from moe_spec.app.screens import PAGES
 at = AppTest.from_file({str(ROOT / 'app' / 'main.py')!r}, default_timeout=1200)
 times = {{}}
 t = time.perf_counter(); at.run(); times["overview"] = round(time.perf_counter() - t, 2)

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_config(shape: str, folder: Path) -> dict:
-    from moe.shapes import REAL_SHAPES
+    from moe_spec.moe.shapes import REAL_SHAPES
     cfg = REAL_SHAPES[shape].build_config()
     folder.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(folder)
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     shutil.rmtree(out / "traces", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     config = write_config(args.shape, out / "model")
-    from moe import models
+    from moe_spec.moe import models
     n = next(config[key] for key in models.EXPERT_COUNT_KEYS if config.get(key))
     k, layers = config["num_experts_per_tok"], config["num_hidden_layers"]
     t0 = time.perf_counter()
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     summary = out / "import.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "capture.import_routing", str(out / "sglang.jsonl"),
+    done = subprocess.run([sys.executable, "-m", "moe_spec.capture.import_routing", str(out / "sglang.jsonl"),
                            "--format", "sglang", "--model", str(out / "model"), "--bench", "bench",
                            "--run", "sglang", "--out", str(out / "traces"), "--no-progress",
                            "--output", str(summary)], cwd=ROOT, env=env, capture_output=True,

@@ -28,11 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import console  # noqa: E402
 from bench import object_store, pipeline  # noqa: E402
-from capture.run import CaptureSettings, capture_run  # noqa: E402
-from catalog import Catalog, location, schema  # noqa: E402
-from replay.run import ReplayRequest, parse_budgets, replay  # noqa: E402
+from moe_spec import console  # noqa: E402
+from moe_spec.capture.run import CaptureSettings, capture_run  # noqa: E402
+from moe_spec.catalog import Catalog, location, schema  # noqa: E402
+from moe_spec.replay.run import ReplayRequest, parse_budgets, replay  # noqa: E402
 
 RUN = "r"
 

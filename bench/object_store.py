@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import pipeline  # noqa: E402
-from catalog import location, run_dir, schema  # noqa: E402
+from moe_spec.catalog import location, run_dir, schema  # noqa: E402
 
 TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds", "seconds"}
 
@@ -72,7 +72,7 @@ def same_tables(local, remote, model: str, bench: str, run: str) -> dict[str, bo
         a, b = (comparable(location.read_table(run_dir(r, table, model, bench, run)))
                 for r in (local, remote))
         found[table] = a.equals(b)
-    from analysis.sql import connect
+    from moe_spec.analysis.sql import connect
     sql = ("SELECT * EXCLUDE (config, block, committed_at) FROM replay_open "
            "ORDER BY ranking, coverage, budget, layer, prompt_index, step")
     a, b = (connect(r, roles=None).sql(sql).to_arrow_table() for r in (local, remote))

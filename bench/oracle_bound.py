@@ -22,8 +22,8 @@ import polars as pl
 import torch
 from pipeline import capture, replay_runs
 
-from moe.models import EMBEDDED
-from policy import index
+from moe_spec.moe.models import EMBEDDED
+from moe_spec.policy import index
 
 TOLERANCE = 1e-9  # relative
 KEYS = ["prompt_index", "step", "layer", "coverage", "budget"]

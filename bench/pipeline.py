@@ -8,9 +8,9 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from capture.run import CaptureSettings, CaptureSummary, capture_run  # noqa: F401
-from catalog import Catalog
-from replay.run import ReplayOutcome, ReplayRequest, calibration_stats, parse_budgets, replay
+from moe_spec.capture.run import CaptureSettings, CaptureSummary, capture_run  # noqa: F401
+from moe_spec.catalog import Catalog
+from moe_spec.replay.run import ReplayOutcome, ReplayRequest, calibration_stats, parse_budgets, replay
 
 
 def capture(out: Path, run: str, *, role: str = "evaluation", **settings) -> CaptureSummary:
@@ -22,8 +22,8 @@ def capture(out: Path, run: str, *, role: str = "evaluation", **settings) -> Cap
 @functools.cache
 def loaded_model(model: str, device: str = "cpu"):
     """The model and its MoE adapter, loaded once per process."""
-    from moe import models
-    from moe.adapter import MoEAdapter
+    from moe_spec.moe import models
+    from moe_spec.moe.adapter import MoEAdapter
     models.quiet_transformers()
     loaded = models.load(model, device=device)
     return loaded, MoEAdapter(loaded.model)

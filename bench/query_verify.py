@@ -41,7 +41,7 @@ def query_seconds(root: Path, sql: str, cache: Path) -> float:
     env = dict(os.environ, MOESPEC_VERIFY_CACHE=str(cache), HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS=str(THREADS), MOESPEC_THREADS=str(THREADS))
     start = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "analysis.query_cli", sql, "--traces", str(root),
+    r = subprocess.run([sys.executable, "-m", "moe_spec.analysis.query_cli", sql, "--traces", str(root),
                         "--format", "csv"], capture_output=True, text=True,
                        env=env)
     seconds = time.perf_counter() - start

@@ -39,10 +39,10 @@ import numpy as np
 import polars as pl
 import torch
 
-from catalog import Catalog, location, reader
-from moe import models, shapes
-from moe.adapter import MoEAdapter
-from replay.run import ReplayRequest, calibration_stats, parse_budgets, replay
+from moe_spec.catalog import Catalog, location, reader
+from moe_spec.moe import models, shapes
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.replay.run import ReplayRequest, calibration_stats, parse_budgets, replay
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,7 +166,7 @@ def rss(args) -> dict:
         per_prompt = min(50, trees)  # 50 trees a prompt (fewer trees: one prompt)
         try:
             code = ("import sys; sys.path.insert(0, 'bench'); from synthetic import write_run; "
-                    "from moe import models; from pathlib import Path; "
+                    "from moe_spec.moe import models; from pathlib import Path; "
                     "m = models.load('tiny-olmoe', device='cpu').model; "
                     f"write_run(Path('{root}'), 'tiny-olmoe', m, prompts={trees // per_prompt}, "
                     f"trees_per_prompt={per_prompt})")
@@ -175,7 +175,7 @@ def rss(args) -> dict:
             gen = time.perf_counter() - t0
             before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "replay.cli", "--traces", str(root),
+            subprocess.run([sys.executable, "-m", "moe_spec.replay.cli", "--traces", str(root),
                             "--ranking", "oracle", "--budget", "24", "--no-progress"],
                            check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
             sec = time.perf_counter() - t0

@@ -25,11 +25,11 @@ import duckdb
 import pyarrow.parquet as pq
 import ray
 
-from capture.run import CaptureSettings, capture_run
-from catalog import Catalog
-from moe import models
-from moe.adapter import MoEAdapter
-from replay.run import ReplayRequest, parse_budgets, replay
+from moe_spec.capture.run import CaptureSettings, capture_run
+from moe_spec.catalog import Catalog
+from moe_spec.moe import models
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.replay.run import ReplayRequest, parse_budgets, replay
 
 TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds"}
 

@@ -39,20 +39,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline import capture, loaded_model  # noqa: E402
 
-from catalog import Catalog, reader  # noqa: E402
-from policy import coverage as coverages  # noqa: E402
-from policy import rankings  # noqa: E402
-from policy.rankings.sketch import Sketch, attach_moments, with_inputs  # noqa: E402
-from policy.surrogate import InputMoments, surrogate_cost  # noqa: E402
-from replay import open_loop  # noqa: E402
-from replay.run import calibration_stats  # noqa: E402
-from replay.virtual_batch import PromptSource  # noqa: E402
+from moe_spec.catalog import Catalog, reader  # noqa: E402
+from moe_spec.policy import coverage as coverages  # noqa: E402
+from moe_spec.policy import rankings  # noqa: E402
+from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs  # noqa: E402
+from moe_spec.policy.surrogate import InputMoments, surrogate_cost  # noqa: E402
+from moe_spec.replay import open_loop  # noqa: E402
+from moe_spec.replay.run import calibration_stats  # noqa: E402
+from moe_spec.replay.virtual_batch import PromptSource  # noqa: E402
 
 
 def real_shape(model: str) -> tuple[str, int, int, int] | None:
     """(checkpoint, N, H, I) of the real checkpoint the tiny model ``model`` stands for, from
     its family's record (``moe.families``: N, hidden size, the experts' intermediate size)."""
-    from moe import families, models
+    from moe_spec.moe import families, models
     family = families.lookup(name=model)
     if family is None:
         return None

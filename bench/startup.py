@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from catalog import Catalog
+from moe_spec.catalog import Catalog
 
 GOAL = 1.5  # seconds
 BIN = Path(os.path.abspath(sys.executable)).parent

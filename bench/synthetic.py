@@ -15,9 +15,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from catalog import schema
-from catalog.writer import RunWriter, list_column
-from moe.adapter import MoEAdapter
+from moe_spec.catalog import schema
+from moe_spec.catalog.writer import RunWriter, list_column
+from moe_spec.moe.adapter import MoEAdapter
 
 
 @torch.no_grad()

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Callable
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 
 class WriterFailed(UserError, RuntimeError):

@@ -11,12 +11,12 @@ import copy
 import dataclasses
 import sys
 
-import console
-from capture.settings import CaptureError, CaptureSettings, option_flag
-from catalog import ROLES, location
-from errors import UserError, fail
-from moe import models
-from tasks import benchmarks
+from moe_spec import console
+from moe_spec.capture.settings import CaptureError, CaptureSettings, option_flag
+from moe_spec.catalog import ROLES, location
+from moe_spec.errors import UserError, fail
+from moe_spec.moe import models
+from moe_spec.tasks import benchmarks
 
 EXAMPLES = """
 capture --model tiny-olmoe --bench mbpp --limit 8
@@ -53,7 +53,7 @@ def add_settings_option(group, field: dataclasses.Field) -> None:
 def parser() -> argparse.ArgumentParser:
     """The options: every CaptureSettings option (declared once, in capture/settings.py) and
     those of the run itself (where traces go, workers, role, output)."""
-    from capture import settings as declared
+    from moe_spec.capture import settings as declared
     p = console.ArgumentParser(
         prog="capture", examples=EXAMPLES,
         description="Run real EAGLE tree drafting and verification on a Hugging Face MoE model "
@@ -151,13 +151,13 @@ def preflight(settings: CaptureSettings, args) -> None:
     output root, the model (an uncached hub model while offline) and the budget its config
     admits, the prompts, the Ray cluster, the calibration runs (that they exist, and their
     role), and a run another capture is writing right now."""
-    from catalog import Catalog, CatalogError, InvalidName, check_name
+    from moe_spec.catalog import Catalog, CatalogError, InvalidName, check_name
     args.out = location.from_args(args.out, args.storage_options)
     check_out(args.out)
     if args.workers < 0:
         raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
     console.check_output_option(args.output, CaptureError)  # before any work, not after it
-    from capture.naming import default_run
+    from moe_spec.capture.naming import default_run
     source = models.check_available(settings.model)
     run = args.run = default_run(settings, args.out, source.name) if args.run is None else args.run
     try:
@@ -183,7 +183,7 @@ def preflight(settings: CaptureSettings, args) -> None:
                                f"under {location.display(args.out)} for {source.name}{why}; "
                                "capture them first (--role calibration) or name existing runs")
         if not args.allow_evaluation_calibration and any(r.role == "evaluation" for r in found):
-            from policy.calibration import evaluation_calibration
+            from moe_spec.policy.calibration import evaluation_calibration
             raise CaptureError(evaluation_calibration(found))
     check_not_being_written(args.out, source.name, settings.bench, run)
 
@@ -238,7 +238,7 @@ def check_cluster(address: str) -> None:
     """``--ray-address``: Ray installed, and a Ray cluster answering there (within seconds)."""
     import importlib.util
 
-    import cluster
+    from moe_spec import cluster
     if importlib.util.find_spec("ray") is None:
         raise cluster.ClusterError("--workers / --ray-address need Ray: pip install -e .[ray]")
     cluster.check_reachable(address)
@@ -250,8 +250,8 @@ def check_not_being_written(out, model: str, bench: str, run: str) -> None:
     (no lease object, on a store) has no writer. On a store, a well-formed lease that expires
     within one lease lifetime is watched until it does: renewed, its writer is alive (refused);
     not, it was a killed writer's (taken over, as the run's writer would)."""
-    from catalog import CatalogError
-    from catalog.writer import RunWriter
+    from moe_spec.catalog import CatalogError
+    from moe_spec.catalog.writer import RunWriter
     writer = RunWriter(out, model, bench, run)
     folder = writer.table_dir("runs")
     try:
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail("capture", exc)
     threads = console.threads.apply(args.threads)  # before torch and transformers start pools
 
-    from capture.run import capture_run
+    from moe_spec.capture.run import capture_run
     models.quiet_transformers()
     done = []
     for settings, mine in plan:

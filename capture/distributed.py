@@ -21,13 +21,13 @@ import os
 import time
 from pathlib import Path
 
-import console
-from capture.background import BackgroundWriter, WriterFailed
-from capture.settings import CaptureError, CaptureSettings
-from capture.target import Target
-from catalog import location
-from catalog.writer import RunWriter
-from cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
+from moe_spec import console
+from moe_spec.capture.background import BackgroundWriter, WriterFailed
+from moe_spec.capture.settings import CaptureError, CaptureSettings
+from moe_spec.capture.target import Target
+from moe_spec.catalog import location
+from moe_spec.catalog.writer import RunWriter
+from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 
 
 class CaptureWorker:

@@ -19,11 +19,11 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from catalog import reader, schema
-from catalog.writer import RunWriter, list_column
-from eagle.decoding import Generation
-from moe.recorder import LayerRecord
-from policy.budget import Budget
+from moe_spec.catalog import reader, schema
+from moe_spec.catalog.writer import RunWriter, list_column
+from moe_spec.eagle.decoding import Generation
+from moe_spec.moe.recorder import LayerRecord
+from moe_spec.policy.budget import Budget
 
 
 def _np(t: torch.Tensor, dtype=np.float32) -> np.ndarray:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import numpy as np
 
-import console
-from capture.engines import FORMATS
-from capture.engines.model import facts_of_run
-from catalog import Catalog, CatalogError, location, tokens
-from errors import UserError, fail
+from moe_spec import console
+from moe_spec.capture.engines import FORMATS
+from moe_spec.capture.engines.model import facts_of_run
+from moe_spec.catalog import Catalog, CatalogError, location, tokens
+from moe_spec.errors import UserError, fail
 
 EXAMPLES = """
 export-routing --format sglang --run demo-eval out.jsonl

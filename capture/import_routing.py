@@ -27,13 +27,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-import console
-from capture.engines import FORMATS, Format
-from capture.engines.base import ModelFacts, Piece, ReadOptions, SourceError
-from catalog import CatalogError, InvalidName, check_name, location, schema
-from catalog.tokens import BATCHINGS, DEFAULT_BATCH
-from catalog.writer import RunWriter, list_column
-from errors import UserError, fail
+from moe_spec import console
+from moe_spec.capture.engines import FORMATS, Format
+from moe_spec.capture.engines.base import ModelFacts, Piece, ReadOptions, SourceError
+from moe_spec.catalog import CatalogError, InvalidName, check_name, location, schema
+from moe_spec.catalog.tokens import BATCHINGS, DEFAULT_BATCH
+from moe_spec.catalog.writer import RunWriter, list_column
+from moe_spec.errors import UserError, fail
 
 EXAMPLES = """
 import-routing --format sglang responses.jsonl --model Qwen/Qwen3-30B-A3B --bench chat
@@ -87,7 +87,7 @@ class _Parts:
     parsed, at most two parts in flight (bounded memory)."""
 
     def __init__(self, writer: RunWriter, facts: ModelFacts, part_rows: int):
-        from capture.background import BackgroundWriter
+        from moe_spec.capture.background import BackgroundWriter
         self.writer, self.facts, self.part_rows = writer, facts, part_rows
         self.background = BackgroundWriter(max_pending=2)
         self.layers = np.asarray(facts.moe_layers, np.int16)
@@ -120,7 +120,7 @@ class _Parts:
 
     def finish(self) -> None:
         """Every part written (a failure on the writer raised here, its cause named)."""
-        from capture.background import WriterFailed
+        from moe_spec.capture.background import WriterFailed
         try:
             self.background.drain()
         except WriterFailed as exc:
@@ -172,7 +172,7 @@ class _Parts:
 
 
 def read_facts(model: str) -> ModelFacts:
-    from capture.engines.model import ModelFactsError, model_facts
+    from moe_spec.capture.engines.model import ModelFactsError, model_facts
     try:
         return model_facts(model)
     except ModelFactsError as exc:
@@ -404,7 +404,7 @@ def preflight(args) -> tuple[Format, ModelFacts]:
         raise ImportRefused(f"--batching recorded: {fmt.engine}'s format records no forward "
                             "passes; use virtual (b requests at the same decode step) or auto")
     if not location.is_remote(args.out):
-        from capture.cli import check_out
+        from moe_spec.capture.cli import check_out
         try:
             check_out(args.out)
         except UserError as exc:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import time
 
-from capture.settings import CaptureSettings
-from catalog import schema
-from catalog.writer import RunWriter
+from moe_spec.capture.settings import CaptureSettings
+from moe_spec.catalog import schema
+from moe_spec.catalog.writer import RunWriter
 
 
 def default_run(settings: CaptureSettings, out, model: str) -> str:

@@ -21,16 +21,16 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 from tqdm import tqdm
 
-from capture.background import BackgroundWriter, WriterFailed
-from capture.naming import default_run
-from capture.settings import CaptureError, CaptureSettings
-from capture.target import Target, prompt_ids
-from catalog import Catalog, CatalogError, InvalidName, check_name, location, schema
-from catalog.writer import RunWriter, as_stored
-from moe import models
-from policy import rankings
-from policy.calibration import evaluation_calibration
-from tasks import benchmarks
+from moe_spec.capture.background import BackgroundWriter, WriterFailed
+from moe_spec.capture.naming import default_run
+from moe_spec.capture.settings import CaptureError, CaptureSettings
+from moe_spec.capture.target import Target, prompt_ids
+from moe_spec.catalog import Catalog, CatalogError, InvalidName, check_name, location, schema
+from moe_spec.catalog.writer import RunWriter, as_stored
+from moe_spec.moe import models
+from moe_spec.policy import rankings
+from moe_spec.policy.calibration import evaluation_calibration
+from moe_spec.tasks import benchmarks
 
 
 def load_prompts(settings: CaptureSettings, benchmarks_root) -> list:
@@ -139,7 +139,7 @@ def capture_run(settings: CaptureSettings, out: Path, run: str | None = None, *,
     if done is not None:  # nothing to capture: answered without loading the model
         return done
     if workers or ray_address:
-        from capture.distributed import RayExecutor  # Ray is optional: loaded only for it
+        from moe_spec.capture.distributed import RayExecutor  # Ray is optional: loaded only for it
         executor = RayExecutor(settings, out, run, role, prompts, workers=workers,
                                ray_address=ray_address)
     else:

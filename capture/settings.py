@@ -16,10 +16,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from capture.storage import DTYPES, OUTPUTS, StoragePolicy
-from eagle.settings import TreeSettings
-from errors import UserError
-from moe.models import DEFAULT_MODEL
+from moe_spec.capture.storage import DTYPES, OUTPUTS, StoragePolicy
+from moe_spec.eagle.settings import TreeSettings
+from moe_spec.errors import UserError
+from moe_spec.moe.models import DEFAULT_MODEL
 
 
 class CaptureError(UserError, RuntimeError):
@@ -74,32 +74,32 @@ def limit_from_option(value: int) -> int | None:
 
 
 def benchmark_names() -> list[str]:
-    from tasks import benchmarks
+    from moe_spec.tasks import benchmarks
     return list(benchmarks.BENCHMARKS)
 
 
 def model_help() -> str:
-    from moe import models
+    from moe_spec.moe import models
     return f"alias ({', '.join(models.ALIASES)}), hub id or local folder"
 
 
 def runtime_rankings() -> list[str]:
-    from policy import index
+    from moe_spec.policy import index
     return index.ranking_names(runtime=True)
 
 
 def runtime_ranking_help() -> str:
-    from policy import index
+    from moe_spec.policy import index
     return index.ranking_help(runtime=True)
 
 
 def coverage_names() -> list[str]:
-    from policy import index
+    from moe_spec.policy import index
     return list(index.COVERAGES)
 
 
 def coverage_help() -> str:
-    from policy import index
+    from moe_spec.policy import index
     return index.coverage_help()
 
 

@@ -22,7 +22,7 @@ import hashlib
 import math
 from dataclasses import asdict, dataclass
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 DTYPES = ("bfloat16", "float16", "float32")
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}

@@ -18,21 +18,21 @@ from typing import Callable
 import pyarrow as pa
 import torch
 
-from capture.background import BackgroundWriter
-from capture.encoding import BatchColumns, PromptChunks
-from capture.settings import CaptureError, CaptureSettings
-from capture.storage import StorageError
-from catalog import Catalog, CatalogError, reader, schema
-from catalog.writer import RunWriter
-from eagle import loading
-from eagle.acceptance import SamplingSettings
-from eagle.decoding import EagleDecoder, Generation
-from eagle.settings import TreeSettings
-from moe.adapter import MoEAdapter
-from moe.recorder import VerifyRecorder
-from policy import coverage, rankings
-from policy.budget import Budget
-from policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
+from moe_spec.capture.background import BackgroundWriter
+from moe_spec.capture.encoding import BatchColumns, PromptChunks
+from moe_spec.capture.settings import CaptureError, CaptureSettings
+from moe_spec.capture.storage import StorageError
+from moe_spec.catalog import Catalog, CatalogError, reader, schema
+from moe_spec.catalog.writer import RunWriter
+from moe_spec.eagle import loading
+from moe_spec.eagle.acceptance import SamplingSettings
+from moe_spec.eagle.decoding import EagleDecoder, Generation
+from moe_spec.eagle.settings import TreeSettings
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.moe.recorder import VerifyRecorder
+from moe_spec.policy import coverage, rankings
+from moe_spec.policy.budget import Budget
+from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Target:
         tables are written when it stops, exactly as :meth:`capture_prompt` writes them, its
         ``trees`` rows also naming the batched pass. Yields ``(index, Generation)`` as prompts
         finish. A budget caps the union over all the pass's tree tokens."""
-        from eagle.batched import BatchedDecoder, BatchPass
+        from moe_spec.eagle.batched import BatchedDecoder, BatchPass
         settings, tokenizer, recorder = self.settings, self.loaded.tokenizer, self.recorder
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         policy = settings.storage()
@@ -193,7 +193,7 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
     if problem:
         raise CaptureError(problem)
     if getattr(rankings.get(settings.ranking), "needs_hidden", False):  # token-aware: sketch
-        from policy.rankings.sketch import attach_surrogate_sums
+        from moe_spec.policy.rankings.sketch import attach_surrogate_sums
         attach_surrogate_sums(stats, cal, adapter, lambda run: reader.tree_layers([run]))
     return stats
 

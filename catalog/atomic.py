@@ -23,9 +23,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from catalog import location
-from catalog.schema import FAST_DECODE_COLUMNS
-from errors import UserError
+from moe_spec.catalog import location
+from moe_spec.catalog.schema import FAST_DECODE_COLUMNS
+from moe_spec.errors import UserError
 
 
 def temporary_name(path: Path) -> Path:

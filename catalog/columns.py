@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from catalog import location, schema
+from moe_spec.catalog import location, schema
 
 VECTOR_TYPES = {pa.float32(), pa.float16(), pa.uint16()}  # storage dtypes (catalog.schema)
 

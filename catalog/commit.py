@@ -25,8 +25,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from catalog import location
-from errors import UserError
+from moe_spec.catalog import location
+from moe_spec.errors import UserError
 
 CACHE_ENV = "MOESPEC_VERIFY_CACHE"  # path of the cache file; "off" disables caching
 

@@ -37,7 +37,7 @@ import time
 import uuid
 from pathlib import Path
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 SCHEMES = ("s3",)  # object stores a traces root may be on (the tested one: S3 and its clones)
 MAX_LEASE_SECONDS = 86_400.0  # a stated expiry further than this from the write is absurd

@@ -16,9 +16,9 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from catalog import columns, location
-from catalog.columns import VECTOR_TYPES, expected_types, reason  # noqa: F401 - (re-exported)
-from catalog.runs import CatalogError, Run
+from moe_spec.catalog import columns, location
+from moe_spec.catalog.columns import VECTOR_TYPES, expected_types, reason  # noqa: F401 - (re-exported)
+from moe_spec.catalog.runs import CatalogError, Run
 
 _expected_types, _reason = expected_types, reason  # (the names other modules use)
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from filelock import Timeout
 
-from catalog import atomic, commit, location, replay_metrics
-from catalog.names import check_name
-from catalog.runs import CatalogError, Run, run_dir
-from catalog.schema import RESULT_CONFIG
+from moe_spec.catalog import atomic, commit, location, replay_metrics
+from moe_spec.catalog.names import check_name
+from moe_spec.catalog.runs import CatalogError, Run, run_dir
+from moe_spec.catalog.schema import RESULT_CONFIG
 
 RESULT_TABLES = (replay_metrics.OPEN_TABLE, replay_metrics.CLOSED_TABLE,
                  replay_metrics.BATCH_TABLE, replay_metrics.CLOSED_BATCH_TABLE)

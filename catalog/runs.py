@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from catalog import columns, commit, location, schema
-from catalog.names import InvalidName, check_name, partition_value
-from errors import UserError
+from moe_spec.catalog import columns, commit, location, schema
+from moe_spec.catalog.names import InvalidName, check_name, partition_value
+from moe_spec.errors import UserError
 
 
 class CatalogError(UserError, RuntimeError):
@@ -91,7 +91,7 @@ REQUIRED = ("model", "bench", "run", "status", "role", "settings", "schema_versi
 def write_manifest(root: Path, manifest: dict) -> Path:
     """Write a run's manifest (atomically) where the catalog looks for it; checks the required
     keys. Capture writes its own through this; so do synthetic data sets (tests, benchmarks)."""
-    from catalog import atomic
+    from moe_spec.catalog import atomic
     missing = [k for k in REQUIRED if k not in manifest]
     if missing:
         raise ValueError(f"a manifest needs {', '.join(missing)}")

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from catalog import replay_metrics
+from moe_spec.catalog import replay_metrics
 
 SCHEMA_VERSION = 5  # 2: runs carry a role and a run_id; replay results are stored in blocks;
 # 3: trees say which batched verification pass they were in (batch_pass, slot, batch_size, …);

@@ -30,8 +30,8 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 
-from catalog import location, reader, schema
-from catalog.runs import CatalogError, Run
+from moe_spec.catalog import location, reader, schema
+from moe_spec.catalog.runs import CatalogError, Run
 
 
 @dataclass

@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 from filelock import Timeout
 
-from catalog import atomic, commit, location, schema
-from catalog.runs import (
+from moe_spec.catalog import atomic, commit, location, schema
+from moe_spec.catalog.runs import (
     PART_GLOB,
     WHOLE_PART,
     CatalogError,

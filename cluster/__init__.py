@@ -11,7 +11,7 @@ import os
 import socket
 import sys
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 
 class ClusterError(UserError, RuntimeError):

@@ -20,8 +20,8 @@ import sys
 import tomllib
 from pathlib import Path
 
-from console import pipes, threads  # noqa: F401 - console.pipes / console.threads for callers
-from console.commands import command, commandline
+from moe_spec.console import pipes, threads  # noqa: F401 - console.pipes / console.threads for callers
+from moe_spec.console.commands import command, commandline
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -118,7 +118,7 @@ def write_json(path: Path | None, payload: dict) -> None:
         sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
         return
     check_output(path)
-    from catalog import atomic  # the one atomic write
+    from moe_spec.catalog import atomic  # the one atomic write
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_bytes(path, (json.dumps(payload, indent=2, sort_keys=True, default=str)
                               + "\n").encode("utf-8"))
@@ -139,5 +139,5 @@ def check_output(path: Path) -> None:
     """Refuse to replace a symlink, folder, device or FIFO with a file (``os.replace`` would):
     :func:`catalog.atomic.check_target`, the one owner of that rule (imported here on use, so
     ``--help`` and one-line errors stay instant)."""
-    from catalog.atomic import check_target
+    from moe_spec.catalog.atomic import check_target
     check_target(path)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eagle.tree import DraftTree
+from moe_spec.eagle.tree import DraftTree
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from eagle import acceptance, verify
-from eagle.decoding import EagleDecoder, Generation, StepRecord, _sync
-from eagle.tree import DraftCache, DraftInput, DraftTree, build_trees
+from moe_spec.eagle import acceptance, verify
+from moe_spec.eagle.decoding import EagleDecoder, Generation, StepRecord, _sync
+from moe_spec.eagle.tree import DraftCache, DraftInput, DraftTree, build_trees
 
 
 @dataclass

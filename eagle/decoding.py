@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from eagle import acceptance, verify
-from eagle.acceptance import SamplingSettings
-from eagle.draft_head import DraftHead
-from eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
+from moe_spec.eagle import acceptance, verify
+from moe_spec.eagle.acceptance import SamplingSettings
+from moe_spec.eagle.draft_head import DraftHead
+from moe_spec.eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
 
 
 def _sync(device: torch.device) -> None:

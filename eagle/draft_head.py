@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 
 class DraftHeadError(UserError, ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe.models import DEFAULT_MODEL, DRAFTS_DIR, ModelError, ModelSource, hub_reachable, load
+from moe_spec.moe.models import DEFAULT_MODEL, DRAFTS_DIR, ModelError, ModelSource, hub_reachable, load
 
 
 def default_draft(source: ModelSource) -> str | None:
@@ -37,7 +37,7 @@ def resolve_draft(draft: str) -> Path:
 
 def load_with_draft(model: str = DEFAULT_MODEL, draft: str | None = None, **kwargs):
     """(LoadedModel, draft head) for EAGLE decoding; the head is checked against the target."""
-    from eagle.draft_head import DraftHeadError, load_draft
+    from moe_spec.eagle.draft_head import DraftHeadError, load_draft
 
     loaded = load(model, **kwargs)
     draft = draft or default_draft(loaded.source)

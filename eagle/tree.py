@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eagle.draft_head import DraftHead
-from eagle.settings import TreeSettings  # noqa: F401 - re-exported
+from moe_spec.eagle.draft_head import DraftHead
+from moe_spec.eagle.settings import TreeSettings  # noqa: F401 - re-exported
 
 
 @dataclass

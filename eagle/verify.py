@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eagle.tree import DraftTree
+from moe_spec.eagle.tree import DraftTree
 
 
 def new_cache(model: nn.Module) -> DynamicCache:

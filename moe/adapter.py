@@ -22,9 +22,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from errors import UserError
-from moe.families import FamilySpec, UnsupportedModelError, spec_for
-from policy.routing import RoutingRule
+from moe_spec.errors import UserError
+from moe_spec.moe.families import FamilySpec, UnsupportedModelError, spec_for
+from moe_spec.policy.routing import RoutingRule
 
 
 @dataclass

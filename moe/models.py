@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from errors import UserError
-from moe.families import REGISTRY
+from moe_spec.errors import UserError
+from moe_spec.moe.families import REGISTRY
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +73,7 @@ def resolve(model: str) -> ModelSource:
         alias = ALIASES[model]
         if alias.path is not None:
             if not (alias.path / "config.json").is_file():
-                from console import command
+                from moe_spec.console import command
                 raise ModelError(f"embedded model {model!r} is missing from {alias.path}; "
                                  f"retrain it with `{command('train-tiny')} --model {model}`")
             return ModelSource(model, alias.path, None, alias)
@@ -240,7 +240,7 @@ def load(model: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from moe.families import spec_for
+    from moe_spec.moe.families import spec_for
 
     source = resolve(model)
     _ensure_available(source)

@@ -25,9 +25,9 @@ from typing import Callable
 
 import torch
 
-from moe.adapter import MoEAdapter, MoELayer
-from policy.budget import Budget, BudgetGroups
-from policy.coverage import experts_used
+from moe_spec.moe.adapter import MoEAdapter, MoELayer
+from moe_spec.policy.budget import Budget, BudgetGroups
+from moe_spec.policy.coverage import experts_used
 
 
 @dataclass

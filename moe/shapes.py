@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moe.families import REGISTRY, lookup
+from moe_spec.moe.families import REGISTRY, lookup
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def save_random_model(name: str, out: Path, *, layers: int = 1, seed: int = 0,
     fits, by default the embedded tiny model's of the same family) that ``--model`` loads."""
     from transformers import AutoTokenizer
 
-    from moe.models import EMBEDDED_DIR
+    from moe_spec.moe.models import EMBEDDED_DIR
     tok_dir = tokenizer_from or EMBEDDED_DIR / lookup(REAL_SHAPES[name].model_type).tiny.name
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
     model = random_model(name, layers=layers, vocab_size=len(tokenizer), seed=seed)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from policy.routing import RoutingRule
+from moe_spec.policy.routing import RoutingRule
 
 
 def grow(x: torch.Tensor, lead: tuple[int, ...]) -> torch.Tensor:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from policy.batch import RoutingBatch
-from policy.coverage import Coverage, experts_used
-from policy.rankings.base import Ranking, RankingError
-from policy.routing import RoutingRule
+from moe_spec.policy.batch import RoutingBatch
+from moe_spec.policy.coverage import Coverage, experts_used
+from moe_spec.policy.rankings.base import Ranking, RankingError
+from moe_spec.policy.routing import RoutingRule
 
 
 @dataclass

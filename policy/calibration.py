@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Protocol
 import numpy as np
 import torch
 
-from policy import index
-from policy.greedy import oracle_order
+from moe_spec.policy import index
+from moe_spec.policy.greedy import oracle_order
 
 
 class ExpertModel(Protocol):
@@ -92,8 +92,8 @@ class Example:
     order: torch.Tensor  # [N] the truncation oracle's greedy order
 
     def batch(self):
-        from policy.batch import RoutingBatch
-        from policy.routing import RoutingRule
+        from moe_spec.policy.batch import RoutingBatch
+        from moe_spec.policy.routing import RoutingRule
         return RoutingBatch.single(self.probs, self.idx, self.weights, self.layer,
                                    RoutingRule(self.idx.shape[-1]))
 

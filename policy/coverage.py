@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from policy.batch import RoutingBatch, grow
+from moe_spec.policy.batch import RoutingBatch, grow
 
 
 def prefix_masks(order: torch.Tensor, budgets, n: int) -> torch.Tensor:

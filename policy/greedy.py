@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from policy.batch import pair_index
+from moe_spec.policy.batch import pair_index
 
 
 def greedy_quadratic(q: torch.Tensor, tie: torch.Tensor, max_budget: int) -> torch.Tensor:

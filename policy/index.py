@@ -25,43 +25,43 @@ class Entry(NamedTuple):
 
 
 RANKINGS: dict[str, Entry] = {
-    "router": Entry("policy.rankings.router", True,
+    "router": Entry("moe_spec.policy.rankings.router", True,
                     "router mass summed over the tree's tokens (MoE-Spec)"),
-    "static": Entry("policy.rankings.static", True,
+    "static": Entry("moe_spec.policy.rankings.static", True,
                     "calibration selection counts per layer (input-independent)"),
-    "coact": Entry("policy.rankings.coact", True,
+    "coact": Entry("moe_spec.policy.rankings.coact", True,
                    "co-activation-aware: mixing weights x calibration expert-output Gram "
                    "(this project; under substitution, predicted substitution error)",
                    ablation_step=3),
-    "sqmass": Entry("policy.rankings.sqmass", True,
+    "sqmass": Entry("moe_spec.policy.rankings.sqmass", True,
                     "squared mixing mass sum_t g_i(t)^2 (coact with G = I: ablation)",
                     ablation_step=1),
-    "coact-diag": Entry("policy.rankings.coact_diag", True,
+    "coact-diag": Entry("moe_spec.policy.rankings.coact_diag", True,
                         "squared mixing mass x calibration output energy G_ii (coact "
                         "without co-activation: ablation)", ablation_step=2),
-    "coact-online": Entry("policy.rankings.coact_online", True,
+    "coact-online": Entry("moe_spec.policy.rankings.coact_online", True,
                           "coact with G refined from the outputs of experts the prompt's "
                           "earlier passes executed", ablation_step=4),
-    "coact-prior": Entry("policy.rankings.coact_prior", True,
+    "coact-prior": Entry("moe_spec.policy.rankings.coact_prior", True,
                          "coact-online with each expert's calibration energy shrunk toward its "
                          "layer mean, the strength chosen per layer from the calibration's "
                          "prompt-to-prompt energy spread"),
-    "learned": Entry("policy.rankings.learned", True,
+    "learned": Entry("moe_spec.policy.rankings.learned", True,
                      "gradient-boosted score per expert from router and calibration "
                      "features, trained to reproduce the oracle's order",
                      examples=True, ablation_step=5),
-    "sketch": Entry("policy.rankings.sketch", True,
+    "sketch": Entry("moe_spec.policy.rankings.sketch", True,
                     "the oracle's search on expert outputs predicted from the tree tokens' MoE "
                     "inputs h_t by rank-r calibration surrogates (without surrogate or h_t: "
                     "coact-prior's shortlists, with a warning; bench/sketch_gap.py)"),
-    "previous": Entry("policy.rankings.previous", True,
+    "previous": Entry("moe_spec.policy.rankings.previous", True,
                       "experts loaded by the previous pass at the layer first, then router mass"),
     # examples: the oracle starts from every runtime ranking's shortlist, learned's included
-    "oracle": Entry("policy.rankings.oracle", False,
+    "oracle": Entry("moe_spec.policy.rankings.oracle", False,
                     "best shortlist found with every expert's output (offline reference): exact "
                     "where C(N,B) is small, else every runtime ranking's shortlist and the "
                     "greedies, improved by swaps", examples=True),
-    "exact": Entry("policy.rankings.exact", False,
+    "exact": Entry("moe_spec.policy.rankings.exact", False,
                    "exhaustive search over all B-subsets while C(N, B) is small (offline only)",
                    skip_message="C(N, B) exceeds its limit of {limit} subsets"),
 }

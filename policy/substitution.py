@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from policy.batch import RoutingBatch, gram_sq_errors
-from policy.coverage import Coverage
+from moe_spec.policy.batch import RoutingBatch, gram_sq_errors
+from moe_spec.policy.coverage import Coverage
 
 
 def predicted_sq_errors(batch: RoutingBatch, gram: torch.Tensor, idx: torch.Tensor,

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-import console
-from errors import UserError, fail
-from moe import models
-from tasks import benchmarks
+from moe_spec import console
+from moe_spec.errors import UserError, fail
+from moe_spec.moe import models
+from moe_spec.tasks import benchmarks
 
 if TYPE_CHECKING:  # torch and the adapter load after the options are read: --help is instant
-    from moe.adapter import MoEAdapter
+    from moe_spec.moe.adapter import MoEAdapter
 
 PROBE_TOKENS = 63
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return fail("inspect-model", exc)
     console.threads.apply(args.threads)
-    from moe.adapter import MoEAdapter
+    from moe_spec.moe.adapter import MoEAdapter
     models.quiet_transformers()
     try:
         loaded = models.load(args.model, device=args.device, dtype=args.dtype)

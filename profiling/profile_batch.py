@@ -41,8 +41,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import console
-from errors import UserError, fail
+from moe_spec import console
+from moe_spec.errors import UserError, fail
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
@@ -101,7 +101,7 @@ class Decoding:
         left out as warm-up (:data:`catalog.schema.WARMUP_PASSES`); NaN with none left."""
         import numpy as np
 
-        from catalog.schema import WARMUP_PASSES
+        from moe_spec.catalog.schema import WARMUP_PASSES
         times = [p["draft_seconds"] + p["verify_seconds"] for p in self.passes[WARMUP_PASSES:]]
         return {f"latency_p{q}": float(np.percentile(times, q)) if times else float("nan")
                 for q in PERCENTILES}
@@ -127,7 +127,7 @@ def decode(decoder, prompts: list[list[int]], batch_size: int, max_new_tokens: i
     """Decode every prompt ``batch_size`` at a time; tokens/s counts every output token of every
     prompt over the wall time of the whole decoding. ``on_pass(n)`` is called after each
     verification pass with the passes so far (progress)."""
-    from eagle.batched import BatchedDecoder, BatchPass
+    from moe_spec.eagle.batched import BatchedDecoder, BatchPass
 
     start = time.perf_counter()
     tokens = accepted = trees = 0
@@ -157,11 +157,11 @@ def measure(settings: ProfileBatchSettings, loaded, head, prompts: list[list[int
     """Every (mode, b, budget, repeat) decoding of ``settings`` on ``prompts``, yielded in turn,
     after ``settings.warmup`` untimed rounds; ``progress(label)`` is called before each (and
     before the warm-up), ``done(decoding)`` after, ``on_pass(n)`` after each pass."""
-    from eagle.decoding import EagleDecoder
-    from moe.adapter import MoEAdapter
-    from moe.recorder import VerifyRecorder
-    from policy import coverage, rankings
-    from policy.budget import Budget
+    from moe_spec.eagle.decoding import EagleDecoder
+    from moe_spec.moe.adapter import MoEAdapter
+    from moe_spec.moe.recorder import VerifyRecorder
+    from moe_spec.policy import coverage, rankings
+    from moe_spec.policy.budget import Budget
 
     decoder = EagleDecoder(loaded.model, head)
     adapter = MoEAdapter(loaded.model)
@@ -211,7 +211,7 @@ def tables(settings: ProfileBatchSettings, decodings: list[Decoding], *, num_exp
     verification pass) tables of a run (:data:`catalog.schema.BATCH_PROFILE_TABLES`)."""
     import pyarrow as pa
 
-    from catalog import schema
+    from moe_spec.catalog import schema
 
     common = dict(num_experts=num_experts, top_k=top_k, device=device, threads=threads,
                   ranking=settings.ranking if settings.budgets else None,
@@ -244,9 +244,9 @@ def _numbers(text: str, flag: str, *, minimum: int = 1) -> tuple[int, ...]:
 
 
 def parser():
-    from moe import models
-    from policy import index
-    from tasks import benchmarks
+    from moe_spec.moe import models
+    from moe_spec.policy import index
+    from moe_spec.tasks import benchmarks
 
     d = ProfileBatchSettings(model=models.DEFAULT_MODEL)
     p = console.ArgumentParser(
@@ -330,7 +330,7 @@ def check_model_limits(settings: ProfileBatchSettings) -> None:
     """What the model's ``config.json`` bounds, read without loading it (ValueError: one
     line): the new tokens within its context, the budgets within its N routed experts (and at
     least its top-k for substitution)."""
-    from moe import models
+    from moe_spec.moe import models
 
     config = models.read_config(settings.model)
     positions = models.max_positions(config)
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded, head, adapter = load_target(settings)
     except (ValueError, UserError) as exc:
         return fail("profile-batch", exc)
-    from capture.target import prompt_ids
+    from moe_spec.capture.target import prompt_ids
     ids = [prompt_ids(loaded.tokenizer, p.text, settings.chat_template) for p in prompts_found]
     runs = len(settings.batch_sizes) * (2 + len(settings.budgets)) * settings.repeats
     decodings: list[Decoding] = []
@@ -417,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def checked(args) -> tuple[ProfileBatchSettings, list]:
     """Settings and prompts from the command line, every check that needs no model done."""
-    from moe import models
-    from tasks import benchmarks
+    from moe_spec.moe import models
+    from moe_spec.tasks import benchmarks
 
     settings = settings_from(args)
     models.check_available(settings.model)
@@ -431,10 +431,10 @@ def checked(args) -> tuple[ProfileBatchSettings, list]:
 
 def load_target(settings: ProfileBatchSettings):
     """The target and draft head, and the checks that need the model (budgets against k)."""
-    from eagle import loading
-    from moe import models
-    from moe.adapter import MoEAdapter
-    from policy import rankings
+    from moe_spec.eagle import loading
+    from moe_spec.moe import models
+    from moe_spec.moe.adapter import MoEAdapter
+    from moe_spec.policy import rankings
 
     models.quiet_transformers()
     if settings.budgets and rankings.get(settings.ranking).needs_calibration:
@@ -454,7 +454,7 @@ def load_target(settings: ProfileBatchSettings):
 def saver(args, settings, loaded, adapter, threads, decodings: list[Decoding], runs: int):
     """``save(complete)``: the tables (and ``--output`` file) of the decodings so far,
     rewritten atomically, so a stopped run leaves every decoding it finished."""
-    from catalog.writer import write_batch_profile
+    from moe_spec.catalog.writer import write_batch_profile
     name = run_name(settings)
 
     def save(complete: bool) -> list:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import polars as pl
 
-import console
-from analysis.moesd import efficiency, fit, regime
-from errors import UserError, fail
+from moe_spec import console
+from moe_spec.analysis.moesd import efficiency, fit, regime
+from moe_spec.errors import UserError, fail
 
 
 def time_forward(model, batch: int, gamma: int, prefix: int, repeats: int, vocab: int,
@@ -65,7 +65,7 @@ class SizeError(UserError, ValueError):
 def check_sizes(model: str, batches, gammas, prefix: int, repeats: int) -> None:
     """Refuse, before torch loads, sizes the model cannot take (a prefix plus γ beyond its
     ``max_position_embeddings``) or that would build absurd tensors, in one line."""
-    from moe import models
+    from moe_spec.moe import models
     positions = models.max_positions(models.read_config(model))
     where = f"{model}'s max_position_embeddings {positions}" if positions else \
         f"the cap {DEFAULT_POSITIONS}"
@@ -90,7 +90,7 @@ def check_sizes(model: str, batches, gammas, prefix: int, repeats: int) -> None:
 
 @console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
-    from moe import models
+    from moe_spec.moe import models
     p = console.ArgumentParser(
         prog="profile-target", examples="""
             profile-target --model tiny-olmoe --batches 1,2 --gammas 1,4,16
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return fail("profile-target", exc)
     threads = console.threads.apply(args.threads)
-    from catalog.writer import write_profile
-    from moe.adapter import MoEAdapter
+    from moe_spec.catalog.writer import write_profile
+    from moe_spec.moe.adapter import MoEAdapter
     models.quiet_transformers()
     try:
         loaded = models.load(args.model, device=args.device, dtype=args.dtype)

@@ -12,12 +12,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import console
-from catalog import ROLES, location
-from catalog.replay_metrics import gap_closed
-from errors import UserError, fail
-from policy import index
-from replay import modes
+from moe_spec import console
+from moe_spec.catalog import ROLES, location
+from moe_spec.catalog.replay_metrics import gap_closed
+from moe_spec.errors import UserError, fail
+from moe_spec.policy import index
+from moe_spec.replay import modes
 
 EXAMPLES = """
 replay --ranking oracle --budget 24
@@ -105,7 +105,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def select_runs(catalog, args) -> list:
-    from replay.plan import ReplayError
+    from moe_spec.replay.plan import ReplayError
     runs = catalog.runs(model=args.model, bench=args.bench, names=args.run)
     runs = [r for r in runs if r.name not in args.calibration]
     other = [r for r in runs if r.role != args.role]
@@ -142,8 +142,8 @@ def preflight(args):
     """Everything that can be refused before torch loads: the traces, the runs and their roles,
     the calibration runs (found, calibration role, other prompts), the options. Returns the
     catalog, the runs, the budgets (when the manifests name N) and the layers."""
-    from catalog import Catalog
-    from replay.plan import ReplayError, parse_budgets
+    from moe_spec.catalog import Catalog
+    from moe_spec.replay.plan import ReplayError, parse_budgets
     args.traces = location.from_args(args.traces, args.storage_options)
     if args.out is not None:
         args.out = location.root(args.out)
@@ -188,7 +188,7 @@ def preflight(args):
     if args.calibration:
         found = catalog.runs(model=runs[0].model, names=args.calibration)
         if not args.allow_evaluation_calibration and any(r.role == "evaluation" for r in found):
-            from policy.calibration import evaluation_calibration
+            from moe_spec.policy.calibration import evaluation_calibration
             raise ReplayError(evaluation_calibration(found))
         catalog.calibration_runs(args.calibration, runs[0].model,
                                  set().union(*(r.prompt_keys() for r in runs)))
@@ -267,7 +267,7 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
 
 def write_output(path: Path, payload: dict, frame) -> None:
     """``--output``: the summary rows as CSV or Parquet by the file's suffix, else JSON."""
-    from catalog import atomic
+    from moe_spec.catalog import atomic
     suffix = path.suffix.lower()
     if suffix in (".csv", ".parquet") and frame is None:
         raise OSError(f"nothing to write to {path}: no summary rows")
@@ -290,7 +290,7 @@ def key_dtype(args, runs: list) -> str | None:
 
 def check_request(args, budgets: list[int], coverages: tuple[str, ...], k: int, facts) -> None:
     """What the rankings and coverage policies refuse (from the policy facts, without torch)."""
-    from replay.plan import ReplayError
+    from moe_spec.replay.plan import ReplayError
     need_cal = [r for r in args.ranking if facts.rankings[r].needs_calibration]
     if need_cal and not args.calibration:
         raise ReplayError(f"--ranking {' '.join(need_cal)} needs --calibration RUN (captured "
@@ -314,10 +314,10 @@ def compute(args, catalog, runs, layers, coverages) -> Computed:
     """Load the model and replay what is missing (a write that fails is a one-line
     :class:`UserError` naming where)."""
     console.threads.apply(args.threads)  # torch's pools
-    from moe import models
-    from moe.adapter import MoEAdapter
-    from policy import coverage, rankings
-    from replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay
+    from moe_spec.moe import models
+    from moe_spec.moe.adapter import MoEAdapter
+    from moe_spec.policy import coverage, rankings
+    from moe_spec.replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay
     models.quiet_transformers()
     model = runs[0].model
     try:
@@ -372,7 +372,7 @@ class Planned:
 def plan_request(args, coverages: tuple[str, ...]) -> Planned:
     """Every check that needs no model; where N and k are in the manifests and every cell is
     stored already, the answer too (without the model or torch)."""
-    from replay import plan
+    from moe_spec.replay import plan
     catalog, runs, budgets, layers = preflight(args)
     n, k = runs[0].manifest.get("num_experts"), runs[0].manifest.get("top_k")
     found = Planned(catalog, runs, budgets, layers, n, k)
@@ -413,13 +413,13 @@ def main(argv: list[str] | None = None) -> int:
 def print_outcome(args, planned: Planned, done: Computed, coverages):
     """Skips, notes and reuse on stderr; per run the summary table, then variants, the rate and
     where the results are. Returns the summary frame (None when nothing was summarised)."""
-    from replay import plan
+    from moe_spec.replay import plan
     outcome, request, n, k = done.outcome, done.request, planned.n, planned.k
     for name, skipped in outcome.skipped.items():
         if isinstance(n, int) and isinstance(k, int):
             limit = plan.policy_facts(n, k).rankings[name].limit
         else:
-            from policy import rankings
+            from moe_spec.policy import rankings
             limit = getattr(rankings.get(name), "limit", None)
         print(f"replay: {name} skipped budgets {', '.join(map(str, skipped))}: "
               f"{index.skip_reason(name, limit)}", file=sys.stderr)

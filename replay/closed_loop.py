@@ -46,17 +46,17 @@ from typing import Callable
 import pyarrow as pa
 import torch
 
-from catalog import location, schema
-from catalog.results import Block, UnitResults
-from catalog.runs import CatalogError, Run
-from eagle import acceptance, batched, verify
-from eagle.tree import DraftTree
-from moe.adapter import MoEAdapter
-from moe.recorder import VerifyRecorder
-from policy.budget import Budget, BudgetGroups
-from policy.calibration import CalibrationStats
-from policy.coverage import Coverage
-from policy.rankings import Ranking
+from moe_spec.catalog import location, schema
+from moe_spec.catalog.results import Block, UnitResults
+from moe_spec.catalog.runs import CatalogError, Run
+from moe_spec.eagle import acceptance, batched, verify
+from moe_spec.eagle.tree import DraftTree
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.moe.recorder import VerifyRecorder
+from moe_spec.policy.budget import Budget, BudgetGroups
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.coverage import Coverage
+from moe_spec.policy.rankings import Ranking
 
 TREES_PER_FORWARD = 32  # a pass is re-verified under several (ranking, budget) cells at once:
 # its trees repeated once per cell in one batched forward (policy.budget.BudgetGroups), at most
@@ -246,7 +246,7 @@ def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress,
     pass; ``BatchSource``: each (virtual) batch and its passes), ``prompts`` limits the units
     (the source's keys), ``constants`` are key columns every row gets (``batch_size``). With
     ``finish`` the tasks' blocks are marked complete afterwards."""
-    from replay.virtual_batch import PromptSource
+    from moe_spec.replay.virtual_batch import PromptSource
     check_replayable(run)
     source = source or PromptSource(run)
     done = {i: task.unit.done_prompts(task.block) for i, task in enumerate(tasks)}

@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from catalog import location
-from catalog.results import Block, UnitResults
-from catalog.runs import Run
+from moe_spec.catalog import location
+from moe_spec.catalog.results import Block, UnitResults
+from moe_spec.catalog.runs import Run
 
 
 @dataclass
@@ -31,8 +31,8 @@ class ReplayWorker:
     def __init__(self, model: str, device: str, threads: int = 1, dtype: str = "auto"):
         import torch
 
-        from moe import models
-        from moe.adapter import MoEAdapter
+        from moe_spec.moe import models
+        from moe_spec.moe.adapter import MoEAdapter
         torch.set_num_threads(threads)
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         models.quiet_transformers()
@@ -48,9 +48,9 @@ class ReplayWorker:
                max_batch: int | None) -> tuple[list[int], int]:
         """Write ``prompts``' parts of every block; returns the prompts and the tree-layers
         (open) or trees (closed) replayed."""
-        from policy import coverage, rankings
-        from replay import closed_loop
-        from replay.engine import OpenLoopEngine, Task
+        from moe_spec.policy import coverage, rankings
+        from moe_spec.replay import closed_loop
+        from moe_spec.replay.engine import OpenLoopEngine, Task
         units = [UnitResults(location.root(out), s.table, run, s.unit) for s in specs]
         if specs[0].table == "replay_open":
             engine = OpenLoopEngine(self.adapter, self.device, progress=False,

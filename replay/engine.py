@@ -23,14 +23,14 @@ import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from catalog import location, replay_metrics, schema
-from catalog.results import Block, UnitResults
-from catalog.runs import Run
-from moe.adapter import MoEAdapter
-from policy.coverage import Coverage
-from policy.rankings import Ranking
-from replay import open_loop
-from replay.open_loop import Slice, Stream
+from moe_spec.catalog import location, replay_metrics, schema
+from moe_spec.catalog.results import Block, UnitResults
+from moe_spec.catalog.runs import Run
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy.coverage import Coverage
+from moe_spec.policy.rankings import Ranking
+from moe_spec.replay import open_loop
+from moe_spec.replay.open_loop import Slice, Stream
 
 WORK_BYTES = 256 * 2**20  # target size of a batch's expert outputs and Gram terms
 
@@ -112,7 +112,7 @@ class OpenLoopEngine:
         ``source`` gives the units scored and their tree-layers (default: the run's prompts,
         :class:`replay.virtual_batch.PromptSource`; batches: ``BatchSource``), ``constants``
         the key columns every row of this run gets (``batch_size``)."""
-        from replay.virtual_batch import PromptSource
+        from moe_spec.replay.virtual_batch import PromptSource
         if not tasks:
             return
         source = source or PromptSource(run)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from catalog import replay_metrics
-from catalog.replay_metrics import Metric
+from moe_spec.catalog import replay_metrics
+from moe_spec.catalog.replay_metrics import Metric
 
 
 def stored_layers(run, layers: list[int]) -> list[int]:
@@ -122,7 +122,7 @@ class OpenLoop(ReplayMode):
         return stored_layers(run, layers)
 
     def task(self, unit, block, ranking_cls, cover, stats):
-        from replay.engine import Task
+        from moe_spec.replay.engine import Task
         return Task(unit, block, ranking_cls().fit(stats), cover)
 
     def compute(self, run, tasks: list, engine, adapter, progress: bool) -> int:
@@ -144,13 +144,13 @@ class ClosedLoop(ReplayMode):
         return f"; captured τ {frame['captured_accepted_length'].mean():.3f}"
 
     def task(self, unit, block, ranking_cls, cover, stats):
-        from replay.closed_loop import ClosedTask
+        from moe_spec.replay.closed_loop import ClosedTask
         return ClosedTask(unit, block, ranking_cls, cover, stats)
 
     def compute(self, run, tasks: list, engine, adapter, progress: bool) -> int:
         from tqdm import tqdm
 
-        from replay import closed_loop
+        from moe_spec.replay import closed_loop
         source = self.source(run)
         bar = lambda xs: tqdm(xs, desc=f"replay {run.name}", disable=not progress,  # noqa: E731
                               unit="prompt" if source is None else "batch")
@@ -173,7 +173,7 @@ class Batched:
 
     def source(self, run):
         """The run's units: each (virtual) batch, with its passes."""
-        from replay.virtual_batch import BatchSource
+        from moe_spec.replay.virtual_batch import BatchSource
         return BatchSource(run, self.batch_size, self.seed)
 
     def constants(self) -> dict:

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from catalog.reader import PromptTreeLayers
-from errors import UserError
-from moe.adapter import MoEAdapter
-from policy.batch import ExpertTerms, RoutingBatch, combine, pair_index
-from policy.coverage import Coverage, experts_used
-from policy.rankings import Ranking
+from moe_spec.catalog.reader import PromptTreeLayers
+from moe_spec.errors import UserError
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy.batch import ExpertTerms, RoutingBatch, combine, pair_index
+from moe_spec.policy.coverage import Coverage, experts_used
+from moe_spec.policy.rankings import Ranking
 
 # relative tolerance of the recomputed vs captured MoE output of a tree-layer, by the coarser of
 # the storage dtype and the dtype the model ran in

@@ -16,11 +16,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from catalog import Catalog, Run, location
-from catalog.results import UnitResults
-from errors import UserError
-from replay import modes
-from replay.modes import ReplayMode, storage_note, stored_layers  # noqa: F401 - (re-exported)
+from moe_spec.catalog import Catalog, Run, location
+from moe_spec.catalog.results import UnitResults
+from moe_spec.errors import UserError
+from moe_spec.replay import modes
+from moe_spec.replay.modes import ReplayMode, storage_note, stored_layers  # noqa: F401 - (re-exported)
 
 TABLES = {name: mode.table for name, mode in modes.MODES.items()}
 
@@ -107,7 +107,7 @@ def unit_key(mode: ReplayMode | str, ranking, cover, calibration: list[Run],
     :class:`RankingFacts`; ``cover``: anything with the coverage's ``name``; ``means``:
     MEANS_VERSION (read from :mod:`policy.calibration` when not given)."""
     if means is None and (ranking.needs_calibration or ranking.uses_calibration):
-        from policy.calibration import MEANS_VERSION as means
+        from moe_spec.policy.calibration import MEANS_VERSION as means
     mode = modes.get(mode)
     key = dict(mode=mode.name, ranking=ranking.name, coverage=cover.name, calibration=[],
                **mode.key())
@@ -126,7 +126,7 @@ def stored_variants(out: Path, table: str, run: Run) -> list[tuple[dict, "UnitRe
     """(unit key, its results) of every result unit stored for ``run`` in ``table``."""
     found = []
     base = location.root(out) / table
-    from catalog import partition_value
+    from moe_spec.catalog import partition_value
     folder = base / f"model={partition_value(run.model)}" / f"bench={run.bench}" / \
         f"run={run.name}"
     for path in sorted(folder.glob("config=*/_config.json")):
@@ -253,7 +253,7 @@ class PolicyFacts:
 
 def policy_digest() -> str:
     """Digest of the ``policy`` package's source: the facts change only with it."""
-    import policy
+    from moe_spec import policy
     h = hashlib.sha256()
     for root in policy.__path__:
         for path in sorted(Path(root).rglob("*.py")):
@@ -277,8 +277,8 @@ def policy_facts(n: int, k: int) -> PolicyFacts:
                            raw["min_budget"], raw["means"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    from policy import coverage, rankings
-    from policy.calibration import MEANS_VERSION
+    from moe_spec.policy import coverage, rankings
+    from moe_spec.policy.calibration import MEANS_VERSION
     facts = PolicyFacts(
         {name: RankingFacts(name, cls.version, cls.needs_calibration, cls.uses_calibration,
                             cls.artifact, tuple(cls().skipped(n, list(range(1, n + 1)))),
@@ -286,7 +286,7 @@ def policy_facts(n: int, k: int) -> PolicyFacts:
          for name, cls in rankings.REGISTRY.items()},
         {name: cover.min_budget(k) for name, cover in coverage.COVERAGES.items()}, MEANS_VERSION)
     try:
-        from catalog import atomic
+        from moe_spec.catalog import atomic
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_json(path, dict(rankings={name: dict(vars(f), skipped=list(f.skipped))
                                                for name, f in facts.rankings.items()},

@@ -21,16 +21,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import console
-from catalog import Catalog, CatalogError, Run, atomic, location, reader
-from catalog.results import UnitResults
-from cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
-from moe.adapter import MoEAdapter
-from policy import coverage, rankings
-from policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
-from replay import distributed  # (closed_loop, which imports transformers: when replaying)
-from replay.engine import OpenLoopEngine
-from replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, decided without torch)
+from moe_spec import console
+from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, reader
+from moe_spec.catalog.results import UnitResults
+from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy import coverage, rankings
+from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
+from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
+from moe_spec.replay.engine import OpenLoopEngine
+from moe_spec.replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, decided without torch)
     SWEEPS,
     TABLES,
     UNIT_IDENTITY,
@@ -95,7 +95,7 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
         raise ReplayError(problem)
     if any(getattr(rankings.get(r), "needs_hidden", False) for r in rankings_used
            if r in rankings.REGISTRY):
-        from policy.rankings.sketch import attach_surrogate_sums
+        from moe_spec.policy.rankings.sketch import attach_surrogate_sums
         attach_surrogate_sums(stats, cal, adapter, read)
     return stats, cal
 

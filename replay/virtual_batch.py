@@ -30,7 +30,7 @@ from typing import Callable
 
 import numpy as np
 
-from catalog.reader import PromptTreeLayers
+from moe_spec.catalog.reader import PromptTreeLayers
 
 
 def groups(prompt_indices: list[int], batch_size: int, seed: int) -> list[list[int]]:
@@ -98,7 +98,7 @@ class PromptSource:
         return self.run.prompt_indices()
 
     def chunks(self, key: int):
-        from catalog.reader import prompt_chunks
+        from moe_spec.catalog.reader import prompt_chunks
         return prompt_chunks(self.run, key)
 
     def members(self, key: int) -> list[int]:
@@ -144,7 +144,7 @@ class BatchSource:
         if not self.real:
             return virtual_passes()
         if self._passes is None:
-            from catalog.location import read_table  # a local folder or an object store
+            from moe_spec.catalog.location import read_table  # a local folder or an object store
             t = read_table(self.run.files("trees"), columns=["prompt_index", "step",
                                                              "batch_pass"])
             self._passes = {(int(p), int(s)): int(b) for p, s, b in zip(
@@ -152,7 +152,7 @@ class BatchSource:
         return real_passes(self._passes)
 
     def chunks(self, key: int):
-        from catalog.reader import prompt_chunks
+        from moe_spec.catalog.reader import prompt_chunks
         datas = [d for p in self.groups[key] for d in prompt_chunks(self.run, p)]
         if not datas:
             return

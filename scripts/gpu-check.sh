@@ -23,13 +23,13 @@ for shape in ${SHAPES:-olmoe qwen3-moe}; do
 import sys, time
 from pathlib import Path
 import torch
-from capture.run import CaptureSettings, capture_run
-from eagle import loading
-from eagle.decoding import EagleDecoder
-from training.real_width import real_width_pair
-from moe import models
-from replay import cli as replay_cli
-from tasks import benchmarks
+from moe_spec.capture.run import CaptureSettings, capture_run
+from moe_spec.eagle import loading
+from moe_spec.eagle.decoding import EagleDecoder
+from moe_spec.training.real_width import real_width_pair
+from moe_spec.moe import models
+from moe_spec.replay import cli as replay_cli
+from moe_spec.tasks import benchmarks
 
 shape, work = sys.argv[1], Path(sys.argv[2])
 models.quiet_transformers()

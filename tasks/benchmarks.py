@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 ENV_VAR = "MOESPEC_BENCHMARKS"
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -68,7 +68,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 TIMEOUT = 10.0  # seconds of wall time
 MEMORY = 1 << 30  # bytes of address space per process

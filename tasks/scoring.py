@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
-from tasks import sandbox
-from tasks.benchmarks import Prompt
+from moe_spec.tasks import sandbox
+from moe_spec.tasks.benchmarks import Prompt
 
 STOPS = ("\nQuestion:", "\nProblem:", "\nArticle:", "\nYou are an expert Python programmer")
 

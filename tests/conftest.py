@@ -10,8 +10,8 @@ import logging  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from catalog import location  # noqa: E402
-from moe import models  # noqa: E402
+from moe_spec.catalog import location  # noqa: E402
+from moe_spec.moe import models  # noqa: E402
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
@@ -59,8 +59,8 @@ def recommit(traces, run: str | None = None) -> None:
     import json
     from pathlib import Path
 
-    from catalog import commit, schema
-    from catalog.runs import WHOLE_PART, commit_digest
+    from moe_spec.catalog import commit, schema
+    from moe_spec.catalog.runs import WHOLE_PART, commit_digest
     for path in Path(traces).glob(f"runs/model=*/bench=*/run={run or '*'}/{schema.MANIFEST}"):
         manifest = json.loads(path.read_text())
         if manifest.get("files") is None:
@@ -87,7 +87,7 @@ def recommitted():
 def one_prompt(tmp_path_factory):
     """One prompt of tiny-olmoe (run ``eval``), captured once for the session; read it, never
     change it (replay results go to another ``--out``)."""
-    from capture import cli as capture_cli
+    from moe_spec.capture import cli as capture_cli
     root = tmp_path_factory.mktemp("one_prompt") / "traces"
     assert capture_cli.main(["--limit", "1", "--max-new-tokens", "8", "--out", str(root),
                              "--run", "eval", "--no-progress", "--threads", "1"]) == 0
@@ -101,13 +101,13 @@ def replayed(tmp_path_factory):
     (``helpers.copy_of``)."""
     from helpers import CAP, QUERY, run
 
-    from capture import cli as capture_cli
+    from moe_spec.capture import cli as capture_cli
     traces = tmp_path_factory.mktemp("replayed") / "traces"
     assert capture_cli.main([*CAP, "--limit", "2", "--out", str(traces), "--run", "r"]) == 0
-    r = run("replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
+    r = run("moe_spec.replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
             "16", "--no-progress")
     assert r.returncode == 0, r.stderr
-    q = run("analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
+    q = run("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
     assert q.returncode == 0
     return traces, q.stdout
 
@@ -117,7 +117,7 @@ def no_model(monkeypatch):
     """Any model or draft loaded fails the test: refusals come before them."""
     def loaded(*args, **kwargs):
         raise AssertionError("the model was loaded before the refusal")
-    from eagle import loading
-    from moe import models
+    from moe_spec.eagle import loading
+    from moe_spec.moe import models
     monkeypatch.setattr(models, "load", loaded)
     monkeypatch.setattr(loading, "load_with_draft", loaded)

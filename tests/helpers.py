@@ -27,6 +27,16 @@ def run(module, *args, timeout=300):
                           text=True, timeout=timeout)
 
 
+def overlay_env(copy: Path) -> dict:
+    """An environment whose ``moe_spec`` takes its packages from ``copy`` first and the working
+    tree after (the mapping pyproject's package-dir makes on install): a recipe test's modified
+    copy of one package, everything else unchanged."""
+    (copy / "moe_spec").mkdir(exist_ok=True)
+    root = Path(__file__).resolve().parents[1]
+    (copy / "moe_spec" / "__init__.py").write_text(f"__path__ = [{str(copy)!r}, {str(root)!r}]\n")
+    return dict(os.environ, PYTHONPATH=str(copy))
+
+
 def one_line_error(r, *words):
     """``r`` (a finished subprocess) failed with exit code 2 and one stderr line holding
     ``words``, no traceback."""
@@ -73,8 +83,8 @@ def run_env(tmp_path: Path) -> dict:
 # --- synthetic routing and calibration -----------------------------------------------------------
 def synthetic(seed: int, m=12, n=8, k=2, h=6, renormalize=True, sharpness=3.0, layer=3):
     """One tree-layer as a RoutingBatch of size 1 with expert terms, plus its raw tensors."""
-    from policy.batch import ExpertTerms, RoutingBatch
-    from policy.routing import RoutingRule
+    from moe_spec.policy.batch import ExpertTerms, RoutingBatch
+    from moe_spec.policy.routing import RoutingRule
     g = torch.Generator().manual_seed(seed)
     probs = torch.softmax(torch.randn(m, n, generator=g) * sharpness, -1)
     w, idx = probs.topk(k, -1)
@@ -88,7 +98,7 @@ def synthetic(seed: int, m=12, n=8, k=2, h=6, renormalize=True, sharpness=3.0, l
 
 def calibration_of(batch, experts, layer=3):
     """Calibration statistics of one synthetic tree-layer (:func:`synthetic`)."""
-    from policy.calibration import CalibrationStats
+    from moe_spec.policy.calibration import CalibrationStats
     stats = CalibrationStats.empty([layer], batch.n)
     idx = batch.idx[0]
     stats.add(layer, idx, experts.gather(1, idx[..., None].expand(-1, -1, experts.shape[-1])))
@@ -100,7 +110,7 @@ def synthetic_calibration(seed: int, count: int, n=8, k=2, m=12, h=6, examples=0
     calibration statistics collected from them through the real ``collect``."""
     from types import SimpleNamespace
 
-    from policy.calibration import CalibrationStats
+    from moe_spec.policy.calibration import CalibrationStats
     g = torch.Generator().manual_seed(seed)
     scale = torch.linspace(0.2, 3.0, n)[torch.randperm(n, generator=torch.Generator()
                                                        .manual_seed(99))]
@@ -120,7 +130,7 @@ def synthetic_calibration(seed: int, count: int, n=8, k=2, m=12, h=6, examples=0
 # --- real MoE blocks -----------------------------------------------------------------------------
 def block_io(model, input_ids):
     """(MoE input, MoE output) of every sparse block, captured by hooks during a forward."""
-    from moe.adapter import MoEAdapter
+    from moe_spec.moe.adapter import MoEAdapter
     adapter = MoEAdapter(model)
     seen = {}
     hooks = [layer.block.register_forward_hook(  # gpt-oss's block returns (output, scores)
@@ -136,6 +146,6 @@ def block_io(model, input_ids):
 
 def real_ids(tokenizer, n=40):
     """The first ``n`` token ids of mbpp's first prompt, as a batch of one."""
-    from tasks import benchmarks
+    from moe_spec.tasks import benchmarks
     text = benchmarks.load("mbpp", limit=1)[0].text
     return tokenizer(text, return_tensors="pt")["input_ids"][:, :n]

@@ -10,7 +10,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from analysis.routing import balance, moesd_marginal, moesd_uniform
+from moe_spec.analysis.routing import balance, moesd_marginal, moesd_uniform
 
 TREE = "model, bench, run, prompt_index, step, layer"
 

@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import coactivation, cost, moesd, replay_views, routing, summaries
-from analysis.sql import connect
-from catalog import schema
-from catalog.runs import write_manifest
+from moe_spec.analysis import coactivation, cost, moesd, replay_views, routing, summaries
+from moe_spec.analysis.sql import connect
+from moe_spec.catalog import schema
+from moe_spec.catalog.runs import write_manifest
 
 N, K, M, LAYERS, TREES = 16, 4, 10, 2, 6
 
@@ -225,9 +225,9 @@ def test_cost_shapes_from_plain_configs_equal_transformers_configs():
     """The speedup page reads real shapes without importing transformers: same numbers."""
     from types import SimpleNamespace
 
-    from analysis.frames import model_shape
-    from moe.models import EMBEDDED, EMBEDDED_DIR
-    from moe.shapes import REAL_SHAPES
+    from moe_spec.analysis.frames import model_shape
+    from moe_spec.moe.models import EMBEDDED, EMBEDDED_DIR
+    from moe_spec.moe.shapes import REAL_SHAPES
     for s in REAL_SHAPES.values():
         assert cost.ModelShape.from_config(SimpleNamespace(**s.config)) == \
             cost.ModelShape.from_config(s.build_config()), s.name
@@ -238,7 +238,7 @@ def test_cost_shapes_from_plain_configs_equal_transformers_configs():
 
 
 def test_ablation_is_the_share_of_the_router_oracle_gap_each_step_closes():
-    from analysis.replay_views import ablation
+    from moe_spec.analysis.replay_views import ablation
     rows = []
     for cov in ("truncation", "substitution"):
         for b, router, oracle, sq, coact in ((8, 1.0, 0.2, 0.8, 0.3), (16, 0.5, 0.5, 0.5, 0.5)):
@@ -273,8 +273,8 @@ def _stats(closed=True, open_loop=True):
 def test_speedup_budgets_are_the_targets_own_and_never_below_its_top_k():
     """Mixtral has 8 experts, top-2: a 64-expert capture's B = 8 (1/8 of N) is 1 of Mixtral's
     8, below its top-2, and must not be drawn; the axis counts Mixtral's experts."""
-    from analysis import figures, frames
-    from moe.shapes import REAL_SHAPES
+    from moe_spec.analysis import figures, frames
+    from moe_spec.moe.shapes import REAL_SHAPES
     mixtral = next(frames.real_targets()[s.checkpoint] for s in REAL_SHAPES.values()
                    if "Mixtral" in s.checkpoint)
     hw = cost.PROFILES["H100-SXM"]
@@ -297,7 +297,7 @@ def test_speedup_budgets_are_the_targets_own_and_never_below_its_top_k():
 
 
 def test_speedup_headline_is_the_best_within_the_stated_quality_bound():
-    from analysis import figures, frames
+    from moe_spec.analysis import figures, frames
     olmoe = cost.ModelShape(layers=16, hidden=2048, expert_inter=1024, num_experts=64, top_k=8,
                             heads=16, kv_heads=16, head_dim=128, vocab=50304)
     sp = frames.speedup_frame(_stats(), olmoe, [cost.PROFILES["H100-SXM"]])
@@ -321,7 +321,7 @@ def test_speedup_headline_is_the_best_within_the_stated_quality_bound():
 
 
 def test_oracle_gap_below_the_sweep_is_unknown_not_zero():
-    from analysis import figures
+    from moe_spec.analysis import figures
     # the oracle's smallest budget (8) already beats the router's RSE at 8 and at 16
     curves = pl.DataFrame(dict(coverage=["t"] * 6, ranking=["router"] * 3 + ["oracle"] * 3,
                                budget=[8, 16, 24] * 2, rse=[0.4, 0.2, 0.1, 0.15, 0.1, 0.05]))
@@ -353,7 +353,7 @@ def test_degenerate_calibration_is_flagged_unusable():
 
 
 def test_coactivation_lift_masks_the_diagonal_and_is_one_when_independent():
-    from analysis import figures
+    from moe_spec.analysis import figures
     rng = np.random.default_rng(3)
     topk = np.argsort(rng.random((100_000, 16)), 1)[:, :4]
     rest = np.array([e for e in range(16) if e not in (3, 11)])

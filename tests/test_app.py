@@ -6,11 +6,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import overlay_env
 from streamlit.testing.v1 import AppTest
 
-from app.screens import PAGES
-from capture import cli as capture_cli
-from replay import cli as replay_cli
+from moe_spec.app.screens import PAGES
+from moe_spec.capture import cli as capture_cli
+from moe_spec.replay import cli as replay_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app" / "main.py")
@@ -180,7 +181,7 @@ def test_speedup_page_budgets_are_the_targets_and_start_at_the_headline(traces, 
 
 
 def test_unusable_calibration_is_not_offered(traces, monkeypatch):
-    from analysis import cost, frames
+    from moe_spec.analysis import cost, frames
     flat = cost.Calibration(0.0, 0.0, 0.05, 1.59, 0.0, 80)
     # the page's file runs as a script at every rerun: it imports the patched function
     monkeypatch.setattr(frames, "calibration_frame", lambda *a, **k: (None, flat))
@@ -193,7 +194,7 @@ def test_unusable_calibration_is_not_offered(traces, monkeypatch):
 def test_usable_calibration_adds_the_capturing_device(traces, monkeypatch):
     import polars as pl
 
-    from analysis import cost, frames
+    from moe_spec.analysis import cost, frames
     good = cost.Calibration(1.5, 0.2, 1e-3, 0.05, 0.95, 80)
     points = pl.DataFrame(dict(measured=[0.01, 0.02], predicted=[0.011, 0.019],
                                experts_loaded=[8.0, 16.0]))
@@ -255,7 +256,7 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     assert any("MoESD's pass-time model not fitted: only" in w.value for w in at.warning)
     assert not any("MoESD's pass-time model fitted" in m.value for m in at.markdown)
     assert any("profile-batch --model" in c.value for c in at.caption)  # not measured yet
-    from profiling import profile_batch
+    from moe_spec.profiling import profile_batch
     assert profile_batch.main(["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "3",
                                "--max-new-tokens", "4", "--batch-sizes", "1,2,3", "--budget",
                                "16", "--out", str(tmp_path), "--no-progress"]) == 0
@@ -265,7 +266,7 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     assert sorted(set(speed["b"])) == [1, 2, 3] and speed["budget B"].isna().sum() == 3
     assert (speed["speedup"] > 0).all()
     assert any("replay --batch-size 4" in c.value for c in at.caption)  # not replayed yet
-    from replay import cli as replay_cli
+    from moe_spec.replay import cli as replay_cli
     for b in ("1", "2"):
         assert replay_cli.main(["--traces", str(tmp_path), "--run", "one", "--ranking", "router",
                                 "oracle", "--budget", "8,16", "--batch-size", b,
@@ -283,7 +284,7 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
                                      "Accepted path of one tree", "Error vs budget (replay)",
                                      "Replay variants", "Runs and their settings"])
 def test_every_sql_example_runs(traces, monkeypatch, example):
-    from app.screens.sql_console import EXAMPLES
+    from moe_spec.app.screens.sql_console import EXAMPLES
     assert example in EXAMPLES and len(EXAMPLES) == 6  # a new example: add it to this list
     at = goto(app_on(traces, monkeypatch), "SQL console")
     at.selectbox(key="sql_example").set_value(example).run()
@@ -317,7 +318,7 @@ def test_pages_start_at_a_dataset_with_results(mixed, monkeypatch):
 
 
 def test_overview_and_console_default_to_evaluation_runs(mixed, monkeypatch):
-    from analysis.sql import connect
+    from moe_spec.analysis.sql import connect
     at = app_on(mixed, monkeypatch)
     tile = next(m for m in at.metric if m.label.startswith("unique experts"))
     assert tile.label == "unique experts / layer / tree (evaluation runs)"
@@ -350,7 +351,7 @@ def test_selections_live_in_the_url(traces, monkeypatch):
 def test_speedup_page_draws_eta_from_profile_target(traces, tmp_path, monkeypatch):
     import shutil
 
-    from profiling import profile_target
+    from moe_spec.profiling import profile_target
     copy = tmp_path / "eta"
     shutil.copytree(traces, copy)
     at = _speedup_page(copy, monkeypatch)
@@ -385,7 +386,7 @@ def test_pages_draw_one_setting_and_compare_sets_them_side_by_side(two_settings,
 
 
 def test_report_writes_one_file_per_setting_and_compares_runs(two_settings, tmp_path):
-    from analysis import report
+    from moe_spec.analysis import report
     out = tmp_path / "rep"
     assert report.main(["--traces", str(two_settings), "--out", str(out), "--threads", "1"]) == 0
     assert sorted(p.name for p in out.glob("*.html")) == [
@@ -401,8 +402,8 @@ def test_report_writes_one_file_per_setting_and_compares_runs(two_settings, tmp_
 def test_cached_frames_never_see_a_sessions_connection(traces, tmp_path):
     from helpers import copy_of
 
-    from analysis import summaries
-    from app import data
+    from moe_spec.analysis import summaries
+    from moe_spec.app import data
     traces = copy_of(traces, tmp_path)
     summaries.ensure(traces, workers=1)
     root = str(traces)
@@ -422,7 +423,7 @@ def test_cached_frames_never_see_a_sessions_connection(traces, tmp_path):
 HELLO = '''"""A page added by the recipe's test."""
 import streamlit as st
 
-from app import views
+from moe_spec.app import views
 
 TITLE = "Hello page"
 ORDER = 55
@@ -451,7 +452,7 @@ def test_every_module_in_app_screens_is_a_page_and_every_page_a_module():
 
 
 def test_pages_are_found_in_order_and_a_module_that_is_no_page_is_refused(tmp_path, monkeypatch):
-    from app.screens import discover
+    from moe_spec.app.screens import discover
     package = tmp_path / "somescreens"
     package.mkdir()
     (package / "__init__.py").write_text("")
@@ -470,7 +471,6 @@ def test_adding_a_page_is_adding_its_module(traces, tmp_path):
     """The recipe of docs/architecture.md: a copy of app/ with one new file in app/screens/ has
     the page in its navigation, in its ORDER, and draws it (tests/test_browser.py visits every
     registered page at its own URL)."""
-    import os
     import shutil
     import subprocess
     copy = tmp_path / "tree"
@@ -480,18 +480,18 @@ def test_adding_a_page_is_adding_its_module(traces, tmp_path):
 import sys
 sys.argv = ["main.py", "--traces", {str(traces)!r}]
 from streamlit.testing.v1 import AppTest
-import app
+from moe_spec import app
 assert app.__file__.startswith({str(copy)!r}), app.__file__
 at = AppTest.from_file({str(copy / "app" / "main.py")!r}, default_timeout=180)
 at.run()
 assert not at.exception, [e.message for e in at.exception]
 at.switch_page("screens/hello_page.py").run()
 assert not at.exception, [e.message for e in at.exception]
-from app.screens import PAGES
+from moe_spec.app.screens import PAGES
 print(list(PAGES).index("hello_page"), PAGES["hello_page"].title, at.header[0].value,
       at.caption[0].value)
 """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), str(ROOT)]))
+    env = overlay_env(copy)
     done = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -513,7 +513,7 @@ def test_no_function_of_the_app_is_longer_than_80_lines():
 def imports(tmp_path_factory):
     """A capture (run cap, replayed) and the same routing exported to SGLang's format and
     imported (routing-only run imp); and a second folder holding the import alone."""
-    from capture import export_routing, import_routing
+    from moe_spec.capture import export_routing, import_routing
     root = tmp_path_factory.mktemp("imports")
     assert capture_cli.main([*CAP, "--limit", "2", "--out", str(root / "both"), "--run",
                              "cap"]) == 0

@@ -8,10 +8,10 @@ import time
 import polars as pl
 import pytest
 
-from analysis import cost, frames
-from analysis.sql import connect
-from moe import shapes
-from profiling import profile_batch
+from moe_spec.analysis import cost, frames
+from moe_spec.analysis.sql import connect
+from moe_spec.moe import shapes
+from moe_spec.profiling import profile_batch
 
 
 def test_a_batch_pass_reads_weights_once_and_computes_every_sequence():
@@ -28,7 +28,7 @@ def test_a_batch_pass_reads_weights_once_and_computes_every_sequence():
     # memory-bound at small b: a batch of 8 AR tokens costs far less than 8 single passes
     assert cost.pass_time(shape, hw, 1, 512, 40.0, 8)[0] < 0.5 * 8 * cost.pass_time(
         shape, hw, 1, 512, 8.0)[0]
-    from analysis.routing import moesd_uniform
+    from moe_spec.analysis.routing import moesd_uniform
 
     def speedup(b):  # MoESD's shape: experts saturate with b, then compute takes over
         spec, ar = moesd_uniform(64, 8, [b * 63])[0], moesd_uniform(64, 8, [b])[0]
@@ -45,7 +45,7 @@ def test_a_batch_pass_reads_weights_once_and_computes_every_sequence():
 ])
 def test_bad_input_is_one_line_before_torch_loads(args, says):
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "profiling.profile_batch", *args],
+    done = subprocess.run([sys.executable, "-m", "moe_spec.profiling.profile_batch", *args],
                           capture_output=True, text=True)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
@@ -55,8 +55,8 @@ def test_bad_input_is_one_line_before_torch_loads(args, says):
 
 @pytest.mark.slow
 def test_profile_batch_stores_every_decoding_and_the_report_draws_it(tmp_path):
-    from analysis import report
-    from capture import cli as capture_cli
+    from moe_spec.analysis import report
+    from moe_spec.capture import cli as capture_cli
 
     out = tmp_path / "t"
     assert capture_cli.main(["--model", "tiny-olmoe", "--limit", "2", "--max-new-tokens", "4",

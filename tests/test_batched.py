@@ -2,11 +2,11 @@
 
 import pytest
 
-from eagle import loading
-from eagle.batched import BatchedDecoder, BatchPass, generate_batched
-from eagle.decoding import EagleDecoder
-from moe import models
-from tasks import benchmarks
+from moe_spec.eagle import loading
+from moe_spec.eagle.batched import BatchedDecoder, BatchPass, generate_batched
+from moe_spec.eagle.decoding import EagleDecoder
+from moe_spec.moe import models
+from moe_spec.tasks import benchmarks
 
 
 @pytest.fixture(scope="module", params=models.EMBEDDED)
@@ -51,8 +51,8 @@ def test_batched_drafting_builds_each_sequence_its_own_tree(pair):
     leaves each draft cache as its own round would."""
     import torch
 
-    from eagle import verify
-    from eagle.tree import DraftCache, DraftInput, build_tree, build_trees
+    from moe_spec.eagle import verify
+    from moe_spec.eagle.tree import DraftCache, DraftInput, build_tree, build_trees
 
     loaded, head = pair
     dec = EagleDecoder(loaded.model, head)
@@ -80,7 +80,7 @@ def test_batched_drafting_builds_each_sequence_its_own_tree(pair):
 def test_prompts_prefilled_together_match_each_prefilled_alone(pair):
     import torch
 
-    from eagle import verify
+    from moe_spec.eagle import verify
 
     loaded, head = pair
     dec = EagleDecoder(loaded.model, head)
@@ -139,7 +139,7 @@ def _table(root, name, run):
 
 @pytest.fixture(scope="module")
 def batch_traces(tmp_path_factory):
-    from capture import cli
+    from moe_spec.capture import cli
     root = tmp_path_factory.mktemp("batched")
     assert cli.main([*CAPTURE, "--out", str(root), "--run", "b1"]) == 0
     assert cli.main([*CAPTURE, "--out", str(root), "--run", "b3", "--batch-size", "3"]) == 0
@@ -167,7 +167,7 @@ def test_batched_capture_writes_the_same_sequences_and_routing(batch_traces):
 
 
 def test_union_over_a_batch_is_a_group_by_in_sql(batch_traces):
-    from analysis.sql import connect, run_query
+    from moe_spec.analysis.sql import connect, run_query
     con = connect(batch_traces)
     got = run_query(con, """
         SELECT t.batch_pass, r.layer, count(DISTINCT e) AS experts,
@@ -180,7 +180,7 @@ def test_union_over_a_batch_is_a_group_by_in_sql(batch_traces):
 
 
 def test_a_budget_caps_the_union_over_the_whole_batch(tmp_path):
-    from capture import cli
+    from moe_spec.capture import cli
     assert cli.main([*CAPTURE, "--out", str(tmp_path), "--run", "bb", "--batch-size", "3",
                      "--budget", "16", "--ranking", "router"]) == 0
     trees = _table(tmp_path, "trees", "bb").to_pylist()

@@ -7,7 +7,7 @@ import shutil
 import pytest
 from helpers import CAP, one_line_error, run
 
-from tasks import benchmarks
+from moe_spec.tasks import benchmarks
 
 BENCHMARKS = os.environ.get(benchmarks.ENV_VAR) or str(benchmarks.DEFAULT_DIR)
 EXPECTED = {"mbpp": 500, "humaneval": 164, "gsm8k": 1319, "math500": 500, "cnndm": 80,
@@ -61,7 +61,7 @@ def test_bad_benchmark_files_are_one_line_naming_the_file(replayed, tmp_path, co
     shutil.copytree(BENCHMARKS, bench, ignore=shutil.ignore_patterns("*.gz"))
     target = bench / "mbpp" / "mbpp.jsonl"
     target.write_bytes(content if isinstance(content, bytes) else content.encode())
-    one_line_error(run("capture.cli", *CAP, "--limit", "1", "--out", tmp_path / "x",
+    one_line_error(run("moe_spec.capture.cli", *CAP, "--limit", "1", "--out", tmp_path / "x",
                        "--benchmarks", bench), "mbpp.jsonl", *words)
-    one_line_error(run("analysis.evaluate_cli", "--traces", replayed[0], "--benchmarks", bench),
+    one_line_error(run("moe_spec.analysis.evaluate_cli", "--traces", replayed[0], "--benchmarks", bench),
                    "mbpp.jsonl", *words)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from app.screens import PAGES
-from capture import cli as capture_cli
-from replay import cli as replay_cli
+from moe_spec.app.screens import PAGES
+from moe_spec.capture import cli as capture_cli
+from moe_spec.replay import cli as replay_cli
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
@@ -52,11 +52,11 @@ def server(tmp_path_factory):
     assert replay_cli.main(["--traces", str(root), "--run", "eval", "--calibration", "cal",
                             "--ranking", "router", "coact", "oracle", "--budget", "8,16,24,32",
                             "--batch-size", "2", "--no-progress"]) == 0
-    from profiling import profile_batch
+    from moe_spec.profiling import profile_batch
     assert profile_batch.main(["--limit", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2,4",
                                "--budget", "16", "--out", str(root), "--no-progress"]) == 0
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "app.launch", "--traces", str(root), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "moe_spec.app.launch", "--traces", str(root), "--port",
                              str(port), "--headless"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

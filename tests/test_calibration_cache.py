@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import torch
 from helpers import synthetic_calibration
 
-from policy import calibration
-from policy.calibration import collect_runs, load_stats, save_stats
+from moe_spec.policy import calibration
+from moe_spec.policy.calibration import collect_runs, load_stats, save_stats
 
 
 def test_saved_statistics_round_trip_with_their_examples(tmp_path):

@@ -4,8 +4,8 @@ run."""
 
 import pytest
 
-from capture import cli as capture_cli
-from replay import cli as replay_cli
+from moe_spec.capture import cli as capture_cli
+from moe_spec.replay import cli as replay_cli
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress",
        "--threads", "1"]

@@ -14,17 +14,17 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from capture import cli
-from catalog import schema
-from moe import models
-from moe.adapter import MoEAdapter
+from moe_spec.capture import cli
+from moe_spec.catalog import schema
+from moe_spec.moe import models
+from moe_spec.moe.adapter import MoEAdapter
 
 TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds"}
 BASE = ["--limit", "2", "--max-new-tokens", "12", "--no-progress"]
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "capture.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "moe_spec.capture.cli", *args], capture_output=True,
                           text=True, timeout=600)
 
 
@@ -106,7 +106,7 @@ def test_accepted_nodes_spell_the_output(captured):
 
 
 def test_same_command_same_tables_and_chunking_changes_nothing(captured, tmp_path):
-    from capture.run import CaptureSettings, capture_run
+    from moe_spec.capture.run import CaptureSettings, capture_run
     settings = CaptureSettings(limit=2, max_new_tokens=12, chunk_steps=2)
     capture_run(settings, tmp_path, "r1", progress=False)
     for name in schema.TRACE_TABLES:
@@ -116,7 +116,7 @@ def test_same_command_same_tables_and_chunking_changes_nothing(captured, tmp_pat
 
 def test_sigkill_then_rerun_resumes_and_equals_uninterrupted(captured, tmp_path):
     args = [*BASE[:1], "3", *BASE[2:], "--out", str(tmp_path), "--run", "r1"]
-    proc = subprocess.Popen([sys.executable, "-m", "capture.cli", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "moe_spec.capture.cli", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seq_dir = tmp_path / "sequences" / "model=tiny-olmoe" / "bench=mbpp" / "run=r1"
     deadline = time.time() + 300
@@ -208,7 +208,7 @@ def test_online_static_and_coact_rankings_use_disjoint_calibration(captured, tmp
 def test_a_complete_run_captured_again_is_answered_from_disk_untouched(captured, monkeypatch):
     manifest = next((captured / "runs").rglob("_manifest.json"))
     before = manifest.stat().st_mtime_ns
-    from capture import run as capture_run
+    from moe_spec.capture import run as capture_run
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded for a run with nothing to capture")

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from capture import cli
-from capture.settings import CaptureError, CaptureSettings, option_flag
+from moe_spec.capture import cli
+from moe_spec.capture.settings import CaptureError, CaptureSettings, option_flag
 
 
 def flags() -> set[str]:
@@ -45,7 +45,7 @@ def test_declared_choices_are_enforced_by_the_parser():
 
 
 def test_building_the_parser_imports_no_torch():
-    code = ("import sys; from capture import cli; cli.parser().format_help(); "
+    code = ("import sys; from moe_spec.capture import cli; cli.parser().format_help(); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)

@@ -9,8 +9,8 @@ import pytest
 from helpers import CAP_ONE as CAP
 from helpers import one_line
 
-from capture import cli as capture_cli
-from catalog import location
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import location
 
 
 @pytest.mark.parametrize("kind", ["file", "fifo", "device", "dangling", "under-a-file"])
@@ -35,7 +35,7 @@ def test_capture_refuses_an_out_that_is_not_a_folder_before_the_model_loads(kind
 
 def test_capture_refuses_a_run_being_written_before_the_model_loads(tmp_path, capsys,
                                                                     no_model):
-    from catalog.writer import RunWriter
+    from moe_spec.catalog.writer import RunWriter
     holder = RunWriter(tmp_path / "t", "tiny-olmoe", "mbpp", "r")
     holder.lock()
     try:
@@ -49,7 +49,7 @@ def test_capture_refuses_a_run_whose_lease_is_held_before_the_model_loads(s3, ca
                                                                           no_model):
     from conftest import S3_BUCKET
 
-    from catalog.writer import RunWriter
+    from moe_spec.catalog.writer import RunWriter
     remote = f"s3://{S3_BUCKET}/held-early"
     holder = RunWriter(location.root(remote), "tiny-olmoe", "mbpp", "r")
     holder.lock()

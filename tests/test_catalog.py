@@ -9,11 +9,11 @@ import sys
 import duckdb
 import pytest
 
-from analysis.sql import connect
-from capture import cli as capture_cli
-from catalog import Catalog, InvalidName, check_name
-from catalog.results import UnitResults
-from replay import cli as replay_cli
+from moe_spec.analysis.sql import connect
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import Catalog, InvalidName, check_name
+from moe_spec.catalog.results import UnitResults
+from moe_spec.replay import cli as replay_cli
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress"]
 
@@ -42,7 +42,7 @@ def test_roles_are_recorded_and_calibration_runs_are_never_evaluated_by_accident
     assert roles == {"eval": "evaluation", "cal": "calibration"}
     assert replay(traces, "--ranking", "router", "--budget", "16", out=tmp_path) == 0
     assert set(stored(tmp_path)["run"]) == {"eval"}  # the calibration run was not replayed
-    r = subprocess.run([sys.executable, "-m", "replay.cli", "--traces", str(traces), "--run",
+    r = subprocess.run([sys.executable, "-m", "moe_spec.replay.cli", "--traces", str(traces), "--run",
                         "cal", "--no-progress"], capture_output=True, text=True)
     assert r.returncode == 2 and "is a calibration run; pass --role calibration" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -119,7 +119,7 @@ def test_an_interrupted_block_is_not_final_and_resumes(traces, tmp_path):
 def test_names_that_would_become_paths_are_refused(name, tmp_path):
     with pytest.raises(InvalidName):
         check_name(name)
-    r = subprocess.run([sys.executable, "-m", "capture.cli", *CAP, "--limit", "1", "--out",
+    r = subprocess.run([sys.executable, "-m", "moe_spec.capture.cli", *CAP, "--limit", "1", "--out",
                         str(tmp_path), "--run", name], capture_output=True, text=True)
     assert r.returncode == 2 and "is not allowed" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -156,7 +156,7 @@ def test_previous_ranking_online_open_and_closed_loop(traces, tmp_path):
 
 def test_results_of_an_older_ranking_definition_are_dropped_not_shown_twice(traces, tmp_path,
                                                                               monkeypatch):
-    from policy.rankings.oracle import Oracle
+    from moe_spec.policy.rankings.oracle import Oracle
     root = tmp_path / "t"
     shutil.copytree(traces, root)
     assert replay(root, "--ranking", "oracle", "router", "--budget", "16") == 0

@@ -7,18 +7,22 @@ import sys
 
 import pytest
 
-from capture import cli as capture_cli
-from policy import coverage, index, rankings
-from replay import cli as replay_cli
+from moe_spec.capture import cli as capture_cli
+from moe_spec.policy import coverage, index, rankings
+from moe_spec.replay import cli as replay_cli
 
 SCRIPTS = {  # console script -> module:function (pyproject's [project.scripts])
-    "capture": "capture.cli:main", "replay": "replay.cli:main", "query": "analysis.query_cli:main",
-    "report": "analysis.report:main", "evaluate": "analysis.evaluate_cli:main",
-    "profile-target": "profiling.profile_target:main", "profile-batch": "profiling.profile_batch:main",
-    "workbench-app": "app.launch:main",
-    "inspect-model": "profiling.inspect_model:main", "train-tiny": "training.cli:train_tiny",
-    "train-draft": "training.cli:train_draft",
-    "import-routing": "capture.import_routing:main", "export-routing": "capture.export_routing:main",
+    "capture": "moe_spec.capture.cli:main", "replay": "moe_spec.replay.cli:main",
+    "query": "moe_spec.analysis.query_cli:main",
+    "report": "moe_spec.analysis.report:main", "evaluate": "moe_spec.analysis.evaluate_cli:main",
+    "profile-target": "moe_spec.profiling.profile_target:main",
+    "profile-batch": "moe_spec.profiling.profile_batch:main",
+    "workbench-app": "moe_spec.app.launch:main",
+    "inspect-model": "moe_spec.profiling.inspect_model:main",
+    "train-tiny": "moe_spec.training.cli:train_tiny",
+    "train-draft": "moe_spec.training.cli:train_draft",
+    "import-routing": "moe_spec.capture.import_routing:main",
+    "export-routing": "moe_spec.capture.export_routing:main",
 }
 
 
@@ -106,9 +110,9 @@ def test_capture_and_replay_write_json_summaries_from_a_config(tmp_path):
 
 
 def test_chat_template_wraps_the_prompt_and_base_models_are_refused(tmp_path, capsys):
-    from capture.run import prompt_ids
-    from capture.settings import CaptureError
-    from moe import models
+    from moe_spec.capture.run import prompt_ids
+    from moe_spec.capture.settings import CaptureError
+    from moe_spec.moe import models
     tok = models.load("tiny-olmoe", device="cpu").tokenizer
     plain = prompt_ids(tok, "def f(x):")
     with pytest.raises(CaptureError, match="no chat template"):

@@ -24,16 +24,16 @@ def _probe(tmp_path, body: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("call, message", [
-    ("replay.cli:main|['--traces', T, '--run', 'nonexistent']", "no complete evaluation runs"),
-    ("replay.cli:main|['--traces', T, '--budget', '999']", "out of range"),
-    ("replay.cli:main|['--traces', T, '--mode', 'closed', '--ranking', 'oracle']",
+    ("moe_spec.replay.cli:main|['--traces', T, '--run', 'nonexistent']", "no complete evaluation runs"),
+    ("moe_spec.replay.cli:main|['--traces', T, '--budget', '999']", "out of range"),
+    ("moe_spec.replay.cli:main|['--traces', T, '--mode', 'closed', '--ranking', 'oracle']",
      "closed loop takes runtime rankings only"),
-    ("capture.cli:main|['--model', 'olmoe', '--out', T]", "cannot be reached (offline)"),
-    ("capture.cli:main|['--run', 'a/b', '--out', T]", "--run 'a/b' is not allowed"),
-    ("profiling.profile_target:main|['--model', 'olmoe']", "cannot be reached (offline)"),
-    ("profiling.inspect_model:main|['--model', 'olmoe']", "cannot be reached (offline)"),
-    ("training.cli:train_draft|['--model', 'olmoe']", "cannot be reached (offline)"),
-    ("analysis.evaluate_cli:main|['--traces', T + '/missing']", "no complete runs"),
+    ("moe_spec.capture.cli:main|['--model', 'olmoe', '--out', T]", "cannot be reached (offline)"),
+    ("moe_spec.capture.cli:main|['--run', 'a/b', '--out', T]", "--run 'a/b' is not allowed"),
+    ("moe_spec.profiling.profile_target:main|['--model', 'olmoe']", "cannot be reached (offline)"),
+    ("moe_spec.profiling.inspect_model:main|['--model', 'olmoe']", "cannot be reached (offline)"),
+    ("moe_spec.training.cli:train_draft|['--model', 'olmoe']", "cannot be reached (offline)"),
+    ("moe_spec.analysis.evaluate_cli:main|['--traces', T + '/missing']", "no complete runs"),
 ])
 def test_refusals_come_before_torch_and_transformers(one_prompt, tmp_path, call, message):
     target, args = call.split("|")
@@ -53,7 +53,7 @@ def test_fully_reused_replay_answers_without_the_model_or_torch(one_prompt, tmp_
                            capture_output=True, text=True, env=run_env(tmp_path))
     assert first.returncode == 0, first.stderr
     argv = [*args, "--output", str(tmp_path / "b.json")]
-    body = f"from replay.cli import main\ncode = main({argv!r})\nprint('CODE', code)"
+    body = f"from moe_spec.replay.cli import main\ncode = main({argv!r})\nprint('CODE', code)"
     done = _probe(tmp_path, body)
     assert "CODE 0" in done.stdout and "HEAVY []" in done.stdout, (done.stdout, done.stderr)
     assert "reused stored results for run eval (model not loaded)" in done.stderr
@@ -63,7 +63,7 @@ def test_fully_reused_replay_answers_without_the_model_or_torch(one_prompt, tmp_
 
 
 def test_a_missing_cell_still_loads_the_model_and_computes(one_prompt, tmp_path):
-    from replay import cli as replay_cli
+    from moe_spec.replay import cli as replay_cli
 
     def replay(budgets: str, output: str) -> dict:
         assert replay_cli.main(["--traces", str(one_prompt), "--ranking", "router", "--budget",

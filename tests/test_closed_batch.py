@@ -11,16 +11,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from capture import cli as capture_cli
-from catalog import Catalog
-from catalog.results import Block
-from eagle import acceptance, verify
-from moe import models
-from moe.adapter import MoEAdapter
-from moe.recorder import VerifyRecorder
-from policy import coverage, rankings
-from replay import closed_loop, modes, virtual_batch
-from replay.closed_loop import ClosedTask
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import Catalog
+from moe_spec.catalog.results import Block
+from moe_spec.eagle import acceptance, verify
+from moe_spec.moe import models
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.moe.recorder import VerifyRecorder
+from moe_spec.policy import coverage, rankings
+from moe_spec.replay import closed_loop, modes, virtual_batch
+from moe_spec.replay.closed_loop import ClosedTask
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "16", "--no-progress",
        "--threads", "1"]

@@ -15,9 +15,9 @@ import duckdb
 import pytest
 from conftest import S3_BUCKET
 
-from capture import cli as capture_cli
-from catalog import location, run_dir, schema
-from replay import cli as replay_cli
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import location, run_dir, schema
+from moe_spec.replay import cli as replay_cli
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 

@@ -14,10 +14,10 @@ from helpers import calibration_of, synthetic, synthetic_calibration
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy import coverage, rankings
-from policy.batch import ExpertTerms, RoutingBatch
-from policy.calibration import CalibrationStats
-from policy.rankings.coact_prior import prior_strength, shrunk_means
+from moe_spec.policy import coverage, rankings
+from moe_spec.policy.batch import ExpertTerms, RoutingBatch
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.rankings.coact_prior import prior_strength, shrunk_means
 
 
 def _fixed(stats, kappa):
@@ -167,7 +167,7 @@ def test_the_chooser_recovers_a_known_prior_strength():
 @given(seed=st.integers(0, 10_000), renorm=st.booleans(), cov=st.sampled_from(["truncation",
                                                                                 "substitution"]))
 def test_through_open_loop_all_experts_give_zero_and_the_union_gives_the_floor(seed, renorm, cov):
-    from replay.open_loop import Stream, shortlists
+    from moe_spec.replay.open_loop import Stream, shortlists
     stats, _, _ = synthetic_calibration(seed % 7, 6)
     first, e0 = synthetic(seed, m=3, n=8, k=2, renormalize=renorm, sharpness=6.0)
     second, e1 = synthetic(seed + 1, m=3, n=8, k=2, renormalize=renorm, sharpness=6.0)

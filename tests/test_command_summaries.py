@@ -7,7 +7,7 @@ import json
 import polars as pl
 import pytest
 
-from capture import cli as capture_cli
+from moe_spec.capture import cli as capture_cli
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress"]
 
@@ -28,7 +28,7 @@ class _Run:
 
 
 def test_summary_is_a_pivot_per_coverage_with_the_gap_closed():
-    from replay.cli import summary_lines
+    from moe_spec.replay.cli import summary_lines
     rows = []
     for cov in ("truncation", "substitution"):
         for b, (router, oracle, coact) in {8: (0.4, 0.2, 0.3), 16: (0.2, 0.1, 0.1)}.items():
@@ -51,7 +51,7 @@ def test_summary_is_a_pivot_per_coverage_with_the_gap_closed():
 
 
 def test_summary_without_the_pair_has_no_gap_and_closed_loop_says_tau():
-    from replay.cli import summary_lines
+    from moe_spec.replay.cli import summary_lines
     frame = pl.DataFrame([dict(ranking="router", coverage="substitution", budget=b,
                                accepted_length=t, captured_accepted_length=3.0, trees=5)
                           for b, t in ((16, 2.5), (32, 2.9))])
@@ -64,7 +64,7 @@ def test_summary_without_the_pair_has_no_gap_and_closed_loop_says_tau():
 
 
 def test_replay_prints_the_pivot_and_writes_every_row(one_prompt, tmp_path, capsys):
-    from replay import cli as replay_cli
+    from moe_spec.replay import cli as replay_cli
     args = ["--traces", str(one_prompt), "--ranking", "router", "oracle", "--budget", "16,24",
             "--no-progress", "--out", str(tmp_path / "results")]
     for suffix in ("csv", "parquet", "json"):
@@ -82,8 +82,8 @@ def test_replay_prints_the_pivot_and_writes_every_row(one_prompt, tmp_path, caps
 
 # --- capture --------------------------------------------------------------------------------------
 def test_batched_capture_summary_has_passes_the_union_and_a_replay_hint(batched, capsys):
-    from capture.run import summarise
-    from catalog.writer import RunWriter
+    from moe_spec.capture.run import summarise
+    from moe_spec.catalog.writer import RunWriter
     s = summarise(RunWriter(batched, "tiny-olmoe", "mbpp", "b2"), "tiny-olmoe", "mbpp", "b2", 0,
                   1.0, 0.5)
     trees = pl.read_parquet(batched / "trees" / "**" / "*.parquet")
@@ -100,7 +100,7 @@ def test_batched_capture_summary_has_passes_the_union_and_a_replay_hint(batched,
 
 
 def test_summary_says_how_many_prompts_have_verification_passes(tmp_path, capsys):
-    from capture.run import CaptureSummary
+    from moe_spec.capture.run import CaptureSummary
     s = CaptureSummary(tmp_path, "m", "mbpp", "r", 8, 0, 12, 3.0, 30.0, 30.0, 2 ** 20, 1.0,
                        prompts_with_trees=6)
     capture_cli.print_summary(s)
@@ -112,7 +112,7 @@ def test_summary_says_how_many_prompts_have_verification_passes(tmp_path, capsys
 
 # --- evaluate -------------------------------------------------------------------------------------
 def test_evaluate_says_where_it_wrote_the_quality_table(batched, capsys):
-    from analysis import evaluate_cli
+    from moe_spec.analysis import evaluate_cli
     assert evaluate_cli.main(["--traces", str(batched), "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert "quality table written" in out

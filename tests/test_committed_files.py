@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import CAP, one_line_error, run
 
-from capture import cli as capture_cli
+from moe_spec.capture import cli as capture_cli
 
 COUNTS = ("SELECT (SELECT count(*) FROM trees) AS trees, (SELECT count(*) FROM routing) AS "
           "routing, (SELECT round(sum(list_sum(router_probs)), 3) FROM routing) AS mass, "
@@ -21,10 +21,10 @@ def pristine(tmp_path_factory):
     """A small capture with its replay results inside the traces, and what query answers."""
     traces = tmp_path_factory.mktemp("committed") / "traces"
     assert capture_cli.main([*CAP, "--limit", "2", "--out", str(traces), "--run", "r"]) == 0
-    r = run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+    r = run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
             "--no-progress")
     assert r.returncode == 0, r.stderr
-    q = run("analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
+    q = run("moe_spec.analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
     assert q.returncode == 0, q.stderr
     return traces, q.stdout
 
@@ -36,7 +36,7 @@ def copy(pristine, tmp_path):
 
 
 def counts(traces):
-    return run("analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
+    return run("moe_spec.analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
 
 
 def first(traces, pattern):
@@ -89,7 +89,7 @@ def test_a_changed_committed_part_is_named_in_one_line(pristine, tmp_path, damag
             data[i] ^= 0x01
         part.write_bytes(bytes(data))
     one_line_error(counts(traces), part.name)
-    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
                        "--no-progress"), part.name)
 
 
@@ -114,9 +114,9 @@ def test_manifest_facts_edited_after_commit_are_refused(pristine, tmp_path, fiel
     traces = copy(pristine, tmp_path)
     edit_manifest(traces, **fields)
     one_line_error(counts(traces), "_manifest.json", "edited after the run was committed")
-    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
                        "--no-progress"), "_manifest.json")
-    one_line_error(run("analysis.report", "--traces", traces, "--out", tmp_path / "rep"),
+    one_line_error(run("moe_spec.analysis.report", "--traces", traces, "--out", tmp_path / "rep"),
                    "_manifest.json")
 
 
@@ -129,7 +129,7 @@ def test_manifest_facts_are_checked_against_the_data(pristine, tmp_path):
     for key in ("files", "commit_digest"):
         manifest.pop(key)
     path.write_text(json.dumps({**manifest, "num_experts": 4}))
-    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "4",
+    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "4",
                        "--no-progress", "--out", tmp_path / "res"), "num_experts 4")
 
 
@@ -138,7 +138,7 @@ def test_query_out_inside_the_traces_is_refused(pristine, tmp_path):
     target = first(traces, "trees/**/part-000000-0000.parquet")
     before = target.read_bytes()
     for out in (target, target.parent / "part-000001-0000.parquet", traces / "x.csv"):
-        one_line_error(run("analysis.query_cli", "SELECT * FROM trees", "--traces", traces,
+        one_line_error(run("moe_spec.analysis.query_cli", "SELECT * FROM trees", "--traces", traces,
                            "--format", "parquet", "--out", out), "inside the traces folder")
     assert target.read_bytes() == before
     assert counts(traces).stdout == pristine[1]
@@ -147,13 +147,13 @@ def test_query_out_inside_the_traces_is_refused(pristine, tmp_path):
 def test_verification_is_cached_per_file_version(pristine, tmp_path, monkeypatch):
     """A file is hashed once per version: a second read of the same files hashes nothing; a
     rewritten file (same bytes, new version) is hashed again."""
-    from catalog import commit
+    from moe_spec.catalog import commit
     traces = copy(pristine, tmp_path)
     monkeypatch.setenv(commit.CACHE_ENV, str(tmp_path / "verified.sqlite"))
     hashed = []
     real = commit.sha256_of
     monkeypatch.setattr(commit, "sha256_of", lambda p: hashed.append(p) or real(p))
-    from analysis.sql import connect
+    from moe_spec.analysis.sql import connect
     connect(traces).execute("SELECT count(*) FROM trees").fetchall()
     assert hashed, "nothing was verified"
     hashed.clear()
@@ -176,14 +176,14 @@ def test_pathological_manifests_are_one_line(pristine, tmp_path, content):
         content = json.dumps({**manifest, **json.loads(content)})
     path.write_text(content)
     one_line_error(counts(traces), "_manifest.json")
-    one_line_error(run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
                        "--no-progress"), "_manifest.json")
 
 
 @pytest.mark.parametrize("sql", ["UPDATE EXTENSIONS", "SELECT 1; UPDATE EXTENSIONS",
                                  "SELECT system.main.repeat('x', 3000000000)"])
 def test_unknown_statements_are_refused_by_name(pristine, sql):
-    one_line_error(run("analysis.query_cli", sql, "--traces", pristine[0]), "query: error:")
+    one_line_error(run("moe_spec.analysis.query_cli", sql, "--traces", pristine[0]), "query: error:")
 
 
 @pytest.mark.parametrize("sql,limit,words", [
@@ -193,7 +193,7 @@ def test_unknown_statements_are_refused_by_name(pristine, sql):
      ("memory limit", "--memory-limit")),
 ])
 def test_user_sql_is_bounded_in_time_and_memory(pristine, sql, limit, words):
-    r = run("analysis.query_cli", sql, "--traces", pristine[0], "--timeout", limit,
+    r = run("moe_spec.analysis.query_cli", sql, "--traces", pristine[0], "--timeout", limit,
             "--memory-limit", "512MB", timeout=900)
     one_line_error(r, *words)
 
@@ -205,12 +205,12 @@ def test_user_sql_cannot_read_the_spill_folder(pristine, tmp_path, monkeypatch):
     secret.parent.mkdir()
     secret.write_text("a\n42\n")
     monkeypatch.chdir(tmp_path)
-    from analysis.sql import connect
+    from moe_spec.analysis.sql import connect
     con = connect(pristine[0])
     assert [a.rstrip("/") for a in con.execute(
         "SELECT current_setting('allowed_directories')").fetchall()[0][0]] == \
         [str(pristine[0].resolve())]
-    r = run("analysis.query_cli", f"SELECT * FROM read_csv('{secret}')", "--traces",
+    r = run("moe_spec.analysis.query_cli", f"SELECT * FROM read_csv('{secret}')", "--traces",
             pristine[0])
     assert r.returncode == 2 and "42" not in r.stdout, r.stdout
 
@@ -218,8 +218,8 @@ def test_user_sql_cannot_read_the_spill_folder(pristine, tmp_path, monkeypatch):
 def test_bf16_hidden_states_decode_in_sql_as_the_reader_decodes_them(pristine):
     import numpy as np
 
-    from analysis.sql import connect
-    from catalog.reader import matrix
+    from moe_spec.analysis.sql import connect
+    from moe_spec.catalog.reader import matrix
     con = connect(pristine[0])
     t = con.execute("SELECT hidden, bf16_list(hidden) AS h FROM moe_io ORDER BY step, layer, "
                     "node LIMIT 50").to_arrow_table()
@@ -238,8 +238,8 @@ def test_a_string_schema_version_is_named_as_such(pristine, tmp_path):
 def test_a_batch_names_a_prompt_that_stopped_before_its_first_pass(pristine):
     """issue 41.8: a virtual batch holding a prompt with no verification pass (its first token
     was EOS) has no rows to name it: its id comes from the manifest, never a KeyError."""
-    from catalog import Catalog
-    from replay.virtual_batch import BatchSource
+    from moe_spec.catalog import Catalog
+    from moe_spec.replay.virtual_batch import BatchSource
     run = Catalog(pristine[0]).runs()[0]
     source = BatchSource(run, 2, 0)
     first = source.members(0)

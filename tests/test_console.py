@@ -12,16 +12,19 @@ import pytest
 import torch
 from helpers import run_env
 
-import console
-from console import commands, pipes, threads
+from moe_spec import console
+from moe_spec.console import commands, pipes, threads
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(os.path.abspath(sys.executable)).parent
 COMPUTING = {  # commands that compute -> module:function
-    "capture": "capture.cli:main", "replay": "replay.cli:main", "report": "analysis.report:main",
-    "evaluate": "analysis.evaluate_cli:main", "profile-target": "profiling.profile_target:main",
-    "inspect-model": "profiling.inspect_model:main", "train-tiny": "training.cli:train_tiny",
-    "train-draft": "training.cli:train_draft",
+    "capture": "moe_spec.capture.cli:main", "replay": "moe_spec.replay.cli:main",
+    "report": "moe_spec.analysis.report:main",
+    "evaluate": "moe_spec.analysis.evaluate_cli:main",
+    "profile-target": "moe_spec.profiling.profile_target:main",
+    "inspect-model": "moe_spec.profiling.inspect_model:main",
+    "train-tiny": "moe_spec.training.cli:train_tiny",
+    "train-draft": "moe_spec.training.cli:train_draft",
 }
 
 
@@ -122,7 +125,7 @@ def test_query_into_head_ends_quietly(one_prompt, tmp_path):
 @pytest.mark.parametrize("printer", ["print", "rich.console.Console().print"])
 def test_plain_and_rich_output_into_head_exit_141(tmp_path, printer):
     module = printer.rsplit(".", 2)[0] if "." in printer else "sys"
-    code = (f"import sys, {module}\nfrom console.pipes import quiet_broken_pipe\n"
+    code = (f"import sys, {module}\nfrom moe_spec.console.pipes import quiet_broken_pipe\n"
             "@quiet_broken_pipe\ndef main():\n    for i in range(200_000):\n"
             f"        {printer}('line', i)\n    return 0\nsys.exit(main())")
     script = f"{sys.executable} -c \"{code}\" | head -1 > /dev/null; echo ${{PIPESTATUS[0]}}"

@@ -1,7 +1,7 @@
 """The tiny models' corpus never contains an evaluation prompt, and its split is stable."""
 
-from tasks import benchmarks
-from training import corpus
+from moe_spec.tasks import benchmarks
+from moe_spec.training import corpus
 
 
 def test_split_is_disjoint_and_stable():

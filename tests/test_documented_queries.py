@@ -11,7 +11,7 @@ import pytest
 from helpers import run
 from polars.testing import assert_frame_equal
 
-from capture import cli as capture_cli
+from moe_spec.capture import cli as capture_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress",
@@ -30,7 +30,7 @@ def documented_queries() -> list[str]:
             body = "\n".join(line for line in block.splitlines()
                              if not line.strip().startswith("--"))
             found += [" ".join(q.split()) for q in body.split(";") if q.strip()]
-    from app.screens.sql_console import EXAMPLES
+    from moe_spec.app.screens.sql_console import EXAMPLES
     found += list(EXAMPLES.values())
     return sorted(set(found))
 
@@ -41,7 +41,7 @@ def test_the_docs_have_queries_to_check():
 
 
 def replay(traces, *args):
-    r = run("replay.cli", "--traces", traces, "--no-progress", "--threads", "1", *args)
+    r = run("moe_spec.replay.cli", "--traces", traces, "--no-progress", "--threads", "1", *args)
     assert r.returncode == 0, r.stderr
     return r
 
@@ -73,7 +73,7 @@ def folders(tmp_path_factory):
 
 
 def answer(traces, sql) -> pl.DataFrame:
-    from analysis.sql import connect, run_query
+    from moe_spec.analysis.sql import connect, run_query
     return pl.from_arrow(run_query(connect(traces, roles=("evaluation",)), sql))
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle.draft_head import DraftConfig, DraftHeadError, Eagle1Draft, Eagle3Draft, load_draft
-from training.tiny_moe import SPECS
+from moe_spec.eagle.draft_head import DraftConfig, DraftHeadError, Eagle1Draft, Eagle3Draft, load_draft
+from moe_spec.training.tiny_moe import SPECS
 
 EAGLE3_KEYS = {"fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
                "midlayer.post_attention_layernorm.weight", "norm.weight", "lm_head.weight",

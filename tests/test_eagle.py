@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from eagle import acceptance, loading, verify
-from eagle.acceptance import SamplingSettings
-from eagle.decoding import EagleDecoder
-from eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
-from moe import models
-from tasks import benchmarks
+from moe_spec.eagle import acceptance, loading, verify
+from moe_spec.eagle.acceptance import SamplingSettings
+from moe_spec.eagle.decoding import EagleDecoder
+from moe_spec.eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
+from moe_spec.moe import models
+from moe_spec.tasks import benchmarks
 
 
 @pytest.fixture(scope="module", params=models.EMBEDDED)

@@ -7,10 +7,10 @@ import time
 import polars as pl
 import pytest
 
-from analysis import cost, quality
-from capture import cli as capture_cli
-from tasks import benchmarks, scoring
-from tasks.sandbox import run_python
+from moe_spec.analysis import cost, quality
+from moe_spec.capture import cli as capture_cli
+from moe_spec.tasks import benchmarks, scoring
+from moe_spec.tasks.sandbox import run_python
 
 
 def prompt(bench, i=0):
@@ -79,7 +79,7 @@ def test_evaluate_scores_runs_and_compares_a_budgeted_run_with_its_twin(tmp_path
     assert capture_cli.main([*base, "--run", "plain"]) == 0
     assert capture_cli.main([*base, "--run", "b8", "--budget", "8"]) == 0
     assert capture_cli.main([*base, "--run", "b64", "--budget", "64"]) == 0
-    from analysis import evaluate_cli
+    from moe_spec.analysis import evaluate_cli
     assert evaluate_cli.main(["--traces", str(tmp_path), "--output",
                               str(tmp_path / "q.json")]) == 0
     summary = json.loads((tmp_path / "q.json").read_text())
@@ -103,7 +103,7 @@ def test_frontier_on_synthetic_runs():
     """Fewer experts loaded at the same τ projects a speedup; a lower τ costs it back."""
     import duckdb
 
-    from analysis.frames import frontier_frame
+    from moe_spec.analysis.frames import frontier_frame
     con = duckdb.connect()
     trees = pl.DataFrame(dict(
         model=["m"] * 6, bench=["b"] * 6, run=["plain", "plain", "b16", "b16", "b8", "b8"],

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analysis import replay_views
-from analysis.replay_views import (
+from moe_spec.analysis import replay_views
+from moe_spec.analysis.replay_views import (
     budget_at,
     budgets_needed,
     experts_saved_frame,
@@ -186,8 +186,8 @@ CAP = ["--model", "tiny-olmoe", "--max-new-tokens", "10", "--no-progress"]
 
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory):
-    from capture import cli as capture_cli
-    from replay import cli as replay_cli
+    from moe_spec.capture import cli as capture_cli
+    from moe_spec.replay import cli as replay_cli
     root = tmp_path_factory.mktemp("saved")
     assert capture_cli.main([*CAP, "--limit", "3", "--out", str(root)]) == 0
     assert replay_cli.main(["--traces", str(root), "--ranking", "router", "sqmass", "oracle",
@@ -199,7 +199,7 @@ def replayed(tmp_path_factory):
 
 
 def test_experts_saved_from_real_replays(replayed):
-    from analysis.sql import connect
+    from moe_spec.analysis.sql import connect
     con = connect(replayed, roles=("evaluation",))
     open_loop = replay_views.experts_saved_open(con)
     assert set(open_loop["ranking"]) == {"oracle", "sqmass"}
@@ -229,7 +229,7 @@ def test_report_and_replay_page_show_experts_saved(replayed, tmp_path, monkeypat
 
     from streamlit.testing.v1 import AppTest
 
-    from analysis import report
+    from moe_spec.analysis import report
     assert report.main(["--traces", str(replayed), "--out", str(tmp_path / "r")]) == 0
     html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
     assert "<h2>Experts saved at matched quality vs router</h2>" in html

@@ -1,11 +1,11 @@
 """Why a generated program failed: the quality table keeps the exception's class and message
 (analysis.quality), and the most common reasons are counted by class."""
 
-from tasks.scoring import Score
+from moe_spec.tasks.scoring import Score
 
 
 def test_failed_programs_keep_the_exception_class_and_message():
-    from analysis import quality
+    from moe_spec.analysis import quality
     trace = ('Traceback (most recent call last):\n  File "program.py", line 3, in <module>\n'
              "NameError: name 'remove_Occ' is not defined\n")
     assert quality.answer_of(Score("pass@1", 0.0, "failed", trace)) == \

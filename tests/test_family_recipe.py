@@ -4,16 +4,16 @@ derived from those records."""
 
 import ast
 import importlib
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import overlay_env
 
-from moe import families, models, shapes
-from moe.families import REGISTRY, Family, FamilySpec, TinyModel
+from moe_spec.moe import families, models, shapes
+from moe_spec.moe.families import REGISTRY, Family, FamilySpec, TinyModel
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("errors", "catalog", "policy", "tasks", "console", "cluster", "moe", "eagle", "capture",
@@ -28,7 +28,7 @@ def test_every_module_of_moe_families_is_a_family_named_after_its_model_type():
 
 
 def test_every_registry_is_derived_from_the_records():
-    from training.tiny_moe import SPECS
+    from moe_spec.training.tiny_moe import SPECS
     records = list(REGISTRY.values())
     assert families.FAMILIES == {f.model_type: f.routing for f in records}
     assert list(models.ALIASES) == [f.alias for f in records] + [f.tiny.name for f in records]
@@ -76,7 +76,7 @@ def test_no_code_outside_the_records_names_a_family():
 
 
 RECORD = '''"""A throwaway family added by the recipe's test."""
-from moe.families import Family, FamilySpec, TinyModel
+from moe_spec.moe.families import Family, FamilySpec, TinyModel
 
 FAMILY = Family(
     FamilySpec("granitemoe", scoring_func="softmax", renormalize=True, router="router"),
@@ -128,7 +128,7 @@ def test_a_record_is_plain_data():
     """The moe layer stays free of torch and transformers: a record names its transformers
     classes by ``model_type`` only, and importing the registry (what every --help reads) loads
     neither."""
-    code = ("import sys\nimport moe.models, moe.shapes, moe.families\n"
+    code = ("import sys\nimport moe_spec.moe.models, moe_spec.moe.shapes, moe_spec.moe.families\n"
             "print([m for m in ('torch', 'transformers') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
@@ -147,10 +147,10 @@ def test_adding_a_family_is_adding_its_module(tmp_path):
     (copy / "moe" / "families" / "granitemoe.py").write_text(_record(60))
     code = f"""
 from types import SimpleNamespace
-import moe
+from moe_spec import moe
 assert moe.__file__.startswith({str(copy)!r}), moe.__file__
-from moe import families, models, shapes
-from training.tiny_moe import SPECS
+from moe_spec.moe import families, models, shapes
+from moe_spec.training.tiny_moe import SPECS
 assert list(families.REGISTRY)[-1] == "granitemoe"
 spec = families.spec_for(SimpleNamespace(model_type="granitemoe"))
 assert spec is families.FAMILIES["granitemoe"] and spec.router == "router"
@@ -177,7 +177,7 @@ assert families.lookup("granitemoe").alias == "toy-granite"
 assert families.lookup(None, "tiny-toy-granite").model_type == "granitemoe"
 print("OK", len(families.REGISTRY), len(models.ALIASES), len(SPECS))
 """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(copy), str(ROOT)]))
+    env = overlay_env(copy)
     done = subprocess.run([sys.executable, "-c", code], cwd=copy, env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

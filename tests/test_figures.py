@@ -6,8 +6,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from analysis import figures
-from analysis.routing import moesd_uniform
+from moe_spec.analysis import figures
+from moe_spec.analysis.routing import moesd_uniform
 
 
 # --- co-activation heatmap ------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from tasks import benchmarks, sandbox, scoring
-from tasks.benchmarks import Prompt
+from moe_spec.tasks import benchmarks, sandbox, scoring
+from moe_spec.tasks.benchmarks import Prompt
 
 # a function whose value is equal to everything: ``assert f(x) == y`` held in the sandbox
 EQ_ANYTHING = textwrap.dedent("""

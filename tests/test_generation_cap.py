@@ -3,10 +3,10 @@ verification pass accepts tokens on both sides of it."""
 
 import pytest
 
-from capture.run import prompt_ids
-from eagle import loading
-from eagle.decoding import EagleDecoder
-from tasks import benchmarks
+from moe_spec.capture.run import prompt_ids
+from moe_spec.eagle import loading
+from moe_spec.eagle.decoding import EagleDecoder
+from moe_spec.tasks import benchmarks
 
 
 @pytest.mark.parametrize("out,eos,cap,expected", [

@@ -14,17 +14,17 @@ import pytest
 import torch
 from golden import round1
 
-from capture import cli as capture_cli
-from catalog import Catalog, reader
-from moe import models
-from moe.adapter import MoEAdapter
-from policy import coverage
-from policy.batch import ExpertTerms, RoutingBatch
-from policy.calibration import CalibrationStats
-from policy.coverage import prefix_masks
-from policy.rankings.base import by_squared_mass
-from policy.routing import RoutingRule
-from replay import cli as replay_cli
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import Catalog, reader
+from moe_spec.moe import models
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy import coverage
+from moe_spec.policy.batch import ExpertTerms, RoutingBatch
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.coverage import prefix_masks
+from moe_spec.policy.rankings.base import by_squared_mass
+from moe_spec.policy.routing import RoutingRule
+from moe_spec.replay import cli as replay_cli
 
 CAP = ["--bench", "mbpp", "--max-new-tokens", "10", "--no-progress"]
 

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis import ids
-from capture import export_routing, import_routing
-from capture.engines import FORMATS
-from capture.engines.base import ReadOptions
-from catalog import Catalog, schema, tokens
-from moe import models
+from moe_spec.analysis import ids
+from moe_spec.capture import export_routing, import_routing
+from moe_spec.capture.engines import FORMATS
+from moe_spec.capture.engines.base import ReadOptions
+from moe_spec.catalog import Catalog, schema, tokens
+from moe_spec.moe import models
 
 FAMILIES = models.EMBEDDED  # tiny-olmoe, tiny-qwen3-moe, tiny-mixtral, tiny-deepseek-v3, tiny-gpt-oss
 B = 2  # virtual batch size of the round trips (3 prompts: a full batch and a partial one)
@@ -33,7 +33,7 @@ B = 2  # virtual batch size of the round trips (3 prompts: a full batch and a pa
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory):
     """Each embedded family captured natively once (3 MBPP prompts, 12 new tokens)."""
-    from capture.run import CaptureSettings, capture_run
+    from moe_spec.capture.run import CaptureSettings, capture_run
     root = tmp_path_factory.mktemp("engines") / "traces"
     for family in FAMILIES:
         capture_run(CaptureSettings(model=family, limit=3, max_new_tokens=12), root, "cap",
@@ -242,7 +242,7 @@ def test_dense_layer_slots_are_dropped_and_fused_shared_experts_named(tmp_path, 
 
 def vllm_record(ids_: np.ndarray, prompt: int = 3, split: bool = False, nested: bool = False,
                 completion: int | None = None) -> dict:
-    from capture.engines.vllm import npy_base64
+    from moe_spec.capture.engines.vllm import npy_base64
     completion = len(ids_) - (0 if split else prompt) + 1 if completion is None else completion
     routed = ids_.tolist() if nested else npy_base64(ids_.astype(np.int16))
     record = {"id": "cmpl-1", "created": 1700000000,
@@ -351,8 +351,8 @@ def imported(captured, facts, tmp_path_factory):
 
 @pytest.mark.slow
 def test_replay_refuses_a_routing_only_run_in_one_line(imported, captured, capsys):
-    from replay import cli as replay_cli
-    from replay.plan import ReplayError, ReplayOutcome, run_layers_noted
+    from moe_spec.replay import cli as replay_cli
+    from moe_spec.replay.plan import ReplayError, ReplayOutcome, run_layers_noted
     code = replay_cli.main(["--traces", str(captured), "--model", "tiny-olmoe", "--run", "imp",
                             "--ranking", "router", "--budget", "16", "--no-progress"])
     err = capsys.readouterr().err.strip()
@@ -365,8 +365,8 @@ def test_replay_refuses_a_routing_only_run_in_one_line(imported, captured, capsy
 
 @pytest.mark.slow
 def test_views_and_summaries_mark_and_read_a_routing_only_run(imported, captured):
-    from analysis import summaries
-    from analysis.sql import connect
+    from moe_spec.analysis import summaries
+    from moe_spec.analysis.sql import connect
     summaries.ensure(captured, workers=1)
     con = connect(captured, runs=("cap", "imp"))
     kinds = dict(con.execute("SELECT run, kind FROM runs WHERE model = 'tiny-olmoe'").fetchall())
@@ -386,7 +386,7 @@ def test_views_and_summaries_mark_and_read_a_routing_only_run(imported, captured
 def test_a_report_of_routing_only_runs_alone_marks_them(tmp_path, facts):
     """A traces folder holding imports only (no trees anywhere): one report, marked, with the
     routing figures by counts and the truncation coverage."""
-    from analysis.report import write_report
+    from moe_spec.analysis.report import write_report
     records = [sglang_record(good_ids(6, seed), rid=f"q{seed}") for seed in range(5)]
     src = write_lines(tmp_path / "s.jsonl", records)
     import_routing.import_routing(FORMATS["sglang"], src, facts("tiny-olmoe"), tmp_path / "t",
@@ -410,7 +410,7 @@ def test_an_import_never_replaces_a_run_and_resumes_nothing(tmp_path, facts, cap
     run = the_run(tmp_path / "t", "r")
     part = run.files(schema.ROUTING_IDS)[0]
     part.write_bytes(part.read_bytes()[:-8] + b"\0" * 8)  # a damaged part is named
-    from catalog import CatalogError
+    from moe_spec.catalog import CatalogError
     with pytest.raises(CatalogError, match="routing_ids"):
         list(tokens.chunks(the_run(tmp_path / "t", "r")))
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+NAMESPACE = "moe_spec"  # the one top-level package the wheel installs (pyproject's package-dir)
 PACKAGES = ("errors", "catalog", "policy", "tasks", "console", "cluster", "moe", "eagle", "capture",
             "replay", "analysis", "app", "training", "profiling")
 # package -> project packages it may import besides ``errors`` (anything else is a layering
@@ -34,6 +35,12 @@ ALLOWED = {
 ALLOWED = {p: allowed | {"errors"} if p != "errors" else allowed for p, allowed in ALLOWED.items()}
 
 
+def unprefixed(name: str) -> str:
+    """A project module's name inside the namespace: ``moe_spec.policy.index`` → ``policy.index``
+    (other names unchanged)."""
+    return name[len(NAMESPACE) + 1:] if name.startswith(NAMESPACE + ".") else name
+
+
 def imports(path: Path) -> set[str]:
     """Top-level project packages a module imports (at module level or inside functions)."""
     found = set()
@@ -41,9 +48,10 @@ def imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names = [node.module]
+            names = [f"{node.module}.{a.name}" for a in node.names]
         else:
             continue
+        names = [unprefixed(n) for n in names]
         found |= {n.split(".")[0] for n in names if n.split(".")[0] in PACKAGES}
     return found
 
@@ -106,15 +114,15 @@ def module_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
         found = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                found |= {a.name for a in node.names if a.name in paths}
+                found |= {unprefixed(a.name) for a in node.names if unprefixed(a.name) in paths}
             elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
+                base = unprefixed(node.module or "")
                 if node.level:  # relative: from the importing module's package, then up
                     package = module.split(".")[:None if path.name == "__init__.py" else -1]
                     package = package[:len(package) - (node.level - 1)]
                     base = ".".join([*package, *([node.module] if node.module else [])])
                 for alias in node.names:
-                    target = f"{base}.{alias.name}"
+                    target = alias.name if base == NAMESPACE else f"{base}.{alias.name}"
                     found.add(target if target in paths else base)
         graph[module] = (found & set(paths)) - {module}
     return graph
@@ -133,10 +141,10 @@ def test_the_module_checker_catches_a_circle(tmp_path):
     (tmp_path / "capture").mkdir()
     (tmp_path / "capture" / "__init__.py").write_text("")
     (tmp_path / "capture" / "run.py").write_text(
-        "def capture_run():\n    from capture.distributed import capture_distributed\n")
+        "def capture_run():\n    from moe_spec.capture.distributed import capture_distributed\n")
     (tmp_path / "capture" / "distributed.py").write_text(
         "import time\n\n\nclass CaptureWorker:\n    def __init__(self):\n"
-        "        from capture.run import Target\n")
+        "        from moe_spec.capture.run import Target\n")
     graph = module_graph(tmp_path, ("capture",))
     assert graph["capture.run"] == {"capture.distributed"}
     assert find_cycle(graph) == ["capture.distributed", "capture.run", "capture.distributed"]
@@ -149,5 +157,23 @@ def test_the_module_checker_catches_a_circle(tmp_path):
 def test_the_checker_catches_a_violation(tmp_path):
     """The test can fail: a module importing replay from capture is flagged."""
     bad = tmp_path / "bad.py"
-    bad.write_text("from replay.run import replay\nimport capture.cli\n")
-    assert imports(bad) == {"replay", "capture"}
+    bad.write_text("from moe_spec.replay.run import replay\nimport moe_spec.capture.cli\n"
+                   "from moe_spec import console\n")
+    assert imports(bad) == {"replay", "capture", "console"}
+
+
+def test_every_project_import_names_the_namespace():
+    """Project code is imported as ``moe_spec.<package>`` everywhere (packages, tests, benches,
+    the app's script): a bare ``import capture`` would load a second copy of the module (two
+    registries) in a checkout and fail in an installed wheel, which has no top-level ``capture``."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0].startswith(".") or "site-packages" in rel.parts or rel.parts[0] == "build":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level \
+                and node.module else []
+            found += [f"{rel}:{node.lineno} {n}" for n in names if n.split(".")[0] in PACKAGES]
+    assert not found, found

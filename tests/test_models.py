@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from moe import models
+from moe_spec.moe import models
 
 
 def test_embedded_aliases_resolve_to_hf_folders():
@@ -75,7 +75,7 @@ def test_embedded_models_load_with_their_tokenizers(embedded):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "profiling.inspect_model", *args],
+    return subprocess.run([sys.executable, "-m", "moe_spec.profiling.inspect_model", *args],
                           capture_output=True, text=True, timeout=120)
 
 

@@ -8,9 +8,9 @@ from helpers import block_io, real_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe import models
-from moe.adapter import MoEAdapter
-from training.tiny_moe import SPECS
+from moe_spec.moe import models
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.training.tiny_moe import SPECS
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -174,7 +174,7 @@ def test_every_family_passes_the_contract(embedded, clause):
 
 def test_every_family_has_an_embedded_model():
     """The contract runs over every family of moe.families: each has an embedded model."""
-    from moe.families import FAMILIES
+    from moe_spec.moe.families import FAMILIES
     types = {json.loads((models.EMBEDDED_DIR / name / "config.json").read_text())["model_type"]
              for name in models.EMBEDDED}
     assert types == set(FAMILIES)
@@ -257,7 +257,7 @@ def test_unsupported_families_are_refused_in_one_line(model_type):
     Qwen2-MoE would otherwise pass with its gated shared expert ignored)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from moe.families import UnsupportedModelError
+    from moe_spec.moe.families import UnsupportedModelError
     cfg = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=64,
                                moe_intermediate_size=32, shared_expert_intermediate_size=32,
                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -271,7 +271,7 @@ def test_unsupported_families_are_refused_in_one_line(model_type):
 
 def test_a_router_that_breaks_its_spec_is_refused():
     """The load-time probe catches a router that does not compute what its spec says."""
-    from moe.families import UnsupportedModelError
+    from moe_spec.moe.families import UnsupportedModelError
     model = _random_model("tiny-olmoe", num_hidden_layers=2)
     model.config.norm_topk_prob = True  # the spec now says renormalise; the routers do not
     with pytest.raises(UnsupportedModelError, match="does not compute what its routing spec"):

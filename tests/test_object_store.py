@@ -13,11 +13,11 @@ import time
 import pytest
 from conftest import S3_BUCKET as BUCKET  # the bucket of the s3 fixture
 
-from analysis import evaluate_cli, query_cli
-from analysis import report as report_cli
-from capture import cli as capture_cli
-from catalog import location, schema
-from replay import cli as replay_cli
+from moe_spec.analysis import evaluate_cli, query_cli
+from moe_spec.analysis import report as report_cli
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import location, schema
+from moe_spec.replay import cli as replay_cli
 
 pytest.importorskip("moto.server", reason="moto[server] is a dev dependency")
 
@@ -34,7 +34,7 @@ def comparable(table):
 
 def run_table(root, table: str, run: str):
     """One run's rows of a trace table, read through the catalog's own reader."""
-    from catalog import run_dir
+    from moe_spec.catalog import run_dir
     return comparable(location.read_table(run_dir(location.root(root), table, "tiny-olmoe",
                                                   "mbpp", run)))
 
@@ -108,7 +108,7 @@ def test_killed_capture_resumes_from_its_parts_in_a_second_process(both, s3):
     resumes, reuses the parts and ends with the tables of an uninterrupted capture."""
     remote = f"s3://{BUCKET}/killed"
     args = [*CAP, "--out", remote, "--run", "r1"]
-    proc = subprocess.Popen([sys.executable, "-m", "capture.cli", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "moe_spec.capture.cli", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seqs = f"{BUCKET}/killed/sequences/model=tiny-olmoe/bench=mbpp/run=r1"
     runs = f"{BUCKET}/killed/runs/model=tiny-olmoe/bench=mbpp/run=r1"
@@ -122,7 +122,7 @@ def test_killed_capture_resumes_from_its_parts_in_a_second_process(both, s3):
     assert s3.exists(f"{runs}/.lock")  # the dead writer's lease, left behind
     done_before = len(s3.ls(seqs, refresh=True))
     assert 1 <= done_before < 3
-    r = subprocess.run([sys.executable, "-m", "capture.cli", *args], capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "moe_spec.capture.cli", *args], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert f"({done_before} resumed)" in r.stdout
@@ -134,7 +134,7 @@ def test_killed_capture_resumes_from_its_parts_in_a_second_process(both, s3):
 def test_a_second_writer_of_a_run_is_refused_in_one_line(s3, capsys):
     """A live writer holds the run's lease (renewed while held): a capture of the same run is
     refused in one line; once the lease is released the same command runs."""
-    from catalog.writer import RunWriter
+    from moe_spec.catalog.writer import RunWriter
     remote = f"s3://{BUCKET}/busy"
     holder = RunWriter(location.root(remote), "tiny-olmoe", "mbpp", "r1")
     holder.lock()

@@ -9,17 +9,16 @@ import pytest
 from helpers import CAP_ONE as CAP
 from helpers import exit_code, one_line, one_line_error, run
 
-from capture import cli as capture_cli
+from moe_spec.capture import cli as capture_cli
 
 
 @pytest.fixture
 def no_training(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("training started before the refusal")
-    import training.draft
-    import training.tiny_moe
-    monkeypatch.setattr(training.tiny_moe, "train", started)
-    monkeypatch.setattr(training.draft, "train", started)
+    from moe_spec.training import draft, tiny_moe
+    monkeypatch.setattr(tiny_moe, "train", started)
+    monkeypatch.setattr(draft, "train", started)
 
 
 # --- train-tiny / train-draft ---------------------------------------------------------------------
@@ -37,7 +36,7 @@ def no_training(monkeypatch):
 ])
 def test_training_numbers_are_checked_before_any_work(command, args, words, tmp_path, capsys,
                                                       no_training, no_model):
-    from training import cli
+    from moe_spec.training import cli
     argv = ["--model", "tiny-olmoe", "--out", str(tmp_path / "out"), "--threads", "1", *args]
     one_line(capsys, exit_code(getattr(cli, command), argv), *words)
     assert not (tmp_path / "out").exists()
@@ -51,7 +50,7 @@ def test_training_numbers_are_checked_before_any_work(command, args, words, tmp_
 ])
 def test_draft_sizes_are_bounded_by_the_target(args, words, tmp_path, capsys, no_training,
                                                no_model):
-    from training import cli
+    from moe_spec.training import cli
     argv = ["--model", "tiny-olmoe", "--out", str(tmp_path / "out"), "--threads", "1", *args]
     one_line(capsys, exit_code(cli.train_draft, argv), *words)
 
@@ -66,7 +65,7 @@ def test_draft_sizes_are_bounded_by_the_target(args, words, tmp_path, capsys, no
 ])
 def test_profile_target_sizes_are_bounded_before_the_model_loads(args, words, tmp_path, capsys,
                                                                  no_model):
-    from profiling import profile_target
+    from moe_spec.profiling import profile_target
     argv = ["--model", "tiny-olmoe", "--out", str(tmp_path), "--threads", "1", *args]
     one_line(capsys, exit_code(profile_target.main, argv), *words)
 
@@ -82,7 +81,7 @@ def test_profile_target_sizes_are_bounded_before_the_model_loads(args, words, tm
 ])
 def test_profile_batch_sizes_are_bounded_before_the_model_loads(args, words, tmp_path, capsys,
                                                                 no_model):
-    from profiling import profile_batch
+    from moe_spec.profiling import profile_batch
     argv = ["--model", "tiny-olmoe", "--out", str(tmp_path), "--threads", "1", "--no-progress",
             *args]
     one_line(capsys, exit_code(profile_batch.main, argv), *words)
@@ -103,28 +102,28 @@ def test_capture_checks_budget_and_calibration_before_the_model_loads(args, word
 
 
 @pytest.mark.parametrize("module,args,words", [
-    ("replay.cli", ["--workers", "-2"], ["--workers -2"]),
-    ("capture.cli", ["--workers", "-2"], ["--workers -2"]),
-    ("capture.cli", ["--max-new-tokens", "99999999999999999999"], ["--max-new-tokens", "1000000"]),
-    ("capture.cli", ["--seed", "99999999999999999999"], ["--seed"]),
-    ("capture.cli", ["--batch-size", "100000"], ["--batch-size"]),
-    ("capture.cli", ["--temperature", "inf"], ["--temperature"]),
+    ("moe_spec.replay.cli", ["--workers", "-2"], ["--workers -2"]),
+    ("moe_spec.capture.cli", ["--workers", "-2"], ["--workers -2"]),
+    ("moe_spec.capture.cli", ["--max-new-tokens", "99999999999999999999"], ["--max-new-tokens", "1000000"]),
+    ("moe_spec.capture.cli", ["--seed", "99999999999999999999"], ["--seed"]),
+    ("moe_spec.capture.cli", ["--batch-size", "100000"], ["--batch-size"]),
+    ("moe_spec.capture.cli", ["--temperature", "inf"], ["--temperature"]),
 ])
 def test_numeric_options_are_bounded(replayed, tmp_path, module, args, words):
-    extra = {"capture.cli": [*CAP[:4], "--out", tmp_path / "x"],
-             "replay.cli": ["--traces", replayed[0], "--no-progress"]}[module]
+    extra = {"moe_spec.capture.cli": [*CAP[:4], "--out", tmp_path / "x"],
+             "moe_spec.replay.cli": ["--traces", replayed[0], "--no-progress"]}[module]
     one_line_error(run(module, *extra, *args, timeout=120), *words)
 
 
 def test_a_config_file_cannot_ask_for_absurd_numbers(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text("max_new_tokens = 99999999999999999999\n")
-    one_line_error(run("capture.cli", *CAP[:4], "--config", config, "--out", tmp_path / "x",
+    one_line_error(run("moe_spec.capture.cli", *CAP[:4], "--config", config, "--out", tmp_path / "x",
                        timeout=120), "--max-new-tokens", "out of range")
 
 
 def test_workers_are_capped_at_the_prompts_and_cpus(capsys):
-    from cluster import cap_workers
+    from moe_spec.cluster import cap_workers
     assert cap_workers(999, 1, "cpu") == 1
     assert "capped at 1" in capsys.readouterr().err
     assert cap_workers(999, 10_000, "cpu") == (os.cpu_count() or 1)

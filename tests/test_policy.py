@@ -15,12 +15,12 @@ from helpers import calibration_of, synthetic, synthetic_calibration
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policy import coverage, rankings
-from policy.batch import ExpertTerms, RoutingBatch, combine
-from policy.calibration import CalibrationStats
-from policy.coverage import prefix_masks
-from policy.rankings.base import by_mass, by_squared_mass, selected_first
-from policy.routing import RoutingRule
+from moe_spec.policy import coverage, rankings
+from moe_spec.policy.batch import ExpertTerms, RoutingBatch, combine
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.coverage import prefix_masks
+from moe_spec.policy.rankings.base import by_mass, by_squared_mass, selected_first
+from moe_spec.policy.routing import RoutingRule
 
 COVERAGES = list(coverage.COVERAGES)
 
@@ -206,7 +206,7 @@ def test_direct_errors_equal_the_gram_expansion(seed, renorm, cov, budget):
 def test_incremental_substitution_oracle_equals_scoring_every_candidate(seed, renorm, scale,
                                                                         biased, m):
     """The O(T·M·N) incremental greedy picks what scoring every S ∪ {c} shortlist picks."""
-    from policy.rankings.oracle import candidates_order, substitution_order
+    from moe_spec.policy.rankings.oracle import candidates_order, substitution_order
     g = torch.Generator().manual_seed(seed)
     n, k = 10, 3
     bias = torch.randn(n, generator=g) * 0.05 if biased else None
@@ -307,7 +307,7 @@ def test_coact_online_in_open_loop_learns_only_from_earlier_passes_and_its_own_b
     """Two passes of one prompt: pass 0's shortlists ignore every expert output (nothing ran
     before it); pass 1's depend on pass 0's outputs of the experts budget B ran, and on nothing
     else: not on pass 1's own outputs, not on experts B dropped."""
-    from replay.open_loop import Stream, shortlists
+    from moe_spec.replay.open_loop import Stream, shortlists
     first, e0 = synthetic(5, n=8, k=2)
     second, e1 = synthetic(6, n=8, k=2)
     stats = calibration_of(*synthetic(7, n=8, k=2))
@@ -346,8 +346,8 @@ def _truncation_error(tl, model, order, budget):
 
 
 def test_learned_ranking_learns_the_oracle_order_and_saves_safely(tmp_path):
-    from policy.greedy import greedy_quadratic
-    from policy.rankings.learned import Learned
+    from moe_spec.policy.greedy import greedy_quadratic
+    from moe_spec.policy.rankings.learned import Learned
     stats, tls, model = synthetic_calibration(0, 300, examples=300)
     assert len(stats.examples) == 300
     for field in ("probs", "idx", "weights", "order"):  # packed: one block per field, not
@@ -386,7 +386,7 @@ def test_learned_trees_predict_as_the_model_bit_for_bit(tmp_path):
     .skops it came from and refused when tampered with."""
     import numpy as np
 
-    from policy.rankings.learned import FEATURES, Learned, Trees
+    from moe_spec.policy.rankings.learned import FEATURES, Learned, Trees
     stats = synthetic_calibration(0, 200, examples=200)[0]
     learned = rankings.get("learned")().fit(stats)
     rng = np.random.default_rng(0)
@@ -450,7 +450,7 @@ def test_an_expert_calibration_never_selected_gets_the_layers_mean_energy_not_ze
 def test_substitution_oracle_is_never_worse_than_router_sqmass_or_its_greedy(seed, renorm):
     """Greedy from ∅ alone is not an upper bound under substitution (seed 1 below: 2.2× router's
     error at B = 10); the oracle takes the exact best of its candidates per budget."""
-    from policy.rankings.oracle import substitution_order
+    from moe_spec.policy.rankings.oracle import substitution_order
     batch, _ = synthetic(seed, m=24, n=16, k=4, renormalize=renorm)
     budgets = list(range(4, 17))
     keep, _ = rankings.get("oracle")().shortlists(batch, coverage.get("substitution"), budgets)
@@ -462,7 +462,7 @@ def test_substitution_oracle_is_never_worse_than_router_sqmass_or_its_greedy(see
 
 
 def test_the_substitution_greedy_alone_can_lose_to_router_ranking():
-    from policy.rankings.oracle import substitution_order
+    from moe_spec.policy.rankings.oracle import substitution_order
     batch, _ = synthetic(1, m=24, n=16, k=4, renormalize=True)
     b10 = [10]
     greedy = rse(batch, prefix_masks(substitution_order(batch, 16), b10, 16), "substitution")
@@ -481,7 +481,7 @@ def test_predicted_substitution_error_is_the_quadratic_form_and_exact_for_a_shar
         seed, renorm, budget):
     """``predicted_sq_errors`` = (ḡ_t − ŵ_t)ᵀ G (ḡ_t − ŵ_t) token by token; and where every token's
     expert outputs are the same matrix E (so Q_t = E Eᵀ for all t) it is the exact error."""
-    from policy.substitution import predicted_sq_errors
+    from moe_spec.policy.substitution import predicted_sq_errors
     batch, _ = synthetic(seed, m=10, n=8, k=2, renormalize=renorm)
     g = torch.Generator().manual_seed(seed + 1)
     shared = torch.randn(8, 6, generator=g, dtype=torch.float64).float()  # one E for all tokens
@@ -504,8 +504,8 @@ def test_calibrated_rankings_under_substitution_keep_the_best_predicted_candidat
     """coact and learned under substitution: per budget, a prefix of their own order, of squared
     mass or of router mass, never predicted worse than any of them; truncation is untouched; and a
     budget inside a verification pass (online, closed loop) uses the same shortlist."""
-    from policy.budget import Budget
-    from policy.substitution import predicted_sq_errors
+    from moe_spec.policy.budget import Budget
+    from moe_spec.policy.substitution import predicted_sq_errors
     stats, _, _ = synthetic_calibration(seed % 97, 6, examples=6)
     batch, _ = synthetic(seed, m=12, n=8, k=2, renormalize=renorm)
     sub, trunc = coverage.get("substitution"), coverage.get("truncation")

@@ -6,11 +6,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from analysis import query_cli, summaries
-from capture import cli as capture_cli
-from catalog import Catalog, reader
-from eagle.decoding import EagleDecoder
-from replay import cli as replay_cli
+from moe_spec.analysis import query_cli, summaries
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import Catalog, reader
+from moe_spec.eagle.decoding import EagleDecoder
+from moe_spec.replay import cli as replay_cli
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress",
        "--threads", "1"]

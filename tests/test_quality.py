@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from moe import models
-from training import quality
-from training.tiny_moe import SPECS
+from moe_spec.moe import models
+from moe_spec.training import quality
+from moe_spec.training.tiny_moe import SPECS
 
 
 def record_of(name):

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from analysis import query_cli
-from analysis.sql import connect, views
-from capture import cli as capture_cli
+from moe_spec.analysis import query_cli
+from moe_spec.analysis.sql import connect, views
+from moe_spec.capture import cli as capture_cli
 
 
 @pytest.fixture(scope="module")

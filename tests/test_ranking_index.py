@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from policy import index, rankings
-from policy.rankings import base
+from moe_spec.policy import index, rankings
+from moe_spec.policy.rankings import base
 
 ROOT = Path(__file__).resolve().parent.parent
 RANKINGS_DIR = ROOT / "policy" / "rankings"
 
 WIDEST = '''
-from policy.rankings.base import Ranking, by_mass, register
+from moe_spec.policy.rankings.base import Ranking, by_mass, register
 
 
 @register
@@ -29,7 +29,7 @@ class Widest(Ranking):
 
 def ranking_modules() -> set[str]:
     """Every module under policy/rankings/ that defines a ranking (all but the package and base)."""
-    return {f"policy.rankings.{p.stem}" for p in RANKINGS_DIR.glob("*.py")
+    return {f"moe_spec.policy.rankings.{p.stem}" for p in RANKINGS_DIR.glob("*.py")
             if p.stem not in ("__init__", "base")}
 
 
@@ -58,7 +58,7 @@ def test_no_ranking_class_declares_what_the_index_holds():
 def test_the_rankings_package_lists_no_modules():
     tree = ast.parse((RANKINGS_DIR / "__init__.py").read_text())
     imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-                and node.module == "policy.rankings" for a in node.names}
+                and node.module == "moe_spec.policy.rankings" for a in node.names}
     assert not imported, f"policy/rankings/__init__.py imports ranking modules {imported}"
 
 
@@ -69,9 +69,9 @@ def fresh_registry(monkeypatch):
 
 
 def test_adding_a_ranking_is_one_file_plus_one_line(tmp_path, monkeypatch, fresh_registry):
-    from capture import settings
-    from policy.calibration import MAX_EXAMPLES, examples_for
-    from replay.cli import parser as replay_parser
+    from moe_spec.capture import settings
+    from moe_spec.policy.calibration import MAX_EXAMPLES, examples_for
+    from moe_spec.replay.cli import parser as replay_parser
     (tmp_path / "extra_widest.py").write_text(WIDEST)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(index.RANKINGS, "widest", index.Entry(
@@ -133,8 +133,8 @@ def test_a_ranking_must_match_its_line(tmp_path, monkeypatch, fresh_registry):
 
 
 def test_calibration_examples_and_the_ablation_ladder_come_from_the_index():
-    from analysis import replay_views
-    from policy.calibration import MAX_EXAMPLES, examples_for
+    from moe_spec.analysis import replay_views
+    from moe_spec.policy.calibration import MAX_EXAMPLES, examples_for
     assert replay_views.ABLATION == index.ablation_ladder() \
         == ("sqmass", "coact-diag", "coact", "coact-online", "learned")
     for name, entry in index.RANKINGS.items():
@@ -156,13 +156,16 @@ def test_analysis_reads_only_the_torch_free_index_of_policy():
     for path in (ROOT / "analysis").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and \
-                    node.module.split(".")[0] == "policy":
+                    node.module.startswith("moe_spec.policy"):
                 assert (node.module, [a.name for a in node.names]) in (
-                    ("policy", ["index"]), ("policy.index", [a.name for a in node.names])), \
+                    ("moe_spec.policy", ["index"]),
+                    ("moe_spec.policy.index", [a.name for a in node.names])), \
                     f"{path.name} imports {node.module}"
+            elif isinstance(node, ast.ImportFrom) and node.module == "moe_spec":
+                assert "policy" not in {a.name for a in node.names}, path.name
             elif isinstance(node, ast.Import):
-                assert not any(a.name.split(".")[0] == "policy" and a.name != "policy.index"
-                               for a in node.names), path.name
+                assert not any(a.name.startswith("moe_spec.policy")
+                               and a.name != "moe_spec.policy.index" for a in node.names), path.name
     tree = ast.parse((ROOT / "policy" / "index.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
         {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

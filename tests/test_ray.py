@@ -8,8 +8,8 @@ import duckdb
 import pyarrow.parquet as pq
 import pytest
 
-from capture import cli as capture_cli
-from replay import cli as replay_cli
+from moe_spec.capture import cli as capture_cli
+from moe_spec.replay import cli as replay_cli
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress",
@@ -74,7 +74,7 @@ def test_a_second_capture_of_a_running_run_is_refused_in_one_line(tmp_path):
     assert capture_cli.main([*CAP, "--limit", "1", "--out", str(tmp_path), "--run", "r"]) == 0
     lock = FileLock(str(next(tmp_path.glob("runs/**/run=r")) / ".lock"))
     with lock:  # as a capture writing this run holds it
-        r = subprocess.run([sys.executable, "-m", "capture.cli", *CAP, "--limit", "2", "--out",
+        r = subprocess.run([sys.executable, "-m", "moe_spec.capture.cli", *CAP, "--limit", "2", "--out",
                             str(tmp_path), "--run", "r"], capture_output=True, text=True)
     assert r.returncode == 2 and "is being written by another capture" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -82,7 +82,7 @@ def test_a_second_capture_of_a_running_run_is_refused_in_one_line(tmp_path):
 
 
 def test_a_failed_actor_is_reported_in_one_line():
-    from cluster import actor_failure
+    from moe_spec.cluster import actor_failure
     died = ray.exceptions.RayActorError(error_msg=(
         "The actor died because of an error raised in its creation task, ray::CaptureWorker\n"
         "Traceback (most recent call last):\n  File \"capture/distributed.py\", line 44\n"

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from capture import cli as capture_cli
-from replay import cli
+from moe_spec.capture import cli as capture_cli
+from moe_spec.replay import cli
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress"]
 
@@ -26,7 +26,7 @@ def traces(tmp_path_factory):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "replay.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "moe_spec.replay.cli", *args], capture_output=True,
                           text=True, timeout=600)
 
 
@@ -116,7 +116,7 @@ def test_missing_traces_and_corrupt_parts_are_one_line(traces, tmp_path):
 def test_replay_streams_chunks_and_equals_an_unchunked_capture(traces, tmp_path):
     """A run written one pass per part (several parts per prompt) replays to the same rows,
     batch sizes included: the engine's batching and streaming change no result."""
-    from capture.run import CaptureSettings, capture_run
+    from moe_spec.capture.run import CaptureSettings, capture_run
     chunked = tmp_path / "chunked"
     capture_run(CaptureSettings(limit=2, max_new_tokens=10, chunk_steps=1), chunked, "eval",
                 progress=False)
@@ -141,7 +141,7 @@ def test_replay_streams_chunks_and_equals_an_unchunked_capture(traces, tmp_path)
 
 @given(st.lists(st.integers(0, 10_000), unique=True, max_size=200), st.integers(1, 16))
 def test_distributed_prompt_chunks_cover_every_prompt_once_in_order(prompts, actors):
-    from replay.distributed import prompt_chunks
+    from moe_spec.replay.distributed import prompt_chunks
     chunks = prompt_chunks(prompts, actors)
     assert [p for c in chunks for p in c] == prompts
     assert all(chunks)

@@ -11,22 +11,22 @@ import pyarrow as pa
 import pytest
 import torch
 
-from analysis import replay_views
-from catalog import replay_metrics, results, schema
-from catalog.replay_metrics import (
+from moe_spec.analysis import replay_views
+from moe_spec.catalog import replay_metrics, results, schema
+from moe_spec.catalog.replay_metrics import (
     CLOSED_TABLE,
     FINGERPRINTS,
     LAYOUT_VERSION,
     METRICS,
     OPEN_TABLE,
 )
-from catalog.results import UnitResults
-from policy import coverage
-from policy.batch import ExpertTerms, RoutingBatch
-from policy.coverage import prefix_masks
-from policy.routing import RoutingRule
-from replay import closed_loop, engine, modes, open_loop, plan
-from replay.cli import parser, summary_lines
+from moe_spec.catalog.results import UnitResults
+from moe_spec.policy import coverage
+from moe_spec.policy.batch import ExpertTerms, RoutingBatch
+from moe_spec.policy.coverage import prefix_masks
+from moe_spec.policy.routing import RoutingRule
+from moe_spec.replay import closed_loop, engine, modes, open_loop, plan
+from moe_spec.replay.cli import parser, summary_lines
 
 # layouts results were stored under: their fingerprints never change (a layout change is a new
 # version with its own FINGERPRINTS line in catalog/replay_metrics.py)
@@ -209,7 +209,7 @@ def test_modes_are_objects_looked_up_by_the_cli_names():
 def test_gap_closed_is_one_formula_for_numbers_and_columns(router, oracle, other, want):
     import polars as pl
 
-    from catalog.replay_metrics import gap_closed
+    from moe_spec.catalog.replay_metrics import gap_closed
     got = gap_closed(router, oracle, other)
     assert got == pytest.approx(want) if want is not None else got is None
     if router is not None:

@@ -3,9 +3,9 @@
 import shutil
 from html.parser import HTMLParser
 
-from analysis import report
-from capture import cli as capture_cli
-from moe import models
+from moe_spec.analysis import report
+from moe_spec.capture import cli as capture_cli
+from moe_spec.moe import models
 
 PAYLOAD = "</title><script>alert(document.domain)</script>"
 MODEL = f"m/{PAYLOAD}"  # a local model folder: ``m/<`` / ``title><script>…<`` / ``script>``

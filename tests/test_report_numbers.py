@@ -9,7 +9,7 @@ def test_report_key_number_says_it_is_one_budget(monkeypatch):
 
     import duckdb
 
-    from analysis import report
+    from moe_spec.analysis import report
     con = duckdb.connect()
     con.execute("CREATE TABLE trees AS SELECT 'm' AS model, 'mbpp' AS bench, 'r' AS run, "
                 "NULL AS budget, "

@@ -2,10 +2,10 @@
 
 import polars as pl
 
-from analysis import report
-from capture import cli as capture_cli
-from profiling import profile_target
-from replay import cli as replay_cli
+from moe_spec.analysis import report
+from moe_spec.capture import cli as capture_cli
+from moe_spec.profiling import profile_target
+from moe_spec.replay import cli as replay_cli
 
 
 def test_report_writes_one_self_contained_html_per_dataset(tmp_path):

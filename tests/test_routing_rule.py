@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from catalog import schema
-from moe.adapter import MoEAdapter
-from policy.routing import Mixing, RoutingRule
+from moe_spec.catalog import schema
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy.routing import Mixing, RoutingRule
 
 
 @settings(max_examples=40, deadline=None)
@@ -105,8 +105,8 @@ def test_substitution_fast_selection_equals_the_rules_top_k_within_s(seed, k, ex
     (policy.coverage.Substitution.first_in) is the rule's own top-k restricted to S
     (RoutingRule.select with ``allowed``), ties to the lower id included (coarsely quantised
     scores tie often, as bf16 routers do)."""
-    from policy.batch import RoutingBatch
-    from policy.coverage import Substitution
+    from moe_spec.policy.batch import RoutingBatch
+    from moe_spec.policy.coverage import Substitution
     n, m, t = 8, 6, 3
     g = torch.Generator().manual_seed(seed)
     probs = torch.softmax(torch.randn(t, m, n, generator=g) * 2, -1)

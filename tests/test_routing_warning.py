@@ -11,7 +11,7 @@ import sys
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from moe import models
+from moe_spec.moe import models
 
 
 def record(topk_mass: float, entropy: float, n: int = 64, k: int = 8) -> dict:
@@ -44,16 +44,17 @@ def test_the_rule_and_the_embedded_models():
 @pytest.mark.parametrize("warns", [True, False])
 def test_inspect_model_says_it(near_uniform, warns):
     model = str(near_uniform) if warns else "tiny-olmoe"
-    done = subprocess.run([sys.executable, "-m", "profiling.inspect_model", "--model", model],
+    done = subprocess.run([sys.executable, "-m", "moe_spec.profiling.inspect_model", "--model", model],
                           capture_output=True, text=True)
     assert done.returncode == 0 and ("warning: routing is near-uniform" in done.stdout) == warns
-    done = subprocess.run([sys.executable, "-m", "profiling.inspect_model", "--model", model, "--json"],
+    done = subprocess.run([sys.executable, "-m", "moe_spec.profiling.inspect_model", "--model", model,
+                           "--json"],
                           capture_output=True, text=True)
     assert (json.loads(done.stdout)["routing_warning"] is not None) == warns
 
 
 def test_the_overview_warns_for_the_near_uniform_model_only(near_uniform, tmp_path, monkeypatch):
-    from capture import cli as capture_cli
+    from moe_spec.capture import cli as capture_cli
     for model in (str(near_uniform), "tiny-olmoe"):
         assert capture_cli.main(["--model", model, "--draft", str(models.EMBEDDED_DIR.parent /
                                  "drafts" / "tiny-olmoe"), "--limit", "1", "--max-new-tokens",

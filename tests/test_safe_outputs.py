@@ -10,9 +10,9 @@ import pyarrow as pa
 import pytest
 from helpers import QUERY, copy_of, one_line_error, run
 
-from capture.background import WriterFailed
-from capture.run import write_errors
-from tasks import benchmarks
+from moe_spec.capture.background import WriterFailed
+from moe_spec.capture.run import write_errors
+from moe_spec.tasks import benchmarks
 
 BENCHMARKS = os.environ.get(benchmarks.ENV_VAR) or str(benchmarks.DEFAULT_DIR)
 
@@ -20,7 +20,7 @@ BENCHMARKS = os.environ.get(benchmarks.ENV_VAR) or str(benchmarks.DEFAULT_DIR)
 def test_query_never_replaces_a_fifo_or_a_symlink(replayed, tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    r = run("analysis.query_cli", QUERY, "--traces", replayed[0], "--format", "csv", "--out",
+    r = run("moe_spec.analysis.query_cli", QUERY, "--traces", replayed[0], "--format", "csv", "--out",
             fifo, timeout=60)
     one_line_error(r, "not a regular file")
     assert fifo.is_fifo()
@@ -30,7 +30,7 @@ def test_query_never_replaces_a_fifo_or_a_symlink(replayed, tmp_path):
     link = tmp_path / "out.csv"
     link.symlink_to(target)
     for fmt in ("csv", "parquet"):
-        r = run("analysis.query_cli", QUERY, "--traces", replayed[0], "--format", fmt, "--out",
+        r = run("moe_spec.analysis.query_cli", QUERY, "--traces", replayed[0], "--format", fmt, "--out",
                 link)
         one_line_error(r, "symbolic link")
         assert link.is_symlink() and target.read_text() == "precious"
@@ -38,7 +38,7 @@ def test_query_never_replaces_a_fifo_or_a_symlink(replayed, tmp_path):
 
 
 def test_query_out_dash_is_stdout(replayed, tmp_path):
-    r = run("analysis.query_cli", QUERY, "--traces", replayed[0], "--format", "csv", "--out", "-")
+    r = run("moe_spec.analysis.query_cli", QUERY, "--traces", replayed[0], "--format", "csv", "--out", "-")
     assert r.returncode == 0 and r.stdout.strip() == replayed[1].strip()
     assert not (replayed[0].parent / "-").exists() and not (tmp_path / "-").exists()
 
@@ -49,13 +49,13 @@ def test_replay_and_evaluate_outputs_refuse_links_and_folders(replayed, tmp_path
     target.write_text("precious")
     link = tmp_path / "summary.json"
     link.symlink_to(target)
-    r = run("replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+    r = run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
             "--no-progress", "--output", link)
     one_line_error(r, "symbolic link")
     assert target.read_text() == "precious" and link.is_symlink()
     folder = tmp_path / "a-folder"
     folder.mkdir()
-    r = run("analysis.evaluate_cli", "--traces", traces, "--benchmarks", BENCHMARKS, "--output",
+    r = run("moe_spec.analysis.evaluate_cli", "--traces", traces, "--benchmarks", BENCHMARKS, "--output",
             folder)
     one_line_error(r, "a folder")
     assert not [p for p in tmp_path.rglob("*.tmp")]
@@ -65,15 +65,15 @@ def test_train_tiny_refuses_a_symlink_out_before_training(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     start = time.monotonic()
-    r = run("training.cli:train_tiny", "--model", "tiny-olmoe", "--out", tmp_path / "link",
+    r = run("moe_spec.training.cli:train_tiny", "--model", "tiny-olmoe", "--out", tmp_path / "link",
             "--force", "--steps", "2000", timeout=120)
     one_line_error(r, "symbolic link")
     assert time.monotonic() - start < 60 and (tmp_path / "link").is_symlink()
 
 
 def test_failed_writes_leave_no_temporary_files(tmp_path, monkeypatch):
-    import console
-    from catalog import atomic
+    from moe_spec import console
+    from moe_spec.catalog import atomic
     loop: dict = {}
     loop["self"] = loop
     with pytest.raises(ValueError):

@@ -16,8 +16,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tasks import benchmarks, sandbox, scoring
-from tasks.sandbox import SandboxUnavailable, run_python
+from moe_spec.tasks import benchmarks, sandbox, scoring
+from moe_spec.tasks.sandbox import SandboxUnavailable, run_python
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 RIGHT = "def f(x):\n    return x + 1\n"
@@ -276,7 +276,7 @@ def test_twenty_setsid_children_do_not_break_a_later_program():
 def test_the_sandbox_dies_at_its_limit_even_if_the_harness_is_killed(tmp_path):
     mark = marker()
     script = tmp_path / "harness.py"
-    script.write_text(f"from tasks.sandbox import run_python\n"
+    script.write_text(f"from moe_spec.tasks.sandbox import run_python\n"
                       f"run_python({sleeper(mark) + 'import time; time.sleep(100)'!r}, timeout=2)\n")
     harness = subprocess.Popen([sys.executable, str(script)], cwd=README.parent,
                                env={**os.environ, "PYTHONPATH": str(README.parent)})
@@ -385,7 +385,7 @@ def hostile_run(tmp_path_factory):
     the first, ``os._exit(0)`` for the second."""
     from transformers import AutoTokenizer
 
-    from capture import cli as capture_cli
+    from moe_spec.capture import cli as capture_cli
     traces = tmp_path_factory.mktemp("sandbox") / "traces"
     assert capture_cli.main(["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "2",
                              "--max-new-tokens", "4", "--no-progress", "--out", str(traces),
@@ -408,7 +408,7 @@ def hostile_run(tmp_path_factory):
 
 
 def test_evaluate_scores_an_early_exit_zero(hostile_run, tmp_path):
-    from analysis import evaluate_cli
+    from moe_spec.analysis import evaluate_cli
     out = tmp_path / "q.json"
     assert evaluate_cli.main(["--traces", str(hostile_run), "--output", str(out)]) == 0
     summary = json.loads(out.read_text())["hostile"]
@@ -419,7 +419,7 @@ def test_evaluate_scores_an_early_exit_zero(hostile_run, tmp_path):
 
 
 def test_evaluate_without_a_sandbox_is_one_line(hostile_run, monkeypatch, capsys):
-    from analysis import evaluate_cli
+    from moe_spec.analysis import evaluate_cli
     monkeypatch.setattr(sandbox, "SYSTEM_PATH", "/nonexistent")
     assert evaluate_cli.main(["--traces", str(hostile_run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -5,8 +5,8 @@ bare number; MATH500 references are LaTeX, as in the benchmark."""
 
 import pytest
 
-from tasks import scoring
-from tasks.benchmarks import Prompt
+from moe_spec.tasks import scoring
+from moe_spec.tasks.benchmarks import Prompt
 
 GSM8K = [
     # a hyphen between two numbers is a range or a subtraction, never the second number's sign

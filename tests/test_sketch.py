@@ -17,12 +17,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from policy import coverage, rankings
-from policy.batch import ExpertTerms, RoutingBatch
-from policy.calibration import CalibrationStats
-from policy.rankings.sketch import Sketch, attach_moments, with_inputs
-from policy.routing import RoutingRule
-from policy.surrogate import InputMoments, Surrogate, predicted_outputs, surrogate_cost
+from moe_spec.policy import coverage, rankings
+from moe_spec.policy.batch import ExpertTerms, RoutingBatch
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs
+from moe_spec.policy.routing import RoutingRule
+from moe_spec.policy.surrogate import InputMoments, Surrogate, predicted_outputs, surrogate_cost
 
 H, N, K, LAYER = 6, 8, 2, 3
 
@@ -208,7 +208,7 @@ def test_cost_counts_the_surrogate_bytes_and_flops():
 def test_the_online_budget_hands_sketch_the_tokens_moe_inputs():
     """policy.budget.Budget.route passes h_t (what the router hook of a verification pass
     sees) to the ranking: sketch is token-aware there, and blind (warned) without it."""
-    from policy.budget import Budget
+    from moe_spec.policy.budget import Budget
     model = linear_model()
     stats = calibration(model)
     batch = evaluation_batch(model)
@@ -231,11 +231,11 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     from helpers import run
     cap = ["--model", "tiny-olmoe", "--limit", "1", "--max-new-tokens", "8", "--no-progress",
            "--threads", "1", "--out", tmp_path]
-    assert run("capture.cli", *cap, "--bench", "mbpp", "--run", "ev").returncode == 0
-    assert run("capture.cli", *cap, "--bench", "gsm8k", "--run", "cal", "--role",
+    assert run("moe_spec.capture.cli", *cap, "--bench", "mbpp", "--run", "ev").returncode == 0
+    assert run("moe_spec.capture.cli", *cap, "--bench", "gsm8k", "--run", "cal", "--role",
                "calibration").returncode == 0
     for mode in ("open", "closed"):
-        r = run("replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
+        r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
                 "--ranking", "sketch", "--coverage", "substitution", "--budget", "8",
                 "--mode", mode, "--no-progress", "--threads", "1")
         assert r.returncode == 0, r.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 import duckdb
 import pytest
 
-from analysis.sql import QueryRefused, lock_down, run_query
+from moe_spec.analysis.sql import QueryRefused, lock_down, run_query
 
 ALLOWED = [
     "SELECT 1",

@@ -10,13 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from capture import cli as capture_cli
-from capture.run import CaptureSettings, capture_run
-from capture.settings import CaptureError
-from capture.storage import StorageError, StoragePolicy
-from catalog import Catalog, reader
-from moe import shapes
-from replay import cli as replay_cli
+from moe_spec.capture import cli as capture_cli
+from moe_spec.capture.run import CaptureSettings, capture_run
+from moe_spec.capture.settings import CaptureError
+from moe_spec.capture.storage import StorageError, StoragePolicy
+from moe_spec.catalog import Catalog, reader
+from moe_spec.moe import shapes
+from moe_spec.replay import cli as replay_cli
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "12", "--no-progress"]
 
@@ -107,7 +107,7 @@ def test_a_corrupt_recomputed_run_is_caught_by_the_stored_norms(tmp_path):
                                     pa.array(norms.astype(np.float32))), part)
     from conftest import recommit
     recommit(tmp_path)  # as if captured so: the norms themselves are checked
-    r = subprocess.run([sys.executable, "-m", "replay.cli", "--traces", str(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "moe_spec.replay.cli", "--traces", str(tmp_path),
                         "--ranking", "router", "--no-progress"], capture_output=True, text=True)
     assert r.returncode == 2 and "wrong --model or corrupt trace" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -115,7 +115,7 @@ def test_a_corrupt_recomputed_run_is_caught_by_the_stored_norms(tmp_path):
 
 def test_a_failing_writer_stops_the_capture_and_leaves_only_complete_prompts(tmp_path,
                                                                             monkeypatch):
-    from catalog import writer as writer_module
+    from moe_spec.catalog import writer as writer_module
     original = writer_module.RunWriter.write_part
 
     def failing(self, table, prompt_index, chunk, rows):
@@ -140,7 +140,7 @@ def test_a_failing_writer_stops_the_capture_and_leaves_only_complete_prompts(tmp
 def test_capture_and_replay_at_olmoe_width(tmp_path):
     """One decoder layer of OLMoE-1B-7B's real width (2048 hidden, 64 experts × 1024, top-8),
     random weights and a random EAGLE-3 head: capture, then open-loop replay checks the gold."""
-    from training.real_width import real_width_pair
+    from moe_spec.training.real_width import real_width_pair
     model_dir, draft_dir = real_width_pair("olmoe", tmp_path / "fixture", layers=1)
     assert capture_cli.main(["--model", str(model_dir), "--draft", str(draft_dir), "--limit",
                              "1", "--max-new-tokens", "4", "--no-progress", "--out",

@@ -11,10 +11,10 @@ import pytest
 import reference_routing as ref  # noqa: I001 - tests/ module
 from polars.testing import assert_frame_equal
 
-from analysis import coactivation, routing, summaries
-from analysis.sql import connect
-from capture import cli as capture_cli
-from catalog import Catalog, CatalogError
+from moe_spec.analysis import coactivation, routing, summaries
+from moe_spec.analysis.sql import connect
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import Catalog, CatalogError
 
 CAP = ["--max-new-tokens", "10", "--no-progress"]
 
@@ -112,7 +112,7 @@ def test_built_once_rebuilt_when_the_run_changes_dropped_when_it_goes(traces, tm
     # a recaptured run (new run_id) is stale until rebuilt, and hidden from the views meanwhile
     run = next(r for r in Catalog(root).runs() if r.name == "b")
     manifest = dict(run.manifest, run_id="recaptured")
-    from catalog.runs import write_manifest
+    from moe_spec.catalog.runs import write_manifest
     write_manifest(root, manifest)
     from conftest import recommit
     recommit(root, "b")  # (a recapture commits its manifest anew)
@@ -165,7 +165,7 @@ def test_a_damaged_summary_is_rebuilt_not_read(traces, tmp_path, damage):
 
 def test_a_part_reduces_to_what_counting_token_by_token_gives(tmp_path):
     """reduce_part on a shuffled part with trees of every size against plain loops over tokens."""
-    from catalog import schema
+    from moe_spec.catalog import schema
     rng = np.random.default_rng(7)
     n, k, max_nodes = 8, 3, 6
     rows = []
@@ -231,7 +231,7 @@ def test_a_part_reduces_to_what_counting_token_by_token_gives(tmp_path):
 def test_a_part_with_hostile_values_is_refused_in_one_line(tmp_path, damage):
     """Vectors are read from the Arrow buffers, not row by row: what a row-wise reader would
     trip on (a null, a list of another length) and values no capture writes are refused."""
-    from catalog import schema
+    from moe_spec.catalog import schema
     n, k, rows = 4, 2, 6
     probs = [[0.4, 0.3, 0.2, 0.1]] * rows
     ids = [[0, 1]] * rows

@@ -8,8 +8,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from analysis import cost, frames, moesd, warmup
-from analysis.routing import moesd_uniform
+from moe_spec.analysis import cost, frames, moesd, warmup
+from moe_spec.analysis.routing import moesd_uniform
 
 N, K = 64, 8
 SHAPE = cost.ModelShape(layers=16, hidden=2048, expert_inter=1024, num_experts=64, top_k=8,
@@ -109,8 +109,8 @@ def test_a_fit_with_too_few_passes_per_b_is_refused_with_the_reason():
 def _stored_profile(tmp_path, passes_per_b: dict[int, int]):
     """A profile-batch run written through the real writer: ar and eagle at each b, each
     decoding with ``passes_per_b[b]`` passes of b sequences."""
-    from catalog.writer import write_batch_profile
-    from profiling import profile_batch as pb
+    from moe_spec.catalog.writer import write_batch_profile
+    from moe_spec.profiling import profile_batch as pb
     settings = pb.ProfileBatchSettings(model="tiny-olmoe", batch_sizes=tuple(passes_per_b))
     decodings = []
     for b, count in passes_per_b.items():
@@ -124,8 +124,8 @@ def _stored_profile(tmp_path, passes_per_b: dict[int, int]):
 
 
 def test_a_refused_batch_fit_is_not_drawn_and_the_report_says_why(tmp_path):
-    from analysis import report
-    from analysis.sql import connect
+    from moe_spec.analysis import report
+    from moe_spec.analysis.sql import connect
     _stored_profile(tmp_path, {1: 20, 2: 2, 4: 4})
     con = connect(tmp_path)
     speed = frames.batch_speedup(con)
@@ -143,8 +143,8 @@ def test_an_old_profile_file_without_repeats_and_percentiles_still_reads(tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from analysis.sql import connect
-    from catalog import schema
+    from moe_spec.analysis.sql import connect
+    from moe_spec.catalog import schema
     _stored_profile(tmp_path, {1: 12, 2: 12, 4: 12})
     for table, drop in (("batch_profile", {"repeat", "latency_p50", "latency_p90", "latency_p99"}),
                         ("batch_profile_passes", {"repeat"})):
@@ -165,7 +165,7 @@ def test_an_old_profile_file_without_repeats_and_percentiles_still_reads(tmp_pat
 @pytest.mark.parametrize("args, says", [(["--warmup", "-1"], "--warmup -1 is out of range"),
                                         (["--repeats", "0"], "--repeats 0 is out of range")])
 def test_profile_batch_warmup_and_repeats_are_checked(args, says):
-    from profiling import profile_batch as pb
+    from moe_spec.profiling import profile_batch as pb
     with pytest.raises(ValueError, match=says):
         pb.settings_from(pb.parser().parse_args(["--model", "tiny-olmoe", *args]))
     settings = pb.settings_from(pb.parser().parse_args(["--model", "tiny-olmoe", "--warmup", "3",
@@ -177,7 +177,7 @@ def test_profile_batch_warmup_and_repeats_are_checked(args, says):
 
 
 def test_profile_batch_latency_percentiles_leave_the_first_pass_out():
-    from profiling import profile_batch as pb
+    from moe_spec.profiling import profile_batch as pb
     times = [9.0] + [0.01 * i for i in range(1, 101)]
     d = pb.Decoding("eagle", 2, None, 10, 1.0, [dict(batch=2, gamma=8, verify_seconds=t - 1e-3,
                                                      draft_seconds=1e-3) for t in times], 10, 10)
@@ -195,8 +195,8 @@ ARGS = ["--model", "tiny-olmoe", "--batch-sizes", "1,2", "--limit", "2", "--max-
 
 @pytest.mark.slow
 def test_profile_batch_repeats_and_reports_percentiles(tmp_path, capsys):
-    from analysis.sql import connect
-    from profiling import profile_batch as pb
+    from moe_spec.analysis.sql import connect
+    from moe_spec.profiling import profile_batch as pb
     out = tmp_path / "t"
     assert pb.main([*ARGS, "--out", str(out), "--repeats", "2", "--warmup", "0",
                     "--output", str(tmp_path / "pb.json")]) == 0
@@ -215,8 +215,8 @@ def test_profile_batch_repeats_and_reports_percentiles(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_a_stopped_profile_batch_leaves_the_decodings_it_finished(tmp_path, monkeypatch, capsys):
-    from analysis.sql import connect
-    from profiling import profile_batch as pb
+    from moe_spec.analysis.sql import connect
+    from moe_spec.profiling import profile_batch as pb
     real, timed = pb.decode, []
 
     def decode(*args, **kwargs):

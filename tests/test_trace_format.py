@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from catalog import Catalog, CatalogError, schema
-from catalog.runs import (
+from moe_spec.catalog import Catalog, CatalogError, schema
+from moe_spec.catalog.runs import (
     PART_GLOB,
     part_name,
     profile_dir,
@@ -18,8 +18,8 @@ from catalog.runs import (
     prompt_of_part,
     prompt_parts_glob,
 )
-from catalog.writer import RunWriter, list_column, write_profile
-from errors import UserError, fail
+from moe_spec.catalog.writer import RunWriter, list_column, write_profile
+from moe_spec.errors import UserError, fail
 
 
 def test_part_names_parse_back_and_sort_by_prompt_then_chunk(tmp_path):
@@ -86,7 +86,7 @@ def test_per_node_vectors_are_stored_non_null_and_older_nullable_ones_still_type
     """Schema 4 declares routing's and moe_io's vectors non-null (Parquet stores no definition
     level per value); a file of schema 3 (nullable values) passes the same type check, a file
     whose values are of another type does not."""
-    from catalog import reader
+    from moe_spec.catalog import reader
     for table in ("routing", "moe_io"):
         for f in schema.TABLES[table]:
             if pa.types.is_list(f.type):
@@ -112,18 +112,22 @@ def test_the_profile_table_is_declared_written_and_found_where_it_is_declared(tm
     assert profile_parts(tmp_path, "other") == []
 
 
-ERRORS = [("catalog.names", "InvalidName", ValueError), ("catalog.runs", "CatalogError", RuntimeError),
-          ("catalog.atomic", "UnsafeTarget", OSError), ("tasks.sandbox", "SandboxUnavailable", OSError),
-          ("tasks.benchmarks", "BenchmarkError", ValueError),
-          ("policy.rankings.base", "RankingError", ValueError),
-          ("replay.plan", "ReplayError", RuntimeError), ("replay.open_loop", "GoldMismatch", ValueError),
-          ("capture.storage", "StorageError", ValueError),
-          ("capture.settings", "CaptureError", RuntimeError),
-          ("capture.background", "WriterFailed", RuntimeError),
-          ("eagle.draft_head", "DraftHeadError", ValueError),
-          ("moe.families", "UnsupportedModelError", ValueError),
-          ("moe.models", "ModelError", ValueError), ("cluster", "ClusterError", RuntimeError),
-          ("analysis.sql", "QueryRefused", ValueError)]
+ERRORS = [("moe_spec.catalog.names", "InvalidName", ValueError), ("moe_spec.catalog.runs",
+          "CatalogError", RuntimeError),
+          ("moe_spec.catalog.atomic", "UnsafeTarget", OSError), ("moe_spec.tasks.sandbox",
+          "SandboxUnavailable", OSError),
+          ("moe_spec.tasks.benchmarks", "BenchmarkError", ValueError),
+          ("moe_spec.policy.rankings.base", "RankingError", ValueError),
+          ("moe_spec.replay.plan", "ReplayError", RuntimeError), ("moe_spec.replay.open_loop",
+          "GoldMismatch", ValueError),
+          ("moe_spec.capture.storage", "StorageError", ValueError),
+          ("moe_spec.capture.settings", "CaptureError", RuntimeError),
+          ("moe_spec.capture.background", "WriterFailed", RuntimeError),
+          ("moe_spec.eagle.draft_head", "DraftHeadError", ValueError),
+          ("moe_spec.moe.families", "UnsupportedModelError", ValueError),
+          ("moe_spec.moe.models", "ModelError", ValueError), ("moe_spec.cluster",
+          "ClusterError", RuntimeError),
+          ("moe_spec.analysis.sql", "QueryRefused", ValueError)]
 
 
 @pytest.mark.parametrize("module, name, builtin", ERRORS)

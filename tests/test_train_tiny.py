@@ -5,9 +5,9 @@ import hashlib
 import pytest
 import torch
 
-from moe import models
-from training import cli
-from training.tiny_moe import (
+from moe_spec.moe import models
+from moe_spec.training import cli
+from moe_spec.training.tiny_moe import (
     SPECS,
     BiasBalancer,
     RouterRecipe,

@@ -5,7 +5,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from app.screens.tree_viewer import _tidy_x, _tree_figure
+from moe_spec.app.screens.tree_viewer import _tidy_x, _tree_figure
 
 
 def _tree():

@@ -20,11 +20,11 @@ from helpers import block_io, real_ids, synthetic, synthetic_calibration
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe.adapter import MoEAdapter
-from policy import coverage, rankings
-from policy.batch import ExpertTerms, RoutingBatch
-from policy.coverage import prefix_masks
-from policy.routing import RoutingRule, canonical_slots, top_k_lowest_id
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy import coverage, rankings
+from moe_spec.policy.batch import ExpertTerms, RoutingBatch
+from moe_spec.policy.coverage import prefix_masks
+from moe_spec.policy.routing import RoutingRule, canonical_slots, top_k_lowest_id
 
 
 def _family_batch(embedded, layer_pos: int = 0):
@@ -90,8 +90,8 @@ def _with_sketch(found, batch, seed: int):
     """The synthetic calibration carrying sketch's surrogate sums, and ``batch`` its tree
     tokens' MoE inputs (seeded; the synthetic batch's outputs do not depend on them, which
     these invariants do not need)."""
-    from policy.rankings.sketch import attach_moments, with_inputs
-    from policy.surrogate import InputMoments
+    from moe_spec.policy.rankings.sketch import attach_moments, with_inputs
+    from moe_spec.policy.surrogate import InputMoments
     stats, tls, model = found
     attach_moments(stats, InputMoments.collect(tls, model))
     h = tls[0].hidden.shape[-1]
@@ -184,8 +184,8 @@ def test_oracle_is_never_beaten_by_a_runtime_ranking_and_is_exact_where_exact_ru
 def test_local_search_improves_a_bad_start_to_the_exhaustive_optimum_on_a_small_case():
     """From the worst prefix, the swap search reaches the exhaustive best here (and is never
     worse than its start)."""
-    from policy.rankings.exact import exhaustive_best
-    from policy.rankings.oracle import local_search
+    from moe_spec.policy.rankings.exact import exhaustive_best
+    from moe_spec.policy.rankings.oracle import local_search
     batch, _ = synthetic(3, m=10, n=8, k=2)
     cov = coverage.get("truncation")
     worst = prefix_masks(torch.argsort(batch.mass(), descending=False), [3], 8)  # least mass
@@ -202,7 +202,7 @@ def test_swap_screening_predicts_every_swaps_exact_error(seed, extra, renormaliz
     """The oracle's closed-form screen of all swaps (policy.rankings.oracle.screen_swaps) equals
     the exact error of each swapped shortlist, |S| = k included (substitution then has no expert
     of S outside a token's selection), with and without a selection bias."""
-    from policy.rankings.oracle import errors, screen_swaps
+    from moe_spec.policy.rankings.oracle import errors, screen_swaps
     n, k = 8, 2
     batch, experts = synthetic(seed, m=10, n=n, k=k, renormalize=renormalize)
     if biased:  # the natural routing is the biased rule's
@@ -228,5 +228,5 @@ def test_swap_screening_predicts_every_swaps_exact_error(seed, extra, renormaliz
 
 @pytest.mark.parametrize("n,b", [(8, 4), (64, 2), (64, 6)])
 def test_oracle_uses_exhaustive_search_exactly_where_it_fits(n, b):
-    from policy.rankings.exact import EXACT_LIMIT, Exact
+    from moe_spec.policy.rankings.exact import EXACT_LIMIT, Exact
     assert (b in Exact().skipped(n, [b])) == (math.comb(n, b) > EXACT_LIMIT)

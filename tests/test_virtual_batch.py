@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from catalog.reader import PromptTreeLayers
-from replay import virtual_batch
+from moe_spec.catalog.reader import PromptTreeLayers
+from moe_spec.replay import virtual_batch
 
 
 def data(prompt: int, steps: int, layers=(0, 1), n=4, k=2, m=3, seed=0) -> PromptTreeLayers:
@@ -68,7 +68,7 @@ def test_real_passes_follow_the_trees_table():
 def alone_and_together(tmp_path_factory):
     """The same two prompts captured one at a time (run ``alone``) and together (``together``,
     --batch-size 2: each pass holds step s of both while both run)."""
-    from capture import cli as capture_cli
+    from moe_spec.capture import cli as capture_cli
 
     root = tmp_path_factory.mktemp("alone_and_together")
     cap = ["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "2", "--max-new-tokens", "10",
@@ -84,8 +84,8 @@ def replay_both_runs(root, options: list[str], sql: str, keys: list[str]):
     return ``sql``'s rows of each run, sorted by ``keys``."""
     import polars as pl
 
-    from analysis.sql import connect
-    from replay import cli as replay_cli
+    from moe_spec.analysis.sql import connect
+    from moe_spec.replay import cli as replay_cli
 
     rep = ["--traces", str(root), *options, "--batch-size", "2", "--no-progress", "--threads",
            "1"]
@@ -151,8 +151,8 @@ def test_replay_loads_the_model_in_the_dtype_it_was_captured_in(tmp_path):
     not fit); --dtype overrides."""
     import json
 
-    from capture import cli as capture_cli
-    from replay import cli as replay_cli
+    from moe_spec.capture import cli as capture_cli
+    from moe_spec.replay import cli as replay_cli
 
     assert capture_cli.main(["--model", "tiny-olmoe", "--limit", "1", "--max-new-tokens", "4",
                              "--dtype", "bfloat16", "--device", "cpu", "--out", str(tmp_path),

@@ -14,8 +14,8 @@ import pytest
 from helpers import CAP_ONE as CAP
 from helpers import copy_of, one_line, one_line_error, run
 
-from capture import cli as capture_cli
-from catalog import location
+from moe_spec.capture import cli as capture_cli
+from moe_spec.catalog import location
 
 
 @pytest.fixture
@@ -41,17 +41,18 @@ def web_server(tmp_path):
 def test_an_unreachable_ray_address_fails_fast(replayed, tmp_path):
     pytest.importorskip("ray")
     start = time.monotonic()
-    r = run("capture.cli", *CAP, "--out", tmp_path / "x", "--ray-address",
+    r = run("moe_spec.capture.cli", *CAP, "--out", tmp_path / "x", "--ray-address",
             "127.0.0.1:1", timeout=120)
     one_line_error(r, "127.0.0.1:1", "--ray-address")
-    r = run("replay.cli", "--traces", copy_of(replayed[0], tmp_path), "--ranking", "router", "--budget",
+    r = run("moe_spec.replay.cli", "--traces", copy_of(replayed[0], tmp_path), "--ranking", "router",
+            "--budget",
             "8", "--no-progress", "--ray-address", "127.0.0.1:1", timeout=120)
     one_line_error(r, "127.0.0.1:1", "--ray-address")
     assert time.monotonic() - start < 110
 
 
 def test_capture_refuses_a_ray_address_that_is_not_ray(web_server, tmp_path):
-    r = run("capture.cli", *CAP, "--out", tmp_path / "t", "--ray-address", web_server,
+    r = run("moe_spec.capture.cli", *CAP, "--out", tmp_path / "t", "--ray-address", web_server,
             timeout=90)  # it retried for ever
     one_line_error(r, web_server, "is not a Ray cluster", "--ray-address")
 
@@ -65,7 +66,8 @@ def test_capture_refuses_an_unreachable_ray_address_before_the_model_loads(tmp_p
 def test_joining_a_cluster_that_is_not_ray_answers_in_one_line(web_server):
     """What replay (and capture's workers) call to join: a handshake with a deadline."""
     pytest.importorskip("ray")
-    code = ("import sys; from cluster import ClusterError, init_ray; from errors import fail\n"
+    code = ("import sys; from moe_spec.cluster import ClusterError, init_ray\n"
+            "from moe_spec.errors import fail\n"
             f"try:\n    init_ray(0, {web_server!r})\n"
             "except ClusterError as exc:\n    sys.exit(fail('replay', exc))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -78,7 +80,7 @@ def test_a_grpc_answer_without_rays_method_is_not_a_cluster():
     gRPC server without Ray's method) is refused; a reply message is Ray's answer."""
     import socket
 
-    import cluster
+    from moe_spec import cluster
 
     def serve(frames):
         listener = socket.create_server(("127.0.0.1", 0))

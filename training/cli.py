@@ -7,10 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-import console
-from errors import UserError, fail
-from moe import models
-from tasks import benchmarks
+from moe_spec import console
+from moe_spec.errors import UserError, fail
+from moe_spec.moe import models
+from moe_spec.tasks import benchmarks
 
 TINY_EXAMPLES = """
 train-tiny --model tiny-olmoe --steps 1500 --seed 0
@@ -94,7 +94,7 @@ def train_tiny(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return fail("train-tiny", exc)
     console.threads.apply(args.threads)  # before torch and transformers start their pools
-    from training.tiny_moe import train
+    from moe_spec.training.tiny_moe import train
     models.quiet_transformers()
     record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len, lr=args.lr,
                    seed=args.seed, out=out, benchmarks_root=args.benchmarks)
@@ -143,7 +143,7 @@ def train_draft(argv: list[str] | None = None) -> int:
     except UserError as exc:
         return fail("train-draft", exc)
     console.threads.apply(args.threads)  # before torch and transformers start their pools
-    from training.draft import train
+    from moe_spec.training.draft import train
     models.quiet_transformers()
     try:
         record = train(args.model, steps=args.steps, batch=args.batch, seq=args.seq_len,

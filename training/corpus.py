@@ -17,7 +17,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks import benchmarks
+from moe_spec.tasks import benchmarks
 
 HELDOUT_PERCENT = 3
 _STDLIB_SKIP = {"test", "tests", "idlelib", "site-packages", "turtledemo", "lib2to3", "__pycache__"}

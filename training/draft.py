@@ -28,13 +28,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from catalog import atomic
-from eagle.draft_head import Eagle3Draft, load_draft, new_eagle3
-from eagle.verify import FeatureTap
-from moe import models
-from tasks import benchmarks
-from training import corpus
-from training.tiny_moe import MIXTURE, sample_batch, token_streams
+from moe_spec.catalog import atomic
+from moe_spec.eagle.draft_head import Eagle3Draft, load_draft, new_eagle3
+from moe_spec.eagle.verify import FeatureTap
+from moe_spec.moe import models
+from moe_spec.tasks import benchmarks
+from moe_spec.training import corpus
+from moe_spec.training.tiny_moe import MIXTURE, sample_batch, token_streams
 
 DECAY = 0.8
 

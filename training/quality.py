@@ -21,9 +21,9 @@ import math
 import numpy as np
 import torch
 
-from moe.adapter import MoEAdapter
-from tasks import benchmarks
-from training import corpus
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.tasks import benchmarks
+from moe_spec.training import corpus
 
 FILENAME = "quality.json"
 WINDOW = 63

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from eagle.draft_head import new_eagle3
-from moe import models, shapes
+from moe_spec.eagle.draft_head import new_eagle3
+from moe_spec.moe import models, shapes
 
 
 def real_width_pair(name: str, out: Path, *, layers: int = 2, seed: int = 0) -> tuple[Path, Path]:

@@ -39,10 +39,10 @@ from transformers import AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from catalog import atomic
-from moe.families import REGISTRY, Family
-from training import corpus, quality
-from training.tokenizer import train_tokenizer
+from moe_spec.catalog import atomic
+from moe_spec.moe.families import REGISTRY, Family
+from moe_spec.training import corpus, quality
+from moe_spec.training.tokenizer import train_tokenizer
 
 VOCAB_SIZE = 4096
 COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=8, num_attention_heads=4,

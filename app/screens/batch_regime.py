@@ -6,9 +6,9 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from analysis import cost, figures
-from analysis.frames import batch_fit, batch_projection, real_targets
-from app import data, views
+from moe_spec.analysis import cost, figures
+from moe_spec.analysis.frames import batch_fit, batch_projection, real_targets
+from moe_spec.app import data, views
 
 TITLE = "Batch regime"
 ORDER = 50
@@ -38,8 +38,8 @@ def draw() -> None:
         (pl.col("seconds") * 1e3).round(2).alias("verify ms (median)"), "passes")
     st.dataframe(table, hide_index=True)
     if frame["batch_size"].n_unique() >= 2:
-        from analysis import warmup
-        from analysis.frames import capture_batch_fit
+        from moe_spec.analysis import warmup
+        from moe_spec.analysis.frames import capture_batch_fit
         fit = capture_batch_fit(page.con, page.model, page.bench)
         coef = fit["coef"] if fit else None
         rule = f"{fit['dropped'] if fit else 0} passes dropped by the {warmup.RULE}"
@@ -114,7 +114,7 @@ def _batch_speed(page: views.Page) -> None:
         pl.col("tau").round(2).alias("τ"), pl.col("speedup").round(2).alias("speedup")),
         hide_index=True)
     if fit:
-        from analysis import warmup
+        from moe_spec.analysis import warmup
         c = fit["coef"]
         rule = f"{fit['dropped']} passes dropped by the {warmup.RULE}"
         if fit["refused"]:

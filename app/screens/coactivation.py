@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis import coactivation, figures
-from app import views
-from catalog import partition_value
+from moe_spec.analysis import coactivation, figures
+from moe_spec.app import views
+from moe_spec.catalog import partition_value
 
 TITLE = "Co-activation"
 ORDER = 60

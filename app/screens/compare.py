@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from app import views
+from moe_spec.app import views
 
 TITLE = "Compare runs"
 ORDER = 100
@@ -12,9 +12,9 @@ ORDER = 100
 
 def draw() -> None:
     """Runs side by side (analysis.compare): settings diffed, key numbers, one line per run."""
-    from analysis import compare
-    from analysis.sql import DEFAULT_VARIANT_RULE
-    from catalog import Catalog
+    from moe_spec.analysis import compare
+    from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE
+    from moe_spec.catalog import Catalog
     ds = views.dataset()
     st.header("Compare runs")
     st.caption("How to read this: the runs you pick, side by side as experiment trackers show "

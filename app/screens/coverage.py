@@ -5,9 +5,9 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from analysis import figures
-from app import data, views
-from catalog import partition_value
+from moe_spec.analysis import figures
+from moe_spec.app import data, views
+from moe_spec.catalog import partition_value
 
 TITLE = "Coverage curves"
 ORDER = 30

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from analysis import figures
-from app import views
+from moe_spec.analysis import figures
+from moe_spec.app import views
 
 TITLE = "Activation growth"
 ORDER = 40

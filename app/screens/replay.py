@@ -5,8 +5,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from analysis import figures, replay_views
-from app import data, views
+from moe_spec.analysis import figures, replay_views
+from moe_spec.app import data, views
 
 TITLE = "Replay results"
 ORDER = 70
@@ -77,7 +77,7 @@ def draw() -> None:
 
 def _variants_note(con) -> None:
     """Say when the replay tables hold more variants than the page draws (one per cell)."""
-    from analysis.sql import DEFAULT_VARIANT_RULE
+    from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE
     try:
         hidden = con.execute("SELECT count(*) FROM variants WHERE NOT shown_by_default"
                              ).fetchall()[0][0]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from analysis import cost, figures
-from analysis.frames import (
+from moe_spec.analysis import cost, figures
+from moe_spec.analysis.frames import (
     calibration_frame,
     efficiency_frame,
     frontier_frame,
@@ -18,7 +18,7 @@ from analysis.frames import (
     speedup_frame,
     speedup_note,
 )
-from app import views
+from moe_spec.app import views
 
 TITLE = "Speedup projection"
 ORDER = 80

@@ -5,8 +5,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from analysis.sql import run_query
-from app import data, views
+from moe_spec.analysis.sql import run_query
+from moe_spec.app import data, views
 
 TITLE = "SQL console"
 ORDER = 110

@@ -8,8 +8,8 @@ import plotly.graph_objects as go
 import polars as pl
 import streamlit as st
 
-from app import data, views
-from catalog import partition_value
+from moe_spec.app import data, views
+from moe_spec.catalog import partition_value
 
 TITLE = "Tree viewer"
 ORDER = 90

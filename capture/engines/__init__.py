@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from capture.engines import llamacpp, megatron, sglang, vllm
-from capture.engines.base import ModelFacts, Piece, ReadOptions, SourceError  # noqa: F401
+from moe_spec.capture.engines import llamacpp, megatron, sglang, vllm
+from moe_spec.capture.engines.base import ModelFacts, Piece, ReadOptions, SourceError  # noqa: F401
 
 
 @dataclass(frozen=True)

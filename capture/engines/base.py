@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 
 class SourceError(UserError, ValueError):

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from capture.engines.base import (
+from moe_spec.capture.engines.base import (
     ModelFacts,
     Piece,
     ReadOptions,

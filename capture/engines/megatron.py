@@ -29,7 +29,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from capture.engines.base import (
+from moe_spec.capture.engines.base import (
     ModelFacts,
     Piece,
     ReadOptions,

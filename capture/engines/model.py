@@ -9,9 +9,9 @@ config leaves out), offline.
 
 from __future__ import annotations
 
-from capture.engines.base import ModelFacts
-from errors import UserError
-from moe import models
+from moe_spec.capture.engines.base import ModelFacts
+from moe_spec.errors import UserError
+from moe_spec.moe import models
 
 
 class ModelFactsError(UserError, ValueError):
@@ -21,7 +21,7 @@ class ModelFactsError(UserError, ValueError):
 def _dense_layers(cfg, model_type: str) -> set[int]:
     """The family's rule where the family is known (moe.families), else the config keys every
     family uses (first_k_dense_replace, mlp_only_layers, decoder_sparse_step)."""
-    from moe.families import FAMILIES
+    from moe_spec.moe.families import FAMILIES
     spec = FAMILIES.get(model_type)
     if spec is not None:
         return set(spec.dense_layers(cfg))

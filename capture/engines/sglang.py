@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from capture.engines.base import (
+from moe_spec.capture.engines.base import (
     CUT,
     ModelFacts,
     Piece,

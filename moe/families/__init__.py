@@ -50,12 +50,12 @@ import pkgutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from errors import UserError
+from moe_spec.errors import UserError
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from policy.routing import RoutingRule
+    from moe_spec.policy.routing import RoutingRule
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -90,7 +90,7 @@ class FamilySpec:
 
     def rule(self, config, router: nn.Module) -> RoutingRule:
         """The routing rule of one layer (its router holds any per-layer selection bias)."""
-        from policy.routing import RoutingRule
+        from moe_spec.policy.routing import RoutingRule
         renormalize = self.renormalize if isinstance(self.renormalize, bool) else \
             bool(getattr(config, self.renormalize, False))
         scale = float(getattr(config, self.routed_scaling_factor)) \

@@ -4,7 +4,7 @@ two-expert sums; weights from the unbiased scores, renormalised per ``norm_topk_
 ``routed_scaling_factor``; one MLP of ``n_shared_experts`` always-on shared experts; the first
 ``first_k_dense_replace`` layers dense; MLA attention."""
 
-from moe.families import Family, FamilySpec, TinyModel
+from moe_spec.moe.families import Family, FamilySpec, TinyModel
 
 
 def dense_layers(config) -> set[int]:

@@ -3,7 +3,7 @@ softmax over all N renormalised over the top-k); experts with biases and a clamp
 attention sinks, sliding-window and full attention layers alternating. transformers has no sdpa
 path for its attention sinks: it runs, and its tiny model trains, with eager attention."""
 
-from moe.families import Family, FamilySpec, TinyModel
+from moe_spec.moe.families import Family, FamilySpec, TinyModel
 
 
 def shallow_config(layers: int) -> dict:

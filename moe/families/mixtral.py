@@ -1,7 +1,7 @@
 """Mixtral (``mixtral``): softmax scores, plain top-k, mixing weights renormalised over the
 top-k, every layer sparse."""
 
-from moe.families import Family, FamilySpec, TinyModel
+from moe_spec.moe.families import Family, FamilySpec, TinyModel
 
 FAMILY = Family(
     FamilySpec("mixtral", scoring_func="softmax", renormalize=True),

@@ -1,7 +1,7 @@
 """OLMoE (``olmoe``): softmax scores, plain top-k, mixing weights per ``norm_topk_prob`` (raw in
 OLMoE-1B-7B), every layer sparse."""
 
-from moe.families import Family, FamilySpec, TinyModel
+from moe_spec.moe.families import Family, FamilySpec, TinyModel
 
 FAMILY = Family(
     FamilySpec("olmoe", scoring_func="softmax", renormalize="norm_topk_prob"),

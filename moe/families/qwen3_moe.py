@@ -1,7 +1,7 @@
 """Qwen3-MoE (``qwen3_moe``): softmax scores, plain top-k, mixing weights per
 ``norm_topk_prob``; a layer is dense when listed in ``mlp_only_layers`` or off the sparse step."""
 
-from moe.families import Family, FamilySpec, TinyModel
+from moe_spec.moe.families import Family, FamilySpec, TinyModel
 
 
 def dense_layers(config) -> set[int]:

@@ -9,6 +9,6 @@ first use. To add one: write ``policy/rankings/<name>.py`` with a ``@register``-
 :class:`Ranking` subclass and add its line to :data:`policy.index.RANKINGS`.
 """
 
-from policy.rankings.base import REGISTRY, Ranking, RankingError, get, help_text, names, register
+from moe_spec.policy.rankings.base import REGISTRY, Ranking, RankingError, get, help_text, names, register
 
 __all__ = ["REGISTRY", "Ranking", "RankingError", "get", "help_text", "names", "register"]

@@ -25,12 +25,12 @@ from typing import ClassVar
 
 import torch
 
-from errors import UserError
-from policy import index
-from policy.batch import RoutingBatch
-from policy.calibration import CalibrationStats
-from policy.coverage import Coverage, Truncation, prefix_masks
-from policy.substitution import best_shortlists, predicted_sq_errors
+from moe_spec.errors import UserError
+from moe_spec.policy import index
+from moe_spec.policy.batch import RoutingBatch
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.coverage import Coverage, Truncation, prefix_masks
+from moe_spec.policy.substitution import best_shortlists, predicted_sq_errors
 
 
 class RankingError(UserError, ValueError):

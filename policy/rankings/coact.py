@@ -22,8 +22,8 @@ the same G (:class:`policy.rankings.base.SubstitutionAware`). Still runtime-lega
 
 from __future__ import annotations
 
-from policy.greedy import greedy_quadratic
-from policy.rankings.base import Ranking, SubstitutionAware, mass_tiebreak, register
+from moe_spec.policy.greedy import greedy_quadratic
+from moe_spec.policy.rankings.base import Ranking, SubstitutionAware, mass_tiebreak, register
 
 
 @register

@@ -8,7 +8,7 @@ advantage. ``coact`` adds the off-diagonal ``A_ij G_ij``; ``sqmass`` drops G alt
 
 from __future__ import annotations
 
-from policy.rankings.base import Ranking, by_mass, mass_tiebreak, register
+from moe_spec.policy.rankings.base import Ranking, by_mass, mass_tiebreak, register
 
 
 @register

@@ -24,9 +24,9 @@ from typing import ClassVar
 
 import torch
 
-from policy.batch import pair_index
-from policy.rankings.base import register
-from policy.rankings.coact import Coact
+from moe_spec.policy.batch import pair_index
+from moe_spec.policy.rankings.base import register
+from moe_spec.policy.rankings.coact import Coact
 
 
 @register

@@ -42,10 +42,10 @@ from typing import ClassVar
 
 import torch
 
-from policy.calibration import CalibrationStats
-from policy.rankings.base import register
-from policy.rankings.coact import Coact
-from policy.rankings.coact_online import CoactOnline
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.rankings.base import register
+from moe_spec.policy.rankings.coact import Coact
+from moe_spec.policy.rankings.coact_online import CoactOnline
 
 
 def prior_strength(stats: CalibrationStats) -> torch.Tensor:

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from policy.rankings.base import Ranking, RankingError, register
+from moe_spec.policy.rankings.base import Ranking, RankingError, register
 
 EXACT_LIMIT = 5000
 

@@ -37,9 +37,16 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from policy.calibration import CalibrationStats
-from policy.greedy import oracle_order  # noqa: F401 - re-exported: how labels are made
-from policy.rankings.base import Ranking, RankingError, SubstitutionAware, by_mass, mass_tiebreak, register
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.greedy import oracle_order  # noqa: F401 - re-exported: how labels are made
+from moe_spec.policy.rankings.base import (
+    Ranking,
+    RankingError,
+    SubstitutionAware,
+    by_mass,
+    mass_tiebreak,
+    register,
+)
 
 FEATURES = ("router_share", "sqmass_share", "token_share", "max_weight", "energy", "calib_share",
             "coact_row")

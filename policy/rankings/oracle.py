@@ -50,9 +50,9 @@ from typing import ClassVar
 
 import torch
 
-from policy.coverage import COVERAGES, Truncation, prefix_masks
-from policy.greedy import greedy_quadratic, pair_sums
-from policy.rankings.base import (
+from moe_spec.policy.coverage import COVERAGES, Truncation, prefix_masks
+from moe_spec.policy.greedy import greedy_quadratic, pair_sums
+from moe_spec.policy.rankings.base import (
     REGISTRY,
     Ranking,
     RankingError,
@@ -61,9 +61,9 @@ from policy.rankings.base import (
     register,
     selected_first,
 )
-from policy.rankings.exact import EXACT_LIMIT, exhaustive_best
-from policy.substitution import best_shortlists
-from policy.surrogate import MOMENTS
+from moe_spec.policy.rankings.exact import EXACT_LIMIT, exhaustive_best
+from moe_spec.policy.substitution import best_shortlists
+from moe_spec.policy.surrogate import MOMENTS
 
 
 @register

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from policy.rankings.base import Ranking, by_mass, register
+from moe_spec.policy.rankings.base import Ranking, by_mass, register
 
 
 @register

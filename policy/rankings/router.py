@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policy.rankings.base import Ranking, by_mass, register
+from moe_spec.policy.rankings.base import Ranking, by_mass, register
 
 
 @register

@@ -37,10 +37,10 @@ from typing import ClassVar
 
 import torch
 
-from policy.batch import ExpertTerms, RoutingBatch
-from policy.coverage import Truncation, prefix_masks
-from policy.rankings.base import Ranking, RankingError, by_mass, register
-from policy.surrogate import MOMENTS, InputMoments, Surrogate, predicted_outputs, surrogate_cost
+from moe_spec.policy.batch import ExpertTerms, RoutingBatch
+from moe_spec.policy.coverage import Truncation, prefix_masks
+from moe_spec.policy.rankings.base import Ranking, RankingError, by_mass, register
+from moe_spec.policy.surrogate import MOMENTS, InputMoments, Surrogate, predicted_outputs, surrogate_cost
 
 WORK_BYTES = 256 * 2**20  # predicted outputs, their float64 copy and Gram per chunk
 
@@ -108,7 +108,7 @@ class Sketch(Ranking):
         self.token_aware = False
 
     def fit(self, calibration=None):
-        from policy.rankings.coact_prior import CoactPrior
+        from moe_spec.policy.rankings.coact_prior import CoactPrior
         super().fit(calibration)
         key = ("sketch", self.rank)
         found = calibration.fitted.get(key)
@@ -166,7 +166,7 @@ class Sketch(Ranking):
         return list(torch.arange(batch.size, device=batch.device).split(size))
 
     def shortlists(self, batch, coverage, budgets):
-        from policy.rankings.oracle import Oracle
+        from moe_spec.policy.rankings.oracle import Oracle
         if self.surrogate is None or getattr(batch, "hidden", None) is None:
             if self.surrogate is not None:
                 self.blind("the batch carries no MoE inputs h_t (policy.rankings.sketch."
@@ -185,7 +185,7 @@ class Sketch(Ranking):
     def order(self, batch, coverage, max_budget):
         """The oracle's greedy order on the predicted terms (what :meth:`shortlists` starts
         from; the shortlists themselves are searched per budget)."""
-        from policy.rankings.oracle import Oracle
+        from moe_spec.policy.rankings.oracle import Oracle
         if self.surrogate is None or getattr(batch, "hidden", None) is None:
             return self.fallback.order(batch, coverage, max_budget)
         search = Oracle()

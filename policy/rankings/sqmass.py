@@ -8,7 +8,7 @@ probabilities, so experts that dominate a few tokens gain on experts spread thin
 
 from __future__ import annotations
 
-from policy.rankings.base import Ranking, by_squared_mass, register
+from moe_spec.policy.rankings.base import Ranking, by_squared_mass, register
 
 
 @register
