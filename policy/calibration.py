@@ -45,7 +45,7 @@ class ExpertModel(Protocol):
         """``[M, H] → [M, N, H]`` float32 on the CPU."""
 
 
-MEANS_VERSION = 2  # 2: an expert calibration never selected gets its layer's mean energy
+MEANS_VERSION = index.MEANS_VERSION  # part of a calibrated result's key (kept in the index)
 MAX_EXAMPLES = 4096  # calibration tree-layers the learned ranking trains on
 
 

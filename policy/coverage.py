@@ -26,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from moe_spec.policy import index
 from moe_spec.policy.batch import RoutingBatch, grow
 
 
@@ -44,8 +45,9 @@ class Coverage(ABC):
     name: ClassVar[str]
 
     def min_budget(self, k: int) -> int:
-        """The smallest budget the policy accepts for top-k routing."""
-        return 1
+        """The smallest budget the policy accepts for top-k routing
+        (:func:`policy.index.min_budget`, read there without torch)."""
+        return index.min_budget(self.name, k)
 
     @abstractmethod
     def apply(self, batch: RoutingBatch, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,9 +82,6 @@ class Truncation(Coverage):
 
 class Substitution(Coverage):
     name = "substitution"
-
-    def min_budget(self, k: int) -> int:
-        return k
 
     def apply(self, batch, keep):
         lead = keep.shape[:-1]

@@ -2,23 +2,38 @@
 
 Each ranking is one line of :data:`RANKINGS`: the module that defines it (imported on demand by
 :func:`policy.rankings.get`), whether it works inside a verification pass, its one-line summary,
-whether its calibration collects examples, its step in the ablation ladder and what a CLI says
-when it skips budgets. Command-line parsers build their choices and ``--help`` from this table, so
-``--help`` stays instant; :func:`policy.rankings.register` gives each class the ``runtime`` its
-line holds and refuses a class without one. To add a ranking: its module under
-``policy/rankings/`` (a ``@register``-ed :class:`policy.rankings.Ranking` subclass) and one line
-here.
+and the facts its results are keyed by: its version, whether it needs (or can use) calibration,
+the file it saves beside its results, the budgets it cannot evaluate; then whether its
+calibration collects examples, its step in the ablation ladder and what a CLI says when it skips
+budgets. Command-line parsers build their choices and ``--help`` from this table and replay plans
+from it (which results are stored, which are missing) without importing torch;
+:func:`policy.rankings.register` gives each class the facts its line holds and refuses a class
+that declares one itself. To add a ranking: its module under ``policy/rankings/`` (a
+``@register``-ed :class:`policy.rankings.Ranking` subclass) and one line here.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
+
+EXACT_LIMIT = 5000  # subsets an exhaustive search may score per tree-layer: C(N, B) ≤ this
+MEANS_VERSION = 2  # how calibration statistics become means (policy.calibration), part of a
+# calibrated result's key; 2: an expert calibration never selected gets its layer's mean energy
 
 
 class Entry(NamedTuple):
     module: str  # the module that registers the ranking, imported on first use
     runtime: bool  # usable inside a verification pass (needs router scores only)
     summary: str  # one line, shown in --help
+    version: int = 1  # raised when what it returns changes: stored results of an older
+    # definition are never reused (the history is kept beside its line)
+    needs_calibration: bool = False  # fit() needs calibration statistics
+    uses_calibration: bool = False  # fit() uses calibration when given, without needing it;
+    # its results are then keyed by the calibration runs
+    artifact: str | None = None  # the file fit() learns, saved beside its results
+    stateful: bool = False  # its orders depend on earlier passes of the prompt (observe())
+    subset_limit: int | None = None  # evaluates budget B only while C(N, B) ≤ this
     examples: bool = False  # its calibration collects examples (oracle orders) to learn from
     ablation_step: int | None = None  # place in the ablation ladder analysis shows (1 = first)
     skip_message: str | None = None  # why the CLI skips budgets; ``{limit}``: the class's limit
@@ -28,41 +43,60 @@ RANKINGS: dict[str, Entry] = {
     "router": Entry("moe_spec.policy.rankings.router", True,
                     "router mass summed over the tree's tokens (MoE-Spec)"),
     "static": Entry("moe_spec.policy.rankings.static", True,
-                    "calibration selection counts per layer (input-independent)"),
+                    "calibration selection counts per layer (input-independent)",
+                    needs_calibration=True),
     "coact": Entry("moe_spec.policy.rankings.coact", True,
                    "co-activation-aware: mixing weights x calibration expert-output Gram "
                    "(this project; under substitution, predicted substitution error)",
-                   ablation_step=3),
+                   version=3, needs_calibration=True, ablation_step=3),
+    # 2: substitution picks by the predicted substitution error; 3: under truncation, selected
+    # experts first
     "sqmass": Entry("moe_spec.policy.rankings.sqmass", True,
                     "squared mixing mass sum_t g_i(t)^2 (coact with G = I: ablation)",
-                    ablation_step=1),
+                    version=2, ablation_step=1),  # 2: under truncation, selected experts first
     "coact-diag": Entry("moe_spec.policy.rankings.coact_diag", True,
                         "squared mixing mass x calibration output energy G_ii (coact "
-                        "without co-activation: ablation)", ablation_step=2),
+                        "without co-activation: ablation)", version=2,
+                        needs_calibration=True, ablation_step=2),
+    # 2: under truncation, selected experts first
     "coact-online": Entry("moe_spec.policy.rankings.coact_online", True,
                           "coact with G refined from the outputs of experts the prompt's "
-                          "earlier passes executed", ablation_step=4),
+                          "earlier passes executed", version=3, needs_calibration=True,
+                          stateful=True, ablation_step=4),  # versions: coact's
     "coact-prior": Entry("moe_spec.policy.rankings.coact_prior", True,
                          "coact-online with each expert's calibration energy shrunk toward its "
                          "layer mean, the strength chosen per layer from the calibration's "
-                         "prompt-to-prompt energy spread"),
+                         "prompt-to-prompt energy spread", version=3,
+                         needs_calibration=True, stateful=True),  # versions: coact's
     "learned": Entry("moe_spec.policy.rankings.learned", True,
                      "gradient-boosted score per expert from router and calibration "
-                     "features, trained to reproduce the oracle's order",
-                     examples=True, ablation_step=5),
+                     "features, trained to reproduce the oracle's order", version=3,
+                     needs_calibration=True, artifact="learned.skops", examples=True,
+                     ablation_step=5),
+    # 2: substitution picks by the predicted substitution error; 3: under truncation, selected
+    # experts first
     "sketch": Entry("moe_spec.policy.rankings.sketch", True,
                     "the oracle's search on expert outputs predicted from the tree tokens' MoE "
                     "inputs h_t by rank-r calibration surrogates (without surrogate or h_t: "
-                    "coact-prior's shortlists, with a warning; bench/sketch_gap.py)"),
+                    "coact-prior's shortlists, with a warning; bench/sketch_gap.py)",
+                    needs_calibration=True, artifact="sketch.npz"),
     "previous": Entry("moe_spec.policy.rankings.previous", True,
-                      "experts loaded by the previous pass at the layer first, then router mass"),
+                      "experts loaded by the previous pass at the layer first, then router mass",
+                      version=2, stateful=True),  # 2: under truncation, selected experts first
     # examples: the oracle starts from every runtime ranking's shortlist, learned's included
     "oracle": Entry("moe_spec.policy.rankings.oracle", False,
                     "best shortlist found with every expert's output (offline reference): exact "
                     "where C(N,B) is small, else every runtime ranking's shortlist and the "
-                    "greedies, improved by swaps", examples=True),
+                    "greedies, improved by swaps", version=5, uses_calibration=True,
+                    examples=True),
+    # 2: substitution takes the best of three candidates, 3: of four, 4: exact search where it
+    # fits, every runtime ranking's shortlist as a start, then swap local search, 5: the swaps
+    # screened in closed form (all of them, not the 12 strongest outside), then verified;
+    # uses_calibration: fitted with calibration it also starts from the calibrated runtime
+    # rankings' shortlists
     "exact": Entry("moe_spec.policy.rankings.exact", False,
                    "exhaustive search over all B-subsets while C(N, B) is small (offline only)",
+                   subset_limit=EXACT_LIMIT,
                    skip_message="C(N, B) exceeds its limit of {limit} subsets"),
 }
 
@@ -76,6 +110,21 @@ COVERAGES: dict[str, str] = {
 }
 
 SKIPPED = "the ranking cannot evaluate them"  # a skip_message for rankings that name none
+
+
+def skipped_budgets(name: str, n: int, budgets) -> list[int]:
+    """The budgets of ``budgets`` ranking ``name`` cannot evaluate for N = ``n`` experts (those
+    past its ``subset_limit``), reported by the CLIs, never silently dropped."""
+    limit = RANKINGS[name].subset_limit
+    return [b for b in budgets if limit is not None and math.comb(n, b) > limit]
+
+
+def min_budget(coverage: str, k: int) -> int:
+    """The smallest budget coverage policy ``coverage`` evaluates for top-k routing: k under
+    substitution (every token runs k experts of S), 1 under truncation."""
+    if coverage not in COVERAGES:
+        raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(COVERAGES)}")
+    return k if coverage == "substitution" else 1
 
 
 def ranking_names(*, runtime: bool | None = None) -> list[str]:

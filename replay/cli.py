@@ -288,14 +288,19 @@ def key_dtype(args, runs: list) -> str | None:
     return dtype
 
 
-def check_request(args, budgets: list[int], coverages: tuple[str, ...], k: int, facts) -> None:
-    """What the rankings and coverage policies refuse (from the policy facts, without torch)."""
+def check_request(args, budgets: list[int] | None, coverages: tuple[str, ...],
+                  k: int | None) -> None:
+    """What the rankings and coverage policies refuse (from :mod:`policy.index`, without
+    torch): a ranking that needs calibration without one; budgets all below what the coverage
+    policies accept for top-k (once budgets and k are known: from the manifests, else from the
+    loaded model)."""
     from moe_spec.replay.plan import ReplayError
-    need_cal = [r for r in args.ranking if facts.rankings[r].needs_calibration]
+    need_cal = [r for r in args.ranking if index.RANKINGS[r].needs_calibration]
     if need_cal and not args.calibration:
         raise ReplayError(f"--ranking {' '.join(need_cal)} needs --calibration RUN (captured "
                           "on other prompts)")
-    if all(b < facts.min_budget[c] for c in coverages for b in budgets):
+    if budgets is not None and k is not None and \
+            all(b < index.min_budget(c, k) for c in coverages for b in budgets):
         raise ReplayError(f"substitution needs a budget ≥ k = {k}")
 
 
@@ -311,28 +316,22 @@ class Computed:
 
 
 def compute(args, catalog, runs, layers, coverages) -> Computed:
-    """Load the model and replay what is missing (a write that fails is a one-line
-    :class:`UserError` naming where)."""
+    """Load the model and execute the replay's plan (a write that fails is a one-line
+    :class:`UserError` naming where). The request was checked before (:func:`plan_request`);
+    only what the manifests could not tell is checked here, against the loaded model."""
     console.threads.apply(args.threads)  # torch's pools
     from moe_spec.moe import models
     from moe_spec.moe.adapter import MoEAdapter
-    from moe_spec.policy import coverage, rankings
     from moe_spec.replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay
     models.quiet_transformers()
     model = runs[0].model
     try:
-        classes = [rankings.get(r) for r in args.ranking]
-        need_cal = [c.name for c in classes if c.needs_calibration]
-        if need_cal and not args.calibration:
-            raise ReplayError(f"--ranking {' '.join(need_cal)} needs --calibration RUN (captured "
-                              "on other prompts)")
         loaded = models.load(model, device=args.device, dtype=load_dtype(args.dtype, runs),
                              revision=runs[0].settings.get("revision"),
                              trust_remote_code=args.trust_remote_code)
         adapter = MoEAdapter(loaded.model)
         budgets = parse_budgets(args.budget, adapter.num_experts)
-        if all(b < coverage.get(c).min_budget(adapter.top_k) for c in coverages for b in budgets):
-            raise ReplayError(f"substitution needs a budget ≥ k = {adapter.top_k}")
+        check_request(args, budgets, coverages, adapter.top_k)
         for layer in layers or ():
             adapter.layer(layer)
         stats, cal = None, []
@@ -375,16 +374,16 @@ def plan_request(args, coverages: tuple[str, ...]) -> Planned:
     from moe_spec.replay import plan
     catalog, runs, budgets, layers = preflight(args)
     n, k = runs[0].manifest.get("num_experts"), runs[0].manifest.get("top_k")
+    k = k if isinstance(k, int) else None
+    check_request(args, budgets, coverages, k)
     found = Planned(catalog, runs, budgets, layers, n, k)
-    if budgets is not None and isinstance(k, int):  # N and k from the manifests
-        facts = plan.policy_facts(n, k)
-        check_request(args, budgets, coverages, k, facts)
+    if budgets is not None and k is not None:  # N and k from the manifests
         found.request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets),
                                            layers, args.mode, args.batch_size, args.batch_seed)
         dtype = key_dtype(args, runs)
         if dtype is not None:
             found.outcome = plan.stored_outcome(catalog, runs, found.request, args.calibration,
-                                                args.out or args.traces, facts, dtype)
+                                                args.out or args.traces, dtype)
     return found
 
 
@@ -414,15 +413,10 @@ def print_outcome(args, planned: Planned, done: Computed, coverages):
     """Skips, notes and reuse on stderr; per run the summary table, then variants, the rate and
     where the results are. Returns the summary frame (None when nothing was summarised)."""
     from moe_spec.replay import plan
-    outcome, request, n, k = done.outcome, done.request, planned.n, planned.k
+    outcome, request = done.outcome, done.request
     for name, skipped in outcome.skipped.items():
-        if isinstance(n, int) and isinstance(k, int):
-            limit = plan.policy_facts(n, k).rankings[name].limit
-        else:
-            from moe_spec.policy import rankings
-            limit = getattr(rankings.get(name), "limit", None)
         print(f"replay: {name} skipped budgets {', '.join(map(str, skipped))}: "
-              f"{index.skip_reason(name, limit)}", file=sys.stderr)
+              f"{index.skip_reason(name, index.RANKINGS[name].subset_limit)}", file=sys.stderr)
     for note in outcome.notes:
         print(f"replay: {note}", file=sys.stderr)
     for name in outcome.reused:

@@ -1,24 +1,30 @@
-"""What a replay is asked and what is stored already: everything ``replay`` decides before torch
-loads (and, for a replay whose every cell is stored, all it needs: :func:`stored_outcome`).
+"""What a replay is asked and what is stored already: the one plan ``replay`` makes before torch
+loads (and, for a replay whose every cell is stored, all it needs).
+
+    plan(catalog, runs, request, calibration, out, n, k, layers)  →  ReplayPlan
+        per run × ranking × coverage: its result unit, the budgets it evaluates (those the
+        coverage accepts for top-k and the ranking can do for N), and what is stored: every
+        cell, a stored calibrated variant that answers for it, or cells still missing
+    ReplayPlan.complete   → the answer without the model (:func:`stored_outcome`)
+    otherwise             → :func:`replay.run.replay` executes the plan: locks the pending units
+                            and computes their missing blocks
 
 Importing this module imports neither torch nor the model code; :mod:`replay.run` re-exports
-its names. The rankings' and coverage policies' facts that results are keyed by (versions, what
-they need, budgets they skip) live in :mod:`policy`, which imports torch: :func:`policy_facts`
-keeps them in a small cache keyed by the digest of the ``policy`` package's source, so a replay
-answered from stored results never imports torch once the cache holds them.
+its names. The facts results are keyed by (a ranking's version, whether it needs or uses
+calibration, the file it saves, the budgets it skips; a coverage's smallest budget) are read from
+:mod:`policy.index`, their one owner, which imports nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_spec.catalog import Catalog, Run, location
 from moe_spec.catalog.results import UnitResults
 from moe_spec.errors import UserError
+from moe_spec.policy import index
 from moe_spec.replay import modes
 from moe_spec.replay.modes import ReplayMode, storage_note, stored_layers  # noqa: F401 - (re-exported)
 
@@ -98,24 +104,21 @@ def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,
     return modes.get(mode).scored_layers(run, layers, outcome.notes)
 
 
-def unit_key(mode: ReplayMode | str, ranking, cover, calibration: list[Run],
-             means: int | None = None, dtype: str = "float32") -> dict:
+def unit_key(mode: ReplayMode | str, ranking: str, coverage: str, calibration: list[Run],
+             dtype: str = "float32") -> dict:
     """What makes results comparable; calibration only where the ranking uses it, with the
     version of how statistics become means (results of an older definition are not reused),
     and the dtype the model was loaded in where it is not float32 (weights rounded to bf16 give
-    other numbers). ``ranking``: a :class:`policy.rankings.Ranking` class or its
-    :class:`RankingFacts`; ``cover``: anything with the coverage's ``name``; ``means``:
-    MEANS_VERSION (read from :mod:`policy.calibration` when not given)."""
-    if means is None and (ranking.needs_calibration or ranking.uses_calibration):
-        from moe_spec.policy.calibration import MEANS_VERSION as means
+    other numbers). The ranking's facts come from its line in :mod:`policy.index`."""
+    entry = index.RANKINGS[ranking]
     mode = modes.get(mode)
-    key = dict(mode=mode.name, ranking=ranking.name, coverage=cover.name, calibration=[],
+    key = dict(mode=mode.name, ranking=ranking, coverage=coverage, calibration=[],
                **mode.key())
-    if ranking.version != 1:  # (version 1 is left out: keys of unchanged rankings stay as they were)
-        key["version"] = ranking.version
-    if ranking.needs_calibration or (ranking.uses_calibration and calibration):
+    if entry.version != 1:  # (version 1 is left out: keys of unchanged rankings stay as they were)
+        key["version"] = entry.version
+    if entry.needs_calibration or (entry.uses_calibration and calibration):
         key.update(calibration=sorted([r.name, r.run_id] for r in calibration),
-                   means=means)
+                   means=index.MEANS_VERSION)
     dtype = str(dtype).removeprefix("torch.")
     if dtype != "float32":
         key["dtype"] = dtype
@@ -161,18 +164,14 @@ def calibrated_variant(catalog: Catalog, out: Path, run: Run, key: dict,
     return None if best is None else best[1]
 
 
-def stored_calibrated(catalog: Catalog, out: Path, run: Run, unit: UnitResults, ranking,
-                      calibration: list[Run], layers: list[int] | None,
-                      budgets: list[int]) -> UnitResults | None:
+def stored_calibrated(catalog: Catalog, out: Path, run: Run, unit: UnitResults, ranking: str,
+                      calibration: list[Run], wanted: set, done: set) -> UnitResults | None:
     """For a ranking that can use calibration, asked without: a stored calibrated variant of
-    ``run`` holding every cell asked for, when the uncalibrated ``unit`` does not (the design
-    card's ``replay --ranking oracle`` after a calibrated sweep); else None. ``ranking``: its
-    class or its :class:`RankingFacts`."""
-    if calibration or ranking.needs_calibration or not ranking.uses_calibration:
-        return None
-    wanted = {(layer, b) for layer in (layers or [None]) for b in budgets}
-    done = set().union(*(b.cells() for b in unit.complete_blocks()))
-    if wanted <= done:
+    ``run`` holding every ``wanted`` cell, when the uncalibrated ``unit`` does not (``done``:
+    its stored cells; the design card's ``replay --ranking oracle`` after a calibrated sweep);
+    else None."""
+    entry = index.RANKINGS[ranking]
+    if calibration or entry.needs_calibration or not entry.uses_calibration or wanted <= done:
         return None
     return calibrated_variant(catalog, out, run, unit.unit, wanted)
 
@@ -224,88 +223,110 @@ def summary_frame(outcome: ReplayOutcome, request: ReplayRequest):
     return df.group_by(keys).agg(request.mode.summary_aggregates()).sort(keys)
 
 
-# --- the policy facts results are keyed by, without importing torch -----------------------------
-FACTS_VERSION = 1  # of the cache files' layout
-@dataclass(frozen=True)
-class RankingFacts:
-    """What :func:`unit_key` and the planner read from a ranking class."""
+# --- the plan -------------------------------------------------------------------------------------
+@dataclass
+class UnitPlan:
+    """One ranking × coverage of one run: its result unit, the budgets it evaluates, and what is
+    stored as planned: ``answered_by`` a stored calibrated variant holding every cell (then
+    nothing is computed for it), else ``missing`` whether a cell (or the file the ranking saves
+    beside its results) is not stored yet."""
 
-    name: str
-    version: int
-    needs_calibration: bool
-    uses_calibration: bool
-    artifact: str | None
-    skipped: tuple[int, ...]  # budgets 1..N the ranking cannot evaluate for these N
-    limit: int | None = None  # of subsets searched (exact), named when budgets are skipped
-
-
-@dataclass(frozen=True)
-class Named:
-    name: str  # a coverage policy, for unit_key
+    ranking: str
+    coverage: str
+    unit: UnitResults
+    budgets: list[int]
+    answered_by: UnitResults | None = None
+    missing: bool = False
 
 
-@dataclass(frozen=True)
-class PolicyFacts:
-    rankings: dict[str, RankingFacts]
-    min_budget: dict[str, int]  # coverage -> smallest budget for this top-k
-    means: int  # policy.calibration.MEANS_VERSION
+@dataclass
+class RunPlan:
+    run: Run
+    layers: list[int]  # the layers the run can be scored at (storage policy applied)
+    units: list[UnitPlan]
+
+    @property
+    def pending(self) -> bool:
+        return any(u.missing for u in self.units)
 
 
-def policy_digest() -> str:
-    """Digest of the ``policy`` package's source: the facts change only with it."""
-    from moe_spec import policy
-    h = hashlib.sha256()
-    for root in policy.__path__:
-        for path in sorted(Path(root).rglob("*.py")):
-            h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()[:16]
+@dataclass
+class ReplayPlan:
+    """Every run's units (:func:`plan`) and what planning noted (skipped budgets, notes)."""
+
+    request: ReplayRequest
+    calibration: list[Run]
+    out: Path  # where results are written
+    runs: list[RunPlan]
+    outcome: ReplayOutcome  # skipped and notes so far; units and reuse added when answered
+
+    @property
+    def complete(self) -> bool:
+        """Every cell asked for is stored: the answer needs neither the model nor torch."""
+        return not any(r.pending for r in self.runs)
+
+    def stored(self) -> ReplayOutcome:
+        """The outcome of a complete plan: its units (or the variants answering for them)."""
+        outcome = self.outcome
+        for run in self.runs:
+            outcome.units += [u.answered_by or u.unit for u in run.units]
+            outcome.reused.append(run.run.name)
+        return outcome
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "moe-spec-workbench"
+def plan(catalog: Catalog, runs: list[Run], request: ReplayRequest, calibration: list[Run],
+         out: Path, *, n: int, k: int, layers: list[int], dtype: str = "float32") -> ReplayPlan:
+    """The plan of ``request`` over ``runs`` for N = ``n`` experts, top-``k`` routing and the
+    model's MoE ``layers`` (those the request names, else all): per run the layers it can be
+    scored at, per ranking × coverage the budgets it evaluates (the rest noted as skipped) and
+    what is stored; reads manifests and result folders only (no model, no torch, no writes)."""
+    mode = request.mode
+    outcome = ReplayOutcome()
+    found = []
+    for run in runs:
+        run_layers = run_layers_noted(run, layers, mode, outcome)
+        if run_layers:
+            found.append(RunPlan(run, run_layers, [
+                unit for name in request.rankings for cov_name in request.coverages
+                if (unit := plan_unit(catalog, out, run, mode, mode.cell_layers(run_layers),
+                                      name, cov_name, request.budgets, calibration, n, k, dtype,
+                                      outcome)) is not None]))
+    return ReplayPlan(request, calibration, out, found, outcome)
 
 
-def policy_facts(n: int, k: int) -> PolicyFacts:
-    """The rankings' and coverage policies' facts for N experts and top-k: from the cache when
-    it holds this policy source's, else from :mod:`policy` (importing torch) and cached."""
-    path = cache_dir() / f"policy-facts-v{FACTS_VERSION}-{policy_digest()}-N{n}-k{k}.json"
-    try:
-        raw = json.loads(path.read_text())
-        return PolicyFacts({name: RankingFacts(**{**f, "skipped": tuple(f["skipped"])})
-                            for name, f in raw["rankings"].items()},
-                           raw["min_budget"], raw["means"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    from moe_spec.policy import coverage, rankings
-    from moe_spec.policy.calibration import MEANS_VERSION
-    facts = PolicyFacts(
-        {name: RankingFacts(name, cls.version, cls.needs_calibration, cls.uses_calibration,
-                            cls.artifact, tuple(cls().skipped(n, list(range(1, n + 1)))),
-                            getattr(cls, "limit", None))
-         for name, cls in rankings.REGISTRY.items()},
-        {name: cover.min_budget(k) for name, cover in coverage.COVERAGES.items()}, MEANS_VERSION)
-    try:
-        from moe_spec.catalog import atomic
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write_json(path, dict(rankings={name: dict(vars(f), skipped=list(f.skipped))
-                                               for name, f in facts.rankings.items()},
-                                     min_budget=facts.min_budget, means=facts.means))
-    except OSError:
-        pass  # a cache that cannot be written costs the next replay a second, nothing else
-    return facts
+def plan_unit(catalog: Catalog, out: Path, run: Run, mode: ReplayMode, cell_layers, name: str,
+              cov_name: str, budgets, calibration: list[Run], n: int, k: int, dtype: str,
+              outcome: ReplayOutcome) -> UnitPlan | None:
+    """One ranking × coverage of ``run`` (None when it evaluates no budget asked for)."""
+    budgets = [b for b in budgets if b >= index.min_budget(cov_name, k)]
+    skip = index.skipped_budgets(name, n, budgets)
+    if skip:
+        outcome.skipped.setdefault(name, sorted(set(skip)))
+    budgets = [b for b in budgets if b not in skip]
+    if not budgets:
+        return None
+    unit = UnitResults(out, mode.table, run, unit_key(mode, name, cov_name, calibration, dtype))
+    wanted = {(layer, b) for layer in (cell_layers or [None]) for b in budgets}
+    done = set().union(*(b.cells() for b in unit.complete_blocks()))
+    other = stored_calibrated(catalog, out, run, unit, name, calibration, wanted, done)
+    if other is not None:
+        outcome.notes.append(answered_note(name, cov_name, run, other))
+        return UnitPlan(name, cov_name, unit, budgets, answered_by=other)
+    artifact = index.RANKINGS[name].artifact
+    missing = not wanted <= done or bool(artifact and not (unit.folder / artifact).exists())
+    return UnitPlan(name, cov_name, unit, budgets, missing=missing)
 
 
 def stored_outcome(catalog: Catalog, runs: list[Run], request: ReplayRequest,
-                   calibration: list[str], out: Path, facts: PolicyFacts,
+                   calibration: list[str], out: Path,
                    dtype: str = "float32") -> ReplayOutcome | None:
     """The outcome of ``request`` when every cell it asks for is stored already (complete
-    blocks of the current captures), found without the model, torch or writing anything; None
-    when anything is missing (or cannot be told from the manifests), and
-    :func:`replay.run.replay` plans and computes it. Mirrors that function's units."""
+    blocks of the current captures), found from the manifests alone (N, k and the MoE layers)
+    without the model, torch or writing anything; None when anything is missing or the
+    manifests cannot tell, and :func:`replay.run.replay` executes the plan."""
     manifest = runs[0].manifest
     try:
-        n, moe = manifest["num_experts"], list(manifest["moe_layers"])
+        n, k, moe = manifest["num_experts"], manifest["top_k"], list(manifest["moe_layers"])
     except KeyError:
         return None
     layers = list(request.layers) if request.layers else moe
@@ -314,37 +335,5 @@ def stored_outcome(catalog: Catalog, runs: list[Run], request: ReplayRequest,
         return None  # said in one line once the model is loaded
     cal = catalog.calibration_runs(calibration, runs[0].model, set().union(
         *(r.prompt_keys() for r in runs))) if calibration else []
-    mode = request.mode
-    outcome = ReplayOutcome()
-    for run in runs:
-        run_layers = run_layers_noted(run, layers, mode, outcome)
-        if not run_layers:
-            continue
-        for name in request.rankings:
-            ranking = facts.rankings[name]
-            for cov_name in request.coverages:
-                budgets = [b for b in request.budgets if b >= facts.min_budget[cov_name]]
-                skip = [b for b in budgets if b in ranking.skipped]
-                if skip:
-                    outcome.skipped.setdefault(name, sorted(set(skip)))
-                budgets = [b for b in budgets if b not in skip]
-                if not budgets:
-                    continue
-                key = unit_key(mode, ranking, Named(cov_name), cal, facts.means, dtype)
-                unit = UnitResults(out, mode.table, run, key)
-                if ranking.artifact and not (unit.folder / ranking.artifact).exists():
-                    return None
-                other = stored_calibrated(catalog, out, run, unit, ranking, cal,
-                                          mode.cell_layers(run_layers), budgets)
-                if other is not None:  # the design card's `replay --ranking oracle` after a
-                    outcome.notes.append(answered_note(name, cov_name, run, other))  # sweep
-                    unit = other
-                else:
-                    done = set().union(*(b.cells() for b in unit.complete_blocks()))
-                    wanted = {(layer, b) for layer in (mode.cell_layers(run_layers) or [None])
-                              for b in budgets}
-                    if not wanted <= done:
-                        return None
-                outcome.units.append(unit)
-        outcome.reused.append(run.name)
-    return outcome
+    found = plan(catalog, runs, request, cal, out, n=n, k=k, layers=layers, dtype=dtype)
+    return found.stored() if found.complete else None

@@ -2,8 +2,9 @@
 
     runs         = complete evaluation runs that match (the catalog; calibration runs never)
     calibration  = statistics from the --calibration runs (disjoint prompts), if a ranking needs it
-    for each run:
-        for each ranking × coverage: its unit (catalog.results) plans what is missing
+    plan         = per run × ranking × coverage its unit and what is stored (replay.plan, no torch)
+    execute, for each run with pending units:
+        lock them, drop superseded results, compute the blocks still missing
         open loop:   the engine streams the run once and scores every pending block
         closed loop: each tree is re-verified once per pending ranking × coverage × budget
     summary      = the requested cells, read back from complete blocks
@@ -26,7 +27,7 @@ from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, reade
 from moe_spec.catalog.results import UnitResults
 from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 from moe_spec.moe.adapter import MoEAdapter
-from moe_spec.policy import coverage, rankings
+from moe_spec.policy import coverage, index, rankings
 from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
 from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
 from moe_spec.replay.engine import OpenLoopEngine
@@ -36,12 +37,13 @@ from moe_spec.replay.plan import (  # noqa: F401 - (re-exported: what a replay a
     UNIT_IDENTITY,
     ReplayError,
     ReplayOutcome,
+    ReplayPlan,
     ReplayRequest,
-    answered_note,
+    RunPlan,
     parse_budgets,
+    plan,
     run_layers_noted,
     storage_note,
-    stored_calibrated,
     stored_layers,
     stored_outcome,
     stored_variants,
@@ -106,24 +108,25 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
            max_batch: int | None = None, workers: int = 0,
            ray_address: str | None = None, dtype: str = "auto",
            key_dtype: str = "float32") -> ReplayOutcome:
-    """Replay ``runs`` for ``request``; with ``workers`` or ``ray_address`` the prompts are
-    spread over Ray actors (:mod:`replay.distributed`), each loading the model once.
-    ``key_dtype``: the dtype the model is loaded in (part of the results' key)."""
+    """Plan ``request`` (:func:`replay.plan.plan`, N, k and the layers from the loaded model) and
+    execute the plan: per run, lock its pending units and compute their missing blocks; with
+    ``workers`` or ``ray_address`` the prompts are spread over Ray actors
+    (:mod:`replay.distributed`), each loading the model once. ``key_dtype``: the dtype the model
+    is loaded in (part of the results' key)."""
     mode = request.mode
     if mode.key() and (workers or ray_address):
         raise ReplayError(f"{mode.title()} runs in one process; drop --workers/--ray-address")
     layers = list(request.layers) if request.layers else [layer.index for layer in adapter]
-    outcome = ReplayOutcome()
+    planned = plan(catalog, runs, request, calibration, out, n=adapter.num_experts,
+                   k=adapter.top_k, layers=layers, dtype=key_dtype)
+    outcome = planned.outcome
     start = time.perf_counter()
     engine = OpenLoopEngine(adapter, device, progress=progress, max_batch=max_batch)
     actors = None
-    for run in runs:
-        run_layers = run_layers_noted(run, layers, mode, outcome)
-        if not run_layers:
-            continue
+    for run_plan in planned.runs:
+        run = run_plan.run
         with ExitStack() as locks:
-            tasks = run_tasks(catalog, out, run, run_layers, request, adapter, stats,
-                              calibration, key_dtype, outcome, locks)
+            tasks = run_tasks(planned, run_plan, stats, locks)
             if not tasks:
                 outcome.reused.append(run.name)
                 continue
@@ -150,53 +153,41 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
     return outcome
 
 
-def run_tasks(catalog: Catalog, out: Path, run: Run, run_layers, request: ReplayRequest,
-              adapter: MoEAdapter, stats, calibration: list[Run], key_dtype: str,
-              outcome: ReplayOutcome, locks: ExitStack) -> list:
-    """The tasks one run still needs, unit by unit (ranking × coverage): cells stored already,
-    or answered by a stored calibrated variant, are left out; every unit with work is locked
-    for the rest of the replay (``locks``), superseded results dropped, and a learned ranking's
-    model saved beside its results."""
+def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -> list:
+    """Execute one run's plan up to its tasks: a unit answered by a stored calibrated variant is
+    that variant; every other unit is locked for the rest of the replay (``locks``), its
+    superseded results dropped, a learned ranking's model saved beside its results, and its
+    blocks still missing (checked again under the lock: another replay may have written them
+    since planning) become tasks."""
+    request, outcome = planned.request, planned.outcome
     mode = request.mode
     tasks = []
     for name in request.rankings:
-        cls = rankings.get(name)
         note = (f"{name} keeps one state per batch of {request.batch_size}, carried "
                 "across that batch's passes (capture --batch-size refuses stateful "
                 "rankings online)")
-        if request.batch_size > 1 and cls.stateful and note not in outcome.notes:
+        if request.batch_size > 1 and index.RANKINGS[name].stateful and note not in outcome.notes:
             outcome.notes.append(note)
-        for cov_name in request.coverages:
-            cover = coverage.get(cov_name)
-            budgets = [b for b in request.budgets if b >= cover.min_budget(adapter.top_k)]
-            skip = cls().skipped(adapter.num_experts, budgets)
-            if skip:
-                outcome.skipped.setdefault(name, sorted(set(skip)))
-            budgets = [b for b in budgets if b not in skip]
-            if not budgets:
-                continue
-            unit = UnitResults(out, mode.table, run, unit_key(mode, cls, cover,
-                                                              calibration,
-                                                              dtype=key_dtype))
-            other = stored_calibrated(catalog, out, run, unit, cls, calibration,
-                                      mode.cell_layers(run_layers), budgets)
-            if other is not None:  # answered by a stored calibrated variant
-                outcome.units.append(other)
-                outcome.notes.append(answered_note(name, cov_name, run, other))
-                continue
-            locks.enter_context(unit.locked())
-            unit.drop_superseded(UNIT_IDENTITY)
-            outcome.units.append(unit)
-            saved = unit.folder / cls.artifact if cls.artifact else None
-            if saved and not saved.exists():  # what it learned, beside its results
-                # (a unit names its calibration runs, so a saved model is this one)
-                location.mkdir(unit.folder)
-                atomic.write_via(saved, cls().fit(stats).save)
-            todo = unit.plan(mode.cell_layers(run_layers), budgets)
-            for block in todo:
-                tasks.append(mode.task(unit, block, cls, cover, stats))
-            if todo:
-                outcome.notes += new_variant_notes(out, run, unit, cls, calibration)
+    for unit_plan in run_plan.units:
+        if unit_plan.answered_by is not None:
+            outcome.units.append(unit_plan.answered_by)
+            continue
+        unit, cls = unit_plan.unit, rankings.get(unit_plan.ranking)
+        cover = coverage.get(unit_plan.coverage)
+        locks.enter_context(unit.locked())
+        unit.drop_superseded(UNIT_IDENTITY)
+        outcome.units.append(unit)
+        saved = unit.folder / cls.artifact if cls.artifact else None
+        if saved and not saved.exists():  # what it learned, beside its results
+            # (a unit names its calibration runs, so a saved model is this one)
+            location.mkdir(unit.folder)
+            atomic.write_via(saved, cls().fit(stats).save)
+        todo = unit.plan(mode.cell_layers(run_plan.layers), unit_plan.budgets)
+        for block in todo:
+            tasks.append(mode.task(unit, block, cls, cover, stats))
+        if todo:
+            outcome.notes += new_variant_notes(planned.out, run_plan.run, unit, cls,
+                                               planned.calibration)
     return tasks
 
 

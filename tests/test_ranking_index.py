@@ -38,6 +38,10 @@ def test_every_ranking_module_is_indexed_and_every_line_names_its_module():
     for name, entry in index.RANKINGS.items():
         cls = rankings.get(name)
         assert (cls.name, cls.__module__, cls.runtime) == (name, entry.module, entry.runtime)
+        assert {f: getattr(cls, f) for f in base.FACTS} == {f: getattr(entry, f)
+                                                             for f in base.FACTS}
+        assert cls().skipped(64, list(range(1, 65))) == index.skipped_budgets(
+            name, 64, list(range(1, 65)))
     assert sorted(rankings.REGISTRY) == sorted(index.RANKINGS)
     assert {n: c.runtime for n, c in rankings.REGISTRY.items()} == \
         {n: e.runtime for n, e in index.RANKINGS.items()}
@@ -51,8 +55,13 @@ def test_no_ranking_class_declares_what_the_index_holds():
             for stmt in cls.body:
                 targets = stmt.targets if isinstance(stmt, ast.Assign) else \
                     [stmt.target] if isinstance(stmt, ast.AnnAssign) and stmt.value else []
-                assert "runtime" not in {getattr(t, "id", None) for t in targets}, \
-                    f"{path.name}: class {cls.name} declares runtime (policy.index holds it)"
+                if isinstance(stmt, ast.FunctionDef) and path.name != "base.py":
+                    assert stmt.name != "skipped", f"{path.name}: {cls.name} overrides skipped " \
+                        "(its budgets are its line's subset_limit: replay plans without torch)"
+                declared = {getattr(t, "id", None) for t in targets} & set(base.FACTS) \
+                    if path.name != "base.py" else set()  # (the protocol's defaults)
+                assert not declared, \
+                    f"{path.name}: class {cls.name} declares {declared} (policy.index holds it)"
 
 
 def test_the_rankings_package_lists_no_modules():
@@ -104,7 +113,9 @@ def test_a_ranking_must_match_its_line(tmp_path, monkeypatch, fresh_registry):
     refused when it registers; a module that registers nothing is named."""
     declares = WIDEST.replace('"widest"', '"declares"').replace(
         "    def order", "    runtime = False\n\n    def order")
-    files = {"extra_declares": declares,
+    versioned = WIDEST.replace('"widest"', '"versioned"').replace(
+        "    def order", "    version = 2\n\n    def order")
+    files = {"extra_declares": declares, "extra_versioned": versioned,
              "extra_elsewhere": WIDEST.replace('"widest"', '"elsewhere"'),
              "extra_unindexed": WIDEST.replace('"widest"', '"unindexed"'),
              "extra_silent": ""}
@@ -112,11 +123,13 @@ def test_a_ranking_must_match_its_line(tmp_path, monkeypatch, fresh_registry):
         (tmp_path / f"{module}.py").write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
     for name, module in (("declares", "extra_declares"), ("elsewhere", "extra_somewhere"),
-                         ("silent", "extra_silent")):
+                         ("silent", "extra_silent"), ("versioned", "extra_versioned")):
         monkeypatch.setitem(index.RANKINGS, name, index.Entry(module, True, "test"))
     try:
         with pytest.raises(ValueError, match="declares runtime; policy.index holds it"):
             rankings.get("declares")
+        with pytest.raises(ValueError, match="declares version; policy.index holds it"):
+            rankings.get("versioned")
         with pytest.raises(ValueError, match="defined in extra_elsewhere, policy.index says "
                                              "extra_somewhere"):
             __import__("extra_elsewhere")
@@ -126,7 +139,7 @@ def test_a_ranking_must_match_its_line(tmp_path, monkeypatch, fresh_registry):
             rankings.get("silent")
         with pytest.raises(rankings.RankingError, match="unknown ranking 'nowhere'"):
             rankings.get("nowhere")
-        assert not {"declares", "elsewhere", "unindexed"} & set(base.REGISTRY.classes)
+        assert not {"declares", "elsewhere", "unindexed", "versioned"} & set(base.REGISTRY.classes)
     finally:
         for module in files:
             sys.modules.pop(module, None)
@@ -169,7 +182,7 @@ def test_analysis_reads_only_the_torch_free_index_of_policy():
     tree = ast.parse((ROOT / "policy" / "index.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
         {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"__future__", "typing"}, imported
+    assert imported <= {"__future__", "math", "typing"}, imported
 
 
 def test_the_recommended_ranking_is_a_runtime_one_and_help_names_it():

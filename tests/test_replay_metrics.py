@@ -197,9 +197,8 @@ def test_modes_are_objects_looked_up_by_the_cli_names():
     assert plan.ReplayRequest().mode is open_
     with pytest.raises(ValueError, match="open or closed"):
         modes.get("half")
-    facts = plan.RankingFacts("router", 1, False, False, None, ())
-    assert plan.unit_key(closed, facts, plan.Named("truncation"), []) == \
-        plan.unit_key("closed", facts, plan.Named("truncation"), []) == \
+    assert plan.unit_key(closed, "router", "truncation", []) == \
+        plan.unit_key("closed", "router", "truncation", []) == \
         dict(mode="closed", ranking="router", coverage="truncation", calibration=[])
 
 

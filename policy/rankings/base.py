@@ -39,16 +39,15 @@ class RankingError(UserError, ValueError):
 
 class Ranking(ABC):
     name: ClassVar[str]
-    runtime: ClassVar[bool]  # needs only what a verification pass has (router scores): set by
-    # register() from the ranking's line in policy.index, never declared by the class
+    # set by register() from the ranking's line in policy.index (the facts results are keyed
+    # by, read there without torch), never declared by the class:
+    runtime: ClassVar[bool]  # needs only what a verification pass has (router scores)
+    version: ClassVar[int] = 1  # raised when what order()/shortlists() return changes
     needs_calibration: ClassVar[bool] = False  # fit() needs calibration statistics
+    uses_calibration: ClassVar[bool] = False  # fit() uses calibration when given (the oracle)
+    artifact: ClassVar[str | None] = None  # file name of what fit() learns, saved by save()
     stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
     observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget)
-    artifact: ClassVar[str | None] = None  # file name of what fit() learns, saved by save()
-    version: ClassVar[int] = 1  # raised when what order()/shortlists() return changes, so that
-    # stored results of the older definition are never reused
-    uses_calibration: ClassVar[bool] = False  # fit() uses calibration statistics when given,
-    # without needing them (the oracle); results are then keyed by the calibration runs
     stateful_starts: tuple = ()  # rankings whose shortlists open-loop replay streams in order
     # and hands to shortlists(starts=...) (the oracle's stateful starts)
     selected_first: ClassVar[bool] = True  # under truncation, experts some tree token selected
@@ -133,8 +132,9 @@ class Ranking(ABC):
                             for ranking, b in zip(instances, budgets)], 1)
 
     def skipped(self, n: int, budgets: list[int]) -> list[int]:
-        """Budgets this ranking cannot evaluate for N experts (reported, never silent)."""
-        return []
+        """Budgets this ranking cannot evaluate for N experts (reported, never silent): its
+        line's ``subset_limit`` (:func:`policy.index.skipped_budgets`)."""
+        return index.skipped_budgets(self.name, n, budgets)
 
 
 class Registry(Mapping):
@@ -167,9 +167,13 @@ class Registry(Mapping):
 REGISTRY = Registry()
 
 
+FACTS = ("runtime", "version", "needs_calibration", "uses_calibration", "artifact",
+         "stateful")  # what a ranking's line in policy.index says
+
+
 def register(cls: type[Ranking]) -> type[Ranking]:
     """Class decorator: ``cls`` becomes :func:`get`'s answer for ``cls.name``, with the
-    ``runtime`` of its line in :mod:`policy.index` (the one place that says it)."""
+    :data:`FACTS` of its line in :mod:`policy.index` (the one place that says them)."""
     entry = index.RANKINGS.get(cls.name)
     if entry is None:
         raise ValueError(f"ranking {cls.name!r} has no line in policy.index.RANKINGS")
@@ -178,9 +182,12 @@ def register(cls: type[Ranking]) -> type[Ranking]:
                          f"says {entry.module}")
     if cls.name in REGISTRY.classes:
         raise ValueError(f"ranking {cls.name!r} registered twice")
-    if "runtime" in vars(cls):
-        raise ValueError(f"ranking {cls.name!r} declares runtime; policy.index holds it")
-    cls.runtime = entry.runtime
+    declared = [f for f in FACTS if f in vars(cls)]
+    if declared:
+        raise ValueError(f"ranking {cls.name!r} declares {', '.join(declared)}; policy.index "
+                         "holds it")
+    for fact in FACTS:
+        setattr(cls, fact, getattr(entry, fact))
     REGISTRY.classes[cls.name] = cls
     return cls
 

@@ -29,9 +29,6 @@ from moe_spec.policy.rankings.base import Ranking, SubstitutionAware, mass_tiebr
 @register
 class Coact(SubstitutionAware, Ranking):
     name = "coact"
-    needs_calibration = True
-    version = 3  # 2: substitution picks by the predicted substitution error (docstring);
-    # 3: under truncation, selected experts first
 
     def order(self, batch, coverage, max_budget):
         w = batch.dense_weights().double()  # [T, M, N]

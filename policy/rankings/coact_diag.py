@@ -14,8 +14,6 @@ from moe_spec.policy.rankings.base import Ranking, by_mass, mass_tiebreak, regis
 @register
 class CoactDiagonal(Ranking):
     name = "coact-diag"
-    version = 2  # 2: under truncation, selected experts first
-    needs_calibration = True
 
     def order(self, batch, coverage, max_budget):
         w = batch.dense_weights().double()  # [T, M, N]

@@ -32,7 +32,6 @@ from moe_spec.policy.rankings.coact import Coact
 @register
 class CoactOnline(Coact):
     name = "coact-online"
-    stateful = True
     observes_outputs = True
     prior: ClassVar[float] = 8.0  # κ: calibration pseudo-observations per pair
 

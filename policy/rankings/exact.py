@@ -1,20 +1,19 @@
 """``exact``: the B-subset with the least reconstruction error, by exhaustive search.
 
 Every one of the C(N, B) subsets is scored from the Gram terms (the ground truth oracle and coact
-are checked against); only where C(N, B) ≤ ``limit`` (5000: every budget of an 8-expert model).
-Budgets beyond the limit are reported by :meth:`skipped`, never silently dropped.
+are checked against); only where C(N, B) ≤ ``limit`` (5000: every budget of an 8-expert model;
+its ``subset_limit`` in :mod:`policy.index`). Budgets beyond the limit are reported by
+:meth:`skipped`, never silently dropped.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 
+from moe_spec.policy.index import EXACT_LIMIT
 from moe_spec.policy.rankings.base import Ranking, RankingError, register
-
-EXACT_LIMIT = 5000
 
 
 @register
@@ -24,9 +23,6 @@ class Exact(Ranking):
 
     def order(self, batch, coverage, max_budget):
         raise RankingError("exact search gives a best subset per budget, not an order")
-
-    def skipped(self, n, budgets):
-        return [b for b in budgets if math.comb(n, b) > self.limit]
 
     def shortlists(self, batch, coverage, budgets):
         if batch.terms is None:

@@ -192,10 +192,6 @@ def features(batch, calibration: CalibrationStats) -> torch.Tensor:
 @register
 class Learned(SubstitutionAware, Ranking):
     name = "learned"
-    version = 3  # 2: substitution picks by the predicted substitution error; 3: under
-    # truncation, selected experts first
-    needs_calibration = True
-    artifact = "learned.skops"
     seed: ClassVar[int] = 0
     model = None  # the scikit-learn estimator, where this process fitted or loaded it
     trees: Trees | None = None  # what scores (the model's trees as arrays)

@@ -69,11 +69,6 @@ from moe_spec.policy.surrogate import MOMENTS
 @register
 class Oracle(Ranking):
     name = "oracle"
-    version = 5  # 2: substitution takes the best of three candidates, 3: of four, 4: exact search
-    # where it fits, every runtime ranking's shortlist as a start, then swap local search, 5: the
-    # swaps screened in closed form (all of them, not the 12 strongest outside), then verified
-    uses_calibration = True  # fitted with calibration, it also starts from the calibrated
-    # runtime rankings' shortlists (the calibration is then part of its results' key)
     swap_candidates: ClassVar[int] = 12  # group-limited rules (no screening): experts outside S
     # tried per member in a swap round
     max_rounds: ClassVar[int] = 8

@@ -15,8 +15,6 @@ from moe_spec.policy.rankings.base import Ranking, by_mass, register
 @register
 class Previous(Ranking):
     name = "previous"
-    version = 2  # 2: under truncation, selected experts first
-    stateful = True
 
     def __init__(self):
         self.loaded: dict[int, torch.Tensor] = {}  # decoder layer -> [N] bool

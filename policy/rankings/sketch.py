@@ -95,10 +95,7 @@ def routing_only(batch: RoutingBatch, rows: torch.Tensor) -> RoutingBatch:
 @register
 class Sketch(Ranking):
     name = "sketch"
-    version = 1
-    needs_calibration = True
     needs_hidden = True  # reads the tree tokens' MoE inputs h_t (RoutingBatch.hidden)
-    artifact = "sketch.npz"
     rank: ClassVar[int] = 16  # the surrogate's rank r
 
     def __init__(self, rank: int | None = None):

@@ -14,7 +14,6 @@ from moe_spec.policy.rankings.base import Ranking, by_squared_mass, register
 @register
 class SquaredMass(Ranking):
     name = "sqmass"
-    version = 2  # 2: under truncation, selected experts first
 
     def order(self, batch, coverage, max_budget):
         return by_squared_mass(batch)

@@ -9,7 +9,6 @@ from moe_spec.policy.rankings.base import Ranking, by_mass, register
 class Static(Ranking):
     name = "static"
     selected_first = False  # the paper's definition: calibration selection counts
-    needs_calibration = True
 
     def order(self, batch, coverage, max_budget):
         return by_mass(self.calibration.selection_counts(batch.layers).to(batch.device))
