@@ -10,6 +10,7 @@ import argparse
 import copy
 import dataclasses
 import sys
+import time
 
 from moe_spec import console
 from moe_spec.capture.settings import CaptureError, CaptureSettings, option_flag
@@ -146,157 +147,23 @@ def settings_from(args) -> CaptureSettings:
     return CaptureSettings.from_options(vars(args))
 
 
-def preflight(settings: CaptureSettings, args) -> None:
-    """What can be refused before torch and transformers load (seconds): the run name, the
-    output root, the model (an uncached hub model while offline) and the budget its config
-    admits, the prompts, the Ray cluster, the calibration runs (that they exist, and their
-    role), and a run another capture is writing right now."""
-    from moe_spec.catalog import Catalog, CatalogError, InvalidName, check_name
-    args.out = location.from_args(args.out, args.storage_options)
-    check_out(args.out)
-    if args.workers < 0:
-        raise CaptureError(f"--workers {args.workers} must be 0 (no Ray) or more")
-    console.check_output_option(args.output, CaptureError)  # before any work, not after it
-    from moe_spec.capture.naming import default_run
-    source = models.check_available(settings.model)
-    run = args.run = default_run(settings, args.out, source.name) if args.run is None else args.run
-    try:
-        check_name(run, "--run")
-    except InvalidName as exc:
-        raise CaptureError(str(exc)) from None
-    check_budget(settings, source.name)
-    if not benchmarks.load(settings.bench, root=args.benchmarks, offset=settings.offset,
-                           limit=settings.limit):
-        raise CaptureError(f"no prompts in {settings.bench} at offset {settings.offset}")
-    if args.ray_address:
-        check_cluster(args.ray_address)
-    if settings.calibration:
-        try:
-            found = Catalog(args.out).runs(model=source.name, names=list(settings.calibration))
-        except CatalogError as exc:
-            found, why = [], f" ({exc})"
-        else:
-            why = ""
-        missing = sorted(set(settings.calibration) - {r.name for r in found})
-        if missing:
-            raise CaptureError(f"--calibration run(s) {', '.join(missing)} not found complete "
-                               f"under {location.display(args.out)} for {source.name}{why}; "
-                               "capture them first (--role calibration) or name existing runs")
-        if not args.allow_evaluation_calibration and any(r.role == "evaluation" for r in found):
-            from moe_spec.policy.calibration import evaluation_calibration
-            raise CaptureError(evaluation_calibration(found))
-    check_not_being_written(args.out, source.name, settings.bench, run)
-
-
-def check_out(out) -> None:
-    """A local ``--out`` must be a folder or a path where one can be made: never a regular
-    file, a FIFO, a device or a socket, nor a symbolic link to nothing (or under one)."""
-    import os
-    import stat
-    from pathlib import Path
-    if location.is_remote(out):
-        return
-    path = Path(out)
-    for at in (path, *path.absolute().parents):
-        if at.is_symlink() and not at.exists():
-            raise CaptureError(f"--out {path}: {at} is a symbolic link to {os.readlink(at)}, "
-                               "which does not exist; create the link's target or choose a "
-                               "writable --out")
-        try:
-            mode = at.stat().st_mode
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # made by the run (or under a file: said where that file is found)
-        except OSError as exc:
-            raise CaptureError(f"--out {path}: cannot use {at} ({exc.strerror or exc}); "
-                               "choose another --out") from None
-        if stat.S_ISDIR(mode):
-            return
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or \
-            stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a file"
-        where = "" if at == path or at == path.absolute() else f" ({at} is {kind})"
-        raise CaptureError(f"--out {path} is {'under ' if where else ''}{kind}, not a folder"
-                           f"{where}; choose a writable --out (a folder for the traces)")
-
-
-def check_budget(settings: CaptureSettings, model: str) -> None:
-    """``--budget`` within the model's N routed experts (and at least its top-k under
-    substitution), read from its config.json without loading it; a model whose config is not
-    at hand is checked where it loads."""
-    if settings.budget is None:
-        return
-    shape = models.expert_shape(models.read_config(settings.model))
-    if shape is None:
-        return
-    n, k = shape
-    low = k if settings.coverage == "substitution" else 1
-    if not low <= settings.budget <= n:
-        raise CaptureError(f"--budget {settings.budget} is out of range for {model}: use "
-                           f"{low}..{n} ({n} experts, top-{k}, {settings.coverage})")
-
-
-def check_cluster(address: str) -> None:
-    """``--ray-address``: Ray installed, and a Ray cluster answering there (within seconds)."""
-    import importlib.util
-
-    from moe_spec import cluster
-    if importlib.util.find_spec("ray") is None:
-        raise cluster.ClusterError("--workers / --ray-address need Ray: pip install -e .[ray]")
-    cluster.check_reachable(address)
-
-
-def check_not_being_written(out, model: str, bench: str, run: str) -> None:
-    """Refuse a run whose lock another capture holds right now: take it without waiting and
-    let it go (the run's writer takes it again once the model is loaded). A run with no folder
-    (no lease object, on a store) has no writer. On a store, a well-formed lease that expires
-    within one lease lifetime is watched until it does: renewed, its writer is alive (refused);
-    not, it was a killed writer's (taken over, as the run's writer would)."""
-    from moe_spec.catalog import CatalogError
-    from moe_spec.catalog.writer import RunWriter
-    writer = RunWriter(out, model, bench, run)
-    folder = writer.table_dir("runs")
-    try:
-        if location.is_remote(folder):
-            if not (folder / ".lock").exists():
-                return
-            _watch_lease(location.Lease(folder / ".lock"))
-        elif not folder.is_dir():
-            return
-        writer.lock()
-    except CatalogError as exc:
-        raise CaptureError(str(exc)) from None
-    except OSError:
-        return  # an unreadable folder or store: said where the run is written
-    finally:
-        writer.close()
-
-
-def _watch_lease(lease, poll: float = 0.25) -> None:
-    """Return once the lease object is renewed, gone, or expired; at once where it is
-    malformed or expires later than one lease lifetime from now."""
-    import time
-    state = lease.state()
-    if state is None or state[2] is not None or state[1] > time.time() + lease.seconds:
-        return
-    while time.time() < state[1]:
-        time.sleep(poll)
-        now = lease.state()
-        if now is None or now[0] != state[0]:
-            return
-
-
-def planned(args) -> list[tuple[CaptureSettings, argparse.Namespace]]:
-    """One (settings, options) per benchmark of ``--bench a,b,…``, each checked before any
-    capture starts (:func:`preflight`)."""
+def planned(args) -> list:
+    """One plan (:func:`capture.plan.plan`: every check, the run's name resolved, a complete
+    run answered) per benchmark of ``--bench a,b,…``, all made before any capture starts."""
+    from moe_spec.capture.plan import plan
     names = [b.strip() for b in str(args.bench).split(",") if b.strip()]
     if not names or len(set(names)) < len(names):
         raise CaptureError(f"--bench {args.bench!r}: name each benchmark once, comma-separated")
+    args.out = location.from_args(args.out, args.storage_options)
+    console.check_output_option(args.output, CaptureError)  # before any work, not after it
     found = []
     for name in names:
         mine = copy.copy(args)
         mine.bench = name
-        settings = settings_from(mine)
-        preflight(settings, mine)
-        found.append((settings, mine))
+        found.append(plan(settings_from(mine), args.out, args.run, role=args.role,
+                          benchmarks_root=args.benchmarks, workers=args.workers,
+                          ray_address=args.ray_address,
+                          allow_evaluation_calibration=args.allow_evaluation_calibration))
     return found
 
 
@@ -309,23 +176,21 @@ def main(argv: list[str] | None = None) -> int:
         return fail("capture", exc)
     threads = console.threads.apply(args.threads)  # before torch and transformers start pools
 
-    from moe_spec.capture.run import capture_run
+    from moe_spec.capture.run import execute
     models.quiet_transformers()
     done = []
-    for settings, mine in plan:
+    for one in plan:
         try:
-            summary = capture_run(settings, mine.out, mine.run, role=mine.role,
-                                  benchmarks_root=mine.benchmarks, progress=not mine.no_progress,
-                                  workers=mine.workers, ray_address=mine.ray_address,
-                                  allow_evaluation_calibration=mine.allow_evaluation_calibration)
+            one.started = time.perf_counter()  # this run's wall time, not the plans'
+            summary = execute(one, progress=not args.no_progress)
         except (UserError, ValueError) as exc:  # ValueError: a library's refusal, in one line
             return fail("capture", exc)
         except KeyboardInterrupt:
             print("capture: interrupted; rerun the same command to resume", file=sys.stderr)
             return 130
         print_summary(summary)
-        done.append({"tool": "capture", **dataclasses.asdict(summary), "role": mine.role,
-                     "threads": threads, "settings": dataclasses.asdict(settings)})
+        done.append({"tool": "capture", **dataclasses.asdict(summary), "role": one.role,
+                     "threads": threads, "settings": dataclasses.asdict(one.settings)})
     try:  # one capture: its summary; several: {"tool": "capture", "captures": [...]}
         console.write_json(args.output, done[0] if len(done) == 1 else
                            {"tool": "capture", "captures": done})

@@ -404,7 +404,7 @@ def preflight(args) -> tuple[Format, ModelFacts]:
         raise ImportRefused(f"--batching recorded: {fmt.engine}'s format records no forward "
                             "passes; use virtual (b requests at the same decode step) or auto")
     if not location.is_remote(args.out):
-        from moe_spec.capture.cli import check_out
+        from moe_spec.capture.plan import check_out
         try:
             check_out(args.out)
         except UserError as exc:

@@ -82,7 +82,7 @@ def test_replay_prints_the_pivot_and_writes_every_row(one_prompt, tmp_path, caps
 
 # --- capture --------------------------------------------------------------------------------------
 def test_batched_capture_summary_has_passes_the_union_and_a_replay_hint(batched, capsys):
-    from moe_spec.capture.run import summarise
+    from moe_spec.capture.summary import summarise
     from moe_spec.catalog.writer import RunWriter
     s = summarise(RunWriter(batched, "tiny-olmoe", "mbpp", "b2"), "tiny-olmoe", "mbpp", "b2", 0,
                   1.0, 0.5)
@@ -100,7 +100,7 @@ def test_batched_capture_summary_has_passes_the_union_and_a_replay_hint(batched,
 
 
 def test_summary_says_how_many_prompts_have_verification_passes(tmp_path, capsys):
-    from moe_spec.capture.run import CaptureSummary
+    from moe_spec.capture.summary import CaptureSummary
     s = CaptureSummary(tmp_path, "m", "mbpp", "r", 8, 0, 12, 3.0, 30.0, 30.0, 2 ** 20, 1.0,
                        prompts_with_trees=6)
     capture_cli.print_summary(s)
