@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Protocol
 
 from tqdm import tqdm
 
+from moe_spec import cluster
 from moe_spec.capture.background import BackgroundWriter, WriterFailed
 from moe_spec.capture.plan import CapturePlan, plan
 from moe_spec.capture.settings import CaptureError, CaptureSettings
@@ -78,10 +79,9 @@ def execute(planned: CapturePlan, progress: bool = True) -> CaptureSummary:
                          planned.started, progress)
 
 
-class Executor(Protocol):
-    """Who decodes a run's prompts: this process or Ray actors."""
-
-    label: str  # how the progress bar names it ("" for this process)
+class Executor(cluster.Executor, Protocol):
+    """Who decodes a run's prompts: this process (:class:`LocalExecutor`) or Ray actors
+    (:class:`capture.distributed.RayExecutor`)."""
 
     def load(self) -> dict:
         """Load the target(s); the manifest's fields (:func:`capture.target.run_manifest`)."""
@@ -92,9 +92,6 @@ class Executor(Protocol):
         tokens) of each prompt once its tables are written or queued. ``on_complete`` records
         the run's progress after a prompt's ``sequences`` part exists (the executor calls it
         where that part is written, or after the prompt's result came back)."""
-
-    def close(self) -> None:
-        """Release what :meth:`load` started (idempotent)."""
 
 
 class LocalExecutor:

@@ -1,8 +1,9 @@
 """Scale-out on Ray: starting or joining a cluster, and how many actors of which kind.
 
 capture and replay both spread their work over Ray actors (one per GPU, or per CPU slot with one
-torch thread each); this is the little they share. Ray is an optional extra
-(``pip install -e .[ray]``): nothing imports it until ``--workers`` or ``--ray-address`` asks.
+torch thread each); this is the little they share, and the :class:`Executor` protocol both
+drivers execute their plan with. Ray is an optional extra (``pip install -e .[ray]``): nothing
+imports it until ``--workers`` or ``--ray-address`` asks.
 """
 
 from __future__ import annotations
@@ -10,8 +11,22 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from typing import Protocol
 
 from moe_spec.errors import UserError
+
+
+class Executor(Protocol):
+    """Where a command's work runs once its plan is made: this process, or Ray actors
+    (``--workers``/``--ray-address``). Capture's executors decode prompts
+    (:class:`capture.run.Executor`: ``load`` the targets, ``capture`` prompts), replay's compute
+    result blocks (:class:`replay.run.Executor`: ``compute`` a run's tasks); both name themselves
+    for progress bars and release what they started with ``close`` (idempotent)."""
+
+    label: str  # how a progress bar names it ("" for this process)
+
+    def close(self) -> None:
+        """Release what the executor started (actors, models); safe to call twice."""
 
 
 class ClusterError(UserError, RuntimeError):

@@ -18,11 +18,12 @@ import json
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
 
-from moe_spec import console
+from moe_spec import cluster, console
 from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, reader
 from moe_spec.catalog.results import UnitResults
 from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
@@ -121,36 +122,93 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
                    k=adapter.top_k, layers=layers, dtype=key_dtype)
     outcome = planned.outcome
     start = time.perf_counter()
-    engine = OpenLoopEngine(adapter, device, progress=progress, max_batch=max_batch)
-    actors = None
-    for run_plan in planned.runs:
-        run = run_plan.run
-        with ExitStack() as locks:
-            tasks = run_tasks(planned, run_plan, stats, locks)
-            if not tasks:
-                outcome.reused.append(run.name)
-                continue
-            if workers or ray_address:
-                if actors is None:
-                    t0 = time.perf_counter()
-                    ray, actors = actors_for(runs[0].model, str(device), workers, ray_address,
-                                             items=sum(len(r.prompt_indices()) for r in runs),
-                                             dtype=dtype)
-                    outcome.start_seconds = time.perf_counter() - t0
-                specs = [distributed.TaskSpec(mode.table, t.unit.unit, t.block, t.ranking.name,
-                                              t.coverage.name) for t in tasks]
-                bar = tqdm(total=len(run.prompt_indices()), desc=f"replay {run.name} "
-                           f"({len(actors)} workers)", unit="prompt", disable=True if not progress else None)
-                work = distributed.replay_distributed(ray, actors, out, run, specs, stats,
-                                                      max_batch, bar)
-                bar.close()
-            else:
-                work = mode.compute(run, tasks, engine, adapter, progress)
-            setattr(outcome, mode.counted, getattr(outcome, mode.counted) + work)
-    for actor in actors or []:
-        ray.kill(actor)
+    if workers or ray_address:
+        executor = RayExecutor(mode, runs[0].model, str(device), workers, ray_address, dtype,
+                               out, stats, max_batch,
+                               items=sum(len(r.prompt_indices()) for r in runs))
+    else:
+        executor = LocalExecutor(mode, OpenLoopEngine(adapter, device, progress=progress,
+                                                      max_batch=max_batch), adapter)
+    try:
+        for run_plan in planned.runs:
+            with ExitStack() as locks:
+                tasks = run_tasks(planned, run_plan, stats, locks)
+                if not tasks:
+                    outcome.reused.append(run_plan.run.name)
+                    continue
+                work = executor.compute(run_plan.run, tasks, progress)
+                setattr(outcome, mode.counted, getattr(outcome, mode.counted) + work)
+    finally:
+        executor.close()
+    outcome.start_seconds = executor.start_seconds
     outcome.seconds = time.perf_counter() - start
     return outcome
+
+
+class Executor(cluster.Executor, Protocol):
+    """Who computes a run's pending blocks: this process (:class:`LocalExecutor`) or Ray actors
+    (:class:`RayExecutor`)."""
+
+    start_seconds: float  # spent starting workers and loading their models
+
+    def compute(self, run: Run, tasks: list, progress: bool) -> int:
+        """Score ``tasks`` of ``run`` (their results written); what was computed, counted in the
+        mode's unit (tree-layers or trees)."""
+
+
+class LocalExecutor:
+    """Every task in this process, by the mode's engine on the model already loaded."""
+
+    label, start_seconds = "", 0.0
+
+    def __init__(self, mode, engine: OpenLoopEngine, adapter: MoEAdapter):
+        self.mode, self.engine, self.adapter = mode, engine, adapter
+
+    def compute(self, run: Run, tasks: list, progress: bool) -> int:
+        return self.mode.compute(run, tasks, self.engine, self.adapter, progress)
+
+    def close(self) -> None:
+        pass
+
+
+class RayExecutor:
+    """Replay actors (:mod:`replay.distributed`), started on the first run with work (never more
+    than the ``items`` prompts), each loading the model once; a prompt's tasks go to one actor."""
+
+    start_seconds = 0.0
+
+    def __init__(self, mode, model: str, device: str, workers: int, ray_address: str | None,
+                 dtype: str, out: Path, stats, max_batch: int | None, items: int):
+        self.mode, self.model, self.device = mode, model, device
+        self.workers, self.ray_address = workers, ray_address
+        self.dtype, self.out, self.stats, self.max_batch, self.items = dtype, out, stats, max_batch, items
+        self.ray, self.actors = None, None
+
+    @property
+    def label(self) -> str:
+        return f" ({len(self.actors)} workers)" if self.actors else ""
+
+    def compute(self, run: Run, tasks: list, progress: bool) -> int:
+        if self.actors is None:
+            t0 = time.perf_counter()
+            self.ray, self.actors = actors_for(self.model, self.device, self.workers,
+                                               self.ray_address, items=self.items,
+                                               dtype=self.dtype)
+            self.start_seconds = time.perf_counter() - t0
+        specs = [distributed.TaskSpec(self.mode.table, t.unit.unit, t.block, t.ranking.name,
+                                      t.coverage.name) for t in tasks]
+        bar = tqdm(total=len(run.prompt_indices()), desc=f"replay {run.name}{self.label}",
+                   unit="prompt", disable=True if not progress else None)
+        try:
+            return distributed.replay_distributed(self.ray, self.actors, self.out, run, specs,
+                                                  self.stats, self.max_batch, bar)
+        finally:
+            bar.close()
+
+    def close(self) -> None:
+        for actor in self.actors or []:
+            self.ray.kill(actor)
+        self.actors = None
 
 
 def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -> list:
