@@ -2,6 +2,7 @@
 design card's folders at the top of the repository (pyproject.toml's package-dir), so nothing
 named ``errors``, ``tasks`` or ``app`` collides with another project in a shared environment."""
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -40,11 +41,17 @@ def build_isolation() -> list[str]:
 
 
 def test_the_wheel_holds_one_top_level_package_with_every_module(tmp_path):
+    """Built from a copy of what the wheel reads (setuptools leaves build/ where it builds)."""
+    source = tmp_path / "source"
+    for name in (*PACKAGES, NAMESPACE):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                           *build_isolation(), str(ROOT), "-w", str(tmp_path)],
+                           *build_isolation(), str(source), "-w", str(tmp_path / "dist")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    (wheel,) = tmp_path.glob("*.whl")
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith(".dist-info")} == {NAMESPACE}, top
