@@ -170,10 +170,11 @@ def planned(args) -> list:
 @console.pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    console.threads.apply(args.threads, torch=False)  # pyarrow's pool, before a plan reads
     try:
         plan = planned(args)
-    except UserError as exc:
-        return fail("capture", exc)
+    except (UserError, ValueError) as exc:  # ValueError: a library's refusal (a complete run's
+        return fail("capture", exc)  # tables read back), in one line
     threads = console.threads.apply(args.threads)  # before torch and transformers start pools
 
     from moe_spec.capture.run import execute

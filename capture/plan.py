@@ -1,8 +1,8 @@
 """The plan of a capture run: every check and every name resolved before torch loads.
 
     plan(settings, out, run, ...)  →  CapturePlan
-        the output root usable, the model reachable (its name resolved once) and the budget its
-        config admits, the run name (derived from the settings when not given) and role, the
+        the output root usable, the model reachable (its name as traces key it) and the budget
+        its config admits, the run name (derived from the settings when not given) and role, the
         prompts loaded, the Ray cluster answering, the calibration runs complete and of the
         calibration role, batching limits, no other capture writing the run; and, when the run
         is complete with these settings, role and prompts, its summary read from disk
@@ -53,7 +53,7 @@ class CapturePlan:
 def plan(settings: CaptureSettings, out, run: str | None = None, *, role: str = "evaluation",
          benchmarks_root=None, workers: int = 0, ray_address: str | None = None,
          allow_evaluation_calibration: bool = False, record_tensors: bool = True) -> CapturePlan:
-    """Every check of the module docstring, in that order, each a one-line
+    """Every check of the module docstring (``--workers`` ≥ 0 too), each a one-line
     :class:`CaptureError`; no model, no torch, nothing written."""
     started = time.perf_counter()
     check_out(out)
@@ -158,7 +158,8 @@ def check_calibration(settings: CaptureSettings, out, model: str, allow_evaluati
 
 def evaluation_calibration(runs) -> str:
     """The refusal of calibration runs captured for evaluation (the one wording, shared with
-    replay: :func:`policy.calibration.evaluation_calibration`, read without torch)."""
+    replay: :func:`policy.calibration.evaluation_calibration`; imported, with torch, only to
+    refuse)."""
     from moe_spec.policy.calibration import evaluation_calibration as said
     return said(runs)
 
@@ -170,17 +171,18 @@ def check_batching(settings: CaptureSettings, distributed) -> None:
     if distributed:
         raise CaptureError("--batch-size with --workers/--ray-address is not supported yet; "
                            "batch within one process, or scale out with --batch-size 1")
-    if settings.budget is not None and index.RANKINGS[settings.ranking].stateful:
+    entry = index.RANKINGS.get(settings.ranking)  # (an unknown name: refused by the settings)
+    if settings.budget is not None and entry is not None and entry.stateful:
         raise CaptureError(f"--ranking {settings.ranking} keeps state per prompt, which a batch "
                            "of prompts does not have; use a stateless ranking with --batch-size")
+
+
 def check_not_being_written(out, model: str, bench: str, run: str) -> None:
     """Refuse a run whose lock another capture holds right now: take it without waiting and
     let it go (the run's writer takes it again once the model is loaded). A run with no folder
     (no lease object, on a store) has no writer. On a store, a well-formed lease that expires
     within one lease lifetime is watched until it does: renewed, its writer is alive (refused);
     not, it was a killed writer's (taken over, as the run's writer would)."""
-    from moe_spec.catalog import CatalogError
-    from moe_spec.catalog.writer import RunWriter
     writer = RunWriter(out, model, bench, run)
     folder = writer.table_dir("runs")
     try:
@@ -203,7 +205,6 @@ def check_not_being_written(out, model: str, bench: str, run: str) -> None:
 def _watch_lease(lease, poll: float = 0.25) -> None:
     """Return once the lease object is renewed, gone, or expired; at once where it is
     malformed or expires later than one lease lifetime from now."""
-    import time
     state = lease.state()
     if state is None or state[2] is not None or state[1] > time.time() + lease.seconds:
         return
@@ -212,8 +213,6 @@ def _watch_lease(lease, poll: float = 0.25) -> None:
         now = lease.state()
         if now is None or now[0] != state[0]:
             return
-
-
 
 
 def already_complete(found: CapturePlan) -> CaptureSummary | None:

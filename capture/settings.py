@@ -252,7 +252,7 @@ class CaptureSettings:
 
     def readable_run_name(self, model: str, day: str) -> str:
         """A new run's default name: model, benchmark, mode, temperature and the day it
-        started, e.g. ``tiny-olmoe-mbpp-eagle-T0-20261201`` (``capture.run.default_run``
+        started, e.g. ``tiny-olmoe-mbpp-eagle-T0-20261201`` (``capture.naming.default_run``
         resumes a run of the same settings under its own name instead)."""
         kind = f"B{self.budget}-{self.ranking}-{self.coverage}" if self.budget else "eagle"
         tail = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rsplit("/", 1)[-1]).strip(".-_")[:48]

@@ -356,14 +356,12 @@ def compute(args, catalog, runs, layers, coverages) -> Computed:
 @dataclass
 class Planned:
     """What the command line asks, checked without the model: the runs, budgets (None until N
-    is known), layers, N and k from the manifests, and the outcome when every cell is stored."""
+    is known), layers, and the outcome when every cell is stored."""
 
     catalog: object
     runs: list
     budgets: list[int] | None
     layers: tuple[int, ...] | None
-    n: int | None
-    k: int | None
     request: object = None
     outcome: object = None
 
@@ -373,10 +371,10 @@ def plan_request(args, coverages: tuple[str, ...]) -> Planned:
     stored already, the answer too (without the model or torch)."""
     from moe_spec.replay import plan
     catalog, runs, budgets, layers = preflight(args)
-    n, k = runs[0].manifest.get("num_experts"), runs[0].manifest.get("top_k")
+    k = runs[0].manifest.get("top_k")
     k = k if isinstance(k, int) else None
     check_request(args, budgets, coverages, k)
-    found = Planned(catalog, runs, budgets, layers, n, k)
+    found = Planned(catalog, runs, budgets, layers)
     if budgets is not None and k is not None:  # N and k from the manifests
         found.request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets),
                                            layers, args.mode, args.batch_size, args.batch_seed)

@@ -282,6 +282,15 @@ def plan(catalog: Catalog, runs: list[Run], request: ReplayRequest, calibration:
     what is stored; reads manifests and result folders only (no model, no torch, no writes)."""
     mode = request.mode
     outcome = ReplayOutcome()
+    unknown = [r for r in request.rankings if r not in index.RANKINGS]
+    if unknown:
+        raise ReplayError(f"unknown ranking(s) {', '.join(unknown)}; use one of "
+                          f"{', '.join(index.ranking_names())}")
+    for name in request.rankings:
+        if request.batch_size > 1 and index.RANKINGS[name].stateful:
+            outcome.notes.append(f"{name} keeps one state per batch of {request.batch_size}, "
+                                 "carried across that batch's passes (capture --batch-size "
+                                 "refuses stateful rankings online)")
     found = []
     for run in runs:
         run_layers = run_layers_noted(run, layers, mode, outcome)

@@ -28,7 +28,7 @@ from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, reade
 from moe_spec.catalog.results import UnitResults
 from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 from moe_spec.moe.adapter import MoEAdapter
-from moe_spec.policy import coverage, index, rankings
+from moe_spec.policy import coverage, rankings
 from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
 from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
 from moe_spec.replay.engine import OpenLoopEngine
@@ -220,12 +220,6 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
     request, outcome = planned.request, planned.outcome
     mode = request.mode
     tasks = []
-    for name in request.rankings:
-        note = (f"{name} keeps one state per batch of {request.batch_size}, carried "
-                "across that batch's passes (capture --batch-size refuses stateful "
-                "rankings online)")
-        if request.batch_size > 1 and index.RANKINGS[name].stateful and note not in outcome.notes:
-            outcome.notes.append(note)
     for unit_plan in run_plan.units:
         if unit_plan.answered_by is not None:
             outcome.units.append(unit_plan.answered_by)

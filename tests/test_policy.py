@@ -15,7 +15,7 @@ from helpers import calibration_of, synthetic, synthetic_calibration
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_spec.policy import coverage, rankings
+from moe_spec.policy import coverage, index, rankings
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch, combine
 from moe_spec.policy.calibration import CalibrationStats
 from moe_spec.policy.coverage import prefix_masks
@@ -106,7 +106,7 @@ def test_exact_never_worse_than_oracle_and_oracle_beats_router_in_aggregate():
 
 def test_exact_reports_searches_over_its_limit():
     exact = rankings.get("exact")()
-    assert math.comb(64, 32) > exact.limit
+    assert math.comb(64, 32) > index.EXACT_LIMIT
     assert exact.skipped(64, [2, 32]) == [32] and exact.skipped(8, list(range(1, 9))) == []
 
 

@@ -156,9 +156,8 @@ def test_calibration_examples_and_the_ablation_ladder_come_from_the_index():
 
 
 def test_the_cli_says_each_rankings_own_skip_message():
-    exact = rankings.get("exact")
-    assert index.skip_reason("exact", exact.limit) == \
-        f"C(N, B) exceeds its limit of {exact.limit} subsets"
+    exact, limit = rankings.get("exact"), index.RANKINGS["exact"].subset_limit
+    assert index.skip_reason("exact", limit) == f"C(N, B) exceeds its limit of {limit} subsets"
     assert exact().skipped(64, [2, 4]) == [4]  # C(64, 4) > 5000: the message's case
     assert index.skip_reason("router") == index.SKIPPED
 

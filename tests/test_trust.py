@@ -228,5 +228,6 @@ def test_swap_screening_predicts_every_swaps_exact_error(seed, extra, renormaliz
 
 @pytest.mark.parametrize("n,b", [(8, 4), (64, 2), (64, 6)])
 def test_oracle_uses_exhaustive_search_exactly_where_it_fits(n, b):
-    from moe_spec.policy.rankings.exact import EXACT_LIMIT, Exact
+    from moe_spec.policy.index import EXACT_LIMIT
+    from moe_spec.policy.rankings.exact import Exact
     assert (b in Exact().skipped(n, [b])) == (math.comb(n, b) > EXACT_LIMIT)

@@ -1,8 +1,8 @@
 """``exact``: the B-subset with the least reconstruction error, by exhaustive search.
 
 Every one of the C(N, B) subsets is scored from the Gram terms (the ground truth oracle and coact
-are checked against); only where C(N, B) ≤ ``limit`` (5000: every budget of an 8-expert model;
-its ``subset_limit`` in :mod:`policy.index`). Budgets beyond the limit are reported by
+are checked against); only where C(N, B) ≤ 5000 (every budget of an 8-expert model; its
+``subset_limit`` in :mod:`policy.index`). Budgets beyond the limit are reported by
 :meth:`skipped`, never silently dropped.
 """
 
@@ -12,14 +12,12 @@ import itertools
 
 import torch
 
-from moe_spec.policy.index import EXACT_LIMIT
 from moe_spec.policy.rankings.base import Ranking, RankingError, register
 
 
 @register
 class Exact(Ranking):
     name = "exact"
-    limit = EXACT_LIMIT
 
     def order(self, batch, coverage, max_budget):
         raise RankingError("exact search gives a best subset per budget, not an order")

@@ -52,6 +52,7 @@ import torch
 
 from moe_spec.policy.coverage import COVERAGES, Truncation, prefix_masks
 from moe_spec.policy.greedy import greedy_quadratic, pair_sums
+from moe_spec.policy.index import EXACT_LIMIT
 from moe_spec.policy.rankings.base import (
     REGISTRY,
     Ranking,
@@ -61,7 +62,7 @@ from moe_spec.policy.rankings.base import (
     register,
     selected_first,
 )
-from moe_spec.policy.rankings.exact import EXACT_LIMIT, exhaustive_best
+from moe_spec.policy.rankings.exact import exhaustive_best
 from moe_spec.policy.substitution import best_shortlists
 from moe_spec.policy.surrogate import MOMENTS
 
