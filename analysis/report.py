@@ -340,7 +340,7 @@ TEMPLATES = Path(__file__).parent / "templates"  # the report's page: report.htm
 def template(name: str = "report.html.j2") -> jinja2.Template:
     """The report's page, autoescaped: every value put in it is text (a model name, a manifest
     field, a table cell, a figure title), never markup, whatever it holds."""
-    env = jinja2.Environment(loader=jinja2.PackageLoader("analysis", "templates"),
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES),
                              autoescape=True, trim_blocks=True, lstrip_blocks=True,
                              undefined=jinja2.StrictUndefined)
     return env.get_template(name)

@@ -162,6 +162,25 @@ def test_the_checker_catches_a_violation(tmp_path):
     assert imports(bad) == {"replay", "capture", "console"}
 
 
+def test_no_string_names_a_project_module_without_the_namespace():
+    """A module named in a string (``importlib.import_module("x")``, jinja2's ``PackageLoader``,
+    ``importlib.resources.files``) escapes the import check above: in a checkout run from its
+    root the bare name still imports (a second copy), from a console script it does not."""
+    calls = {"import_module", "PackageLoader", "files", "find_spec", "get_data", "__import__"}
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.Call) or not node.args:
+                    continue
+                name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                first = node.args[0]
+                if name in calls and isinstance(first, ast.Constant) and \
+                        isinstance(first.value, str) and first.value.split(".")[0] in PACKAGES:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {first.value}")
+    assert not found, found
+
+
 def test_every_project_import_names_the_namespace():
     """Project code is imported as ``moe_spec.<package>`` everywhere (packages, tests, benches,
     the app's script): a bare ``import capture`` would load a second copy of the module (two
