@@ -153,15 +153,8 @@ def check_calibration(settings: CaptureSettings, out, model: str, allow_evaluati
                            f"under {location.display(out)} for {model}{why}; "
                            "capture them first (--role calibration) or name existing runs")
     if not allow_evaluation and any(r.role == "evaluation" for r in found):
-        raise CaptureError(evaluation_calibration(found))
-
-
-def evaluation_calibration(runs) -> str:
-    """The refusal of calibration runs captured for evaluation (the one wording, shared with
-    replay: :func:`policy.calibration.evaluation_calibration`; imported, with torch, only to
-    refuse)."""
-    from moe_spec.policy.calibration import evaluation_calibration as said
-    return said(runs)
+        from moe_spec.policy.calibration import evaluation_calibration  # replay's wording (torch:
+        raise CaptureError(evaluation_calibration(found))  # imported only to refuse)
 
 
 def check_batching(settings: CaptureSettings, distributed) -> None:

@@ -30,6 +30,7 @@ spends on this start; the model itself stays the artifact, for anyone who wants 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -86,14 +87,11 @@ class Trees:
         categorical = getattr(model, "is_categorical_", None)
         if model.n_trees_per_iteration_ != 1 or (categorical is not None and np.any(categorical)):
             raise RankingError("learned: only single-output models on numerical features")
-        parts, roots, offset = [], [], 0
-        for (predictor,) in model._predictors:
-            nodes = predictor.nodes
-            roots.append(offset)
-            parts.append((nodes, offset))
-            offset += len(nodes)
-        cat = np.concatenate([n for n, _ in parts])
-        shift = np.concatenate([np.full(len(n), o, dtype=np.int64) for n, o in parts])
+        nodes = [predictor.nodes for (predictor,) in model._predictors]
+        sizes = np.array([len(n) for n in nodes], dtype=np.int64)
+        roots = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        cat = np.concatenate(nodes)
+        shift = np.repeat(roots, sizes)  # each node's tree offset: children become global
         leaf = cat["is_leaf"].astype(bool)
         return cls(baseline=float(np.asarray(model._baseline_prediction).reshape(-1)[0]),
                    feature=cat["feature_idx"].astype(np.int64),
@@ -101,8 +99,7 @@ class Trees:
                    missing_left=cat["missing_go_to_left"].astype(bool),
                    left=np.where(leaf, -1, cat["left"].astype(np.int64) + shift),
                    right=np.where(leaf, -1, cat["right"].astype(np.int64) + shift),
-                   leaf=leaf, value=cat["value"].astype(np.float64),
-                   roots=np.asarray(roots, dtype=np.int64))
+                   leaf=leaf, value=cat["value"].astype(np.float64), roots=roots)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """``[S, F] → [S]`` float64, all trees walked at once (one step per depth level)."""
@@ -124,11 +121,9 @@ class Trees:
 
     def save(self, path: Path, source: str) -> None:
         """An ``.npz`` (no pickled objects) naming the SHA-256 of the ``.skops`` it came from."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp.npz")
-        np.savez(tmp, version=TREES_VERSION, source=source, baseline=self.baseline,
-                 **{f: getattr(self, f) for f in self.FIELDS})
-        tmp.replace(path)
+        _write_atomically(path, lambda f: np.savez(
+            f, version=TREES_VERSION, source=source, baseline=self.baseline,
+            **{name: getattr(self, name) for name in self.FIELDS}))
 
     @classmethod
     def load(cls, path: Path, source: str) -> Trees | None:
@@ -169,6 +164,17 @@ class Trees:
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _write_atomically(path: Path, write) -> None:
+    """``write(file)`` into a temporary beside ``path``, then renamed over it: a reader never
+    sees half a file (policy imports no catalog, whose ``atomic`` is the project's general
+    one)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    tmp.replace(path)
 
 
 def features(batch, calibration: CalibrationStats) -> torch.Tensor:
@@ -217,7 +223,8 @@ class Learned(SubstitutionAware, Ranking):
                     self.trees.save(self.arrays_path(beside), _sha256(beside))
                 except OSError:
                     pass
-            found = calibration.fitted[self.name] = (self.model, self.trees, self.source)
+            found = (self.model, self.trees, self.source)
+        calibration.fitted[self.name] = found
         self.model, self.trees, self.source = found
         return self
 
@@ -240,8 +247,7 @@ class Learned(SubstitutionAware, Ranking):
                 trees.save(arrays, digest)
             except OSError:
                 pass
-        found = calibration.fitted[self.name] = (model, trees, Path(skops))
-        return found
+        return model, trees, Path(skops)
 
     @classmethod
     def train(cls, calibration: CalibrationStats):
@@ -270,16 +276,12 @@ class Learned(SubstitutionAware, Ranking):
     def save(self, path: Path) -> None:
         """The fitted model in skops' safe format, with the feature names and format version (a
         copy of the file it was read from, where this process did not load the model itself)."""
-        path = Path(path)
         if self.model is None and self.source is not None:
-            tmp = path.with_name(f".{path.name}.tmp")
-            tmp.write_bytes(Path(self.source).read_bytes())
-            tmp.replace(path)
+            _write_atomically(path, lambda f: f.write(Path(self.source).read_bytes()))
             return
         import skops.io as sio
-        tmp = path.with_name(f".{path.name}.tmp")
-        sio.dump(dict(version=FORMAT_VERSION, features=list(FEATURES), model=self.model), tmp)
-        tmp.replace(path)
+        _write_atomically(path, lambda f: sio.dump(
+            dict(version=FORMAT_VERSION, features=list(FEATURES), model=self.model), f))
 
     @classmethod
     def load(cls, path: Path, calibration: CalibrationStats) -> Learned:
