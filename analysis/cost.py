@@ -8,7 +8,10 @@ Per decoder layer, a forward over ``M`` tokens after ``P`` cached ones reads
     flops = 2·M·(attention params) + 4·M·(P + M)·H  +  2·M·k·3·H·I
 
 and takes ``max(bytes / bandwidth, flops / peak)`` (b = bytes per parameter); embeddings and
-the LM head add one more such term. Summed over layers:
+the LM head add one more such term. A ranking with a selection overhead (``sketch``'s
+surrogates: :mod:`policy.overhead`, named by :func:`policy.index.overhead`) adds its bytes per
+layer and M times its FLOPs per token to every MoE layer of a verification pass
+(:meth:`ModelShape.overhead`). Summed over layers:
 
     T_verify(B) = Σ_ℓ max(bytes_ℓ(B) / BW, flops_ℓ / peak),   B = experts loaded per layer
     speedup(B)  = τ(B) · T_AR / (T_draft + T_verify(B))        (DESIGN.md)
@@ -27,6 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from moe_spec.policy import index  # torch-free: each ranking's overhead (policy.overhead)
+from moe_spec.policy.overhead import NONE, Overhead
 
 
 @dataclass(frozen=True)
@@ -81,23 +87,39 @@ class ModelShape:
     def expert_bytes(self) -> float:
         return 3 * self.hidden * self.expert_inter * self.bytes_per_param
 
+    def overhead(self, ranking: str | None) -> Overhead:
+        """What ranking ``ranking`` adds to every verification pass at this shape (nothing for
+        most rankings, for None and for names :mod:`policy.index` does not hold)."""
+        if ranking is None:
+            return NONE
+        return index.overhead(ranking, self.num_experts, self.hidden, self.bytes_per_param)
+
+    def overhead_experts(self, ranking: str | None) -> float:
+        """The ranking's bytes per layer in experts of this shape (0 for most rankings)."""
+        return self.overhead(ranking).expert_equivalents(self.hidden, self.expert_inter,
+                                                         self.bytes_per_param)
+
     @property
     def attention_params(self) -> int:
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
 
-    def layer_terms(self, tokens: int, prefix: int, experts_loaded: float, batch: int = 1):
+    def layer_terms(self, tokens: int, prefix: int, experts_loaded: float, batch: int = 1,
+                    overhead: Overhead = NONE):
         """(bytes, flops) of one MoE decoder layer for ``batch`` sequences of ``tokens`` new
         tokens each after ``prefix`` cached ones: attention, router, the ``experts_loaded``
-        routed experts' weights (the union over the batch: read once) and the always-on shared
-        experts; each sequence reads its own KV cache and computes its own tokens."""
+        routed experts' weights (the union over the batch: read once), the always-on shared
+        experts and the selection's ``overhead`` (its bytes once, its FLOPs per token); each
+        sequence reads its own KV cache and computes its own tokens."""
         always = (self.attention_params + self.num_experts * self.hidden + 2 * self.hidden
                   + 3 * self.hidden * self.shared_inter)
         kv = 2 * prefix * self.kv_heads * self.head_dim * self.bytes_per_param
-        bytes_ = always * self.bytes_per_param + experts_loaded * self.expert_bytes + batch * kv
+        bytes_ = (always * self.bytes_per_param + experts_loaded * self.expert_bytes + batch * kv
+                  + overhead.bytes_per_layer)
         flops = batch * (2 * tokens * self.attention_params
                          + 4 * tokens * (prefix + tokens) * self.hidden
                          + 2 * tokens * 3 * self.hidden * (self.top_k * self.expert_inter
-                                                           + self.shared_inter))
+                                                           + self.shared_inter)
+                         + tokens * overhead.flops_per_token)
         return bytes_, flops
 
     def dense_layer_terms(self, tokens: int, prefix: int, batch: int = 1):
@@ -115,11 +137,13 @@ class ModelShape:
 
 
 def pass_time(shape: ModelShape, hw: Hardware, tokens: int, prefix: int,
-              experts_loaded: float, batch: int = 1) -> tuple[float, float, float]:
+              experts_loaded: float, batch: int = 1, overhead: Overhead = NONE
+              ) -> tuple[float, float, float]:
     """(roofline time, memory-only time, compute-only time) of one forward of ``batch``
-    sequences with ``tokens`` new tokens each, seconds."""
+    sequences with ``tokens`` new tokens each, seconds; ``overhead``: the selection's, on every
+    MoE layer (:meth:`ModelShape.overhead`)."""
     moe_layers = shape.layers - shape.dense_layers
-    terms = [(moe_layers, *shape.layer_terms(tokens, prefix, experts_loaded, batch)),
+    terms = [(moe_layers, *shape.layer_terms(tokens, prefix, experts_loaded, batch, overhead)),
              (shape.dense_layers, *shape.dense_layer_terms(tokens, prefix, batch)),
              (1, *shape.head_terms(tokens, batch))]
     mem = sum(n * b / hw.bandwidth for n, b, _ in terms)
@@ -130,28 +154,32 @@ def pass_time(shape: ModelShape, hw: Hardware, tokens: int, prefix: int,
 
 def projected_speedup(shape: ModelShape, hw: Hardware, tau: float, experts_loaded: float,
                       tree_tokens: int, prefix: int, draft_seconds: float,
-                      calibration: "Calibration | None" = None) -> float:
+                      calibration: "Calibration | None" = None,
+                      overhead: Overhead = NONE) -> float:
     """``τ(B) · T_AR / (T_draft + T_verify(B))``, T from the roofline of ``shape`` on ``hw``, or,
     with a ``calibration`` fitted on ``hw``'s datasheet terms, ``T = α·T_mem + β·T_flop + γ``
-    (the device the calibration's timings came from)."""
-    def seconds(tokens: int, experts: float) -> float:
-        roof, mem, comp = pass_time(shape, hw, tokens, prefix, experts)
+    (the device the calibration's timings came from). The selection's ``overhead`` is charged
+    to the verification pass (the autoregressive pass selects nothing)."""
+    def seconds(tokens: int, experts: float, extra: Overhead = NONE) -> float:
+        roof, mem, comp = pass_time(shape, hw, tokens, prefix, experts, overhead=extra)
         return roof if calibration is None else float(calibration.predict(mem, comp))
-    return tau * seconds(1, shape.top_k) / (draft_seconds + seconds(tree_tokens, experts_loaded))
+    return tau * seconds(1, shape.top_k) / (
+        draft_seconds + seconds(tree_tokens, experts_loaded, overhead))
 
 
 def projected_batch_speedup(shape: ModelShape, hw: Hardware, batch: int, tau: float,
                             tree_tokens: int, prefix: int, experts_verify: float,
-                            experts_ar: float) -> float:
+                            experts_ar: float, overhead: Overhead = NONE) -> float:
     """Verification-only speedup of speculative over autoregressive decoding at batch size b:
 
         speedup(b) = τ · T(b, 1, E_AR) / T(b, M, E_spec)
 
     T the roofline of ``shape`` on ``hw`` for b sequences (:func:`pass_time`), E the experts a
     pass loads per layer: the union over its b·1 (AR) or b·M (tree) tokens, at most a budget.
-    Draft time is left out (it grows with b like the AR pass it replaces a share of)."""
+    Draft time is left out (it grows with b like the AR pass it replaces a share of). The
+    selection's ``overhead`` is charged to the verification pass."""
     return tau * pass_time(shape, hw, 1, prefix, experts_ar, batch)[0] / \
-        pass_time(shape, hw, tree_tokens, prefix, experts_verify, batch)[0]
+        pass_time(shape, hw, tree_tokens, prefix, experts_verify, batch, overhead)[0]
 
 
 # A calibration is usable only when the fit explains the timings: R² ≥ MIN_R2, relative RMSE ≤

@@ -18,6 +18,7 @@ from moe_spec.analysis import cost, replay_views, routing
 from moe_spec.analysis.sql import views
 from moe_spec.catalog import partition_value
 from moe_spec.catalog.runs import profile_parts
+from moe_spec.policy import index
 
 
 @functools.lru_cache(maxsize=16)
@@ -37,6 +38,34 @@ def model_shape(location: str) -> cost.ModelShape | None:
         return cost.ModelShape.from_config(AutoConfig.from_pretrained(location))
     except (OSError, ValueError):
         return None
+
+
+def real_target(manifest: dict, model: str) -> tuple[str, cost.ModelShape] | None:
+    """(checkpoint, shape) of the real checkpoint the captured family stands for, or None: the
+    registry's family (``moe.families.lookup``) for the ``model_type`` of the manifest
+    (routing-only imports) or of the captured model's config, else for the model's name."""
+    from moe_spec.moe import families, models, shapes
+    model_type = manifest.get("model_type") or \
+        (models.read_config(manifest["model_location"]) or {}).get("model_type")
+    family = families.lookup(model_type, manifest.get("model") or model)
+    real = shapes.REAL_SHAPES.get(family.alias) if family else None
+    return None if real is None else (real.checkpoint,
+                                      cost.ModelShape.from_config(real.build_config()))
+
+
+def selection_charges(manifest: dict, model: str) -> dict[str, dict[str, float]]:
+    """Per shape (the captured model's, and its family's real checkpoint's), every ranking's own
+    bytes per layer in experts of that shape (:meth:`cost.ModelShape.overhead_experts`): what
+    the experts-saved tables subtract (:func:`analysis.replay_views.net_saved`)."""
+    shapes = []
+    captured = model_shape(manifest["model_location"])
+    if captured is not None:
+        shapes.append(("captured shape", captured))
+    real = real_target(manifest, model)
+    if real is not None:
+        shapes.append((f"{real[0]} shape", real[1]))
+    return {label: {name: shape.overhead_experts(name) for name in index.RANKINGS}
+            for label, shape in shapes}
 
 
 def draft_seconds(hidden: int, intermediate: int, vocab: int, depth: int, hw: cost.Hardware,
@@ -552,8 +581,9 @@ def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,
         speedup_vs_eagle = [τ_B / (T_draft + T_verify(E_B))] / [τ / (T_draft + T_verify(U))]
 
     with τ_B, E_B the budgeted run's accepted length and experts loaded per layer, τ, U the
-    twin's accepted length and unique experts; T_verify from the roofline of ``shape`` on ``hw``
-    (the draft cost is the same on both sides and is left out). Quality: the budgeted run's mean
+    twin's accepted length and unique experts; T_verify from the roofline of ``shape`` on ``hw``,
+    the budgeted run's charged its ranking's selection overhead (:meth:`cost.ModelShape.overhead`;
+    the draft cost is the same on both sides and is left out). Quality: the budgeted run's mean
     score and the share of its outputs identical to the twin's."""
     if "quality" not in views(con) or "trees" not in views(con):
         return None
@@ -577,7 +607,8 @@ def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,
                         pl.col("uniq").alias("twin_uniq"))
     rows = []
     for r in own.join(twin, on="twin").iter_rows(named=True):
-        t_b = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), r["loaded"])[0]
+        t_b = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), r["loaded"],
+                             overhead=shape.overhead(r["ranking"]))[0]  # sketch's surrogate
         t_0 = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), r["twin_uniq"])[0]
         rows.append(dict(r, speedup_vs_eagle=(r["tau"] / t_b) / (r["twin_tau"] / t_0),
                          hardware=hw.name))

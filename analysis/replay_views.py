@@ -345,15 +345,44 @@ def experts_saved_closed(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
 METRIC_LABELS = {"rse": "mean RSE", "tau": "mean τ", "kl": "mean KL"}
 
 
-def experts_saved_display(saved: pl.DataFrame) -> pl.DataFrame:
+NET_NOTE = ("Net of its own bytes: a ranking that reads weights of its own at every "
+            "verification pass (sketch's surrogates, policy.overhead) saves (B − B_X − e) / B, e its "
+            "bytes per layer in experts of the named shape; averaged over the same router budgets. "
+            "At a tiny model's shape the surrogate outweighs the experts it saves; at the family's "
+            "real shape the charge is a projection (the saving is the tiny model's).")
+
+
+def net_saved(saved: pl.DataFrame, charge: dict[str, float]) -> pl.DataFrame:
+    """Per loop × metric × coverage × ranking of one dataset's :func:`experts_saved_frame`, the
+    mean over the budgets inside X's sweep of the share saved net of X's own bytes:
+
+        net = (B − B_X − e_X) / B        (e_X = ``charge[X]`` expert-equivalents, 0 if absent)"""
+    group = ["loop", "metric", "coverage", "ranking"]
+    return saved.filter(pl.col("sweep") == "inside").with_columns(
+        e=pl.col("ranking").replace_strict(charge, default=0.0, return_dtype=pl.Float64),
+    ).group_by(group, maintain_order=True).agg(
+        net=((pl.col("budget") - pl.col("budget_needed") - pl.col("e")) / pl.col("budget")).mean())
+
+
+def experts_saved_display(saved: pl.DataFrame,
+                          charges: dict[str, dict[str, float]] | None = None) -> pl.DataFrame:
     """One dataset's :func:`experts_saved_frame` (open and closed loop rows together) as the
     table the report and the dashboard show: per loop × matched metric × coverage × ranking the
     mean share saved with its interval (:func:`experts_saved_summary`), the router budgets
     inside the ranking's sweep, and per router budget ``B → B_X (share)`` ("≤ B₀ (≥ share)"
-    below the sweep, "beyond" past it)."""
+    below the sweep, "beyond" past it). ``charges``: per shape label, each ranking's own bytes
+    per layer in experts of that shape (:meth:`analysis.cost.ModelShape.overhead_experts`); for
+    every label under which a shown ranking has some, a column ``net, <label>``
+    (:func:`net_saved`, :data:`NET_NOTE`)."""
     if saved.is_empty():
         return pl.DataFrame()
     summary = experts_saved_summary(saved, by=())
+    shown = set(summary["ranking"])
+    for label, charge in (charges or {}).items():
+        if any(charge.get(r, 0.0) > 0 for r in shown):
+            summary = summary.join(net_saved(saved, charge).rename({"net": f"net, {label}"}),
+                                   on=["loop", "metric", "coverage", "ranking"], how="left")
+    nets = [c for c in summary.columns if c.startswith("net, ")]
     per_budget = {}
     for r in saved.iter_rows(named=True):
         if r["sweep"] == "inside":
@@ -366,7 +395,7 @@ def experts_saved_display(saved: pl.DataFrame) -> pl.DataFrame:
         per_budget.setdefault(key, []).append(text)
     return summary.select(
         pl.col("loop"), pl.col("metric").replace_strict(METRIC_LABELS, default=pl.col("metric"))
-        .alias("matched on"), "coverage", "ranking", "saved", "saved_lo", "saved_hi",
+        .alias("matched on"), "coverage", "ranking", "saved", "saved_lo", "saved_hi", *nets,
         pl.format("{} of {}", "budgets_inside", "budgets").alias("router budgets inside"),
         pl.Series("per router budget: B → B_X (saved)", [
             ", ".join(per_budget[k]) for k in summary.select(

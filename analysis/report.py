@@ -31,8 +31,10 @@ from moe_spec.analysis.frames import (
     headline,
     mapping_note,
     model_shape,
+    real_target,
     real_targets,
     routing_statistics,
+    selection_charges,
     speedup_frame,
     speedup_note,
 )
@@ -40,7 +42,7 @@ from moe_spec.analysis.sql import connect, views
 from moe_spec.catalog import Catalog, atomic, dataset_version, location, partition_value, schema
 from moe_spec.catalog.replay_metrics import gap_closed
 from moe_spec.errors import UserError, fail
-from moe_spec.moe import families, models, shapes
+from moe_spec.moe import shapes
 
 
 def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -> list:
@@ -226,14 +228,11 @@ def headline_projection(con, model: str, bench: str, manifest: dict):
     shape = model_shape(manifest["model_location"])
     if stats is None or shape is None:
         return None
-    model_type = manifest.get("model_type") or \
-        (models.read_config(manifest["model_location"]) or {}).get("model_type")
-    family = families.lookup(model_type, manifest.get("model") or model)
-    real = shapes.REAL_SHAPES.get(family.alias) if family else None
-    target = cost.ModelShape.from_config(real.build_config()) if real else shape
+    real = real_target(manifest, model)
+    target = real[1] if real else shape
     sp = speedup_frame(stats, target, [cost.PROFILES["H100-SXM"]],
                        manifest.get("settings", {}).get("depth", 7))
-    return (real.checkpoint if real else "the captured shape"), sp, headline(sp)
+    return (real[0] if real else "the captured shape"), sp, headline(sp)
 
 
 @dataclass(frozen=True)
@@ -291,24 +290,30 @@ def ablation_table(frames: dict, model: str, bench: str) -> dict | None:
                 table=Table(["coverage", "B", *steps], rows, frozenset(range(2, 2 + len(steps)))))
 
 
-def experts_saved_table(frames: dict, model: str, bench: str) -> dict | None:
+def experts_saved_table(frames: dict, model: str, bench: str, manifest: dict | None = None
+                        ) -> dict | None:
     """Experts each ranking saves vs router at matched quality, open loop and, where replayed,
-    closed loop (``replay_views.experts_saved_display``), as a table for the template (or
-    None)."""
+    closed loop (``replay_views.experts_saved_display``), and, for a ranking with bytes of its
+    own, net of them at the captured and the real shape (``frames.selection_charges``), as a
+    table for the template (or None)."""
     part = partition_value(model)
     mine = [f.filter((pl.col("model") == part) & (pl.col("bench") == bench))
             for f in (frames.get("saved_open"), frames.get("saved_closed")) if f is not None]
     mine = [f for f in mine if f.height]
     if not mine:
         return None
-    table = replay_views.experts_saved_display(pl.concat(mine))
+    charges = selection_charges(manifest, model) if manifest else None
+    table = replay_views.experts_saved_display(pl.concat(mine), charges)
     pct = lambda v: "—" if v is None or v != v else f"{v:.0%}"  # noqa: E731 (NaN: none inside)
+    nets = [c for c in table.columns if c.startswith("net, ")]
     head = ["loop", "matched on", "coverage", "ranking", "experts saved (mean share)",
-            "95% interval", *table.columns[-2:]]
+            "95% interval", *nets, "router budgets inside", "per router budget: B → B_X (saved)"]
     rows = [[r["loop"], r["matched on"], r["coverage"], r["ranking"], pct(r["saved"]),
-             f"{pct(r['saved_lo'])} – {pct(r['saved_hi'])}", r["router budgets inside"],
-             r["per router budget: B → B_X (saved)"]] for r in table.iter_rows(named=True)]
-    return dict(note=replay_views.SAVED_NOTE, table=Table(head, rows, frozenset({4})))
+             f"{pct(r['saved_lo'])} – {pct(r['saved_hi'])}", *(pct(r[c]) for c in nets),
+             r["router budgets inside"], r["per router budget: B → B_X (saved)"]]
+            for r in table.iter_rows(named=True)]
+    note = replay_views.SAVED_NOTE + (" " + replay_views.NET_NOTE if nets else "")
+    return dict(note=note, table=Table(head, rows, frozenset({4, *range(6, 6 + len(nets))})))
 
 
 def _dtype(value) -> str:
@@ -423,7 +428,7 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
                 numbers = key_numbers(con, frames, model, bench, mine)
                 extra = dict(**projection_section(con, model, bench, run.manifest),
                              ablation=ablation_table(frames, model, bench),
-                             saved=experts_saved_table(frames, model, bench))
+                             saved=experts_saved_table(frames, model, bench, run.manifest))
             html = template().render(
                 model=model if len(groups) == 1 else
                 f"{model} (setting {i + 1} of {len(groups)}: runs "

@@ -42,8 +42,9 @@ from pipeline import capture, loaded_model  # noqa: E402
 from moe_spec.catalog import Catalog, reader  # noqa: E402
 from moe_spec.policy import coverage as coverages  # noqa: E402
 from moe_spec.policy import rankings  # noqa: E402
+from moe_spec.policy.overhead import surrogate_cost  # noqa: E402
 from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs  # noqa: E402
-from moe_spec.policy.surrogate import InputMoments, surrogate_cost  # noqa: E402
+from moe_spec.policy.surrogate import InputMoments  # noqa: E402
 from moe_spec.replay import open_loop  # noqa: E402
 from moe_spec.replay.run import calibration_stats  # noqa: E402
 from moe_spec.replay.virtual_batch import PromptSource  # noqa: E402

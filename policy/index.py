@@ -15,7 +15,9 @@ that declares one itself. To add a ranking: its module under ``policy/rankings/`
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+from moe_spec.policy import overhead as overheads
 
 EXACT_LIMIT = 5000  # subsets an exhaustive search may score per tree-layer: C(N, B) ≤ this
 MEANS_VERSION = 2  # how calibration statistics become means (policy.calibration), part of a
@@ -37,6 +39,8 @@ class Entry(NamedTuple):
     examples: bool = False  # its calibration collects examples (oracle orders) to learn from
     ablation_step: int | None = None  # place in the ablation ladder analysis shows (1 = first)
     skip_message: str | None = None  # why the CLI skips budgets; ``{limit}``: the class's limit
+    overhead: Callable[[int, int, float], overheads.Overhead] | None = None  # (N, H, bytes a
+    # number) -> what it adds to every verification pass (policy.overhead); None: nothing
 
 
 RANKINGS: dict[str, Entry] = {
@@ -79,7 +83,8 @@ RANKINGS: dict[str, Entry] = {
                     "the oracle's search on expert outputs predicted from the tree tokens' MoE "
                     "inputs h_t by rank-r calibration surrogates (without surrogate or h_t: "
                     "coact-prior's shortlists, with a warning; bench/sketch_gap.py)",
-                    needs_calibration=True, artifact="sketch.npz"),
+                    needs_calibration=True, artifact="sketch.npz",
+                    overhead=lambda n, h, b: overheads.surrogate(n, h, overheads.SKETCH_RANK, b)),
     "previous": Entry("moe_spec.policy.rankings.previous", True,
                       "experts loaded by the previous pass at the layer first, then router mass",
                       version=2, stateful=True),  # 2: under truncation, selected experts first
@@ -117,6 +122,16 @@ def skipped_budgets(name: str, n: int, budgets) -> list[int]:
     past its ``subset_limit``), reported by the CLIs, never silently dropped."""
     limit = RANKINGS[name].subset_limit
     return [b for b in budgets if limit is not None and math.comb(n, b) > limit]
+
+
+def overhead(name: str, n: int, hidden: int, dtype_bytes: float = 2) -> overheads.Overhead:
+    """What ranking ``name`` adds to every verification pass of a model with N = ``n`` experts of
+    hidden size ``hidden`` (:mod:`policy.overhead`; nothing for most rankings, and for names this
+    table does not hold, e.g. a routing-only import's)."""
+    entry = RANKINGS.get(name)
+    if entry is None or entry.overhead is None:
+        return overheads.NONE
+    return entry.overhead(n, hidden, dtype_bytes)
 
 
 def min_budget(coverage: str, k: int) -> int:

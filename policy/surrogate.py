@@ -23,9 +23,10 @@ reads (Gram, natural top-k products, floor) follows consistently from one tensor
 A :class:`Surrogate` is an artifact: saved as ``.npz`` (no pickle) with its format version, rank,
 layers and the model's weights hash (:meth:`Surrogate.save`, :meth:`Surrogate.load`).
 
-Cost (:func:`surrogate_cost`): per layer ``N · (r·H + r·(H + 1) + 1)`` numbers; per token
-``2·N·r·(H+1)`` FLOPs for the projections ``V_iᵀ x``, ``2·N·r·H`` for ``U_i z_i`` and ``2·N²·H``
-for the Gram of the N predictions (the search then works on N × N numbers per token).
+Cost (:mod:`policy.overhead`, what the cost model charges): per layer ``N · (r·H + r·(H + 1) +
+1)`` numbers; per token ``2·N·r·(H+1)`` FLOPs for the projections ``V_iᵀ x``, ``2·N·r·H`` for
+``U_i z_i`` and ``2·N²·H`` for the Gram of the N predictions (the search then works on N × N
+numbers per token).
 """
 
 from __future__ import annotations
@@ -192,12 +193,3 @@ def predicted_outputs(surrogate: Surrogate, layers: torch.Tensor, hidden: torch.
     return torch.cat([pred, private], -1) * mask[..., None, None].to(pred.dtype)
 
 
-def surrogate_cost(n: int, h: int, rank: int, intermediate: int, dtype_bytes: int = 2) -> dict:
-    """What the surrogate costs at shape (N experts, hidden H, expert width I): bytes per layer,
-    FLOPs per token and the bytes in expert-equivalents (one SwiGLU expert = 3·H·I numbers)."""
-    r = min(rank, h)
-    numbers = n * (r * h + r * (h + 1) + 1)
-    expert = 3 * h * intermediate
-    return dict(bytes_per_layer=numbers * dtype_bytes,
-                flops_per_token=2 * n * r * (h + 1) + 2 * n * r * h + 2 * n * n * h,
-                expert_bytes=expert * dtype_bytes, expert_equivalents=numbers / expert)

@@ -69,6 +69,31 @@ def describe_rule(adapter: MoEAdapter) -> str:
     return ", ".join(parts)
 
 
+def selection_overheads(loaded: models.LoadedModel) -> dict[str, dict]:
+    """Per ranking that reads weights of its own at every verification pass (``sketch``'s
+    surrogates; :func:`policy.index.overhead`), what it costs at this model's shape and parameter
+    dtype: bytes per MoE layer, FLOPs per tree token and the bytes in experts of this model
+    (the numbers the cost model charges, :meth:`analysis.cost.ModelShape.overhead`)."""
+    from moe_spec.analysis.cost import ModelShape
+    from moe_spec.policy import index
+    size = next(loaded.model.parameters()).element_size()
+    shape = ModelShape.from_config(loaded.model.config, bytes_per_param=size)
+    found = {}
+    for name, entry in index.RANKINGS.items():
+        if entry.overhead is not None:
+            cost = shape.overhead(name)
+            found[name] = dict(bytes_per_layer=cost.bytes_per_layer,
+                               flops_per_token=cost.flops_per_token,
+                               expert_equivalents=shape.overhead_experts(name), dtype_bytes=size)
+    return found
+
+
+def overhead_text(name: str, cost: dict) -> str:
+    return (f"{name}: {cost['bytes_per_layer'] / 2**20:.2f} MiB per MoE layer "
+            f"(= {cost['expert_equivalents']:.2f} experts), "
+            f"{cost['flops_per_token'] / 1e6:.2f} MFLOPs per tree token")
+
+
 def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
     cfg = loaded.model.config
     total, active = parameter_counts(loaded.model, adapter)
@@ -84,6 +109,8 @@ def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
         ("experts N / top-k", f"{adapter.num_experts} / {adapter.top_k}"),
         ("routing", describe_rule(adapter)),
         ("vocabulary", f"{len(loaded.tokenizer)} tokens"),
+        *(("selection overhead" if i == 0 else "", overhead_text(name, c))
+          for i, (name, c) in enumerate(selection_overheads(loaded).items())),
     ]
     for key, value in rows:
         t.add_row(key, value)
@@ -138,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                               moe_layers=[layer.index for layer in adapter],
                               parameters=total, active_parameters=active,
                               probe_unique_experts=touched, quality=record,
+                              selection_overhead=selection_overheads(loaded),
                               routing_warning=record and models.near_uniform_routing(record))))
         return 0
     out = Console()

@@ -182,6 +182,35 @@ def test_budget_at_interpolates_and_oracle_gap():
     assert gap["saved_share"].to_list() == [0, 0.5, pytest.approx(1 / 3)]
 
 
+def test_cost_model_charges_a_ranking_s_own_bytes_and_flops_to_every_verification_pass():
+    """sketch's surrogate (policy.overhead) read once per MoE layer and computed per tree token:
+    the memory-only and compute-only times grow by exactly its bytes and FLOPs; a ranking without
+    an overhead changes nothing; the autoregressive pass selects nothing."""
+    from moe_spec.policy import overhead
+    shape = cost.ModelShape(layers=16, hidden=2048, expert_inter=768, num_experts=128, top_k=8,
+                            heads=32, kv_heads=4, head_dim=128, vocab=151936, dense_layers=2,
+                            dense_inter=6144)
+    hw = cost.PROFILES["H100-SXM"]
+    extra = shape.overhead("sketch")
+    assert extra == overhead.surrogate(128, 2048, overhead.SKETCH_RANK, 2.0)
+    assert shape.overhead("coact-prior") == shape.overhead(None) == overhead.NONE
+    _, mem, comp = cost.pass_time(shape, hw, 63, 512, 40)
+    _, mem_s, comp_s = cost.pass_time(shape, hw, 63, 512, 40, overhead=extra)
+    assert mem_s - mem == pytest.approx(14 * extra.bytes_per_layer / hw.bandwidth)  # MoE layers
+    assert comp_s - comp == pytest.approx(14 * 63 * extra.flops_per_token / hw.peak_flops)
+    assert shape.overhead_experts("sketch") == pytest.approx(
+        extra.bytes_per_layer / shape.expert_bytes)
+    plain = cost.projected_speedup(shape, hw, 3.0, 40, 63, 512, 1e-4)
+    charged = cost.projected_speedup(shape, hw, 3.0, 40, 63, 512, 1e-4, overhead=extra)
+    assert charged < plain
+    # paying e experts' bytes is (memory-bound) the same as loading e more experts
+    same = cost.projected_speedup(shape, hw, 3.0, 40 + shape.overhead_experts("sketch"), 63, 512,
+                                  1e-4)
+    assert charged == pytest.approx(same, rel=1e-3)
+    assert cost.projected_batch_speedup(shape, hw, 4, 3.0, 63, 512, 40, 20, extra) < \
+        cost.projected_batch_speedup(shape, hw, 4, 3.0, 63, 512, 40, 20)
+
+
 def test_cost_model_roofline_and_calibration_recover_parameters():
     shape = cost.ModelShape(layers=16, hidden=2048, expert_inter=1024, num_experts=64, top_k=8,
                             heads=16, kv_heads=16, head_dim=128, vocab=50304)

@@ -177,6 +177,15 @@ def test_a_curve_shifted_left_by_s_budgets_saves_s_budgets(values, start, step, 
     summary = experts_saved_summary(saved)
     assert summary["budgets_inside"][0] == n - s
     assert summary["saved"][0] == pytest.approx(np.mean([s * step / b for b in budgets[s:]]))
+    # net of its own bytes: e experts a pass subtracted from every inside budget's saving
+    e = data.draw(st.floats(0.01, 3.0 * step))
+    shown = replay_views.experts_saved_display(saved, {"a shape": {"oracle": e},
+                                                       "free": {"oracle": 0.0}})
+    assert "net, free" not in shown.columns  # no ranking shown pays anything there
+    assert shown["net, a shape"][0] == pytest.approx(
+        np.mean([(s * step - e) / b for b in budgets[s:]]))
+    assert replay_views.experts_saved_display(saved).columns == [
+        c for c in shown.columns if c != "net, a shape"]
 
 
 # ---- end to end: capture, replay open and closed loop, then the frame, the report, the app ----

@@ -163,25 +163,31 @@ def test_the_cli_says_each_rankings_own_skip_message():
 
 
 def test_analysis_reads_only_the_torch_free_index_of_policy():
-    """tests/test_layering.py lets analysis import policy for policy.index alone, which imports
-    nothing (so analysis and app stay free of torch)."""
+    """tests/test_layering.py lets analysis import policy for policy.index (and the overhead
+    numbers it names, policy.overhead) alone, which import nothing else (so analysis and app stay
+    free of torch)."""
     for path in (ROOT / "analysis").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and \
                     node.module.startswith("moe_spec.policy"):
-                assert (node.module, [a.name for a in node.names]) in (
-                    ("moe_spec.policy", ["index"]),
-                    ("moe_spec.policy.index", [a.name for a in node.names])), \
+                names = {a.name for a in node.names}
+                assert (node.module == "moe_spec.policy" and names <= {"index", "overhead"}) or \
+                    node.module in ("moe_spec.policy.index", "moe_spec.policy.overhead"), \
                     f"{path.name} imports {node.module}"
             elif isinstance(node, ast.ImportFrom) and node.module == "moe_spec":
                 assert "policy" not in {a.name for a in node.names}, path.name
             elif isinstance(node, ast.Import):
-                assert not any(a.name.startswith("moe_spec.policy")
-                               and a.name != "moe_spec.policy.index" for a in node.names), path.name
-    tree = ast.parse((ROOT / "policy" / "index.py").read_text())
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
-        {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    assert imported <= {"__future__", "math", "typing"}, imported
+                assert not any(a.name.startswith("moe_spec.policy") and a.name not in (
+                    "moe_spec.policy.index", "moe_spec.policy.overhead") for a in node.names), \
+                    path.name
+    for module, allowed in (("index", {"moe_spec.policy"}), ("overhead", set())):
+        tree = ast.parse((ROOT / "policy" / f"{module}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)} | \
+            {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert imported <= {"__future__", "math", "typing", "dataclasses", *allowed}, imported
+    index_imports = [n for n in ast.walk(ast.parse((ROOT / "policy" / "index.py").read_text()))
+                     if isinstance(n, ast.ImportFrom) and n.module == "moe_spec.policy"]
+    assert all({a.name for a in n.names} == {"overhead"} for n in index_imports)
 
 
 def test_the_recommended_ranking_is_a_runtime_one_and_help_names_it():

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -20,9 +21,10 @@ import torch
 from moe_spec.policy import coverage, rankings
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch
 from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.policy.overhead import surrogate_cost
 from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs
 from moe_spec.policy.routing import RoutingRule
-from moe_spec.policy.surrogate import InputMoments, Surrogate, predicted_outputs, surrogate_cost
+from moe_spec.policy.surrogate import InputMoments, Surrogate, predicted_outputs
 
 H, N, K, LAYER = 6, 8, 2, 3
 
@@ -196,6 +198,21 @@ def test_the_artifact_round_trips_and_refuses_another_model(tmp_path):
 
 
 def test_cost_counts_the_surrogate_bytes_and_flops():
+    """The bytes a layer's surrogate holds are those of a fitted one's own tensors; the FLOPs
+    those of predicting every expert's output on one token and their Gram, counted op by op."""
+    from moe_spec.policy import index, overhead
+    model = linear_model()
+    for rank in (2, 3, H + 4):  # a rank above H is capped at H
+        fitted = Surrogate.fit(InputMoments.collect(tree_layers(1, 4), model), rank=rank)
+        held = fitted.u[0].numel() + fitted.v[0].numel() + fitted.rho[0].numel()
+        assert overhead.surrogate(N, H, rank, 4).bytes_per_layer == held * 4
+        r = min(rank, H)
+        flops = 2 * N * (H + 1) * r + 2 * N * r * H + 2 * N * N * H  # V^T[h,1], U z, Gram
+        assert overhead.surrogate(N, H, rank).flops_per_token == flops
+    # the index names sketch's overhead at the rank replay fits; other rankings add nothing
+    assert index.overhead("sketch", 64, 2048) == overhead.surrogate(64, 2048, Sketch.rank)
+    assert index.overhead("coact-prior", 64, 2048) == overhead.NONE
+    assert index.overhead("an-imported-name", 64, 2048) == overhead.NONE
     c4, c32 = surrogate_cost(64, 2048, 4, 1024), surrogate_cost(64, 2048, 32, 1024)
     assert c4["bytes_per_layer"] == 64 * (4 * 2048 + 4 * 2049 + 1) * 2
     assert c32["bytes_per_layer"] > c4["bytes_per_layer"] and c32["flops_per_token"] > \
@@ -234,11 +251,23 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     assert run("moe_spec.capture.cli", *cap, "--bench", "mbpp", "--run", "ev").returncode == 0
     assert run("moe_spec.capture.cli", *cap, "--bench", "gsm8k", "--run", "cal", "--role",
                "calibration").returncode == 0
-    for mode in ("open", "closed"):
+    for mode, budgets in (("open", "8,16,24,32"), ("closed", "8")):
         r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
-                "--ranking", "sketch", "--coverage", "substitution", "--budget", "8",
-                "--mode", mode, "--no-progress", "--threads", "1")
+                "--ranking", "sketch", "router", "--coverage", "substitution", "--budget",
+                budgets, "--mode", mode, "--no-progress", "--threads", "1")
         assert r.returncode == 0, r.stderr
         assert "coact-prior's shortlists" not in r.stderr, r.stderr
     saved = list((tmp_path / "replay_open").rglob("sketch*"))
     assert saved and all(b"fallback" not in p.read_bytes()[:4096] for p in saved), saved
+    # the report charges sketch its surrogate's bytes: net of them at the tiny model's shape
+    # (42.8 experts a layer: far below zero) and at OLMoE's real shape (a fraction of one)
+    from moe_spec.analysis import report
+    assert report.main(["--traces", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
+    html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
+    table = html.split("Experts saved at matched quality vs router</h2>")[1].split("</table>")[0]
+    assert "net, captured shape" in table and "net, allenai/OLMoE-1B-7B-0924 shape" in table
+    row = next(r for r in table.split("<tr>") if "<td>open</td>" in r and "<td>sketch</td>" in r)
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+    saved_share, captured, real = (int(cells[i].rstrip("%")) for i in (4, 6, 7))
+    assert captured < -100, cells
+    assert saved_share - 5 <= real <= saved_share, cells  # OLMoE: 0.37 experts a layer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from moe_spec.analysis import figures, replay_views
+from moe_spec.analysis import figures, frames, replay_views
 from moe_spec.app import data, views
 
 TITLE = "Replay results"
@@ -69,10 +69,14 @@ def draw() -> None:
     saved = [f for f in (views.pick(f, *picked) for f in saved if f.height) if f.height]
     if saved:
         st.subheader("Experts saved at matched quality vs router")
-        st.caption(replay_views.SAVED_NOTE)
-        st.dataframe(replay_views.experts_saved_display(pl.concat(saved)), hide_index=True,
+        charges = frames.selection_charges(dict(model_location=runs["model_location"][0]),
+                                           picked[0])  # a ranking's own bytes, per shape
+        table = replay_views.experts_saved_display(pl.concat(saved), charges)
+        nets = [c for c in table.columns if c.startswith("net, ")]
+        st.caption(replay_views.SAVED_NOTE + (" " + replay_views.NET_NOTE if nets else ""))
+        st.dataframe(table, hide_index=True,
                      column_config={c: st.column_config.NumberColumn(c, format="percent")
-                                    for c in ("saved", "saved_lo", "saved_hi")})
+                                    for c in ("saved", "saved_lo", "saved_hi", *nets)})
 
 
 def _variants_note(con) -> None:

@@ -26,7 +26,8 @@ energy prior), says so once in a warning and reports ``token_aware`` False. ``be
 attaches both and checks ``token_aware``.
 
 Cost (:meth:`Sketch.cost`): the surrogate's bytes per layer and FLOPs per token
-(:func:`policy.surrogate.surrogate_cost`).
+(:mod:`policy.overhead`, which :mod:`policy.index` names as the ranking's ``overhead``:
+the cost model charges it to every verification pass).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ import torch
 
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch
 from moe_spec.policy.coverage import Truncation, prefix_masks
+from moe_spec.policy.overhead import SKETCH_RANK, surrogate_cost
 from moe_spec.policy.rankings.base import Ranking, RankingError, by_mass, register
-from moe_spec.policy.surrogate import MOMENTS, InputMoments, Surrogate, predicted_outputs, surrogate_cost
+from moe_spec.policy.surrogate import MOMENTS, InputMoments, Surrogate, predicted_outputs
 
 WORK_BYTES = 256 * 2**20  # predicted outputs, their float64 copy and Gram per chunk
 
@@ -96,7 +98,7 @@ def routing_only(batch: RoutingBatch, rows: torch.Tensor) -> RoutingBatch:
 class Sketch(Ranking):
     name = "sketch"
     needs_hidden = True  # reads the tree tokens' MoE inputs h_t (RoutingBatch.hidden)
-    rank: ClassVar[int] = 16  # the surrogate's rank r
+    rank: ClassVar[int] = SKETCH_RANK  # the surrogate's rank r (policy.overhead)
 
     def __init__(self, rank: int | None = None):
         if rank is not None:

@@ -1,0 +1,60 @@
+"""What a ranking costs a verification pass beyond the experts it loads, at a model's shape.
+
+Most rankings read the router's scores and a few calibration numbers per layer: nothing a pass
+would notice. A token-aware ranking (``sketch``) runs a surrogate of every expert on every tree
+token before any expert is loaded, so each verification pass also reads the surrogate's weights
+and computes its predictions. Per MoE layer (N experts, hidden size H, rank r, b bytes a
+number; one SwiGLU expert is 3·H·I numbers):
+
+    bytes per layer  = N · (r·H + r·(H + 1) + 1) · b          (U_i, V_i and ρ_i of every expert)
+    FLOPs per token  = 2·N·r·(H + 1) + 2·N·r·H + 2·N²·H        (z = V_iᵀ[h, 1], Ê_i = U_i z, and
+                                                                the predicted outputs' Gram)
+    expert-equivalents = (bytes per layer) / (3·H·I·b)
+
+The cost model (:mod:`analysis.cost`) charges these to every verification pass of a ranking
+that has them, and the experts-saved tables subtract the expert-equivalents from the experts a
+ranking saves (net experts saved). Torch-free: :mod:`policy.index` names each ranking's overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SKETCH_RANK = 16  # the surrogate's rank r that replay and the online budget fit
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """Per verification pass: bytes read per MoE layer and FLOPs per tree token."""
+
+    bytes_per_layer: float = 0.0
+    flops_per_token: float = 0.0
+
+    def expert_equivalents(self, hidden: int, intermediate: int, dtype_bytes: float = 2) -> float:
+        """The bytes per layer in experts of the model (one expert: 3·H·I numbers)."""
+        return self.bytes_per_layer / (3 * hidden * intermediate * dtype_bytes)
+
+
+NONE = Overhead()
+
+
+def surrogate_numbers(n: int, h: int, rank: int) -> int:
+    """Numbers a rank-r surrogate stores per MoE layer: per expert U [H, r], V [H + 1, r], ρ."""
+    r = min(rank, h)
+    return n * (r * h + r * (h + 1) + 1)
+
+
+def surrogate(n: int, h: int, rank: int = SKETCH_RANK, dtype_bytes: float = 2) -> Overhead:
+    """The surrogate's :class:`Overhead` (module docstring) for N experts of hidden size H."""
+    r = min(rank, h)
+    return Overhead(bytes_per_layer=surrogate_numbers(n, h, rank) * dtype_bytes,
+                    flops_per_token=2 * n * r * (h + 1) + 2 * n * r * h + 2 * n * n * h)
+
+
+def surrogate_cost(n: int, h: int, rank: int, intermediate: int, dtype_bytes: int = 2) -> dict:
+    """What the surrogate costs at shape (N experts, hidden H, expert width I): bytes per layer,
+    FLOPs per token and the bytes in expert-equivalents, as one record (the benches print it)."""
+    cost = surrogate(n, h, rank, dtype_bytes)
+    return dict(bytes_per_layer=cost.bytes_per_layer, flops_per_token=cost.flops_per_token,
+                expert_bytes=3 * h * intermediate * dtype_bytes,
+                expert_equivalents=cost.expert_equivalents(h, intermediate, dtype_bytes))
