@@ -15,7 +15,10 @@ and reports the mean and a percentile-bootstrap 95% interval (2000 resamples of 
 
 and, for accepted length and KL, the paired difference from router on the same trees (Δ =
 X − router per tree, the trees resampled together): with a few dozen trees a cell's own
-interval is wide, the paired one says whether a ranking differs from router at all.
+interval is wide, the paired one says whether a ranking differs from router at all. For
+accepted length each cell also says its power (:mod:`analysis.power`): the trees it would need
+to resolve a 0.1-token difference (α = 0.05, power 0.8, from the spread of its Δ) and the
+difference its own trees resolve.
 
 Then it captures the same prompts in MoE-Spec's online mode (``capture --budget B --ranking R``)
 and reports output agreement with the unbudgeted run: the share of prompts whose output is
@@ -43,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from cross_domain import add_table_options, mean_rse, model_budgets, rewrite_readme  # noqa: E402
 from pipeline import capture, replay_runs, run_names  # noqa: E402
 
+from moe_spec.analysis import power  # noqa: E402
 from moe_spec.catalog import Catalog, reader  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
@@ -89,9 +93,12 @@ def closed_table(root: Path, model: str, bench: str, args, budgets: str) -> list
         if ranking != "router" and base is not None:  # paired: the same trees, resampled together
             both = g.select(*tree, *PAIRED).join(base, on=tree, suffix="_router")
             for m in PAIRED:
-                row[f"{m}_vs_router"] = bootstrap(
-                    (both[m] - both[f"{m}_router"]).cast(pl.Float64).to_numpy(), rng) \
-                    if both.height else None
+                delta = (both[m] - both[f"{m}_router"]).cast(pl.Float64).to_numpy()
+                row[f"{m}_vs_router"] = bootstrap(delta, rng) if both.height else None
+            delta = (both["accepted_length"] - both["accepted_length_router"]).cast(
+                pl.Float64).to_numpy()
+            row["trees_needed"] = power.trees_needed(delta)  # for a 0.1-token difference
+            row["resolvable"] = power.resolvable(delta)  # what these trees resolve
         rows.append(row)
     return rows
 
@@ -241,10 +248,36 @@ def markdown(closed: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def power_markdown(closed: list[dict]) -> str:
+    """Per model × policy × B × ranking, over the benchmarks: the median number of trees a cell
+    needs to resolve a 0.1-token difference in accepted length from router (α = 0.05, power
+    0.8; :mod:`analysis.power`), the median trees it has and the median difference those
+    resolve."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in closed:
+        if r.get("trees_needed") is not None:
+            groups.setdefault((r["model"], r["coverage"], r["budget"], r["ranking"]), []).append(r)
+    lines = ["| model | policy | B | ranking | benches | trees per cell | trees needed for 0.1 "
+             "(median, max) | resolvable now (median) |", "|---|---|---|---|---|---|---|---|"]
+    models = list(dict.fromkeys(r["model"] for r in closed))
+    for key in sorted(groups, key=lambda k: (models.index(k[0]), k[1] != "truncation", k[2],
+                                             ORDER.index(k[3]) if k[3] in ORDER else 99)):
+        g = groups[key]
+        need = [r["trees_needed"] for r in g]
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {len(g)} | "
+                     f"{np.median([r['trees'] for r in g]):.0f} | {np.median(need):.0f}, "
+                     f"{max(need)} | {np.median([r['resolvable'] for r in g]):.2f} tokens |")
+    return "\n".join(lines)
+
+
 def write_tables(closed: list[dict], online: list[dict], readmes: list[Path]) -> str:
-    """The closed-loop (and, if any, online) summary tables, written between the markers of
-    each of ``readmes``; returned for printing."""
+    """The closed-loop (and, if any, online) summary tables and the power table, written
+    between the markers of each of ``readmes``; returned for printing."""
     table = markdown(closed) + (f"\n\n{online_markdown(online)}" if online else "")
+    if any(r.get("trees_needed") is not None for r in closed):
+        table += ("\n\nTrees needed to resolve a 0.1-token difference in accepted length from "
+                  "router (paired, α = 0.05, power 0.8; bench/closed_loop.py, analysis/power.py):"
+                  f"\n\n{power_markdown(closed)}")
     for readme in readmes:
         rewrite_readme(readme, table, README_BEGIN, README_END)
     return table
@@ -253,14 +286,17 @@ def write_tables(closed: list[dict], online: list[dict], readmes: list[Path]) ->
 def print_closed(rows: list[dict]) -> None:
     print(f"\n{'model':<15}{'bench':<8}{'coverage':<13}{'B':>3} {'ranking':<13}"
           f"{'accepted':>20}{'path same':>20}{'top-1':>20}{'KL (nats)':>24}"
-          f"{'Δ accepted vs router':>26}{'Δ KL vs router':>26}")
+          f"{'Δ accepted vs router':>26}{'Δ KL vs router':>26}{'trees for 0.1':>14}"
+          f"{'resolves':>9}")
     for r in rows:
         cells = "".join(f"{r[m][0]:8.3f} [{r[m][1]:.3f},{r[m][2]:.3f}]".rjust(20 if m !=
                         "mean_kl" else 24) for m in METRICS)
         paired = "".join((f"{d[0]:+8.3f} [{d[1]:+.3f},{d[2]:+.3f}]" if d else "").rjust(26)
                          for d in (r.get(f"{m}_vs_router") for m in PAIRED))
+        need = "" if r.get("trees_needed") is None else f"{r['trees_needed']:14d}"
+        resolves = "" if r.get("resolvable") is None else f"{r['resolvable']:9.3f}"
         print(f"{r['model']:<15}{r['bench']:<8}{r['coverage']:<13}{r['budget']:>3} "
-              f"{r['ranking']:<13}{cells}{paired}")
+              f"{r['ranking']:<13}{cells}{paired}{need:>14}{resolves:>9}")
 
 
 def print_online(rows: list[dict]) -> None:

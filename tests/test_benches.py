@@ -176,6 +176,10 @@ def test_closed_loop_bench_bootstraps_every_cell(cross_domain, tmp_path):
             mean, low, high = row[f"{m}_vs_router"]
             assert low <= mean <= high
             assert mean == pytest.approx(row[m][0] - router[m][0], abs=1e-9)
+        if ranking != "router":  # power: None only without two trees to measure a spread
+            assert (row["trees_needed"] is None) == (row["trees"] < 2)
+            if row["trees_needed"] is not None:
+                assert row["trees_needed"] >= 1 and row["resolvable"] >= 0
     paired = found["paired"]
     assert paired["accepted_length_cells"] == paired["mean_kl_cells"] == 4
     assert paired["mean_kl_better"] + paired["mean_kl_worse"] <= 4
@@ -185,7 +189,11 @@ def test_closed_loop_bench_bootstraps_every_cell(cross_domain, tmp_path):
     run("bench/closed_loop.py", "--render", str(tmp_path / "c.json"), "--readme", str(readme))
     text = readme.read_text()
     assert "typed by hand" not in text and text.startswith("intro") and text.endswith("outro\n")
-    assert text.count("| tiny-olmoe | ") == 4 + 2  # 2 policies × 2 budgets; 2 online rankings
+    tables = text.split("Trees needed to resolve")
+    assert tables[0].count("| tiny-olmoe | ") == 4 + 2  # 2 policies × 2 budgets; 2 online
+    powered = sum(r.get("trees_needed") is not None for r in found["closed"])
+    assert len(tables) == (2 if powered else 1)
+    assert powered == 0 or tables[1].count("| tiny-olmoe | ") == powered  # one bench: a row each
     for r in found["untranslated"]:  # open-loop better than router, closed loop not
         router = closed[("router", r["coverage"], r["budget"])]
         assert r["rse"] < r["router_rse"] and r["ranking"] != "router"
