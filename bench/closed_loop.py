@@ -50,7 +50,7 @@ from moe_spec.analysis import power  # noqa: E402
 from moe_spec.catalog import Catalog, reader  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
-ORDER = ("router", "sqmass", "coact", "coact-online", "coact-prior", "learned")  # table columns
+ORDER = ("router", "sqmass", "coact", "coact-online", "coact-prior", "learned", "sketch")  # columns
 README_BEGIN = "<!-- closed loop: begin (bench/closed_loop.py --readme; do not edit) -->"
 README_END = "<!-- closed loop: end -->"
 METRICS = ("accepted_length", "path_unchanged", "top1_agreement", "mean_kl")
@@ -315,7 +315,8 @@ def main() -> None:
                    default=["tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3"])
     p.add_argument("--benches", nargs="+", default=list(BENCHES))
     p.add_argument("--rankings", nargs="+",
-                   default=["router", "sqmass", "coact", "coact-online", "coact-prior", "learned"])
+                   default=["router", "sqmass", "coact", "coact-online", "coact-prior", "learned",
+                            "sketch"])
     p.add_argument("--budgets", default="auto",
                    help="comma-separated budgets, or auto: each model's closed-loop grid")
     p.add_argument("--online-coverage", default="substitution")

@@ -246,7 +246,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--benches", nargs="+", default=list(BENCHES))
     p.add_argument("--rankings", nargs="+",
-                   default=["coact-diag", "coact", "coact-online", "coact-prior", "learned"],
+                   default=["coact-diag", "coact", "coact-online", "coact-prior", "learned",
+                            "sketch"],
                    help="calibrated rankings replayed per calibration source (coact-prior: the "
                         "recommended one)")
     p.add_argument("--sources", nargs="*", default=[],

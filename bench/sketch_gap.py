@@ -8,7 +8,7 @@ the oracle, per evaluation × calibration benchmark, both policies, a budget swe
 
 Runs are ``bench/cross_domain.py``'s (``eval-<bench>``: prompts 0..E−1, ``cal-<bench>``: the
 next C, role calibration), captured here when missing with the same settings. Open-loop replay
-does not hand rankings the MoE inputs h_t yet, so this bench scores the batches itself with the
+scores the batches itself here (every rank and calibration source on the same batches) with the
 replay's own batch loader (every expert output recomputed and checked against the capture, the
 same metrics) and attaches h_t for sketch; router, oracle (unfitted, the matrix's reference)
 and coact-prior are scored on the very same batches. It prints
@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cross_domain import add_table_options, rewrite_readme  # noqa: E402
 from pipeline import capture, loaded_model  # noqa: E402
 
 from moe_spec.catalog import Catalog, reader  # noqa: E402
@@ -146,7 +147,15 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=32, help="tree-layers per batch")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--output", type=Path, default=None, help="every cell and cost as JSON")
+    add_table_options(p, "sketch")
     args = p.parse_args()
+    if args.render:
+        table = markdown([json.loads(path.read_text()) for path in args.render])
+        print(table)
+        for readme in args.readme:
+            rewrite_readme(readme, table, README_BEGIN, README_END)
+            print(f"wrote the tables into {readme}")
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     root = args.traces / args.model
@@ -292,7 +301,60 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
                 cost=costs, real_shape=dict(name=label, n=rn, h=rh, i=ri),
                 tiny_shape=dict(n=n, h=h, i=inter), seconds=timing,
                 tree_layers={f"{b}": counts[(b, None, "router", args.coverages[0])]
-                             for b in args.benches})
+                             for b in args.benches},
+                prompts=args.prompts or args.eval_prompts, cal_prompts=args.cal_prompts)
+
+
+README_BEGIN = "<!-- sketch: begin (bench/sketch_gap.py --readme; do not edit) -->"
+README_END = "<!-- sketch: end -->"
+KINDS = (("diagonal", "in domain"), ("off", "one other benchmark"),
+         ("others", "the other benchmarks together"))
+
+
+def markdown(reports: list[dict]) -> str:
+    """Two tables from one or more ``--output`` files: the median (worst) gap closed per model,
+    policy, ranking and budget for each kind of calibration cell, and the experts saved at
+    matched error net of the surrogate's bytes at the family's real shape, as a share of the
+    oracle's saving."""
+    fmt = lambda m: "—" if m is None else f"{100 * m['median']:.0f} ({100 * m['worst']:.0f})"  # noqa: E731
+    lines = ["| model | calibrated on | policy | ranking | B | " + " | ".join(k[1] for k in KINDS)
+             + " |", "|---|---|---|---|---|" + "---|" * len(KINDS)]
+    for rep in reports:
+        src = "each benchmark" if rep["sources"] == rep["benches"] else ", ".join(rep["sources"])
+        keys = [tuple(k.split("|")) for k in rep["medians"]]
+        order = list(dict.fromkeys((c, r) for c, r, _, _ in keys))
+        for cov, name in order:
+            for b in rep["budgets"]:
+                cells = [rep["medians"].get(f"{cov}|{name}|{kind}|{b}") for kind, _ in KINDS]
+                if any(cells):
+                    lines.append(f"| {rep['model']} | {src} | {cov} | {name} | {b} | "
+                                 + " | ".join(fmt(c) for c in cells) + " |")
+    net = ["| model | calibrated on | policy | ranking | experts saved | its bytes at the real shape "
+           "(experts) | net | oracle's saving | net / oracle's |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for rep in reports:
+        real = rep["real_shape"]["name"]
+        src = "each benchmark" if rep["sources"] == rep["benches"] else ", ".join(rep["sources"])
+        for key, saved in rep["experts_saved"].items():
+            cov, name = key.split("|")
+            oracle = rep["experts_saved"].get(f"{cov}|oracle")
+            if name == "oracle" or saved is None:
+                continue
+            charge = rep["cost"].get(name, {}).get("real", {}).get("expert_equivalents", 0.0)
+            share = "—" if not oracle else f"{100 * (saved - charge) / oracle:.0f}%"
+            net.append(f"| {rep['model']} ({real}) | {src} | {cov} | {name} | {saved:.2f} | "
+                       f"{charge:.2f} | {saved - charge:.2f} | "
+                       f"{'—' if oracle is None else f'{oracle:.2f}'} | {share} |")
+    scored = "; ".join(
+        f"{rep['model']} ({', '.join(rep['benches'])}): {sum(rep['tree_layers'].values())} "
+        "tree-layers" + (f" of {rep['prompts']} evaluation prompts a benchmark"
+                         if "prompts" in rep else " (prompts a benchmark not recorded)")
+        for rep in reports)
+    return ("Gap closed, % (median over cells, worst in brackets); gap closed = (RSE_router − "
+            f"RSE_X) / (RSE_router − RSE_oracle). Scored: {scored}.\n\n" + "\n".join(lines) +
+            "\n\nExperts saved at matched error vs router (mean over cells and router budgets "
+            "inside the sweep; the saving is the tiny model's, the charge the real shape's: a "
+            "projection):\n\n" + "\n".join(net))
 
 
 def kind_of(bench: str, source: str) -> str:

@@ -374,6 +374,23 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     assert cost["tiny"]["bytes_per_layer"] == 8 * (2 * 128 + 2 * 129 + 1) * 2
     assert cost["real"]["expert_equivalents"] > 0 and cost["real"]["flops_per_token"] > 0
     assert "net tiny" in out and "gap closed" in out
+    readme = tmp_path / "results.md"  # the tables, written between their markers from the JSON
+    readme.write_text("intro\n<!-- sketch: begin (bench/sketch_gap.py --readme; do not edit) -->"
+                      "\ntyped by hand\n<!-- sketch: end -->\noutro\n")
+    run("bench/sketch_gap.py", "--render", str(tmp_path / "s.json"), "--readme", str(readme))
+    text = readme.read_text()
+    assert "typed by hand" not in text and text.endswith("outro\n")
+    assert "of 1 evaluation prompts a benchmark" in text
+    saved = found["experts_saved"]
+    rows = [line for line in text.splitlines() if line.startswith("| tiny-mixtral (")]
+    assert rows and len(rows) == sum(v is not None for k, v in saved.items() if "oracle" not in k)
+    for row in rows:  # net = saved − the real shape's charge
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        cov, name, got, charge, net = cells[2], cells[3], *map(float, cells[4:7])
+        assert got == pytest.approx(saved[f"{cov}|{name}"], abs=0.005)
+        expected = found["cost"].get(name, {}).get("real", {}).get("expert_equivalents", 0.0)
+        assert charge == pytest.approx(expected, abs=0.005) and net == pytest.approx(
+            got - charge, abs=0.011)
 
 
 @smoke("query_verify.py")
