@@ -329,9 +329,9 @@ def markdown(reports: list[dict]) -> str:
                 if any(cells):
                     lines.append(f"| {rep['model']} | {src} | {cov} | {name} | {b} | "
                                  + " | ".join(fmt(c) for c in cells) + " |")
-    net = ["| model | calibrated on | policy | ranking | experts saved | its bytes at the real shape "
-           "(experts) | net | oracle's saving | net / oracle's |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    net = ["| model | calibrated on | budgets | policy | ranking | experts saved | its bytes at the "
+           "real shape (experts) | net | oracle's saving | net / oracle's |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for rep in reports:
         real = rep["real_shape"]["name"]
         src = "each benchmark" if rep["sources"] == rep["benches"] else ", ".join(rep["sources"])
@@ -342,7 +342,8 @@ def markdown(reports: list[dict]) -> str:
                 continue
             charge = rep["cost"].get(name, {}).get("real", {}).get("expert_equivalents", 0.0)
             share = "—" if not oracle else f"{100 * (saved - charge) / oracle:.0f}%"
-            net.append(f"| {rep['model']} ({real}) | {src} | {cov} | {name} | {saved:.2f} | "
+            net.append(f"| {rep['model']} ({real}) | {src} | "
+                       f"{', '.join(map(str, rep['budgets']))} | {cov} | {name} | {saved:.2f} | "
                        f"{charge:.2f} | {saved - charge:.2f} | "
                        f"{'—' if oracle is None else f'{oracle:.2f}'} | {share} |")
     scored = "; ".join(

@@ -83,8 +83,10 @@ RANKINGS: dict[str, Entry] = {
                     "the oracle's search on expert outputs predicted from the tree tokens' MoE "
                     "inputs h_t by rank-r calibration surrogates (without surrogate or h_t: "
                     "coact-prior's shortlists, with a warning; bench/sketch_gap.py)",
-                    needs_calibration=True, artifact="sketch.npz",
+                    version=2, needs_calibration=True, artifact="sketch.npz",
                     overhead=lambda n, h, b: overheads.surrogate(n, h, overheads.SKETCH_RANK, b)),
+    # 2: the surrogate's rank 16 -> 4 (policy.overhead.SKETCH_RANK: the same gap closed, a
+    # quarter of the bytes)
     "previous": Entry("moe_spec.policy.rankings.previous", True,
                       "experts loaded by the previous pass at the layer first, then router mass",
                       version=2, stateful=True),  # 2: under truncation, selected experts first

@@ -386,7 +386,7 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     assert rows and len(rows) == sum(v is not None for k, v in saved.items() if "oracle" not in k)
     for row in rows:  # net = saved − the real shape's charge
         cells = [c.strip() for c in row.strip("|").split("|")]
-        cov, name, got, charge, net = cells[2], cells[3], *map(float, cells[4:7])
+        cov, name, got, charge, net = cells[3], cells[4], *map(float, cells[5:8])
         assert got == pytest.approx(saved[f"{cov}|{name}"], abs=0.005)
         expected = found["cost"].get(name, {}).get("real", {}).get("expert_equivalents", 0.0)
         assert charge == pytest.approx(expected, abs=0.005) and net == pytest.approx(

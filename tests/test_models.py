@@ -97,8 +97,8 @@ def test_cli_summarises_the_default_model():
     assert all(8 <= u <= 64 for u in info["probe_unique_experts"])
     assert info["quality"]["heldout"]["loss"] > 0
     # sketch's surrogate at this model's shape (N = 64, H = 128, I = 16, float32 on CPU): per
-    # expert U [H, r] and V [H + 1, r] at r = 16 plus its residual energy
-    numbers = 64 * (16 * 128 + 16 * 129 + 1)
+    # expert U [H, r] and V [H + 1, r] at r = 4 plus its residual energy
+    numbers = 64 * (4 * 128 + 4 * 129 + 1)
     sketch = info["selection_overhead"]["sketch"]
     assert sketch["bytes_per_layer"] == numbers * 4 and sketch["dtype_bytes"] == 4
     assert sketch["expert_equivalents"] == numbers / (3 * 128 * 16)

@@ -260,7 +260,8 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     saved = list((tmp_path / "replay_open").rglob("sketch*"))
     assert saved and all(b"fallback" not in p.read_bytes()[:4096] for p in saved), saved
     # the report charges sketch its surrogate's bytes: net of them at the tiny model's shape
-    # (42.8 experts a layer: far below zero) and at OLMoE's real shape (a fraction of one)
+    # (10.7 experts a layer at r = 4: over a third of any budget up to 32) and at OLMoE's real
+    # shape (a tenth of one)
     from moe_spec.analysis import report
     assert report.main(["--traces", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
     html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
@@ -269,5 +270,5 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     row = next(r for r in table.split("<tr>") if "<td>open</td>" in r and "<td>sketch</td>" in r)
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
     saved_share, captured, real = (int(cells[i].rstrip("%")) for i in (4, 6, 7))
-    assert captured < -100, cells
-    assert saved_share - 5 <= real <= saved_share, cells  # OLMoE: 0.37 experts a layer
+    assert captured <= saved_share - 30, cells
+    assert saved_share - 2 <= real <= saved_share, cells  # OLMoE: 0.17 experts a layer
