@@ -320,7 +320,8 @@ def markdown(reports: list[dict]) -> str:
     lines = ["| model | calibrated on | policy | ranking | B | " + " | ".join(k[1] for k in KINDS)
              + " |", "|---|---|---|---|---|" + "---|" * len(KINDS)]
     for rep in reports:
-        src = "each benchmark" if rep["sources"] == rep["benches"] else ", ".join(rep["sources"])
+        src = "each benchmark" if rep["sources"] == rep["benches"] != rep["benches"][:1] \
+            else ", ".join(rep["sources"])
         keys = [tuple(k.split("|")) for k in rep["medians"]]
         order = list(dict.fromkeys((c, r) for c, r, _, _ in keys))
         for cov, name in order:
@@ -334,7 +335,8 @@ def markdown(reports: list[dict]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
     for rep in reports:
         real = rep["real_shape"]["name"]
-        src = "each benchmark" if rep["sources"] == rep["benches"] else ", ".join(rep["sources"])
+        src = "each benchmark" if rep["sources"] == rep["benches"] != rep["benches"][:1] \
+            else ", ".join(rep["sources"])
         for key, saved in rep["experts_saved"].items():
             cov, name = key.split("|")
             oracle = rep["experts_saved"].get(f"{cov}|oracle")
