@@ -51,8 +51,12 @@ from moe_spec.catalog import Catalog, reader  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 ORDER = ("router", "sqmass", "coact", "coact-online", "coact-prior", "learned", "sketch")  # columns
-README_BEGIN = "<!-- closed loop: begin (bench/closed_loop.py --readme; do not edit) -->"
-README_END = "<!-- closed loop: end -->"
+BLOCK = "closed loop"  # the marker lines' name (--block picks another block of the same file)
+
+
+def markers(block: str = BLOCK) -> tuple[str, str]:
+    return (f"<!-- {block}: begin (bench/closed_loop.py --readme; do not edit) -->",
+            f"<!-- {block}: end -->")
 METRICS = ("accepted_length", "path_unchanged", "top1_agreement", "mean_kl")
 PAIRED = ("accepted_length", "mean_kl")  # also as a difference from router on the same trees
 
@@ -270,7 +274,8 @@ def power_markdown(closed: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_tables(closed: list[dict], online: list[dict], readmes: list[Path]) -> str:
+def write_tables(closed: list[dict], online: list[dict], readmes: list[Path],
+                 block: str = BLOCK) -> str:
     """The closed-loop (and, if any, online) summary tables and the power table, written
     between the markers of each of ``readmes``; returned for printing."""
     table = markdown(closed) + (f"\n\n{online_markdown(online)}" if online else "")
@@ -279,7 +284,7 @@ def write_tables(closed: list[dict], online: list[dict], readmes: list[Path]) ->
                   "router (paired, α = 0.05, power 0.8; bench/closed_loop.py, analysis/power.py):"
                   f"\n\n{power_markdown(closed)}")
     for readme in readmes:
-        rewrite_readme(readme, table, README_BEGIN, README_END)
+        rewrite_readme(readme, table, *markers(block))
     return table
 
 
@@ -327,12 +332,15 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None)
     add_table_options(p, "closed-loop")
+    p.add_argument("--block", default=BLOCK,
+                   help=f"the marker lines' name in --readme files (default {BLOCK!r}; another "
+                        "name writes a second block, e.g. one study's subset)")
     args = p.parse_args()
     if args.render:
         found = [json.loads(path.read_text()) for path in args.render]
         closed = [r for f in found for r in f["closed"]]
         online = [r for f in found for r in f.get("online", [])]
-        print(write_tables(closed, online, args.readme))
+        print(write_tables(closed, online, args.readme, args.block))
         for readme in args.readme:
             print(f"wrote the table into {readme}")
         return
@@ -366,7 +374,7 @@ def main() -> None:
     if args.output:
         args.output.write_text(json.dumps(dict(closed=closed, online=online, untranslated=missed,
                                                paired=paired), indent=1))
-    write_tables(closed, online, args.readme)
+    write_tables(closed, online, args.readme, args.block)
     for readme in args.readme:
         print(f"wrote the table into {readme}")
 
