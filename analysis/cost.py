@@ -92,7 +92,7 @@ class ModelShape:
         most rankings, for None and for names :mod:`policy.index` does not hold)."""
         if ranking is None:
             return NONE
-        return index.overhead(ranking, self.num_experts, self.hidden, self.bytes_per_param)
+        return index.overhead(ranking, self.num_experts, self.hidden)
 
     def overhead_experts(self, ranking: str | None) -> float:
         """The ranking's bytes per layer in experts of this shape (0 for most rankings)."""

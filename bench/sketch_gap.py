@@ -150,7 +150,13 @@ def main() -> None:
     add_table_options(p, "sketch")
     args = p.parse_args()
     if args.render:
-        table = markdown([json.loads(path.read_text()) for path in args.render])
+        found = [(path, json.loads(path.read_text())) for path in args.render]
+        for path, rep in found:  # another bench's output, or one before the matched savings
+            if not isinstance(rep, dict) or "medians" not in rep or not all(
+                    isinstance(v, dict) for v in rep.get("experts_saved", {}).values()):
+                sys.exit(f"sketch_gap.py: {path} is not an --output of this version of "
+                         "bench/sketch_gap.py; rerun the bench for it")
+        table = markdown([rep for _, rep in found])
         print(table)
         for readme in args.readme:
             rewrite_readme(readme, table, README_BEGIN, README_END)
@@ -276,14 +282,16 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
     costs = {name: dict(tiny=surrogate_cost(n, h, int(name.split("-r")[1]), inter),
                         real=surrogate_cost(rn, rh, int(name.split("-r")[1]), ri))
              for name in names if name.startswith("sketch")}
-    print(f"\nexperts saved at matched error vs router (mean over router budgets inside the "
-          f"sweep and cells), minus the surrogate's bytes in expert-equivalents "
-          f"(tiny: N={n}, H={h}, I={inter}; real: {label} N={rn}, H={rh}, I={ri}; bf16)")
+    print(f"\nexperts saved at matched error vs router (mean over the cells and router budgets "
+          f"where both it and the oracle reach router's error inside their sweeps), minus the "
+          f"surrogate's bytes in expert-equivalents "
+          f"(tiny: N={n}, H={h}, I={inter}; real: {label} N={rn}, H={rh}, I={ri}; experts bf16, "
+          "surrogate float32)")
     print(f"  {'coverage':<12} {'ranking':<13} {'saved':>7} {'tiny eq':>9} {'net tiny':>9} "
           f"{'real eq':>8} {'net real':>9} {'bytes/layer (real)':>19} {'FLOPs/token (real)':>19}")
     for cov_name in args.coverages:
         for name in ["oracle"] + names:
-            s = saved.get((cov_name, name))
+            s = saved[(cov_name, name)]["saved"]
             c = costs.get(name)
             te = c["tiny"]["expert_equivalents"] if c else 0.0
             re_ = c["real"]["expert_equivalents"] if c else 0.0
@@ -337,9 +345,9 @@ def markdown(reports: list[dict]) -> str:
         real = rep["real_shape"]["name"]
         src = "each benchmark" if rep["sources"] == rep["benches"] != rep["benches"][:1] \
             else ", ".join(rep["sources"])
-        for key, saved in rep["experts_saved"].items():
+        for key, found in rep["experts_saved"].items():
             cov, name = key.split("|")
-            oracle = rep["experts_saved"].get(f"{cov}|oracle")
+            saved, oracle = found["saved"], found["oracle"]
             if name == "oracle" or saved is None:
                 continue
             charge = rep["cost"].get(name, {}).get("real", {}).get("expert_equivalents", 0.0)
@@ -355,9 +363,10 @@ def markdown(reports: list[dict]) -> str:
         for rep in reports)
     return ("Gap closed, % (median over cells, worst in brackets); gap closed = (RSE_router − "
             f"RSE_X) / (RSE_router − RSE_oracle). Scored: {scored}.\n\n" + "\n".join(lines) +
-            "\n\nExperts saved at matched error vs router (mean over cells and router budgets "
-            "inside the sweep; the saving is the tiny model's, the charge the real shape's: a "
-            "projection):\n\n" + "\n".join(net))
+            "\n\nExperts saved at matched error vs router, X's and the oracle's each averaged over "
+            "the same cells and router budgets (those where both reach router's error inside "
+            "their sweeps); the saving is the tiny model's, the charge (float32 surrogate, bf16 "
+            "experts) the real shape's: a projection:\n\n" + "\n".join(net))
 
 
 def kind_of(bench: str, source: str) -> str:
@@ -365,20 +374,26 @@ def kind_of(bench: str, source: str) -> str:
 
 
 def experts_saved(args, mean, budgets, sources, names, k) -> dict:
-    """(coverage, ranking) -> mean over evaluation × calibration cells and router budgets inside
-    the sweep of the experts saved at matched error (None when never inside)."""
+    """(coverage, ranking) -> ``dict(saved, oracle, pairs)``: the experts X saves at matched error
+    and the oracle's saving, each averaged over the same (evaluation, calibration, router budget)
+    triples, those where both reach router's error inside their sweeps (``pairs`` of them; saved
+    and oracle None when there is none), so that X's share of the oracle's saving compares like
+    with like. The oracle's own row: its saving over the budgets where it is inside."""
     out = {}
     for cov_name in args.coverages:
         valid = [b for b in budgets if b >= coverages.get(cov_name).min_budget(k)]
         for name in ["oracle"] + names:
-            found = []
+            pairs = []
             for bench in args.benches:
                 router = mean[(bench, None, "router", cov_name)]
+                best = interpolate_saved(valid, router, mean[(bench, None, "oracle", cov_name)])
                 for src in ([None] if name == "oracle" else sources):
-                    other = mean[(bench, src, name, cov_name)]
-                    found += [v for v in interpolate_saved(valid, router, other).values()
-                              if v is not None]
-            out[(cov_name, name)] = float(np.mean(found)) if found else None
+                    mine = interpolate_saved(valid, router, mean[(bench, src, name, cov_name)])
+                    pairs += [(mine[b], best[b]) for b in valid
+                              if mine[b] is not None and best[b] is not None]
+            out[(cov_name, name)] = dict(
+                saved=float(np.mean([p[0] for p in pairs])) if pairs else None,
+                oracle=float(np.mean([p[1] for p in pairs])) if pairs else None, pairs=len(pairs))
     return out
 
 

@@ -39,8 +39,8 @@ class Entry(NamedTuple):
     examples: bool = False  # its calibration collects examples (oracle orders) to learn from
     ablation_step: int | None = None  # place in the ablation ladder analysis shows (1 = first)
     skip_message: str | None = None  # why the CLI skips budgets; ``{limit}``: the class's limit
-    overhead: Callable[[int, int, float], overheads.Overhead] | None = None  # (N, H, bytes a
-    # number) -> what it adds to every verification pass (policy.overhead); None: nothing
+    overhead: Callable[[int, int], overheads.Overhead] | None = None  # (N, H) -> what it adds
+    # to every verification pass (policy.overhead); None: nothing
 
 
 RANKINGS: dict[str, Entry] = {
@@ -84,7 +84,7 @@ RANKINGS: dict[str, Entry] = {
                     "inputs h_t by rank-r calibration surrogates (without surrogate or h_t: "
                     "coact-prior's shortlists, with a warning; bench/sketch_gap.py)",
                     version=2, needs_calibration=True, artifact="sketch.npz",
-                    overhead=lambda n, h, b: overheads.surrogate(n, h, overheads.SKETCH_RANK, b)),
+                    overhead=lambda n, h: overheads.surrogate(n, h, overheads.SKETCH_RANK)),
     # 2: the surrogate's rank 16 -> 4 (policy.overhead.SKETCH_RANK: the same gap closed, a
     # quarter of the bytes)
     "previous": Entry("moe_spec.policy.rankings.previous", True,
@@ -126,14 +126,14 @@ def skipped_budgets(name: str, n: int, budgets) -> list[int]:
     return [b for b in budgets if limit is not None and math.comb(n, b) > limit]
 
 
-def overhead(name: str, n: int, hidden: int, dtype_bytes: float = 2) -> overheads.Overhead:
+def overhead(name: str, n: int, hidden: int) -> overheads.Overhead:
     """What ranking ``name`` adds to every verification pass of a model with N = ``n`` experts of
     hidden size ``hidden`` (:mod:`policy.overhead`; nothing for most rankings, and for names this
     table does not hold, e.g. a routing-only import's)."""
     entry = RANKINGS.get(name)
     if entry is None or entry.overhead is None:
         return overheads.NONE
-    return entry.overhead(n, hidden, dtype_bytes)
+    return entry.overhead(n, hidden)
 
 
 def min_budget(coverage: str, k: int) -> int:

@@ -3,17 +3,23 @@
 Most rankings read the router's scores and a few calibration numbers per layer: nothing a pass
 would notice. A token-aware ranking (``sketch``) runs a surrogate of every expert on every tree
 token before any expert is loaded, so each verification pass also reads the surrogate's weights
-and computes its predictions. Per MoE layer (N experts, hidden size H, rank r, b bytes a
-number; one SwiGLU expert is 3·H·I numbers):
+and computes its predictions. Per MoE layer (N experts, hidden size H, rank r; the surrogate's
+numbers are float32, as :mod:`policy.surrogate` fits, stores and runs them, s = 4 bytes; one
+SwiGLU expert is 3·H·I numbers of the model's b bytes):
 
-    bytes per layer  = N · (r·H + r·(H + 1) + 1) · b          (U_i, V_i and ρ_i of every expert)
-    FLOPs per token  = 2·N·r·(H + 1) + 2·N·r·H + 2·N²·H        (z = V_iᵀ[h, 1], Ê_i = U_i z, and
-                                                                the predicted outputs' Gram)
+    bytes per layer    = N · (r·H + r·(H + 1) + 1) · s      (U_i, V_i and ρ_i of every expert)
+    FLOPs per token    = 2·N·r·(H + 1) + 2·N·r·H             (z_i = V_iᵀ[h, 1], Ê_i = U_i z_i)
+                         + 2·N²·H + N + 2·N·H                (the predictions' Gram, whose private
+                                                              residual block is diagonal, and
+                                                              their products with R̂)
     expert-equivalents = (bytes per layer) / (3·H·I·b)
 
-The cost model (:mod:`analysis.cost`) charges these to every verification pass of a ranking
-that has them, and the experts-saved tables subtract the expert-equivalents from the experts a
-ranking saves (net experts saved). Torch-free: :mod:`policy.index` names each ranking's overhead.
+The search that then runs on the predicted terms (the oracle's greedy and swaps) is not counted.
+The cost model (:mod:`analysis.cost`) charges these to every verification pass of a ranking that
+has them, and the experts-saved tables subtract the expert-equivalents from the experts a
+ranking saves (net experts saved). A ranking is charged by name: a sketch that fell back to
+coact-prior's shortlists (no surrogate or no h_t; it warns) is charged all the same. Torch-free:
+:mod:`policy.index` names each ranking's overhead.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SKETCH_RANK = 4  # the surrogate's rank r that replay and the online budget fit: r = 4, 8 and 16
-# closed the same share of the gap on tiny-olmoe and tiny-qwen3-moe (docs/results.md, sketch), and
-# r = 4 costs a quarter of r = 16's bytes
+# closed nearly the same share of the gap on tiny-olmoe (medians within 3 points) and r = 4 costs
+# a quarter of r = 16's bytes (docs/results.md, sketch)
+SURROGATE_BYTES = 4  # bytes a surrogate number takes (float32: policy.surrogate)
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,8 @@ class Overhead:
     flops_per_token: float = 0.0
 
     def expert_equivalents(self, hidden: int, intermediate: int, dtype_bytes: float = 2) -> float:
-        """The bytes per layer in experts of the model (one expert: 3·H·I numbers)."""
+        """The bytes per layer in experts of the model (one expert: 3·H·I numbers of
+        ``dtype_bytes``)."""
         return self.bytes_per_layer / (3 * hidden * intermediate * dtype_bytes)
 
 
@@ -46,17 +54,20 @@ def surrogate_numbers(n: int, h: int, rank: int) -> int:
     return n * (r * h + r * (h + 1) + 1)
 
 
-def surrogate(n: int, h: int, rank: int = SKETCH_RANK, dtype_bytes: float = 2) -> Overhead:
+def surrogate(n: int, h: int, rank: int = SKETCH_RANK,
+              number_bytes: float = SURROGATE_BYTES) -> Overhead:
     """The surrogate's :class:`Overhead` (module docstring) for N experts of hidden size H."""
     r = min(rank, h)
-    return Overhead(bytes_per_layer=surrogate_numbers(n, h, rank) * dtype_bytes,
-                    flops_per_token=2 * n * r * (h + 1) + 2 * n * r * h + 2 * n * n * h)
+    return Overhead(bytes_per_layer=surrogate_numbers(n, h, rank) * number_bytes,
+                    flops_per_token=2 * n * r * (h + 1) + 2 * n * r * h + 2 * n * n * h + n
+                    + 2 * n * h)
 
 
-def surrogate_cost(n: int, h: int, rank: int, intermediate: int, dtype_bytes: int = 2) -> dict:
-    """What the surrogate costs at shape (N experts, hidden H, expert width I): bytes per layer,
-    FLOPs per token and the bytes in expert-equivalents, as one record (the benches print it)."""
-    cost = surrogate(n, h, rank, dtype_bytes)
+def surrogate_cost(n: int, h: int, rank: int, intermediate: int, expert_bytes: float = 2) -> dict:
+    """What the surrogate costs at shape (N experts, hidden H, expert width I, the experts'
+    ``expert_bytes`` a number): bytes per layer, FLOPs per token and the bytes in
+    expert-equivalents, as one record (the benches print it)."""
+    cost = surrogate(n, h, rank)
     return dict(bytes_per_layer=cost.bytes_per_layer, flops_per_token=cost.flops_per_token,
-                expert_bytes=3 * h * intermediate * dtype_bytes,
-                expert_equivalents=cost.expert_equivalents(h, intermediate, dtype_bytes))
+                expert_bytes=3 * h * intermediate * expert_bytes,
+                expert_equivalents=cost.expert_equivalents(h, intermediate, expert_bytes))

@@ -71,9 +71,9 @@ def describe_rule(adapter: MoEAdapter) -> str:
 
 def selection_overheads(loaded: models.LoadedModel) -> dict[str, dict]:
     """Per ranking that reads weights of its own at every verification pass (``sketch``'s
-    surrogates; :func:`policy.index.overhead`), what it costs at this model's shape and parameter
-    dtype: bytes per MoE layer, FLOPs per tree token and the bytes in experts of this model
-    (the numbers the cost model charges, :meth:`analysis.cost.ModelShape.overhead`)."""
+    surrogates; :func:`policy.index.overhead`), what it costs at this model's shape: bytes per
+    MoE layer, FLOPs per tree token and those bytes in experts of this model at its parameter
+    dtype (the numbers the cost model charges, :meth:`analysis.cost.ModelShape.overhead`)."""
     from moe_spec.analysis.cost import ModelShape
     from moe_spec.policy import index
     size = next(loaded.model.parameters()).element_size()
@@ -84,7 +84,8 @@ def selection_overheads(loaded: models.LoadedModel) -> dict[str, dict]:
             cost = shape.overhead(name)
             found[name] = dict(bytes_per_layer=cost.bytes_per_layer,
                                flops_per_token=cost.flops_per_token,
-                               expert_equivalents=shape.overhead_experts(name), dtype_bytes=size)
+                               expert_equivalents=shape.overhead_experts(name),
+                               expert_dtype_bytes=size)
     return found
 
 

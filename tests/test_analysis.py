@@ -192,7 +192,7 @@ def test_cost_model_charges_a_ranking_s_own_bytes_and_flops_to_every_verificatio
                             dense_inter=6144)
     hw = cost.PROFILES["H100-SXM"]
     extra = shape.overhead("sketch")
-    assert extra == overhead.surrogate(128, 2048, overhead.SKETCH_RANK, 2.0)
+    assert extra == overhead.surrogate(128, 2048, overhead.SKETCH_RANK, overhead.SURROGATE_BYTES)
     assert shape.overhead("coact-prior") == shape.overhead(None) == overhead.NONE
     _, mem, comp = cost.pass_time(shape, hw, 63, 512, 40)
     _, mem_s, comp_s = cost.pass_time(shape, hw, 63, 512, 40, overhead=extra)

@@ -371,7 +371,7 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     for c in found["cells"]:
         assert c["gap_closed"] != c["gap_closed"] or c["gap_closed"] <= 1 + 1e-6, c
     cost = found["cost"]["sketch-r2"]
-    assert cost["tiny"]["bytes_per_layer"] == 8 * (2 * 128 + 2 * 129 + 1) * 2
+    assert cost["tiny"]["bytes_per_layer"] == 8 * (2 * 128 + 2 * 129 + 1) * 4  # float32
     assert cost["real"]["expert_equivalents"] > 0 and cost["real"]["flops_per_token"] > 0
     assert "net tiny" in out and "gap closed" in out
     readme = tmp_path / "results.md"  # the tables, written between their markers from the JSON
@@ -383,11 +383,14 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     assert "of 1 evaluation prompts a benchmark" in text
     saved = found["experts_saved"]
     rows = [line for line in text.splitlines() if line.startswith("| tiny-mixtral (")]
-    assert rows and len(rows) == sum(v is not None for k, v in saved.items() if "oracle" not in k)
+    assert rows and len(rows) == sum(v["saved"] is not None for k, v in saved.items()
+                                     if "oracle" not in k)
     for row in rows:  # net = saved − the real shape's charge
         cells = [c.strip() for c in row.strip("|").split("|")]
         cov, name, got, charge, net = cells[3], cells[4], *map(float, cells[5:8])
-        assert got == pytest.approx(saved[f"{cov}|{name}"], abs=0.005)
+        assert got == pytest.approx(saved[f"{cov}|{name}"]["saved"], abs=0.005)
+        oracle = float(cells[8])  # the oracle's saving over the same cells and budgets
+        assert oracle == pytest.approx(saved[f"{cov}|{name}"]["oracle"], abs=0.005)
         expected = found["cost"].get(name, {}).get("real", {}).get("expert_equivalents", 0.0)
         assert charge == pytest.approx(expected, abs=0.005) and net == pytest.approx(
             got - charge, abs=0.011)
@@ -416,3 +419,29 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     assert found["token_layers_per_s"] > 0 and found["token_layers_per_cpu_s"] > 0
     assert 0 < found["peak_rss_mib"] < 1024  # the goal: ≤ 1 GiB at any source size
     assert "token-layers/s" in out and not (tmp_path / "w" / "sglang.jsonl").exists()
+
+
+@pytest.mark.parametrize("script, files, block", [
+    ("sketch_gap.py", "docs/results/sketch/*.json", None),
+    ("closed_loop.py", "docs/results/sketch-closed/*.json", "sketch closed loop"),
+])
+def test_committed_results_render_to_what_the_docs_show(script, files, block, tmp_path):
+    """docs/results.md's generated blocks are what their bench renders from the committed
+    JSON files (the command the docs name): a file edited, added or removed without
+    re-rendering, or a block typed by hand, fails here."""
+    found = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(files))
+    assert found, files
+    doc = (ROOT / "docs" / "results.md").read_text()
+    copy = tmp_path / "results.md"
+    copy.write_text(doc)
+    run(f"bench/{script}", "--render", *found, "--readme", str(copy),
+        *(["--block", block] if block else []))
+    assert copy.read_text() == doc
+
+
+def test_sketch_render_refuses_another_bench_s_output():
+    done = subprocess.run([sys.executable, "bench/sketch_gap.py", "--render",
+                           "docs/results/sketch-closed/tiny-olmoe.json"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "not an --output of this version" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -96,12 +96,12 @@ def test_cli_summarises_the_default_model():
     assert len(info["probe_unique_experts"]) == 8
     assert all(8 <= u <= 64 for u in info["probe_unique_experts"])
     assert info["quality"]["heldout"]["loss"] > 0
-    # sketch's surrogate at this model's shape (N = 64, H = 128, I = 16, float32 on CPU): per
-    # expert U [H, r] and V [H + 1, r] at r = 4 plus its residual energy
+    # sketch's surrogate at this model's shape (N = 64, H = 128, I = 16): per expert U [H, r]
+    # and V [H + 1, r] at r = 4 plus its residual energy, float32; the model is float32 on CPU
     numbers = 64 * (4 * 128 + 4 * 129 + 1)
     sketch = info["selection_overhead"]["sketch"]
-    assert sketch["bytes_per_layer"] == numbers * 4 and sketch["dtype_bytes"] == 4
-    assert sketch["expert_equivalents"] == numbers / (3 * 128 * 16)
+    assert sketch["bytes_per_layer"] == numbers * 4 and sketch["expert_dtype_bytes"] == 4
+    assert sketch["expert_equivalents"] == numbers * 4 / (3 * 128 * 16 * 4)
     assert set(info["selection_overhead"]) == {"sketch"}  # the other rankings read no weights
 
 

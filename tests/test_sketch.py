@@ -205,16 +205,21 @@ def test_cost_counts_the_surrogate_bytes_and_flops():
     for rank in (2, 3, H + 4):  # a rank above H is capped at H
         fitted = Surrogate.fit(InputMoments.collect(tree_layers(1, 4), model), rank=rank)
         held = fitted.u[0].numel() + fitted.v[0].numel() + fitted.rho[0].numel()
-        assert overhead.surrogate(N, H, rank, 4).bytes_per_layer == held * 4
-        r = min(rank, H)
-        flops = 2 * N * (H + 1) * r + 2 * N * r * H + 2 * N * N * H  # V^T[h,1], U z, Gram
+        assert fitted.u.dtype == torch.float32  # what SURROGATE_BYTES charges
+        assert overhead.surrogate(N, H, rank).bytes_per_layer == held * 4
+        # FLOPs from the tensors predicted_outputs multiplies: x [D] · V [N, D, r], z · U
+        # [N, H, r], then the N predictions' Gram over H (+ the diagonal private block) and
+        # their products with the predicted natural output R̂ [H]
+        n, d, r = fitted.v.shape[1:]
+        h = fitted.u.shape[2]
+        flops = 2 * n * d * r + 2 * n * r * h + 2 * n * n * h + n + 2 * n * h
         assert overhead.surrogate(N, H, rank).flops_per_token == flops
     # the index names sketch's overhead at the rank replay fits; other rankings add nothing
     assert index.overhead("sketch", 64, 2048) == overhead.surrogate(64, 2048, Sketch.rank)
     assert index.overhead("coact-prior", 64, 2048) == overhead.NONE
     assert index.overhead("an-imported-name", 64, 2048) == overhead.NONE
     c4, c32 = surrogate_cost(64, 2048, 4, 1024), surrogate_cost(64, 2048, 32, 1024)
-    assert c4["bytes_per_layer"] == 64 * (4 * 2048 + 4 * 2049 + 1) * 2
+    assert c4["bytes_per_layer"] == 64 * (4 * 2048 + 4 * 2049 + 1) * 4  # float32 numbers
     assert c32["bytes_per_layer"] > c4["bytes_per_layer"] and c32["flops_per_token"] > \
         c4["flops_per_token"]
     assert c4["expert_bytes"] == 3 * 2048 * 1024 * 2

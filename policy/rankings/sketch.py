@@ -140,10 +140,11 @@ class Sketch(Ranking):
 
     @classmethod
     def cost(cls, n: int, h: int, intermediate: int, rank: int | None = None,
-             dtype_bytes: int = 2) -> dict:
-        """Bytes per layer, FLOPs per token and expert-equivalents of the surrogate at a shape
-        (what the cost model charges every verification pass)."""
-        return surrogate_cost(n, h, cls.rank if rank is None else rank, intermediate, dtype_bytes)
+             expert_bytes: float = 2) -> dict:
+        """Bytes per layer, FLOPs per token and expert-equivalents (experts of ``expert_bytes``
+        a number) of the surrogate at a shape (what the cost model charges every verification
+        pass)."""
+        return surrogate_cost(n, h, cls.rank if rank is None else rank, intermediate, expert_bytes)
 
     def predicted(self, batch: RoutingBatch, rows: torch.Tensor) -> RoutingBatch:
         """Tree-layers ``rows`` of ``batch`` with predicted expert terms in place of true ones."""
