@@ -319,6 +319,12 @@ KINDS = (("diagonal", "in domain"), ("off", "one other benchmark"),
          ("others", "the other benchmarks together"))
 
 
+def calibrated_on(rep: dict) -> str:
+    """A report's calibration column: "each benchmark" for the full single-benchmark matrix."""
+    full = rep["sources"] == rep["benches"] and len(rep["benches"]) > 1
+    return "each benchmark" if full else ", ".join(rep["sources"])
+
+
 def markdown(reports: list[dict]) -> str:
     """Two tables from one or more ``--output`` files: the median (worst) gap closed per model,
     policy, ranking and budget for each kind of calibration cell, and the experts saved at
@@ -328,8 +334,7 @@ def markdown(reports: list[dict]) -> str:
     lines = ["| model | calibrated on | policy | ranking | B | " + " | ".join(k[1] for k in KINDS)
              + " |", "|---|---|---|---|---|" + "---|" * len(KINDS)]
     for rep in reports:
-        src = "each benchmark" if rep["sources"] == rep["benches"] != rep["benches"][:1] \
-            else ", ".join(rep["sources"])
+        src = calibrated_on(rep)
         keys = [tuple(k.split("|")) for k in rep["medians"]]
         order = list(dict.fromkeys((c, r) for c, r, _, _ in keys))
         for cov, name in order:
@@ -343,8 +348,7 @@ def markdown(reports: list[dict]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
     for rep in reports:
         real = rep["real_shape"]["name"]
-        src = "each benchmark" if rep["sources"] == rep["benches"] != rep["benches"][:1] \
-            else ", ".join(rep["sources"])
+        src = calibrated_on(rep)
         for key, found in rep["experts_saved"].items():
             cov, name = key.split("|")
             saved, oracle = found["saved"], found["oracle"]
