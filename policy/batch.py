@@ -117,6 +117,7 @@ class RoutingBatch:
     _by_choice: torch.Tensor | None = field(default=None, repr=False)
     hidden: torch.Tensor | None = field(default=None, repr=False)  # [T, M, H] the MoE inputs
     # h_t: known in a verification pass before any expert runs (token-aware rankings read it)
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # memo()'s results
 
     @classmethod
     def single(cls, probs, idx, weights, layer: int, rule: RoutingRule,
@@ -160,6 +161,14 @@ class RoutingBatch:
             self._by_choice = torch.sort(self.rule.selection_scores(self.probs), dim=-1,
                                          descending=True, stable=True).indices
         return self._by_choice
+
+    def memo(self, key, compute):
+        """``compute()``, once per key for this batch's tree-layers (what several tasks ask of the
+        same batch: :func:`policy.rankings.base.batch_shortlists`). A copy with other
+        terms (``dataclasses.replace``) shares the memo; :meth:`take` starts a new one."""
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def union(self) -> torch.Tensor:
         """``U = ∪_t T_k(t)`` per tree-layer, ``[T, N]`` bool (what an unbudgeted pass loads)."""

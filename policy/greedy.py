@@ -4,7 +4,10 @@ For a symmetric ``Q [N, N]`` and the experts left out D = complement of S, minim
 ``q(D) = Σ_{i,j∈D} Q_ij`` by growing S from ∅: removing c from D lowers q by
 ``2 Σ_{j∈D} Q_cj − Q_cc``, so each step adds the c with the largest drop (``tie`` breaks exact
 ties). After the O(N²) row sums each step is O(N) per tree-layer, and the loop runs
-``max_budget`` steps per *batch*, not per tree-layer. Both the truncation oracle
+``max_budget`` steps per *batch*, not per tree-layer. An expert whose row of Q is all zero (no
+tree token routes to it) gains exactly ``tie`` at every step, so once only such experts are left
+the rest of the order is theirs by ``tie`` (descending, ties to the lower id, as the loop's argmax
+would pick them). Both the truncation oracle
 (Q = A ⊙ Gram of the tree) and coact (Q = A ⊙ calibration G) are this.
 """
 
@@ -25,7 +28,14 @@ def greedy_quadratic(q: torch.Tensor, tie: torch.Tensor, max_budget: int) -> tor
     diag = q.diagonal(dim1=-2, dim2=-1)
     steps = min(max_budget, n)
     order = torch.empty(t, steps, dtype=torch.long, device=q.device)
+    active = (q != 0).any(-1)  # [T, N]: the others gain exactly `tie`, whatever is chosen
+    settled = int(active.sum(-1).max())  # no step before this can have only those left
     for s in range(steps):
+        if s >= settled and not bool((left & active).any()):
+            rest = torch.sort(tie.masked_fill(~left, float("-inf")), dim=-1, descending=True,
+                              stable=True).indices
+            order[:, s:] = rest[:, : steps - s]
+            break
         gain = (2 * row - diag + tie).masked_fill(~left, float("-inf"))
         c = gain.argmax(-1)
         order[:, s] = c

@@ -30,6 +30,7 @@ from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch, combine, pair_index
 from moe_spec.policy.coverage import Coverage, experts_used
 from moe_spec.policy.rankings import Ranking
+from moe_spec.policy.rankings.base import batch_shortlists
 
 # relative tolerance of the recomputed vs captured MoE output of a tree-layer, by the coarser of
 # the storage dtype and the dtype the model ran in
@@ -207,7 +208,7 @@ def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budget
                                  stream.starts.setdefault(other.name, Stream()))[0]
                       for other in ranking.stateful_starts]
             return ranking.shortlists(batch, coverage, budgets, starts=starts)
-        return ranking.shortlists(batch, coverage, budgets)
+        return batch_shortlists(ranking, batch, coverage, budgets)
     keep = torch.zeros(batch.size, len(budgets), batch.n, dtype=torch.bool, device=batch.device)
     union = batch.union()
     routing = replace(batch, terms=None)  # what a runtime ranking sees (no expert outputs)

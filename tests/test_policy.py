@@ -129,6 +129,62 @@ def test_truncation_oracle_closed_form_equals_greedy_over_candidates():
             assert e[0] == pytest.approx(e[1], rel=1e-9, abs=1e-12)
 
 
+def _greedy_every_step(q, tie, max_budget):
+    """greedy_quadratic's loop run to the end (no shortcut): the reference its shortcut equals."""
+    t, n = q.shape[0], q.shape[-1]
+    left, row, order = torch.ones(t, n, dtype=torch.bool), q.sum(-1), []
+    for _ in range(min(max_budget, n)):
+        c = (2 * row - q.diagonal(dim1=-2, dim2=-1) + tie).masked_fill(~left, float("-inf")) \
+            .argmax(-1)
+        order.append(c)
+        left[torch.arange(t), c] = False
+        row = row - q[torch.arange(t), :, c]
+    return torch.stack(order, -1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10**6), st.integers(2, 12), st.integers(0, 12), st.booleans())
+def test_greedy_quadratic_shortcut_equals_running_every_step(seed, n, unused, equal_ties):
+    """Experts no tree token routes to (zero rows of Q, :func:`policy.greedy.greedy_quadratic`)
+    are ordered by the tie-break once only they are left, exactly as the full loop would (also
+    with equal tie values, and with negative gains that put one before a routed expert)."""
+    from moe_spec.policy.greedy import greedy_quadratic
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(3, n, 4, generator=g, dtype=torch.float64)
+    q = x @ x.transpose(1, 2) - 0.5 * torch.rand(3, n, n, generator=g, dtype=torch.float64)
+    q = (q + q.transpose(1, 2)) / 2
+    off = torch.rand(3, n, generator=g) < min(unused, n) / n  # unrouted: their rows are zero
+    q = q.masked_fill(off[:, :, None] | off[:, None, :], 0.0)
+    tie = torch.rand(3, n, generator=g, dtype=torch.float64) * 1e-9
+    if equal_ties:
+        tie = tie.round(decimals=10)
+    for budget in (1, n // 2, n):
+        assert torch.equal(greedy_quadratic(q, tie, budget), _greedy_every_step(q, tie, budget))
+
+
+def test_a_batch_computes_a_stateless_rankings_shortlists_once_for_every_task():
+    """Open-loop replay asks one batch for coact's shortlists twice (its own task, the oracle's
+    start): the second answer is the first (the same tensor), equal to a fresh batch's; orders
+    that ignore the coverage are shared by both policies; stateful rankings and sketch at another
+    rank are never shared."""
+    from moe_spec.policy.rankings.base import batch_shortlists
+    batch, experts = synthetic(4, m=10, n=16, k=4)
+    stats = calibration_of(batch, experts)
+    sub = coverage.get("substitution")
+    coact, again = (rankings.get("coact")().fit(stats) for _ in range(2))
+    first = batch_shortlists(coact, batch, sub, [4, 8])
+    assert batch_shortlists(again, batch, sub, [4, 8])[0] is first[0]
+    fresh, _ = synthetic(4, m=10, n=16, k=4)
+    assert torch.equal(first[0], coact.shortlists(fresh, sub, [4, 8])[0])
+    assert batch_shortlists(coact, batch, sub, [4, 6])[0].shape[1] == 2  # other budgets: computed
+    order = coact.batch_order(batch, coverage.get("truncation"), 8)
+    assert coact.batch_order(batch, sub, 8) is order
+    assert rankings.get("coact-online")().fit(stats).memo_key() is None
+    assert rankings.get("oracle")().memo_key() is None
+    sketch = rankings.get("sketch")
+    assert sketch(rank=4).memo_key() != sketch(rank=8).memo_key()
+
+
 def _stack(batches):
     """Tree-layers of different sizes as one padded batch (what the replay engine builds)."""
     m = max(b.probs.shape[1] for b in batches)

@@ -53,6 +53,8 @@ class Ranking(ABC):
     selected_first: ClassVar[bool] = True  # under truncation, experts some tree token selected
     # come before any other (B ≥ |U| ⇒ the error floor); False only for the papers' own
     # definitions (router, static), which can leave a selected expert out even when B ≥ |U|
+    order_reads_coverage: ClassVar[bool] = True  # False: order() ignores the coverage, so a
+    # batch computes it once for both policies (stateless rankings only, see memo_key)
 
     calibration: CalibrationStats | None = None
 
@@ -97,11 +99,29 @@ class Ranking(ABC):
         budget on its own (``exact``)."""
         return self.prefixes(batch, coverage, budgets), list(budgets)
 
+    def memo_key(self) -> tuple | None:
+        """What makes two instances answer alike on the same batch, or None where they may not
+        (a stateful ranking, an offline one): the class, its version and its calibration (an
+        instance setting, such as sketch's rank, is added by the ranking)."""
+        if self.stateful or not self.runtime:
+            return None
+        return type(self).__qualname__, self.version, id(self.calibration)
+
+    def batch_order(self, batch: RoutingBatch, coverage: Coverage, max_budget: int
+                    ) -> torch.Tensor:
+        """:meth:`order`, computed once per batch for both coverage policies where the order
+        does not read the coverage (``order_reads_coverage`` False)."""
+        key = None if self.order_reads_coverage else self.memo_key()
+        if key is None:
+            return self.order(batch, coverage, max_budget)
+        return batch.memo(("order", key, max_budget),
+                          lambda: self.order(batch, coverage, max_budget))
+
     def prefix_orders(self, batch: RoutingBatch, coverage: Coverage, max_budget: int
                       ) -> list[torch.Tensor]:
         """The orders whose prefixes are the shortlists: :meth:`order` (selected experts first
         under truncation), or several, of which :meth:`prefix_errors` picks per budget."""
-        order = self.order(batch, coverage, max_budget)
+        order = self.batch_order(batch, coverage, max_budget)
         if self.selected_first and isinstance(coverage, Truncation):
             order = selected_first(order, batch)
         return [order]
@@ -210,6 +230,18 @@ def get(name: str) -> type[Ranking]:
     return REGISTRY[name]
 
 
+def batch_shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage,
+                     budgets: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """``ranking.shortlists(batch, coverage, budgets)``, once per batch for
+    instances with one :meth:`Ranking.memo_key`: a replay of coact and the oracle's coact start
+    (open-loop replay scores every task of a batch on the same object)."""
+    key = ranking.memo_key()
+    if key is None:
+        return ranking.shortlists(batch, coverage, budgets)
+    return batch.memo(("shortlists", key, coverage.name, tuple(budgets)),
+                      lambda: ranking.shortlists(batch, coverage, budgets))
+
+
 def mass_tiebreak(batch: RoutingBatch) -> torch.Tensor:
     """``10⁻¹² · s_i / Σ s``, ``[T, N]`` float64: added to a score, it orders experts the score
     cannot tell apart (no tree token routes to them) by router mass, and changes nothing else."""
@@ -259,7 +291,7 @@ class SubstitutionAware:
     def prefix_orders(self, batch, coverage, max_budget):
         if isinstance(coverage, Truncation):
             return super().prefix_orders(batch, coverage, max_budget)
-        return [self.order(batch, coverage, max_budget), by_squared_mass(batch),
+        return [self.batch_order(batch, coverage, max_budget), by_squared_mass(batch),
                 by_mass(batch.mass())]
 
     def prefix_errors(self, batch):

@@ -29,6 +29,7 @@ from moe_spec.policy.rankings.base import Ranking, SubstitutionAware, mass_tiebr
 @register
 class Coact(SubstitutionAware, Ranking):
     name = "coact"
+    order_reads_coverage = False  # cached for both policies (Ranking.batch_order)
 
     def order(self, batch, coverage, max_budget):
         w = batch.dense_weights().double()  # [T, M, N]

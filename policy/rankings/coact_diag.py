@@ -14,6 +14,7 @@ from moe_spec.policy.rankings.base import Ranking, by_mass, mass_tiebreak, regis
 @register
 class CoactDiagonal(Ranking):
     name = "coact-diag"
+    order_reads_coverage = False  # cached for both policies (Ranking.batch_order)
 
     def order(self, batch, coverage, max_budget):
         w = batch.dense_weights().double()  # [T, M, N]

@@ -198,6 +198,7 @@ def features(batch, calibration: CalibrationStats) -> torch.Tensor:
 @register
 class Learned(SubstitutionAware, Ranking):
     name = "learned"
+    order_reads_coverage = False  # cached for both policies (Ranking.batch_order)
     seed: ClassVar[int] = 0
     model = None  # the scikit-learn estimator, where this process fitted or loaded it
     trees: Trees | None = None  # what scores (the model's trees as arrays)

@@ -57,6 +57,7 @@ from moe_spec.policy.rankings.base import (
     REGISTRY,
     Ranking,
     RankingError,
+    batch_shortlists,
     by_mass,
     by_squared_mass,
     register,
@@ -115,7 +116,7 @@ class Oracle(Ranking):
         candidates = [prefix_masks(o, budgets, batch.n) for o in orders]
         starts = getattr(self, "starts", None)  # fit() sets them; unfitted: no calibration
         for ranking in start_rankings(None) if starts is None else starts:
-            candidates.append(ranking.shortlists(batch, coverage, budgets)[0])
+            candidates.append(batch_shortlists(ranking, batch, coverage, budgets)[0])
         return best_shortlists(batch, coverage, candidates + list(extra),
                                token_errors(batch, coverage))
 

@@ -122,6 +122,9 @@ class Sketch(Ranking):
                        "pairs: policy.rankings.sketch.attach_moments)")
         return self
 
+    def memo_key(self):
+        return super().memo_key() + (self.rank,)
+
     def blind(self, why: str) -> None:
         """Say once per instance that sketch falls back to coact-prior's shortlists, and why."""
         self.token_aware = False
