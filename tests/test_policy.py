@@ -200,6 +200,20 @@ def _stack(batches):
                       ("experts", "routed", "delta", "gold_sq", "natural", "cross"))))
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10**6), st.booleans())
+def test_substitution_greedy_orders_each_tree_layer_of_a_batch_as_alone(seed, renorm):
+    """The substitution greedy drops a tree-layer from its loop once no candidate changes any of
+    its tokens (the rest of its order by expert id): batched with tree-layers of other sizes, that
+    finish earlier or later, each order equals the tree-layer's own."""
+    from moe_spec.policy.rankings.oracle import substitution_order
+    parts = [synthetic(seed + i, m=m, n=16, k=k, renormalize=renorm, sharpness=s)[0]
+             for i, (m, k, s) in enumerate(((3, 2, 3.0), (12, 2, 1.0), (7, 2, 5.0), (1, 2, 3.0)))]
+    together = substitution_order(_stack(parts), 16)
+    for row, part in enumerate(parts):
+        assert torch.equal(together[row], substitution_order(part, 16)[0])
+
+
 @pytest.mark.parametrize("cov", COVERAGES)
 def test_rankings_equal_the_frozen_round1_replay_batched_and_padded(cov):
     """Golden: every ranking and budget equals round 1's per-tree-layer code (bit for bit on

@@ -38,8 +38,8 @@ policy, for every tree-layer of a batch at once (``max_budget`` steps per batch)
       err = ||R*||² − 2 a(Z') L' + a(Z')² Q'    (a: the rule's mixing, policy.routing.Mixing)
 
   so each step scores all N candidates of all T tree-layers in O(T·M·N). Once no candidate
-  changes any token (S covers every token's top-k), the rest of the order is filled by expert
-  id, as exact ties resolve. Group-limited routing falls back to scoring every candidate
+  changes any token of a tree-layer (S covers every token's top-k), the rest of its order is
+  filled by expert id, as exact ties resolve, and it leaves the loop. Group-limited routing falls back to scoring every candidate
   shortlist through the coverage policy.
 """
 
@@ -359,12 +359,12 @@ def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(-1, index[..., None])[..., 0]
 
 
-def _column(q: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``Q_t[:, index_t]`` for ``q [T, M, N, N]``, ``index [T, M]`` → ``[T, M, N]`` (Q is
-    symmetric, so its contiguous row is read)."""
-    t, m, n, _ = q.shape
-    rows = torch.arange(t * m, device=q.device) * n + index.reshape(-1)
-    return q.reshape(-1, n).index_select(0, rows).view(t, m, n)
+def _column(q: torch.Tensor, index: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``Q_t[:, index_t]`` of the tree-layers ``live [R]`` for ``q [T, M, N, N]``, ``index
+    [R, M]`` → ``[R, M, N]`` (Q is symmetric, so its contiguous row is read; q is never copied)."""
+    _, m, n, _ = q.shape
+    token = live[:, None] * m + torch.arange(m, device=q.device)  # [R, M] rows of [T·M]
+    return q.reshape(-1, n).index_select(0, (token * n + index).reshape(-1)).view(-1, m, n)
 
 
 def substitution_order(batch, max_budget) -> torch.Tensor:
@@ -387,6 +387,7 @@ def substitution_order(batch, max_budget) -> torch.Tensor:
         a = mixing.coefficient(Z)
         return r - 2 * a * L + a * a * Q
 
+    live = torch.arange(t, device=dev)  # tree-layers still ordered (the others are filled)
     count = torch.zeros(t, m, dtype=torch.long, device=dev)
     sel = torch.zeros(t, m, k, dtype=torch.long, device=dev)  # slots; valid below count
     L = torch.zeros(t, m, dtype=torch.float64, device=dev)
@@ -394,7 +395,6 @@ def substitution_order(batch, max_budget) -> torch.Tensor:
     Z = torch.zeros_like(L)
     C = torch.zeros(t, m, n, dtype=torch.float64, device=dev)
     keep = torch.zeros(t, n, dtype=torch.bool, device=dev)
-    rows = torch.arange(t, device=dev)
     slots = torch.arange(k, device=dev)
     steps = min(max_budget, n)
     order = torch.empty(t, steps, dtype=torch.long, device=dev)
@@ -405,12 +405,21 @@ def substitution_order(batch, max_budget) -> torch.Tensor:
         mi = sel.gather(-1, weakest[..., None])[..., 0]  # its expert id (meaningful when full)
         changes = (~full[..., None] | (choice > _at(choice, mi)[..., None])) \
             & ~keep[:, None, :] & real[..., None]  # [T, M, N]
-        if not bool(changes.any()):  # every candidate ties: the rest by expert id
-            rest = torch.argsort(keep.long() * n + torch.arange(n, device=dev), -1)
-            order[:, s:] = rest[:, : steps - s]
-            break
+        going = changes.flatten(1).any(-1)  # [R]: a tree-layer some candidate still changes
+        if not bool(going.all()):  # the others' candidates all tie, now and at every later
+            # step (adding an expert that changes no token changes no later choice): the rest
+            # of their order by expert id, and they leave the loop
+            done = ~going
+            rest = torch.argsort(keep[done].long() * n + torch.arange(n, device=dev), -1)
+            order[live[done], s:] = rest[:, : steps - s]
+            if not bool(going.any()):
+                break
+            live, changes, full, mi, weakest = (x[going] for x in (live, changes, full, mi,
+                                                                   weakest))
+            g, b, choice, diag, r_sq, real, L, Q, Z, C, keep, sel, count = (
+                x[going] for x in (g, b, choice, diag, r_sq, real, L, Q, Z, C, keep, sel, count))
         gm = (_at(g, mi) * full)[..., None]  # 0 where c joins instead of replacing
-        q_cm = _column(q, mi)  # Q_t[c, m] for every candidate c
+        q_cm = _column(q, mi, live)  # Q_t[c, m] for every candidate c
         L2 = L[..., None] - gm * _at(b, mi)[..., None] + g * b
         Q2 = (Q[..., None] - 2 * gm * _at(C, mi)[..., None] + gm * gm * _at(diag, mi)[..., None]
               + 2 * g * (C - gm * q_cm) + g * g * diag)
@@ -419,16 +428,16 @@ def substitution_order(batch, max_budget) -> torch.Tensor:
                           error(r_sq, L, Q, Z)[..., None])
         total = err.sum(1).masked_fill(keep, float("inf"))  # [T, N]
         c = total.argmin(-1)
-        order[:, s] = c
-        cc = c[:, None].expand(t, m)
+        order[live, s] = c
+        cc = c[:, None].expand(len(live), m)
         changed = _at(changes, cc)  # [T, M]
         L = torch.where(changed, _at(L2, cc), L)
         Q = torch.where(changed, _at(Q2, cc), Q)
         Z = torch.where(changed, _at(Z2, cc), Z)
-        delta = _at(g, cc)[..., None] * _column(q, cc) - gm * q_cm
+        delta = _at(g, cc)[..., None] * _column(q, cc, live) - gm * q_cm
         C = C + changed[..., None] * delta
         slot = torch.where(full, weakest, count.clamp_max(k - 1))
         sel = torch.where(changed[..., None] & (slots == slot[..., None]), cc[..., None], sel)
         count = count + (changed & ~full)
-        keep[rows, c] = True
+        keep[torch.arange(len(live), device=dev), c] = True
     return order
