@@ -39,8 +39,8 @@ policy, for every tree-layer of a batch at once (``max_budget`` steps per batch)
 
   so each step scores all N candidates of all T tree-layers in O(T·M·N). Once no candidate
   changes any token of a tree-layer (S covers every token's top-k), the rest of its order is
-  filled by expert id, as exact ties resolve, and it leaves the loop. Group-limited routing falls back to scoring every candidate
-  shortlist through the coverage policy.
+  filled by expert id, as exact ties resolve, and it leaves the loop. Group-limited routing
+  falls back to scoring every candidate shortlist through the coverage policy.
 """
 
 from __future__ import annotations
