@@ -41,9 +41,15 @@ def predicted_sq_errors(batch: RoutingBatch, gram: torch.Tensor, idx: torch.Tens
 def best_shortlists(batch: RoutingBatch, coverage: Coverage, candidates: list[torch.Tensor],
                     sq_errors) -> torch.Tensor:
     """Per tree-layer and budget, the candidate shortlist (each ``[T, B, N]``) with the lowest
-    total error ``sq_errors(keep, idx, w) → [T, *E, M]`` under ``coverage``; ties to the first."""
-    stacked = torch.stack(candidates)  # [C, T, B, N]
+    total error ``sq_errors(keep, idx, w) → [T, *E, M]`` under ``coverage``; ties to the first.
+    A candidate equal to an earlier one as a whole (the oracle's router-mass start and router's
+    shortlists, say) can only tie it, so it is not scored."""
+    distinct: list[torch.Tensor] = []
+    for c in candidates:
+        if not any(torch.equal(c, d) for d in distinct):
+            distinct.append(c)
+    stacked = torch.stack(distinct)  # [C, T, B, N]
     err = torch.stack([sq_errors(c, *coverage.apply(batch, c)).sum(-1)
-                       for c in candidates])  # [C, T, B]
+                       for c in distinct])  # [C, T, B]
     pick = err.argmin(0)[None, ..., None].expand(1, *stacked.shape[1:])
     return stacked.gather(0, pick)[0]
