@@ -31,11 +31,18 @@ def predicted_sq_errors(batch: RoutingBatch, gram: torch.Tensor, idx: torch.Tens
     ``gram [T, N, N]`` per tree-layer: the Gram expansion (:func:`policy.batch.gram_sq_errors`)
     with ``Q_t ≈ G``, ``b_t ≈ G ḡ_t`` and ``||R*_t||² ≈ ḡ_tᵀ G ḡ_t`` (ḡ_t dense over the N
     experts). Runtime-legal: router scores and calibration statistics only."""
+    return predictor(batch, gram)(idx, w)
+
+
+def predictor(batch: RoutingBatch, gram: torch.Tensor):
+    """``(idx, w) →`` :func:`predicted_sq_errors`, its per-token terms computed once (for
+    scoring several candidate shortlists)."""
     g = gram.double()  # [T, N, N]
     dense = batch.dense_weights().double()  # ḡ: [T, M, N]
     b = dense @ g  # [T, M, N]
     shared = g[:, None].expand(-1, dense.shape[1], -1, -1)  # the same G for every token
-    return gram_sq_errors((b * dense).sum(-1), b, shared, idx, w)
+    r_sq = (b * dense).sum(-1)
+    return lambda idx, w: gram_sq_errors(r_sq, b, shared, idx, w)
 
 
 def best_shortlists(batch: RoutingBatch, coverage: Coverage, candidates: list[torch.Tensor],

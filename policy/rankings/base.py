@@ -30,7 +30,7 @@ from moe_spec.policy import index
 from moe_spec.policy.batch import RoutingBatch
 from moe_spec.policy.calibration import CalibrationStats
 from moe_spec.policy.coverage import Coverage, Truncation, prefix_masks
-from moe_spec.policy.substitution import best_shortlists, predicted_sq_errors
+from moe_spec.policy.substitution import best_shortlists, predictor
 
 
 class RankingError(UserError, ValueError):
@@ -296,7 +296,8 @@ class SubstitutionAware:
 
     def prefix_errors(self, batch):
         gram = self.mean_gram(batch)  # [T, N, N]
-        return lambda keep, idx, w: predicted_sq_errors(batch, gram, idx, w)
+        predict = predictor(batch, gram)  # the terms once for every candidate
+        return lambda keep, idx, w: predict(idx, w)
 
     def mean_gram(self, batch: RoutingBatch) -> torch.Tensor:
         """``G [T, N, N]`` float64 for the batch's layers: the calibration means."""
