@@ -101,11 +101,12 @@ class Ranking(ABC):
 
     def memo_key(self) -> tuple | None:
         """What makes two instances answer alike on the same batch, or None where they may not
-        (a stateful ranking, an offline one): the class, its version and its calibration (an
-        instance setting, such as sketch's rank, is added by the ranking)."""
+        (a stateful ranking, an offline one): the class, its version and its calibration object
+        (by identity; the key keeps it alive) — an instance setting, such as sketch's rank, is
+        added by the ranking."""
         if self.stateful or not self.runtime:
             return None
-        return type(self).__qualname__, self.version, id(self.calibration)
+        return type(self).__qualname__, self.version, self.calibration
 
     def batch_order(self, batch: RoutingBatch, coverage: Coverage, max_budget: int
                     ) -> torch.Tensor:
