@@ -117,7 +117,8 @@ class RoutingBatch:
     _by_choice: torch.Tensor | None = field(default=None, repr=False)
     hidden: torch.Tensor | None = field(default=None, repr=False)  # [T, M, H] the MoE inputs
     # h_t: known in a verification pass before any expert runs (token-aware rankings read it)
-    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # memo()'s results
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # memo()'s
+    # results: never carried to a copy (dataclasses.replace, take) whose fields may differ
 
     @classmethod
     def single(cls, probs, idx, weights, layer: int, rule: RoutingRule,
@@ -164,8 +165,9 @@ class RoutingBatch:
 
     def memo(self, key, compute):
         """``compute()``, once per key for this batch's tree-layers (what several tasks ask of the
-        same batch: :func:`policy.rankings.base.batch_shortlists`). A copy with other
-        terms (``dataclasses.replace``) shares the memo; :meth:`take` starts a new one."""
+        same batch: :func:`policy.rankings.base.batch_shortlists`); a copy starts empty. The
+        batch must not change after: the replay engine builds it whole (hidden and terms
+        included) before any ranking runs."""
         if key not in self._memo:
             self._memo[key] = compute()
         return self._memo[key]

@@ -98,7 +98,7 @@ class Example:
                                    RoutingRule(self.idx.shape[-1]))
 
 
-@dataclass(eq=False)  # compared and hashed by identity: a key (Ranking.memo_key) holds one
+@dataclass
 class CalibrationStats:
     layers: list[int]  # decoder layer of each row
     gram: torch.Tensor  # [L, N, N] float64

@@ -165,8 +165,11 @@ def test_greedy_quadratic_shortcut_equals_running_every_step(seed, n, unused, eq
 def test_a_batch_computes_a_stateless_rankings_shortlists_once_for_every_task():
     """Open-loop replay asks one batch for coact's shortlists twice (its own task, the oracle's
     start): the second answer is the first (the same tensor), equal to a fresh batch's; orders
-    that ignore the coverage are shared by both policies; stateful rankings and sketch at another
-    rank are never shared."""
+    that ignore the coverage are shared by both policies; calibration statistics of a dataclass
+    subclass (unhashable) key by identity; stateful rankings and sketch (it reads h_t) are never
+    shared, and a copy of the batch starts empty."""
+    import dataclasses
+
     from moe_spec.policy.rankings.base import batch_shortlists
     batch, experts = synthetic(4, m=10, n=16, k=4)
     stats = calibration_of(batch, experts)
@@ -181,8 +184,15 @@ def test_a_batch_computes_a_stateless_rankings_shortlists_once_for_every_task():
     assert coact.batch_order(batch, sub, 8) is order
     assert rankings.get("coact-online")().fit(stats).memo_key() is None
     assert rankings.get("oracle")().memo_key() is None
-    sketch = rankings.get("sketch")
-    assert sketch(rank=4).memo_key() != sketch(rank=8).memo_key()
+    assert rankings.get("sketch")().memo_key() is None
+    assert not dataclasses.replace(batch, terms=None)._memo
+
+    @dataclasses.dataclass
+    class Subclass(CalibrationStats):  # as bench/energy_prior.py's ShrunkStats
+        kappa: float = 0.0
+    other = Subclass(**{f.name: getattr(stats, f.name) for f in dataclasses.fields(stats)})
+    mine = batch_shortlists(rankings.get("coact")().fit(other), batch, sub, [4, 8])[0]
+    assert mine is not first[0] and torch.equal(mine, first[0])
 
 
 def _stack(batches):

@@ -101,12 +101,11 @@ class Ranking(ABC):
 
     def memo_key(self) -> tuple | None:
         """What makes two instances answer alike on the same batch, or None where they may not
-        (a stateful ranking, an offline one): the class, its version and its calibration object
-        (by identity; the key keeps it alive) — an instance setting, such as sketch's rank, is
-        added by the ranking."""
+        (a stateful ranking, an offline one, one that reads more than routing and calibration):
+        the class, its version and its calibration object (:class:`Same`)."""
         if self.stateful or not self.runtime:
             return None
-        return type(self).__qualname__, self.version, self.calibration
+        return type(self), self.version, Same(self.calibration)
 
     def batch_order(self, batch: RoutingBatch, coverage: Coverage, max_budget: int
                     ) -> torch.Tensor:
@@ -229,6 +228,23 @@ def get(name: str) -> type[Ranking]:
     if name not in index.RANKINGS:
         raise RankingError(f"unknown ranking {name!r}; use one of {', '.join(names())}")
     return REGISTRY[name]
+
+
+class Same:
+    """A key part equal only to one for the same object, which it keeps alive (so its id is not
+    reused while a key holds it); calibration statistics are neither hashable nor comparable by
+    value."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj):
+        self.obj = obj
+
+    def __hash__(self):
+        return id(self.obj)
+
+    def __eq__(self, other):
+        return type(other) is Same and other.obj is self.obj
 
 
 def batch_shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage,

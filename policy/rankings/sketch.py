@@ -123,7 +123,7 @@ class Sketch(Ranking):
         return self
 
     def memo_key(self):
-        return super().memo_key() + (self.rank,)
+        return None  # its answer depends on batch.hidden and the surrogate: never shared
 
     def blind(self, why: str) -> None:
         """Say once per instance that sketch falls back to coact-prior's shortlists, and why."""
