@@ -57,6 +57,7 @@ from moe_spec.policy.rankings.base import (
     REGISTRY,
     Ranking,
     RankingError,
+    Same,
     batch_shortlists,
     by_mass,
     by_squared_mass,
@@ -131,7 +132,7 @@ class Oracle(Ranking):
         return substitution_order(batch, max_budget)
 
 
-_STARTS: dict[int, tuple[object, list[Ranking]]] = {}
+_STARTS: dict[Same, list[Ranking]] = {}  # the stateless starts per calibration object
 
 
 def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
@@ -139,9 +140,9 @@ def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
     without it, or without examples for a ranking that learns from them): the shortlists the
     oracle must never lose to. Stateless ones are fitted once per calibration object; stateful
     ones (``stateful=True``) fresh, since they keep state (open-loop replay streams them)."""
-    key = id(calibration)
-    if not stateful and key in _STARTS and _STARTS[key][0] is calibration:
-        return _STARTS[key][1]
+    key = Same(calibration)
+    if not stateful and key in _STARTS:
+        return _STARTS[key]
     found = []
     for name in sorted(REGISTRY):
         cls = REGISTRY[name]
@@ -157,7 +158,7 @@ def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
         except RankingError:  # e.g. learned without calibration examples
             continue
     if not stateful:
-        _STARTS[key] = (calibration, found)
+        _STARTS[key] = found
     return found
 
 
