@@ -45,7 +45,7 @@ from moe_spec.policy import coverage as coverages  # noqa: E402
 from moe_spec.policy import rankings  # noqa: E402
 from moe_spec.policy.overhead import surrogate_cost  # noqa: E402
 from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs  # noqa: E402
-from moe_spec.policy.surrogate import InputMoments  # noqa: E402
+from moe_spec.policy.surrogate import MOMENTS, InputMoments, OnlineSurrogate  # noqa: E402
 from moe_spec.replay import open_loop  # noqa: E402
 from moe_spec.replay.run import calibration_stats  # noqa: E402
 from moe_spec.replay.virtual_batch import PromptSource  # noqa: E402
@@ -102,6 +102,50 @@ def batches(run, adapter, max_batch: int, prompts: int | None = None):
         yield load(pending)
 
 
+def passes(run, adapter, prompts: int | None = None):
+    """``(prompt, batch)`` per verification pass (the tree-layers of one step of one prompt), in
+    the order they ran, with h_t attached: what a ranking that learns during the prompt sees."""
+    tolerance = open_loop.gold_tolerance(run.manifest)
+    dtype = open_loop.captured_weight_dtype(run.manifest)
+    source = PromptSource(run)
+    layers = [layer.index for layer in adapter]
+    for prompt in source.keys()[:prompts]:
+        steps: dict[int, list] = {}
+        for data in source.chunks(prompt):
+            for row in data.select(layers):
+                steps.setdefault(int(data.step[row]), []).append(open_loop.Slice(data, [row]))
+        for step in sorted(steps):
+            slices = steps[step]
+            batch = open_loop.load_batch(slices, adapter, torch.device("cpu"), tolerance,
+                                         run.name, dtype)
+            hidden = torch.from_numpy(open_loop.pad(slices, "hidden",
+                                                    slices[0].data.hidden.shape[1], np.float32))
+            yield prompt, with_inputs(batch, hidden)
+
+
+def online_rse(stream, moments: InputMoments, rank: int, kappa: float, cov,
+               budgets: list[int]) -> np.ndarray:
+    """Summed RSE per budget of sketch with its surrogate refit during each prompt
+    (:class:`policy.surrogate.OnlineSurrogate`): one surrogate per budget and prompt, each pass
+    searched on the current fit, then the outputs of exactly the experts that budget's pass ran
+    observed (as open-loop replay feeds coact-online)."""
+    out = np.zeros(len(budgets))
+    for j, b in enumerate(budgets):
+        online, current = None, None
+        for prompt, batch in stream:
+            if prompt != current:
+                online, current = OnlineSurrogate(moments, rank, kappa), prompt
+            sketch = Sketch.from_surrogate(online.refresh())
+            keep, _ = sketch.shortlists(batch, cov, [b])
+            out[j] += float(open_loop.metrics(batch, keep, cov)["rse"].double().sum())
+            idx, w = cov.apply(batch, keep)  # what the budgeted pass ran: [T, 1, M, k]
+            idx, w = idx[:, 0], w[:, 0] * batch.mask[..., None]
+            experts = batch.terms.experts
+            ran = experts.gather(2, idx[..., None].expand(*idx.shape, experts.shape[-1]))
+            online.observe(batch.layers, batch.hidden, idx, w, ran)
+    return out
+
+
 def cal_names(source: str, bench: str, benches: list[str]) -> list[str]:
     """Calibration runs of a source: ``cal-<source>``, or for ``others`` every benchmark's but
     the evaluated one (mixed-domain and still out of domain, as bench/cross_domain.py)."""
@@ -145,6 +189,12 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=None,
                    help="score only the first P evaluation prompts of each run (default: all)")
     p.add_argument("--max-batch", type=int, default=32, help="tree-layers per batch")
+    p.add_argument("--online", type=float, default=None, metavar="KAPPA",
+                   help="also score sketch-online-rR: the surrogate refit during each prompt "
+                        "from the outputs of the experts its earlier passes executed, the "
+                        "calibration counting as KAPPA tokens per expert "
+                        "(policy.surrogate.OnlineSurrogate; slow: one pass at a time, one "
+                        "stream per budget)"),
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--output", type=Path, default=None, help="every cell and cost as JSON")
     add_table_options(p, "sketch")
@@ -226,6 +276,22 @@ def main() -> None:
                         counts[key] = counts.get(key, 0) + batch.size
             print(f"{bench}: {counts[(bench, None, 'router', args.coverages[0])]} tree-layers, "
                   f"{time.perf_counter() - started:.0f}s", flush=True)
+            if args.online is None:
+                continue
+            stream = list(passes(run, adapter, args.prompts))
+            for cov_name in args.coverages:
+                cov = coverages.get(cov_name)
+                valid = [b for b in budgets if b >= cov.min_budget(k)]
+                for src in sources:
+                    for r in args.ranks:
+                        t0, name = time.perf_counter(), f"sketch-online-r{r}"
+                        rse = online_rse(stream, cal[(src, bench)].fitted[MOMENTS], r,
+                                         args.online, cov, valid)
+                        timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
+                        key = (bench, src, name, cov_name)
+                        sums[key] = sums.get(key, 0) + rse
+                        counts[key] = counts.get(key, 0) + sum(b.size for _, b in stream)
+            print(f"{bench}: online, {time.perf_counter() - started:.0f}s", flush=True)
     report = summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing)
     if args.output:
         args.output.write_text(json.dumps(report, indent=1, default=str))
@@ -233,12 +299,13 @@ def main() -> None:
 
 def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> dict:
     mean = {key: (sums[key] / counts[key]).tolist() for key in sums}
-    names = ["coact-prior"] + [f"sketch-r{r}" for r in args.ranks]
+    names = ["coact-prior"] + [f"sketch-r{r}" for r in args.ranks] + (
+        [] if args.online is None else [f"sketch-online-r{r}" for r in args.ranks])
     cells, medians = [], {}
     for cov_name in args.coverages:
         valid = [b for b in budgets if b >= coverages.get(cov_name).min_budget(k)]
         print(f"\n{args.model} · {cov_name}: gap closed (%), evaluation ← calibration")
-        print(f"  {'ranking':<13} {'cell':<22}" + "".join(f"{'B=' + str(b):>7}" for b in valid))
+        print(f"  {'ranking':<16} {'cell':<22}" + "".join(f"{'B=' + str(b):>7}" for b in valid))
         for name in names:
             for bench in args.benches:
                 router = np.array(mean[(bench, None, "router", cov_name)])
@@ -253,7 +320,7 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
                                           diagonal=bench == src,
                                           kind=kind_of(bench, src)))
                     mark = "*" if bench == src else " "
-                    print(f"  {name:<13} {bench + ' ← ' + src + mark:<22}" +
+                    print(f"  {name:<16} {bench + ' ← ' + src + mark:<22}" +
                           "".join(f"{100 * g:7.0f}" for g in gap))
         for name in names:
             for kind in ("diagonal", "off", "others"):
@@ -276,18 +343,20 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
                 fmt = lambda m: "—" if m is None else \
                     f"{100 * m['median']:.0f} ({100 * m['worst']:.0f})"  # noqa: E731
                 parts.append(f"B={b}: {fmt(d)} | {fmt(o)} | {fmt(x)}")
-            print(f"  {cov_name:<12} {name:<13} " + "; ".join(parts))
+            print(f"  {cov_name:<12} {name:<16} " + "; ".join(parts))
     saved = experts_saved(args, mean, budgets, sources, names, k)
     label, rn, rh, ri = real_shape(args.model) or (args.model, n, h, inter)
-    costs = {name: dict(tiny=surrogate_cost(n, h, int(name.split("-r")[1]), inter),
-                        real=surrogate_cost(rn, rh, int(name.split("-r")[1]), ri))
+    costs = {name: dict(tiny=surrogate_cost(n, h, int(name.split("-r")[1]), inter,
+                                            online="online" in name, top_k=k),
+                        real=surrogate_cost(rn, rh, int(name.split("-r")[1]), ri,
+                                            online="online" in name, top_k=k))
              for name in names if name.startswith("sketch")}
     print(f"\nexperts saved at matched error vs router (mean over the cells and router budgets "
           f"where both it and the oracle reach router's error inside their sweeps), minus the "
           f"surrogate's bytes in expert-equivalents "
           f"(tiny: N={n}, H={h}, I={inter}; real: {label} N={rn}, H={rh}, I={ri}; experts bf16, "
           "surrogate float32)")
-    print(f"  {'coverage':<12} {'ranking':<13} {'saved':>7} {'tiny eq':>9} {'net tiny':>9} "
+    print(f"  {'coverage':<12} {'ranking':<16} {'saved':>7} {'tiny eq':>9} {'net tiny':>9} "
           f"{'real eq':>8} {'net real':>9} {'bytes/layer (real)':>19} {'FLOPs/token (real)':>19}")
     for cov_name in args.coverages:
         for name in ["oracle"] + names:
@@ -296,7 +365,7 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
             te = c["tiny"]["expert_equivalents"] if c else 0.0
             re_ = c["real"]["expert_equivalents"] if c else 0.0
             fmt = lambda x: "—" if x is None else f"{x:.2f}"  # noqa: E731
-            print(f"  {cov_name:<12} {name:<13} {fmt(s):>7} {te:9.2f} "
+            print(f"  {cov_name:<12} {name:<16} {fmt(s):>7} {te:9.2f} "
                   f"{fmt(None if s is None else s - te):>9} {re_:8.2f} "
                   f"{fmt(None if s is None else s - re_):>9} "
                   f"{(c['real']['bytes_per_layer'] if c else 0):>19,} "
@@ -304,6 +373,7 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
     print("\nseconds spent in each ranking's shortlists: " +
           ", ".join(f"{k_}: {v:.0f}" for k_, v in sorted(timing.items())))
     return dict(model=args.model, budgets=budgets, ranks=args.ranks, benches=args.benches,
+                online_kappa=args.online,
                 sources=sources, cells=cells, medians=medians,
                 experts_saved={f"{c}|{r}": v for (c, r), v in saved.items()},
                 cost=costs, real_shape=dict(name=label, n=rn, h=rh, i=ri),

@@ -63,11 +63,30 @@ def surrogate(n: int, h: int, rank: int = SKETCH_RANK,
                     + 2 * n * h)
 
 
-def surrogate_cost(n: int, h: int, rank: int, intermediate: int, expert_bytes: float = 2) -> dict:
+def online_surrogate(n: int, h: int, rank: int = SKETCH_RANK, top_k: int = 8,
+                     number_bytes: float = SURROGATE_BYTES) -> Overhead:
+    """What refitting the surrogate from a prompt's executed experts costs a pass
+    (:class:`policy.surrogate.OnlineSurrogate`), per MoE layer: the surrogate read and written
+    back, and every expert's least-squares sums (float64, D = H + 1) read and written
+
+        bytes per layer = 2 · N · (r·H + r·D + 1) · s + 2 · N · (D² + H·D + 2) · 8
+        FLOPs per token = the surrogate's + k · (2·D² + 2·H·D)   (each executed pair's update)
+
+    The refit itself (a solve and an eigendecomposition per expert and layer) is not counted:
+    a lower bound, and at real shapes already far above the experts a pass loads."""
+    d = h + 1
+    read = surrogate(n, h, rank, number_bytes)
+    return Overhead(bytes_per_layer=2 * read.bytes_per_layer + 2 * n * (d * d + h * d + 2) * 8,
+                    flops_per_token=read.flops_per_token + top_k * (2 * d * d + 2 * h * d))
+
+
+def surrogate_cost(n: int, h: int, rank: int, intermediate: int, expert_bytes: float = 2,
+                   online: bool = False, top_k: int = 8) -> dict:
     """What the surrogate costs at shape (N experts, hidden H, expert width I, the experts'
     ``expert_bytes`` a number): bytes per layer, FLOPs per token and the bytes in
-    expert-equivalents, as one record (the benches print it)."""
-    cost = surrogate(n, h, rank)
+    expert-equivalents, as one record (the benches print it); ``online``: refit during the
+    prompt (:func:`online_surrogate`, top-k experts a token)."""
+    cost = online_surrogate(n, h, rank, top_k) if online else surrogate(n, h, rank)
     return dict(bytes_per_layer=cost.bytes_per_layer, flops_per_token=cost.flops_per_token,
                 expert_bytes=3 * h * intermediate * expert_bytes,
                 expert_equivalents=cost.expert_equivalents(h, intermediate, expert_bytes))

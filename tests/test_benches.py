@@ -362,11 +362,14 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     whole gap; the surrogate's cost is in the output."""
     out = run("bench/sketch_gap.py", "--traces", str(tmp_path), "--model", "tiny-mixtral",
               "--benches", "mbpp", "--ranks", "2", "--budgets", "2,4", "--eval-prompts", "1",
-              "--cal-prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--output",
-              str(tmp_path / "s.json"), timeout=600)
+              "--cal-prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--online", "64",
+              "--output", str(tmp_path / "s.json"), timeout=600)
     found = json.loads((tmp_path / "s.json").read_text())
     names = {c["ranking"] for c in found["cells"]}
-    assert names == {"coact-prior", "sketch-r2"}
+    assert names == {"coact-prior", "sketch-r2", "sketch-online-r2"}
+    online = found["cost"]["sketch-online-r2"]["real"]["expert_equivalents"]
+    assert online > found["cost"]["sketch-r2"]["real"]["expert_equivalents"] and \
+        found["online_kappa"] == 64
     assert {c["coverage"] for c in found["cells"]} == {"substitution", "truncation"}
     for c in found["cells"]:
         assert c["gap_closed"] != c["gap_closed"] or c["gap_closed"] <= 1 + 1e-6, c

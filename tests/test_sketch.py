@@ -8,6 +8,9 @@
 * Without its surrogate or the MoE inputs it says so and returns coact-prior's shortlists.
 * Truncation: selected experts first (B ≥ |U| gives the floor).
 * The artifact round-trips and refuses another model's weights; the cost grows with r.
+* The surrogate refit during a prompt (``OnlineSurrogate``) is the least-squares fit of the
+  calibration, counted as κ tokens, plus exactly the pairs the passes executed; its state is
+  charged.
 """
 
 from __future__ import annotations
@@ -277,3 +280,82 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     saved_share, captured, real = (int(cells[i].rstrip("%")) for i in (4, 6, 7))
     assert captured <= saved_share - 30, cells
     assert saved_share - 2 <= real <= saved_share, cells  # OLMoE: 0.17 experts a layer
+
+
+def _nonlinear_pairs(seed: int, m: int, shift: float = 0.0):
+    """MoE inputs and every expert's output under nonlinear experts (a linear fit is local)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, H, H, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(m, H, generator=g) + shift
+    return x, torch.tanh(torch.einsum("mh,nhd->mnd", x, w))
+
+
+def _reference_fit(rows_x, rows_y, weights, rank):
+    """Weighted reduced-rank least squares from the data themselves (numpy lstsq on rows scaled
+    by √weight): the map M = U Uᵀ W and the weighted mean residual energy."""
+    import numpy as np
+    sw = np.sqrt(weights)[:, None]
+    x = np.concatenate([rows_x, np.ones((len(rows_x), 1))], 1)
+    w = np.linalg.lstsq(x * sw, rows_y * sw, rcond=None)[0].T  # [H, D]
+    fitted = w @ (x * sw).T @ (x * sw) @ w.T
+    u = np.linalg.eigh(fitted)[1][:, ::-1][:, :rank]
+    m = u @ u.T @ w
+    resid = ((rows_y - x @ m.T) ** 2).sum(1)
+    return m, float((weights * resid).sum() / weights.sum())
+
+
+def test_online_surrogate_refits_on_calibration_as_kappa_tokens_plus_executed_pairs():
+    """Before any pass it is the calibration fit; after passes, each expert's map is the
+    least-squares fit of the calibration (each token weighing κ / n_cal) plus exactly the
+    (h, E_i(h)) pairs its passes executed, against a fit from the data themselves; outputs of
+    experts a pass did not run (weight 0) and padding change nothing."""
+    import numpy as np
+
+    from moe_spec.policy.surrogate import OnlineSurrogate
+    cal_x, cal_y = _nonlinear_pairs(1, 60)
+    moments = InputMoments.empty([LAYER], N, H)
+    moments.add(LAYER, cal_x, cal_y)
+    kappa, rank = 12.0, 2
+    online = OnlineSurrogate(moments, rank, kappa)
+    before, fresh = online.refresh(), Surrogate.fit(moments, rank)
+    for a, b in ((before.u, fresh.u), (before.v, fresh.v), (before.rho, fresh.rho)):
+        assert torch.equal(a, b)
+    passes = [_nonlinear_pairs(s, 5, shift=1.5) for s in (2, 3)]  # another domain
+    g = torch.Generator().manual_seed(4)
+    executed = []
+    for x, y in passes:
+        idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(5)])[None]  # [1,5,K]
+        w = torch.rand(1, 5, K, generator=g) + 0.1
+        w[0, 4] = 0  # a padded token
+        w[0, 0, 1] = 0  # a slot the pass did not run
+        outs = y[None].gather(2, idx[..., None].expand(1, 5, K, H)).clone()
+        noisy = outs.clone()
+        noisy[0, 4] += 100.0
+        noisy[0, 0, 1] += 100.0  # what was not run must not matter
+        online.observe(torch.tensor([LAYER]), x[None], idx, w, noisy)
+        executed += [(x[t], y[t], int(idx[0, t, s])) for t in range(5) for s in range(K)
+                     if w[0, t, s] != 0]
+    after = online.refresh()
+    probe = torch.randn(1, 3, H, generator=g)
+    got = predicted_outputs(after, torch.tensor([LAYER]), probe, torch.ones(1, 3, dtype=torch.bool))
+    changed = 0
+    for i in range(N):
+        mine = [(x, y) for x, y, e in executed if e == i]
+        rows_x = np.concatenate([cal_x.numpy()] + [x[None].numpy() for x, _ in mine]).astype(float)
+        rows_y = np.concatenate([cal_y[:, i].numpy()] + [y[i][None].numpy() for _, y in mine])
+        weights = np.array([kappa / 60] * 60 + [1.0] * len(mine))
+        m, rho = _reference_fit(rows_x, rows_y.astype(float), weights, rank)
+        want = np.concatenate([probe[0].numpy(), np.ones((3, 1))], 1) @ m.T
+        assert np.allclose(got[0, :, i, :H].numpy(), want, atol=2e-4), i
+        assert float(after.rho[0, i]) == pytest.approx(rho, rel=1e-3, abs=1e-6)
+        changed += bool(mine)
+    assert changed >= 4  # the passes reached several experts
+
+
+def test_the_online_refit_is_charged_the_state_it_touches():
+    """The state a refit touches is charged: at a real shape it outweighs the experts."""
+    c = surrogate_cost(64, 2048, 4, 1024)
+    online = surrogate_cost(64, 2048, 4, 1024, online=True, top_k=8)
+    d = 2049
+    assert online["bytes_per_layer"] == 2 * c["bytes_per_layer"] + 2 * 64 * (d * d + 2048 * d + 2) * 8
+    assert online["expert_equivalents"] > 64 > c["expert_equivalents"]

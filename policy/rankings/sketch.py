@@ -122,6 +122,14 @@ class Sketch(Ranking):
                        "pairs: policy.rankings.sketch.attach_moments)")
         return self
 
+    @classmethod
+    def from_surrogate(cls, surrogate: Surrogate) -> Sketch:
+        """A sketch that searches on ``surrogate``'s predictions (e.g. one refit during the
+        prompt, :class:`policy.surrogate.OnlineSurrogate`); no calibration, no fallback."""
+        found = cls(rank=surrogate.rank)
+        found.surrogate, found.token_aware = surrogate, True
+        return found
+
     def memo_key(self):
         return None  # its answer depends on batch.hidden and the surrogate: never shared
 
