@@ -30,6 +30,8 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
+from itertools import product
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +47,12 @@ from moe_spec.policy import coverage as coverages  # noqa: E402
 from moe_spec.policy import rankings  # noqa: E402
 from moe_spec.policy.overhead import surrogate_cost  # noqa: E402
 from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs  # noqa: E402
-from moe_spec.policy.surrogate import MOMENTS, InputMoments, OnlineSurrogate  # noqa: E402
+from moe_spec.policy.surrogate import (  # noqa: E402
+    MOMENTS,
+    GradientSurrogate,
+    InputMoments,
+    OnlineSurrogate,
+)
 from moe_spec.replay import open_loop  # noqa: E402
 from moe_spec.replay.run import calibration_stats  # noqa: E402
 from moe_spec.replay.virtual_batch import PromptSource  # noqa: E402
@@ -123,18 +130,26 @@ def passes(run, adapter, prompts: int | None = None):
             yield prompt, with_inputs(batch, hidden)
 
 
-def online_rse(stream, moments: InputMoments, rank: int, kappa: float, cov,
-               budgets: list[int]) -> np.ndarray:
-    """Summed RSE per budget of sketch with its surrogate refit during each prompt
-    (:class:`policy.surrogate.OnlineSurrogate`): one surrogate per budget and prompt, each pass
-    searched on the current fit, then the outputs of exactly the experts that budget's pass ran
-    observed (as open-loop replay feeds coact-online)."""
+ONLINE = {"sketch-online": "refit", "sketch-nlms": "gradient"}  # name -> policy.overhead kind
+
+
+def online_kind(name: str) -> str | None:
+    """``"refit"`` / ``"gradient"`` for a surrogate updated during the prompt, else None."""
+    return ONLINE.get(name.rsplit("-r", 1)[0])
+
+
+def online_rse(stream, make, cov, budgets: list[int]) -> np.ndarray:
+    """Summed RSE per budget of sketch with its surrogate updated during each prompt (``make()``
+    a fresh :class:`policy.surrogate.OnlineSurrogate` or :class:`~policy.surrogate.
+    GradientSurrogate`): one surrogate per budget and prompt, each pass searched on the current
+    fit, then the outputs of exactly the experts that budget's pass ran observed (as open-loop
+    replay feeds coact-online)."""
     out = np.zeros(len(budgets))
     for j, b in enumerate(budgets):
         online, current = None, None
         for prompt, batch in stream:
             if prompt != current:
-                online, current = OnlineSurrogate(moments, rank, kappa), prompt
+                online, current = make(), prompt
             sketch = Sketch.from_surrogate(online.refresh())
             keep, _ = sketch.shortlists(batch, cov, [b])
             out[j] += float(open_loop.metrics(batch, keep, cov)["rse"].double().sum())
@@ -194,7 +209,11 @@ def main() -> None:
                         "from the outputs of the experts its earlier passes executed, the "
                         "calibration counting as KAPPA tokens per expert "
                         "(policy.surrogate.OnlineSurrogate; slow: one pass at a time, one "
-                        "stream per budget)"),
+                        "stream per budget)")
+    p.add_argument("--online-step", type=float, default=None, metavar="ETA",
+                   help="also score sketch-nlms-rR: the surrogate moved by one normalized "
+                        "gradient step of size ETA after each pass, on the pairs it executed "
+                        "(policy.surrogate.GradientSurrogate: no state beyond the surrogate)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--output", type=Path, default=None, help="every cell and cost as JSON")
     add_table_options(p, "sketch")
@@ -276,17 +295,23 @@ def main() -> None:
                         counts[key] = counts.get(key, 0) + batch.size
             print(f"{bench}: {counts[(bench, None, 'router', args.coverages[0])]} tree-layers, "
                   f"{time.perf_counter() - started:.0f}s", flush=True)
-            if args.online is None:
+            variants = []  # (name prefix, a fresh surrogate updated during the prompt)
+            if args.online is not None:
+                variants.append(("sketch-online", lambda m, r: OnlineSurrogate(m, r, args.online)))
+            if args.online_step is not None:
+                variants.append(("sketch-nlms",
+                                 lambda m, r: GradientSurrogate(m, r, args.online_step)))
+            if not variants:
                 continue
             stream = list(passes(run, adapter, args.prompts))
             for cov_name in args.coverages:
                 cov = coverages.get(cov_name)
                 valid = [b for b in budgets if b >= cov.min_budget(k)]
                 for src in sources:
-                    for r in args.ranks:
-                        t0, name = time.perf_counter(), f"sketch-online-r{r}"
-                        rse = online_rse(stream, cal[(src, bench)].fitted[MOMENTS], r,
-                                         args.online, cov, valid)
+                    for (prefix, factory), r in product(variants, args.ranks):
+                        t0, name = time.perf_counter(), f"{prefix}-r{r}"
+                        make = partial(factory, cal[(src, bench)].fitted[MOMENTS], r)
+                        rse = online_rse(stream, make, cov, valid)
                         timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
                         key = (bench, src, name, cov_name)
                         sums[key] = sums.get(key, 0) + rse
@@ -300,7 +325,8 @@ def main() -> None:
 def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> dict:
     mean = {key: (sums[key] / counts[key]).tolist() for key in sums}
     names = ["coact-prior"] + [f"sketch-r{r}" for r in args.ranks] + (
-        [] if args.online is None else [f"sketch-online-r{r}" for r in args.ranks])
+        [] if args.online is None else [f"sketch-online-r{r}" for r in args.ranks]) + (
+        [] if args.online_step is None else [f"sketch-nlms-r{r}" for r in args.ranks])
     cells, medians = [], {}
     for cov_name in args.coverages:
         valid = [b for b in budgets if b >= coverages.get(cov_name).min_budget(k)]
@@ -347,9 +373,9 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
     saved = experts_saved(args, mean, budgets, sources, names, k)
     label, rn, rh, ri = real_shape(args.model) or (args.model, n, h, inter)
     costs = {name: dict(tiny=surrogate_cost(n, h, int(name.split("-r")[1]), inter,
-                                            online="online" in name, top_k=k),
+                                            online=online_kind(name), top_k=k),
                         real=surrogate_cost(rn, rh, int(name.split("-r")[1]), ri,
-                                            online="online" in name, top_k=k))
+                                            online=online_kind(name), top_k=k))
              for name in names if name.startswith("sketch")}
     print(f"\nexperts saved at matched error vs router (mean over the cells and router budgets "
           f"where both it and the oracle reach router's error inside their sweeps), minus the "
@@ -373,7 +399,7 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
     print("\nseconds spent in each ranking's shortlists: " +
           ", ".join(f"{k_}: {v:.0f}" for k_, v in sorted(timing.items())))
     return dict(model=args.model, budgets=budgets, ranks=args.ranks, benches=args.benches,
-                online_kappa=args.online,
+                online_kappa=args.online, online_step=args.online_step,
                 sources=sources, cells=cells, medians=medians,
                 experts_saved={f"{c}|{r}": v for (c, r), v in saved.items()},
                 cost=costs, real_shape=dict(name=label, n=rn, h=rh, i=ri),

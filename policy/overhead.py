@@ -64,7 +64,7 @@ def surrogate(n: int, h: int, rank: int = SKETCH_RANK,
 
 
 def online_surrogate(n: int, h: int, rank: int = SKETCH_RANK, top_k: int = 8,
-                     number_bytes: float = SURROGATE_BYTES) -> Overhead:
+                     number_bytes: float = SURROGATE_BYTES, exact: bool = True) -> Overhead:
     """What refitting the surrogate from a prompt's executed experts costs a pass
     (:class:`policy.surrogate.OnlineSurrogate`), per MoE layer: the surrogate read and written
     back, and every expert's least-squares sums (float64, D = H + 1) read and written
@@ -73,20 +73,29 @@ def online_surrogate(n: int, h: int, rank: int = SKETCH_RANK, top_k: int = 8,
         FLOPs per token = the surrogate's + k · (2·D² + 2·H·D)   (each executed pair's update)
 
     The refit itself (a solve and an eigendecomposition per expert and layer) is not counted:
-    a lower bound, and at real shapes already far above the experts a pass loads."""
+    a lower bound, and at real shapes already far above the experts a pass loads. ``exact=False``
+    (:class:`policy.surrogate.GradientSurrogate`, no sums): the surrogate read and written back,
+
+        bytes per layer = 2 · N · (r·H + r·D + 1) · s
+        FLOPs per token = the surrogate's + k · (6·r·H + 2·r·D)   (e, Uᵀe and the two steps)"""
     d = h + 1
     read = surrogate(n, h, rank, number_bytes)
+    if not exact:
+        r = min(rank, h)
+        return Overhead(bytes_per_layer=2 * read.bytes_per_layer,
+                        flops_per_token=read.flops_per_token + top_k * (6 * r * h + 2 * r * d))
     return Overhead(bytes_per_layer=2 * read.bytes_per_layer + 2 * n * (d * d + h * d + 2) * 8,
                     flops_per_token=read.flops_per_token + top_k * (2 * d * d + 2 * h * d))
 
 
 def surrogate_cost(n: int, h: int, rank: int, intermediate: int, expert_bytes: float = 2,
-                   online: bool = False, top_k: int = 8) -> dict:
+                   online: str | None = None, top_k: int = 8) -> dict:
     """What the surrogate costs at shape (N experts, hidden H, expert width I, the experts'
     ``expert_bytes`` a number): bytes per layer, FLOPs per token and the bytes in
-    expert-equivalents, as one record (the benches print it); ``online``: refit during the
-    prompt (:func:`online_surrogate`, top-k experts a token)."""
-    cost = online_surrogate(n, h, rank, top_k) if online else surrogate(n, h, rank)
+    expert-equivalents, as one record (the benches print it); ``online``: updated during the
+    prompt, ``"refit"`` or ``"gradient"`` (:func:`online_surrogate`, top-k experts a token)."""
+    cost = surrogate(n, h, rank) if online is None else \
+        online_surrogate(n, h, rank, top_k, exact=online == "refit")
     return dict(bytes_per_layer=cost.bytes_per_layer, flops_per_token=cost.flops_per_token,
                 expert_bytes=3 * h * intermediate * expert_bytes,
                 expert_equivalents=cost.expert_equivalents(h, intermediate, expert_bytes))

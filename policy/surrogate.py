@@ -223,12 +223,7 @@ class OnlineSurrogate:
         n, h = self.surrogate.num_experts, self.surrogate.hidden_size
         rows = self.surrogate.rows(layers)
         x = _augment(hidden.double())  # [T, M, D]
-        ran = torch.zeros(*idx.shape[:2], n, dtype=torch.float64)
-        ran.scatter_add_(2, idx, (weights != 0).double())
-        ran = (ran > 0).double()  # [T, M, N]
-        y = torch.zeros(*idx.shape[:2], n, h, dtype=torch.float64)
-        y.scatter_(2, idx[..., None].expand(*idx.shape, h), outputs.double())
-        y = y * ran[..., None]  # [T, M, N, H]: the executed outputs, 0 elsewhere
+        ran, y = executed_outputs(idx, weights, outputs, n)
         for t, row in enumerate(rows.tolist()):
             if row not in self.own:
                 d = h + 1
@@ -253,6 +248,68 @@ class OnlineSurrogate:
             self.surrogate.u[row], self.surrogate.v[row] = u.float(), v.float()
             self.surrogate.rho[row] = rho.float()
         self.dirty.clear()
+        return self.surrogate
+
+
+def executed_outputs(idx: torch.Tensor, weights: torch.Tensor, outputs: torch.Tensor,
+                     n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which experts each token ran, ``ran [T, M, N]`` (1.0 / 0.0), and their outputs scattered
+    to expert slots, ``[T, M, N, H]`` (0 where not run), from ``idx, weights [T, M, k]`` (weight
+    0: not run) and ``outputs [T, M, k, H]``; float64."""
+    h = outputs.shape[-1]
+    ran = torch.zeros(*idx.shape[:2], n, dtype=torch.float64)
+    ran.scatter_add_(2, idx, (weights != 0).double())
+    ran = (ran > 0).double()
+    y = torch.zeros(*idx.shape[:2], n, h, dtype=torch.float64)
+    y.scatter_(2, idx[..., None].expand(*idx.shape, h), outputs.double())
+    return ran, y * ran[..., None]
+
+
+class GradientSurrogate:
+    """The cheap alternative to :class:`OnlineSurrogate`: no sums, the state is the surrogate
+    itself, moved after each pass by one normalized gradient step on the squared error of the
+    pairs it executed (normalized least mean squares), per expert i and layer:
+
+        e_t = E_i(h_t) − U_i z_t,  z_t = V_iᵀ x_t                  (the pass's prediction error)
+        V_i += η Σ_t x_t (U_iᵀ e_t)ᵀ / Σ_t ||x_t||²,   U_i += η Σ_t e_t z_tᵀ / Σ_t ||z_t||²
+        ρ_i  = (κ ρ_i^cal + Σ_t ||e_t||²) / (κ + n_i)
+
+    (sums over the tokens t that ran i). A pass reads the surrogate and writes it back:
+    :func:`policy.overhead.online_surrogate` with ``exact=False``."""
+
+    def __init__(self, moments: InputMoments, rank: int, step: float, kappa: float = 64.0):
+        base = Surrogate.fit(moments, rank)
+        self.surrogate = Surrogate(list(moments.layers), rank, base.u.clone(), base.v.clone(),
+                                   base.rho.clone())
+        self.step, self.kappa = float(step), float(kappa)
+        self.rho0 = base.rho.double()
+        self.errors = torch.zeros_like(self.rho0)
+        self.count = torch.zeros_like(self.rho0)
+
+    def observe(self, layers: torch.Tensor, hidden: torch.Tensor, idx: torch.Tensor,
+                weights: torch.Tensor, outputs: torch.Tensor) -> None:
+        """As :meth:`OnlineSurrogate.observe`."""
+        s = self.surrogate
+        rows = s.rows(layers)
+        x = _augment(hidden.double())  # [T, M, D]
+        ran, y = executed_outputs(idx, weights, outputs, s.num_experts)
+        for t, row in enumerate(rows.tolist()):
+            u, v = s.u[row].double(), s.v[row].double()  # [N, H, r], [N, D, r]
+            z = torch.einsum("md,ndr->mnr", x[t], v)
+            e = (y[t] - torch.einsum("mnr,nhr->mnh", z, u)) * ran[t][..., None]  # [M, N, H]
+            g = torch.einsum("mnh,nhr->mnr", e, u)
+            norm_x = torch.einsum("mn,md->n", ran[t], x[t].pow(2)) + 1e-12
+            norm_z = (z.pow(2).sum(-1) * ran[t]).sum(0) + 1e-12
+            s.v[row] = (v + self.step * torch.einsum("md,mnr->ndr", x[t], g)
+                        / norm_x[:, None, None]).float()
+            s.u[row] = (u + self.step * torch.einsum("mnh,mnr->nhr", e, z)
+                        / norm_z[:, None, None]).float()
+            self.errors[row] += e.pow(2).sum((0, 2))
+            self.count[row] += ran[t].sum(0)
+            s.rho[row] = ((self.kappa * self.rho0[row] + self.errors[row])
+                          / (self.kappa + self.count[row])).float()
+
+    def refresh(self) -> Surrogate:
         return self.surrogate
 
 

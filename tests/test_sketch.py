@@ -355,7 +355,45 @@ def test_online_surrogate_refits_on_calibration_as_kappa_tokens_plus_executed_pa
 def test_the_online_refit_is_charged_the_state_it_touches():
     """The state a refit touches is charged: at a real shape it outweighs the experts."""
     c = surrogate_cost(64, 2048, 4, 1024)
-    online = surrogate_cost(64, 2048, 4, 1024, online=True, top_k=8)
+    online = surrogate_cost(64, 2048, 4, 1024, online="refit", top_k=8)
     d = 2049
     assert online["bytes_per_layer"] == 2 * c["bytes_per_layer"] + 2 * 64 * (d * d + 2048 * d + 2) * 8
     assert online["expert_equivalents"] > 64 > c["expert_equivalents"]
+    step = surrogate_cost(64, 2048, 4, 1024, online="gradient", top_k=8)
+    assert step["bytes_per_layer"] == 2 * c["bytes_per_layer"]  # read and written back
+    assert step["flops_per_token"] > c["flops_per_token"]
+
+
+def test_gradient_surrogate_steps_toward_the_executed_pairs_only():
+    """A normalized gradient step lowers the squared error on the pairs a pass executed and
+    reads nothing else (outputs of slots not run, padding); step 0 moves only ρ."""
+    from moe_spec.policy.surrogate import GradientSurrogate
+    cal_x, cal_y = _nonlinear_pairs(1, 60)
+    moments = InputMoments.empty([LAYER], N, H)
+    moments.add(LAYER, cal_x, cal_y)
+    x, y = _nonlinear_pairs(2, 6, shift=1.5)
+    idx = torch.arange(N).repeat(6, 1)[None, :, :K].clone()  # [1, 6, K]: experts 0, 1
+    w = torch.ones(1, 6, K)
+    w[0, 5] = 0
+    outs = y[None].gather(2, idx[..., None].expand(1, 6, K, H)).clone()
+    noisy = outs.clone()
+    noisy[0, 5] += 100.0
+    layers, mask = torch.tensor([LAYER]), torch.ones(1, 6, dtype=torch.bool)
+
+    def err(s):
+        pred = predicted_outputs(s, layers, x[None], mask)[0, :5, :K, :H]
+        return float((pred - y[:5, :K]).pow(2).sum())
+
+    still = GradientSurrogate(moments, 2, step=0.0)
+    before = err(still.surrogate)
+    u0 = still.surrogate.u.clone()
+    still.observe(layers, x[None], idx, w, outs)
+    assert torch.equal(still.surrogate.u, u0) and err(still.surrogate) == pytest.approx(before)
+    a, b = GradientSurrogate(moments, 2, step=0.3), GradientSurrogate(moments, 2, step=0.3)
+    a.observe(layers, x[None], idx, w, outs)
+    b.observe(layers, x[None], idx, w, noisy)
+    assert err(a.surrogate) < 0.9 * before
+    for p, q in ((a.surrogate.u, b.surrogate.u), (a.surrogate.v, b.surrogate.v),
+                 (a.surrogate.rho, b.surrogate.rho)):
+        assert torch.equal(p, q)
+    assert torch.equal(a.surrogate.u[0, K:], u0[0, K:])  # experts nobody ran: unchanged
