@@ -161,6 +161,35 @@ def online_rse(stream, make, cov, budgets: list[int]) -> np.ndarray:
     return out
 
 
+def surrogate_errors(args, evaluated, cal, sources, adapter) -> list[dict]:
+    """Per evaluation × calibration cell and rank: ``Σ ||E_i(h) − Ê_i(h)||² / Σ ||E_i(h)||²``
+    over the scored tokens and every expert, and over each token's own top-k (the outputs the
+    search leans on most)."""
+    from moe_spec.policy.surrogate import Surrogate, predicted_outputs
+    rows = []
+    print(f"\n{args.model}: relative error of the predicted expert outputs, every expert | "
+          "own top-k, evaluation ← calibration")
+    for bench, runs in evaluated.items():
+        loaded = [b for run in runs for b in batches(run, adapter, args.max_batch, args.prompts)]
+        for src, r in product(sources, args.ranks):
+            surrogate = Surrogate.fit(cal[(src, bench)].fitted[MOMENTS], r)
+            sums = np.zeros(4)  # error, energy: every expert; error, energy: own top-k
+            for batch in loaded:
+                true = batch.terms.experts.double()  # [T, M, N, H]
+                pred = predicted_outputs(surrogate, batch.layers, batch.hidden,
+                                         batch.mask)[..., :true.shape[-1]].double()
+                err, energy = (true - pred).pow(2).sum(-1), true.pow(2).sum(-1)  # [T, M, N]
+                own = torch.zeros_like(err).scatter_(2, batch.idx, 1.0) * batch.mask[..., None]
+                every = batch.mask[..., None].double().expand_as(err)
+                sums += [float((err * every).sum()), float((energy * every).sum()),
+                         float((err * own).sum()), float((energy * own).sum())]
+            rows.append(dict(bench=bench, calibration=src, rank=r, every=sums[0] / sums[1],
+                             own_top_k=sums[2] / sums[3], kind=kind_of(bench, src)))
+            print(f"  r={r:<3} {bench + ' ← ' + src:<20} {100 * sums[0] / sums[1]:6.0f}% | "
+                  f"{100 * sums[2] / sums[3]:4.0f}%", flush=True)
+    return rows
+
+
 def cal_names(source: str, bench: str, benches: list[str]) -> list[str]:
     """Calibration runs of a source: ``cal-<source>``, or for ``others`` every benchmark's but
     the evaluated one (mixed-domain and still out of domain, as bench/cross_domain.py)."""
@@ -210,6 +239,10 @@ def main() -> None:
                         "calibration counting as KAPPA tokens per expert "
                         "(policy.surrogate.OnlineSurrogate; slow: one pass at a time, one "
                         "stream per budget)")
+    p.add_argument("--surrogate-error", action="store_true",
+                   help="only measure how well the calibration surrogates predict the "
+                        "evaluation's expert outputs: relative error per cell, over every "
+                        "expert and over each token's own top-k")
     p.add_argument("--online-step", type=float, default=None, metavar="ETA",
                    help="also score sketch-nlms-rR: the surrogate moved by one normalized "
                         "gradient step of size ETA after each pass, on the pairs it executed "
@@ -265,6 +298,12 @@ def main() -> None:
             attach_moments(stats, InputMoments.merge([moments_of[r.name] for r in runs]))
             cal[(src, bench)] = cal[tuple(names)] = stats
     print(f"calibration and surrogate sums: {time.perf_counter() - started:.0f}s", flush=True)
+    if args.surrogate_error:
+        found = surrogate_errors(args, evaluated, cal, sources, adapter)
+        if args.output:
+            args.output.write_text(json.dumps(dict(model=args.model, surrogate_error=found),
+                                              indent=1))
+        return
     base = {"router": rankings.get("router")(), "oracle": rankings.get("oracle")()}
     sums: dict[tuple, np.ndarray] = {}  # (bench, source, ranking, coverage) -> [sum rse per B]
     counts: dict[tuple, int] = {}

@@ -378,6 +378,13 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     assert cost["tiny"]["bytes_per_layer"] == 8 * (2 * 128 + 2 * 129 + 1) * 4  # float32
     assert cost["real"]["expert_equivalents"] > 0 and cost["real"]["flops_per_token"] > 0
     assert "net tiny" in out and "gap closed" in out
+    run("bench/sketch_gap.py", "--traces", str(tmp_path), "--model", "tiny-mixtral", "--benches",
+        "mbpp", "--ranks", "2", "8", "--eval-prompts", "1", "--cal-prompts", "1",
+        "--max-new-tokens", "4", "--threads", "1", "--surrogate-error", "--output",
+        str(tmp_path / "e.json"))
+    errors = json.loads((tmp_path / "e.json").read_text())["surrogate_error"]
+    assert [e["rank"] for e in errors] == [2, 8] and all(0 < e["every"] for e in errors)
+    assert all(e["own_top_k"] > 0 and e["kind"] == "diagonal" for e in errors)
     readme = tmp_path / "results.md"  # the tables, written between their markers from the JSON
     readme.write_text("intro\n<!-- sketch: begin (bench/sketch_gap.py --readme; do not edit) -->"
                       "\ntyped by hand\n<!-- sketch: end -->\noutro\n")
