@@ -21,6 +21,12 @@ on its own sweep, linear interpolation; mean over the router budgets inside the 
 surrogate's bytes in expert-equivalents, at the tiny model's shape and at the family's real
 shape (:func:`real_shape`; the saving measured on the tiny model, the charge at real size: a
 projection). The cost figures (bytes per layer, FLOPs per token) are in the output.
+
+Off its calibration's domain the surrogate extrapolates badly (``--surrogate-error`` measures
+it per cell). ``--online KAPPA`` and ``--online-step ETA`` also score sketch with its surrogate
+updated during each prompt from the outputs of the experts its earlier passes executed (exact
+refit, :class:`policy.surrogate.OnlineSurrogate`; one gradient step, :class:`~policy.surrogate.
+GradientSurrogate`), pass by pass, each charged what its update touches.
 """
 
 from __future__ import annotations
