@@ -255,7 +255,8 @@ def executed_outputs(idx: torch.Tensor, weights: torch.Tensor, outputs: torch.Te
                      n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which experts each token ran, ``ran [T, M, N]`` (1.0 / 0.0), and their outputs scattered
     to expert slots, ``[T, M, N, H]`` (0 where not run), from ``idx, weights [T, M, k]`` (weight
-    0: not run) and ``outputs [T, M, k, H]``; float64."""
+    0: not run; a token's experts distinct, as the coverage policies give them) and ``outputs
+    [T, M, k, H]``; float64."""
     h = outputs.shape[-1]
     ran = torch.zeros(*idx.shape[:2], n, dtype=torch.float64)
     ran.scatter_add_(2, idx, (weights != 0).double())
@@ -274,7 +275,8 @@ class GradientSurrogate:
         V_i += η Σ_t x_t (U_iᵀ e_t)ᵀ / Σ_t ||x_t||²,   U_i += η Σ_t e_t z_tᵀ / Σ_t ||z_t||²
         ρ_i  = (κ ρ_i^cal + Σ_t ||e_t||²) / (κ + n_i)
 
-    (sums over the tokens t that ran i). A pass reads the surrogate and writes it back:
+    (sums over the tokens t that ran i; U_i is no longer orthonormal after a step, which nothing
+    relies on). A pass reads the surrogate and writes it back:
     :func:`policy.overhead.online_surrogate` with ``exact=False``."""
 
     def __init__(self, moments: InputMoments, rank: int, step: float, kappa: float = 64.0):
