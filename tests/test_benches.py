@@ -356,6 +356,35 @@ def test_cluster_bench_gets_the_single_process_tables_on_two_nodes(tmp_path):
     assert found["cluster_start_seconds"] > 0 and "identical: yes" in out
 
 
+FROZEN_STREAM = """
+import json, sys
+sys.path.insert(0, "bench")
+import sketch_gap as sg
+from pipeline import loaded_model
+from moe_spec.catalog import Catalog, reader
+from moe_spec.policy import coverage
+from moe_spec.policy.surrogate import InputMoments, Surrogate
+_, adapter = loaded_model("tiny-mixtral")
+catalog = Catalog("{root}")
+cal = catalog.runs(model="tiny-mixtral", names=["cal-mbpp"])
+fit = Surrogate.fit(InputMoments.collect(reader.tree_layers(cal), adapter), 2)
+class Frozen:
+    def refresh(self):
+        return fit
+    def observe(self, *args):
+        pass
+stream = list(sg.passes(catalog.runs(model="tiny-mixtral", names=["eval-mbpp"])[0], adapter))
+count = sum(batch.size for _, batch in stream)
+out = dict()
+for name in ("substitution", "truncation"):
+    cov = coverage.get(name)
+    budgets = [b for b in (2, 4) if b >= cov.min_budget(adapter.top_k)]
+    out[name] = dict(zip(map(str, budgets), (sg.online_rse(stream, Frozen, cov, budgets)
+                                             / count).tolist()))
+print(json.dumps(out))
+"""
+
+
 @smoke("sketch_gap.py")
 def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     """tiny-mixtral (N = 8): the oracle is exhaustive there, so no ranking closes more than the
@@ -382,6 +411,12 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
         "mbpp", "--ranks", "2", "8", "--eval-prompts", "1", "--cal-prompts", "1",
         "--max-new-tokens", "4", "--threads", "1", "--surrogate-error", "--output",
         str(tmp_path / "e.json"))
+    # comparability: the pass-by-pass stream the online variants are scored on, with a surrogate
+    # that never learns, gives exactly what sketch scored on the batches (same tree-layers)
+    frozen = json.loads(run("-c", FROZEN_STREAM.format(root=str(tmp_path / "tiny-mixtral"))))
+    for c in found["cells"]:
+        if c["ranking"] == "sketch-r2":
+            assert frozen[c["coverage"]][str(c["budget"])] == pytest.approx(c["rse"], rel=1e-9)
     errors = json.loads((tmp_path / "e.json").read_text())["surrogate_error"]
     assert [e["rank"] for e in errors] == [2, 8] and all(0 < e["every"] for e in errors)
     assert all(e["own_top_k"] > 0 and e["kind"] == "diagonal" for e in errors)
