@@ -154,8 +154,9 @@ def test_a_ranking_with_router_s_curve_saves_nothing(values, start, step):
     saved = experts_saved_frame(curve_frame({"router": values, "sqmass": values}, budgets),
                                 {"rse": False}, "open", resamples=2)
     assert saved["sweep"].to_list() == ["inside"] * len(values)
-    assert saved["saved"].to_list() == [0.0] * len(values)
-    assert saved["budget_needed"].to_list() == budgets
+    # equal curves: nothing saved, up to the interpolation's rounding (a run found 1.1e-16)
+    assert saved["saved"].to_list() == pytest.approx([0.0] * len(values), abs=1e-12)
+    assert saved["budget_needed"].to_list() == pytest.approx(budgets, abs=1e-12)
 
 
 @settings(max_examples=60, deadline=None)
