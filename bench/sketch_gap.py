@@ -85,14 +85,11 @@ def capture_runs(root: Path, model: str, args) -> None:
                 offset=args.eval_prompts, limit=args.cal_prompts)
 
 
-def batches(run, adapter, max_batch: int, prompts: int | None = None):
-    """The run's tree-layers (of its first ``prompts`` prompts) in batches of up to
-    ``max_batch``, each with its tokens' MoE inputs h_t attached."""
+def loader(run, adapter):
+    """``load(slices)``: the slices' tree-layers as one batch (every expert output recomputed and
+    checked against the capture) with their tokens' MoE inputs h_t attached."""
     tolerance = open_loop.gold_tolerance(run.manifest)
     dtype = open_loop.captured_weight_dtype(run.manifest)
-    source = PromptSource(run)
-    pending = []
-    layers = [layer.index for layer in adapter]
 
     def load(slices):
         batch = open_loop.load_batch(slices, adapter, torch.device("cpu"), tolerance, run.name,
@@ -100,6 +97,16 @@ def batches(run, adapter, max_batch: int, prompts: int | None = None):
         hidden = torch.from_numpy(open_loop.pad(slices, "hidden",
                                                 slices[0].data.hidden.shape[1], np.float32))
         return with_inputs(batch, hidden)
+    return load
+
+
+def batches(run, adapter, max_batch: int, prompts: int | None = None):
+    """The run's tree-layers (of its first ``prompts`` prompts) in batches of up to
+    ``max_batch``, each with its tokens' MoE inputs h_t attached."""
+    source = PromptSource(run)
+    pending = []
+    layers = [layer.index for layer in adapter]
+    load = loader(run, adapter)
 
     for prompt in source.keys()[:prompts]:
         for data in source.chunks(prompt):
@@ -118,22 +125,16 @@ def batches(run, adapter, max_batch: int, prompts: int | None = None):
 def passes(run, adapter, prompts: int | None = None):
     """``(prompt, batch)`` per verification pass (the tree-layers of one step of one prompt), in
     the order they ran, with h_t attached: what a ranking that learns during the prompt sees."""
-    tolerance = open_loop.gold_tolerance(run.manifest)
-    dtype = open_loop.captured_weight_dtype(run.manifest)
     source = PromptSource(run)
     layers = [layer.index for layer in adapter]
+    load = loader(run, adapter)
     for prompt in source.keys()[:prompts]:
         steps: dict[int, list] = {}
         for data in source.chunks(prompt):
             for row in data.select(layers):
                 steps.setdefault(int(data.step[row]), []).append(open_loop.Slice(data, [row]))
         for step in sorted(steps):
-            slices = steps[step]
-            batch = open_loop.load_batch(slices, adapter, torch.device("cpu"), tolerance,
-                                         run.name, dtype)
-            hidden = torch.from_numpy(open_loop.pad(slices, "hidden",
-                                                    slices[0].data.hidden.shape[1], np.float32))
-            yield prompt, with_inputs(batch, hidden)
+            yield prompt, load(steps[step])
 
 
 ONLINE = {"sketch-online": "refit", "sketch-nlms": "gradient"}  # name -> policy.overhead kind

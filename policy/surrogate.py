@@ -209,9 +209,7 @@ class OnlineSurrogate:
 
     def __init__(self, moments: InputMoments, rank: int, kappa: float):
         self.moments, self.rank, self.kappa = moments, rank, float(kappa)
-        self.surrogate = Surrogate.fit(moments, rank)
-        self.surrogate.u, self.surrogate.v, self.surrogate.rho = (
-            t.clone() for t in (self.surrogate.u, self.surrogate.v, self.surrogate.rho))
+        self.surrogate = Surrogate.fit(moments, rank)  # fresh tensors: refit in place
         self.own: dict[int, list[torch.Tensor]] = {}  # row -> [xx [N,D,D], yx, yy [N], count [N]]
         self.dirty: set[int] = set()
 
@@ -280,11 +278,9 @@ class GradientSurrogate:
     :func:`policy.overhead.online_surrogate` with ``exact=False``."""
 
     def __init__(self, moments: InputMoments, rank: int, step: float, kappa: float = 64.0):
-        base = Surrogate.fit(moments, rank)
-        self.surrogate = Surrogate(list(moments.layers), rank, base.u.clone(), base.v.clone(),
-                                   base.rho.clone())
+        self.surrogate = Surrogate.fit(moments, rank)  # fresh tensors: stepped in place
         self.step, self.kappa = float(step), float(kappa)
-        self.rho0 = base.rho.double()
+        self.rho0 = self.surrogate.rho.double()  # a copy: float32 -> float64
         self.errors = torch.zeros_like(self.rho0)
         self.count = torch.zeros_like(self.rho0)
 
