@@ -420,9 +420,35 @@ class Catalog:
     def manifests(self) -> list[Path]:
         return sorted(self.root.glob(f"runs/model=*/bench=*/run=*/{schema.MANIFEST}"))
 
+    def orphans(self, manifests: list[Path]) -> list[Path]:
+        """Folders of runs started here (their ``runs`` folder exists) that hold Parquet parts
+        while the run has no manifest: the manifest was deleted. A run being started holds only
+        its lock until the manifest is written, and an abandoned import removes its ``runs``
+        folder last, so neither is an orphan. Parts under a run no ``runs`` folder names are
+        strays no reader lists (issue 38), not a damaged run."""
+        known = {p.parent for p in manifests}
+        tables = (*dict.fromkeys((*schema.TRACE_TABLES, *schema.ROUTING_ONLY_TABLES)), "runs")
+        found = []
+        for started in sorted(self.root.glob("runs/model=*/bench=*/run=*")):
+            if started in known:
+                continue
+            model, bench, run = started.parent.parent.name, started.parent.name, started.name
+            folders = [self.root / table / model / bench / run for table in tables]
+            found += [f for f in folders if next(iter(f.glob("*.parquet")), None)]
+        return found
+
     def all_runs(self) -> list[Run]:
-        """Every run with a manifest, complete or not (manifests are checked)."""
-        return [Run(self.root, read_manifest(p)) for p in self.manifests()]
+        """Every run with a manifest, complete or not (manifests are checked). A run folder
+        with data but no manifest is refused, never skipped: readers would silently answer
+        without it."""
+        manifests = self.manifests()
+        orphans = self.orphans(manifests)
+        if orphans:
+            raise CatalogError(
+                f"{orphans[0]} holds trace parts but its run has no {schema.MANIFEST} "
+                f"({len(orphans)} such folder(s)); the trace was damaged: recapture the run "
+                "or delete its folders")
+        return [Run(self.root, read_manifest(p)) for p in manifests]
 
     def runs(self, *, model: str | None = None, bench: str | None = None,
              names: list[str] | None = None, roles: tuple[str, ...] | None = None,

@@ -174,7 +174,7 @@ def preflight(args):
                           f"({', '.join(index.ranking_names(runtime=True))}), not "
                           f"{', '.join(offline)}")
     catalog = Catalog(args.traces)
-    if not catalog.manifests():
+    if not catalog.all_runs():  # (refuses a run folder whose manifest is gone)
         raise ReplayError(f"no captured runs under {args.traces}; run "
                           f"`{console.command('capture')}` first or point --traces at a traces "
                           "folder")

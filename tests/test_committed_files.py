@@ -165,6 +165,22 @@ def test_verification_is_cached_per_file_version(pristine, tmp_path, monkeypatch
     assert [p.name for p in hashed] == [part.name]
 
 
+def test_a_run_whose_manifest_was_deleted_is_refused_not_skipped(pristine, tmp_path):
+    """Hypothesis found it: with the manifest gone, query answered 0 trees with exit 0."""
+    traces = copy(pristine, tmp_path)
+    first(traces, "runs/**/_manifest.json").unlink()
+    for r in (counts(traces), run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router",
+                                  "--budget", "8", "--no-progress")):
+        one_line_error(r, "no _manifest.json", "recapture")
+    lock = first(traces, "runs/**/part-0.parquet").parent / ".lock"
+    for part in traces.glob("*/model=*/bench=*/run=r/*.parquet"):
+        part.unlink()  # a run being started: its folders, a lock, no parts and no manifest yet
+    lock.write_text("")
+    r = run("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM trees", "--traces", traces,
+            "--format", "csv")
+    assert r.returncode == 0 and r.stdout.split() == ["n", "0"], r.stderr
+
+
 # --- issue 41: manifests and SQL that used to raise or hang ----------------------------------
 @pytest.mark.parametrize("content", ["[" * 100000, json.dumps(dict(model="m" * 300))])
 def test_pathological_manifests_are_one_line(pristine, tmp_path, content):
