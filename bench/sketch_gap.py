@@ -26,7 +26,9 @@ Off its calibration's domain the surrogate extrapolates badly (``--surrogate-err
 it per cell). ``--online KAPPA`` and ``--online-step ETA`` also score sketch with its surrogate
 updated during each prompt from the outputs of the experts its earlier passes executed (exact
 refit, :class:`policy.surrogate.OnlineSurrogate`; one gradient step, :class:`~policy.surrogate.
-GradientSurrogate`), pass by pass, each charged what its update touches.
+GradientSurrogate`; the calibration fit as a prior and each expert's last W executed pairs as
+evidence, ``--posterior W``, :class:`~policy.surrogate.PosteriorSurrogate`), pass by pass, each
+charged what its update touches.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from moe_spec.policy.surrogate import (  # noqa: E402
     GradientSurrogate,
     InputMoments,
     OnlineSurrogate,
+    PosteriorSurrogate,
 )
 from moe_spec.replay import open_loop  # noqa: E402
 from moe_spec.replay.run import calibration_stats  # noqa: E402
@@ -137,12 +140,22 @@ def passes(run, adapter, prompts: int | None = None):
             yield prompt, load(steps[step])
 
 
-ONLINE = {"sketch-online": "refit", "sketch-nlms": "gradient"}  # name -> policy.overhead kind
+ONLINE = {"sketch-online": "refit", "sketch-nlms": "gradient", "sketch-post": "posterior"}
+# name prefix -> policy.overhead kind (sketch-postW: a window of W pairs)
 
 
 def online_kind(name: str) -> str | None:
-    """``"refit"`` / ``"gradient"`` for a surrogate updated during the prompt, else None."""
-    return ONLINE.get(name.rsplit("-r", 1)[0])
+    """``"refit"`` / ``"gradient"`` / ``"posterior"`` for a surrogate updated during the
+    prompt, else None."""
+    return ONLINE.get(name.rsplit("-r", 1)[0].rstrip("0123456789"))
+
+
+def cost_of(name: str, n: int, h: int, inter: int, k: int) -> dict:
+    """:func:`policy.overhead.surrogate_cost` of a sketch variant named ``sketch…-rR`` (the
+    posterior's window is the number after ``sketch-post``)."""
+    prefix, rank = name.rsplit("-r", 1)
+    window = int(prefix[len("sketch-post"):]) if prefix.startswith("sketch-post") else 0
+    return surrogate_cost(n, h, int(rank), inter, online=online_kind(name), top_k=k, window=window)
 
 
 def online_rse(stream, make, cov, budgets: list[int]) -> np.ndarray:
@@ -254,6 +267,12 @@ def main() -> None:
                    help="also score sketch-nlms-rR: the surrogate moved by one normalized "
                         "gradient step of size ETA after each pass, on the pairs it executed "
                         "(policy.surrogate.GradientSurrogate: no state beyond the surrogate)")
+    p.add_argument("--posterior", type=int, default=None, metavar="W",
+                   help="also score sketch-postW-rR: the calibration fit as a prior, each "
+                        "expert's last W executed pairs as evidence, the posterior mean in closed "
+                        "form after each pass (policy.surrogate.PosteriorSurrogate)")
+    p.add_argument("--posterior-kappa", type=float, default=512.0, metavar="KAPPA",
+                   help="the prior's weight in pseudo-tokens for --posterior")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--output", type=Path, default=None, help="every cell and cost as JSON")
     add_table_options(p, "sketch")
@@ -347,6 +366,9 @@ def main() -> None:
             if args.online_step is not None:
                 variants.append(("sketch-nlms",
                                  lambda m, r: GradientSurrogate(m, r, args.online_step)))
+            if args.posterior is not None:
+                variants.append((f"sketch-post{args.posterior}", lambda m, r: PosteriorSurrogate(
+                    m, r, args.posterior_kappa, args.posterior)))
             if not variants:
                 continue
             stream = list(passes(run, adapter, args.prompts))
@@ -374,7 +396,8 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
     mean = {key: (sums[key] / counts[key]).tolist() for key in sums}
     names = ["coact-prior"] + [f"sketch-r{r}" for r in args.ranks] + (
         [] if args.online is None else [f"sketch-online-r{r}" for r in args.ranks]) + (
-        [] if args.online_step is None else [f"sketch-nlms-r{r}" for r in args.ranks])
+        [] if args.online_step is None else [f"sketch-nlms-r{r}" for r in args.ranks]) + (
+        [] if args.posterior is None else [f"sketch-post{args.posterior}-r{r}" for r in args.ranks])
     cells, medians = [], {}
     for cov_name in args.coverages:
         valid = [b for b in budgets if b >= coverages.get(cov_name).min_budget(k)]
@@ -420,10 +443,7 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
             print(f"  {cov_name:<12} {name:<16} " + "; ".join(parts))
     saved = experts_saved(args, mean, budgets, sources, names, k)
     label, rn, rh, ri = real_shape(args.model) or (args.model, n, h, inter)
-    costs = {name: dict(tiny=surrogate_cost(n, h, int(name.split("-r")[1]), inter,
-                                            online=online_kind(name), top_k=k),
-                        real=surrogate_cost(rn, rh, int(name.split("-r")[1]), ri,
-                                            online=online_kind(name), top_k=k))
+    costs = {name: dict(tiny=cost_of(name, n, h, inter, k), real=cost_of(name, rn, rh, ri, k))
              for name in names if name.startswith("sketch")}
     print(f"\nexperts saved at matched error vs router (mean over the cells and router budgets "
           f"where both it and the oracle reach router's error inside their sweeps), minus the "
@@ -448,6 +468,7 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
           ", ".join(f"{k_}: {v:.0f}" for k_, v in sorted(timing.items())))
     return dict(model=args.model, budgets=budgets, ranks=args.ranks, benches=args.benches,
                 online_kappa=args.online, online_step=args.online_step,
+                posterior_window=args.posterior, posterior_kappa=args.posterior_kappa,
                 sources=sources, cells=cells, medians=medians,
                 experts_saved={f"{c}|{r}": v for (c, r), v in saved.items()},
                 cost=costs, real_shape=dict(name=label, n=rn, h=rh, i=ri),

@@ -88,14 +88,40 @@ def online_surrogate(n: int, h: int, rank: int = SKETCH_RANK, top_k: int = 8,
                     flops_per_token=read.flops_per_token + top_k * (2 * d * d + 2 * h * d))
 
 
+def posterior_surrogate(n: int, h: int, rank: int, window: int, tokens: int = 63,
+                        number_bytes: float = SURROGATE_BYTES) -> Overhead:
+    """What :class:`policy.surrogate.PosteriorSurrogate` costs a pass, per MoE layer (D = H + 1,
+    w the window; its pairs and the layer's prior inverse A⁻¹ are float64 as the code holds
+    them, the factors float32):
+
+        bytes per layer = the rank-(r + w) surrogate read + N·w·(H + D)·s written (new factors)
+                          + 2·N·w·(D + H)·8 (the window's pairs read and written) + D²·8 (A⁻¹)
+        FLOPs per token = the rank-(r + w) surrogate's
+                          + N·(2·w·D² + 2·w²·D + 2·w·r·(D + H)) / tokens   (each expert's update,
+                            once per pass, spread over the pass's ``tokens`` tree tokens)
+
+    An upper bound on the update (every expert counted, not only those the pass ran); the w × w
+    solve is not counted."""
+    d = h + 1
+    read = surrogate(n, h, rank + window, number_bytes)
+    update = n * (2 * window * d * d + 2 * window * window * d + 2 * window * rank * (d + h))
+    return Overhead(bytes_per_layer=read.bytes_per_layer + n * window * (h + d) * number_bytes
+                    + 2 * n * window * (d + h) * 8 + d * d * 8,
+                    flops_per_token=read.flops_per_token + update / tokens)
+
+
 def surrogate_cost(n: int, h: int, rank: int, intermediate: int, expert_bytes: float = 2,
-                   online: str | None = None, top_k: int = 8) -> dict:
+                   online: str | None = None, top_k: int = 8, window: int = 0) -> dict:
     """What the surrogate costs at shape (N experts, hidden H, expert width I, the experts'
     ``expert_bytes`` a number): bytes per layer, FLOPs per token and the bytes in
     expert-equivalents, as one record (the benches print it); ``online``: updated during the
-    prompt, ``"refit"`` or ``"gradient"`` (:func:`online_surrogate`, top-k experts a token)."""
-    cost = surrogate(n, h, rank) if online is None else \
-        online_surrogate(n, h, rank, top_k, exact=online == "refit")
+    prompt, ``"refit"`` or ``"gradient"`` (:func:`online_surrogate`, top-k experts a token) or
+    ``"posterior"`` (:func:`posterior_surrogate`, a window of ``window`` pairs)."""
+    if online == "posterior":
+        cost = posterior_surrogate(n, h, rank, window)
+    else:
+        cost = surrogate(n, h, rank) if online is None else \
+            online_surrogate(n, h, rank, top_k, exact=online == "refit")
     return dict(bytes_per_layer=cost.bytes_per_layer, flops_per_token=cost.flops_per_token,
                 expert_bytes=3 * h * intermediate * expert_bytes,
                 expert_equivalents=cost.expert_equivalents(h, intermediate, expert_bytes))

@@ -249,6 +249,101 @@ class OnlineSurrogate:
         return self.surrogate
 
 
+class PosteriorSurrogate:
+    """The exact refit's idea at a bounded price: the calibration fit as a prior, the last ``w``
+    executed pairs of each expert as evidence, and the posterior mean in closed form.
+
+    :class:`OnlineSurrogate` keeps one ``D × D`` sum per expert (D = H + 1); at real shapes that
+    outweighs the experts a pass loads. Here the calibration enters through what every expert
+    shares, the layer's input Gram ``A = a (Sxx + λI)`` with ``a = κ / n_cal`` (κ pseudo-tokens,
+    as in the refit), and its rank-r map ``M_i = U_i V_iᵀ`` stands for its cross moments
+    (``Syx_i ≈ M_i (Sxx + λI)``). With ``X_i [w, D]``, ``Y_i [w, H]`` the expert's last w
+    executed pairs (pass order, then tree-token order), the least-squares map that weighs both,
+
+        W_i = (a M_i (Sxx + λI) + Y_iᵀ X_i) (A + X_iᵀ X_i)⁻¹
+            = M_i + E_iᵀ (I + X_i A⁻¹ X_iᵀ)⁻¹ X_i A⁻¹,   E_i = Y_i − X_i M_iᵀ
+
+    (push-through identity: a w × w solve, A⁻¹ computed once per layer), is the rank-(r + w) map
+    ``[U_i, E_iᵀ] [V_i, P_iᵀ]ᵀ`` with ``P_i = (I + X_i A⁻¹ X_iᵀ)⁻¹ X_i A⁻¹``: a :class:`Surrogate`
+    of rank r + w whose first r columns are the calibration's (zero columns until w pairs
+    arrive), so :class:`~policy.rankings.sketch.Sketch` searches on it unchanged. ρ_i is blended
+    as in :class:`GradientSurrogate` from the errors the current fit made on the pass's pairs.
+    Cost (:func:`policy.overhead.posterior_surrogate`): the rank-(r + w) surrogate read, the
+    window's pairs and factors written, A⁻¹ read once per layer and pass."""
+
+    def __init__(self, moments: InputMoments, rank: int, kappa: float, window: int):
+        base = Surrogate.fit(moments, rank)
+        el, n, h, r = base.u.shape
+        self.base, self.moments = base, moments
+        self.rank, self.kappa, self.window = r, float(kappa), int(window)
+        u = torch.zeros(el, n, h, r + self.window)
+        v = torch.zeros(el, n, h + 1, r + self.window)
+        u[..., :r], v[..., :r] = base.u, base.v
+        self.surrogate = Surrogate(list(base.layers), r + self.window, u, v, base.rho.clone(),
+                                   base.weights_hash)
+        self.rho0 = base.rho.double()
+        self.errors = torch.zeros_like(self.rho0)
+        self.count = torch.zeros_like(self.rho0)
+        self.pairs: dict[int, list[list[torch.Tensor]]] = {}  # row -> per expert [X [f, D], Y [f, H]]
+        self.inverse: dict[int, torch.Tensor] = {}  # row -> A⁻¹ [D, D] float64
+        self.dirty: set[int] = set()
+
+    def prior_inverse(self, row: int) -> torch.Tensor:
+        """``A⁻¹ = (a (Sxx + λI))⁻¹`` of one layer (λ as :func:`reduced_rank`'s guard)."""
+        if row not in self.inverse:
+            m = self.moments
+            xx = m.xx[row]
+            d = xx.shape[-1]
+            lam = RIDGE * torch.diagonal(xx).sum() / d
+            a = self.kappa / float(m.count[row].clamp_min(1))
+            self.inverse[row] = torch.linalg.inv(a * (xx + lam * torch.eye(d, dtype=xx.dtype)))
+        return self.inverse[row]
+
+    def observe(self, layers: torch.Tensor, hidden: torch.Tensor, idx: torch.Tensor,
+                weights: torch.Tensor, outputs: torch.Tensor) -> None:
+        """As :meth:`OnlineSurrogate.observe`."""
+        s = self.surrogate
+        n = s.num_experts
+        x = _augment(hidden.double())  # [T, M, D]
+        ran, y = executed_outputs(idx, weights, outputs, n)
+        for t, row in enumerate(s.rows(layers).tolist()):
+            z = torch.einsum("md,ndr->mnr", x[t], s.v[row].double())
+            e = (y[t] - torch.einsum("mnr,nhr->mnh", z, s.u[row].double())) * ran[t][..., None]
+            self.errors[row] += e.pow(2).sum((0, 2))
+            self.count[row] += ran[t].sum(0)
+            s.rho[row] = ((self.kappa * self.rho0[row] + self.errors[row])
+                          / (self.kappa + self.count[row])).float()
+            pairs = self.pairs.setdefault(row, [[x.new_zeros(0, x.shape[-1]),
+                                                 y.new_zeros(0, y.shape[-1])] for _ in range(n)])
+            for i in ran[t].sum(0).nonzero().flatten().tolist():
+                sel = ran[t][:, i] > 0
+                old = pairs[i]
+                pairs[i] = [torch.cat([old[0], x[t][sel]])[-self.window:],
+                            torch.cat([old[1], y[t][sel, i]])[-self.window:]]
+            self.dirty.add(row)
+
+    def refresh(self) -> Surrogate:
+        """The surrogate with every layer observed since the last call updated (class
+        docstring)."""
+        s, r = self.surrogate, self.rank
+        for row in sorted(self.dirty):
+            inv = self.prior_inverse(row)
+            for i, (xs, ys) in enumerate(self.pairs[row]):
+                f = xs.shape[0]
+                if not f:
+                    continue
+                m = self.base.u[row, i].double() @ self.base.v[row, i].double().T  # M_i [H, D]
+                err = ys - xs @ m.T  # E_i [f, H]
+                g = xs @ inv  # X_i A⁻¹ [f, D]
+                p = torch.linalg.solve(torch.eye(f, dtype=g.dtype) + g @ xs.T, g)  # P_i [f, D]
+                s.u[row, i, :, r:] = 0
+                s.v[row, i, :, r:] = 0
+                s.u[row, i, :, r:r + f] = err.T.float()
+                s.v[row, i, :, r:r + f] = p.T.float()
+        self.dirty.clear()
+        return s
+
+
 def executed_outputs(idx: torch.Tensor, weights: torch.Tensor, outputs: torch.Tensor,
                      n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which experts each token ran, ``ran [T, M, N]`` (1.0 / 0.0), and their outputs scattered

@@ -397,3 +397,64 @@ def test_gradient_surrogate_steps_toward_the_executed_pairs_only():
                  (a.surrogate.rho, b.surrogate.rho)):
         assert torch.equal(p, q)
     assert torch.equal(a.surrogate.u[0, K:], u0[0, K:])  # experts nobody ran: unchanged
+
+
+def test_posterior_surrogate_is_the_prior_weighted_fit_of_each_experts_last_w_pairs():
+    """After passes, each expert's map equals (a M_i (Sxx + λI) + YᵀX)(a (Sxx + λI) + XᵀX)⁻¹
+    solved directly (numpy) over exactly its last w executed pairs (X, Y), with M_i the
+    calibration's rank-r map and a = κ / n_cal; before any pass (and for experts nobody ran) it
+    predicts what the calibration fit does; outputs not run and padding change nothing."""
+    import numpy as np
+
+    from moe_spec.policy.surrogate import RIDGE, PosteriorSurrogate
+    cal_x, cal_y = _nonlinear_pairs(1, 60)
+    moments = InputMoments.empty([LAYER], N, H)
+    moments.add(LAYER, cal_x, cal_y)
+    kappa, rank, window = 12.0, 2, 4
+    post = PosteriorSurrogate(moments, rank, kappa, window)
+    base = Surrogate.fit(moments, rank)
+    layers, g = torch.tensor([LAYER]), torch.Generator().manual_seed(4)
+    probe = torch.randn(1, 3, H, generator=g)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    fresh = predicted_outputs(base, layers, probe, mask)
+    assert torch.allclose(predicted_outputs(post.refresh(), layers, probe, mask), fresh)
+    executed = []
+    for seed in (2, 3):  # another domain, two passes: some experts see more than w pairs
+        x, y = _nonlinear_pairs(seed, 5, shift=1.5)
+        idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(5)])[None]
+        w = torch.rand(1, 5, K, generator=g) + 0.1
+        w[0, 4] = 0
+        w[0, 0, 1] = 0
+        outs = y[None].gather(2, idx[..., None].expand(1, 5, K, H)).clone()
+        outs[0, 4] += 100.0
+        outs[0, 0, 1] += 100.0  # what was not run must not matter
+        post.observe(layers, x[None], idx, w, outs)
+        executed += [(x[t], y[t], int(idx[0, t, s])) for t in range(5) for s in range(K)
+                     if w[0, t, s] != 0]
+    got = predicted_outputs(post.refresh(), layers, probe, mask)
+    xx = moments.xx[0].numpy()
+    d = xx.shape[0]
+    reg = xx + RIDGE * np.trace(xx) / d * np.eye(d)
+    a = kappa / 60
+    probe_x = np.concatenate([probe[0].numpy(), np.ones((3, 1))], 1)
+    seen = 0
+    for i in range(N):
+        mine = [(x, y) for x, y, e in executed if e == i][-window:]
+        m = (base.u[0, i].double() @ base.v[0, i].double().T).numpy()  # [H, D]
+        if mine:
+            xs = np.stack([np.append(x.numpy(), 1.0) for x, _ in mine]).astype(float)
+            ys = np.stack([y[i].numpy() for _, y in mine]).astype(float)
+            m = np.linalg.solve((a * reg + xs.T @ xs).T, (a * m @ reg + ys.T @ xs).T).T
+        assert np.allclose(got[0, :, i, :H].numpy(), probe_x @ m.T, atol=2e-4), i
+        seen += len(mine) == window
+    assert seen >= 1  # the window dropped older pairs for at least one expert
+
+
+def test_the_posterior_is_charged_its_window_and_prior():
+    c = surrogate_cost(64, 2048, 4, 1024)
+    post = surrogate_cost(64, 2048, 4, 1024, online="posterior", window=8)
+    wider = surrogate_cost(64, 2048, 4, 1024, online="posterior", window=16)
+    assert c["bytes_per_layer"] < post["bytes_per_layer"] < wider["bytes_per_layer"]
+    assert post["bytes_per_layer"] > surrogate_cost(64, 2048, 12, 1024)["bytes_per_layer"] \
+        + 2049 * 2049 * 8  # the rank-(r + w) surrogate and A⁻¹, and the window's pairs
+    assert post["expert_equivalents"] < 64  # bounded, unlike the exact refit
