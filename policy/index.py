@@ -87,6 +87,12 @@ RANKINGS: dict[str, Entry] = {
                     overhead=lambda n, h: overheads.surrogate(n, h, overheads.SKETCH_RANK)),
     # 2: the surrogate's rank 16 -> 4 (policy.overhead.SKETCH_RANK: the same gap closed, a
     # quarter of the bytes)
+    "sketch-post": Entry("moe_spec.policy.rankings.sketch_post", True,
+                         "sketch whose surrogates learn during the prompt: the posterior mean of "
+                         "the calibration fit and each expert's last executed (h, E(h)) pairs",
+                         needs_calibration=True, artifact="sketch.npz", stateful=True,
+                         overhead=lambda n, h: overheads.posterior_surrogate(
+                             n, h, overheads.SKETCH_RANK, overheads.POSTERIOR_WINDOW)),
     "previous": Entry("moe_spec.policy.rankings.previous", True,
                       "experts loaded by the previous pass at the layer first, then router mass",
                       version=2, stateful=True),  # 2: under truncation, selected experts first

@@ -30,6 +30,8 @@ SKETCH_RANK = 4  # the surrogate's rank r that replay and the online budget fit:
 # closed nearly the same share of the gap on tiny-olmoe (medians within 3 points) and r = 4 costs
 # a quarter of r = 16's bytes (docs/results.md, sketch)
 SURROGATE_BYTES = 4  # bytes a surrogate number takes (float32: policy.surrogate)
+POSTERIOR_WINDOW = 16  # sketch-post: executed pairs kept per expert (policy.surrogate.PosteriorSurrogate)
+POSTERIOR_KAPPA = 512.0  # sketch-post: the calibration fit's weight in pseudo-tokens
 
 
 @dataclass(frozen=True)

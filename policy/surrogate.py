@@ -271,8 +271,12 @@ class PosteriorSurrogate:
     Cost (:func:`policy.overhead.posterior_surrogate`): the rank-(r + w) surrogate read, the
     window's pairs and factors written, A⁻¹ read once per layer and pass."""
 
-    def __init__(self, moments: InputMoments, rank: int, kappa: float, window: int):
-        base = Surrogate.fit(moments, rank)
+    def __init__(self, moments: InputMoments, rank: int, kappa: float, window: int,
+                 base: Surrogate | None = None, inverses: dict | None = None):
+        """``base``: ``Surrogate.fit(moments, rank)`` if already fitted; ``inverses``: a dict
+        shared by the instances of one calibration and κ, where each layer's A⁻¹ is kept once
+        computed (a new prompt's posterior then starts without refitting or inverting)."""
+        base = Surrogate.fit(moments, rank) if base is None else base
         el, n, h, r = base.u.shape
         self.base, self.moments = base, moments
         self.rank, self.kappa, self.window = r, float(kappa), int(window)
@@ -285,7 +289,7 @@ class PosteriorSurrogate:
         self.errors = torch.zeros_like(self.rho0)
         self.count = torch.zeros_like(self.rho0)
         self.pairs: dict[int, list[list[torch.Tensor]]] = {}  # row -> per expert [X [f, D], Y [f, H]]
-        self.inverse: dict[int, torch.Tensor] = {}  # row -> A⁻¹ [D, D] float64
+        self.inverse: dict[int, torch.Tensor] = {} if inverses is None else inverses  # row -> A⁻¹
         self.dirty: set[int] = set()
 
     def prior_inverse(self, row: int) -> torch.Tensor:

@@ -234,11 +234,28 @@ def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budget
         keep[rows] = masks
         idx, w = coverage.apply(part, masks)  # what each budgeted pass ran: [R, B, M, k]
         w = w * part.mask[:, None, :, None]
-        dots = executed_dots(batch, rows, idx)  # [R, B, M, k, k]: what the passes computed
+        # what the passes computed: the executed outputs [R, B, M, k, H] for a ranking that
+        # learns from them, else only their inner products [R, B, M, k, k]
+        vectors = executed_outputs(batch, rows, idx) if ranking.observes_output_vectors else None
+        dots = None if vectors is not None else executed_dots(batch, rows, idx)
         for j, own in enumerate(instances):
             own.observe(part.layers, experts_used(idx[:, j], w[:, j], batch.n))
-            own.observe_outputs(part.layers, idx[:, j], w[:, j], None, dots=dots[:, j])
+            own.observe_outputs(part.layers, idx[:, j], w[:, j],
+                                None if vectors is None else vectors[:, j],
+                                dots=None if dots is None else dots[:, j])
     return keep, budgets
+
+
+def executed_outputs(batch: RoutingBatch, rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``E_a(h_t) [R, B, M, k, H]`` of the experts ``idx [R, B, M, k]`` that each budget's pass
+    ran for the tree-layers ``rows`` (for rankings that learn from the outputs themselves)."""
+    experts = batch.terms.experts
+    if experts is None:
+        raise RuntimeError("the batch's raw expert outputs were dropped; replay keeps them for "
+                           "rankings that observe output vectors")
+    experts = experts[rows.to(experts.device)][:, None]  # [R, 1, M, N, H]
+    experts = experts.expand(-1, idx.shape[1], -1, -1, -1)
+    return experts.gather(3, idx[..., None].expand(*idx.shape, experts.shape[-1]))
 
 
 def executed_dots(batch: RoutingBatch, rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -458,3 +458,95 @@ def test_the_posterior_is_charged_its_window_and_prior():
     assert post["bytes_per_layer"] > surrogate_cost(64, 2048, 12, 1024)["bytes_per_layer"] \
         + 2049 * 2049 * 8  # the rank-(r + w) surrogate and A⁻¹, and the window's pairs
     assert post["expert_equivalents"] < 64  # bounded, unlike the exact refit
+
+
+def _prompt_passes(model, passes: int = 5, m: int = 10, shift: float = 1.5):
+    """One prompt's verification passes at one layer, off the calibration's domain (inputs
+    shifted), as one batch with its prompt and step of every tree-layer."""
+    tls = tree_layers(11, passes, m=m)
+    hidden = torch.stack([tl.hidden for tl in tls]) + shift
+    probs = torch.stack([tl.probs for tl in tls])
+    w, idx = probs.topk(K, -1)
+    w = w / w.sum(-1, keepdim=True)
+    batch = RoutingBatch(probs, idx, w, torch.ones(passes, m, dtype=torch.bool),
+                         torch.full((passes,), LAYER), RoutingRule(K, renormalize=True),
+                         hidden=hidden)
+    outputs = torch.stack([model.expert_outputs(LAYER, x) for x in hidden])
+    batch.terms = ExpertTerms.from_outputs(outputs, idx, w)
+    return batch, outputs, torch.zeros(passes, dtype=torch.long), torch.arange(passes)
+
+
+def _tanh_model():
+    base = linear_model()
+    return SimpleNamespace(moe_layers=[LAYER], num_experts=N, expert_outputs=lambda layer, x:
+                           torch.tanh(base.expert_outputs(layer, x)) * 2)
+
+
+def _replayed(batch, stats, budgets, cov):
+    from moe_spec.replay import open_loop
+    ranking = rankings.get("sketch-post")().fit(stats)
+    prompts, steps = torch.zeros(batch.size, dtype=torch.long), torch.arange(batch.size)
+    return open_loop.shortlists(ranking, batch, cov, budgets, prompts, steps,
+                                open_loop.Stream())[0]
+
+
+@pytest.fixture
+def weak_prior(monkeypatch):
+    """sketch-post with the calibration worth 2 pseudo-tokens (its default 512 outweighs the
+    few pairs of these small passes)."""
+    from moe_spec.policy.rankings.sketch_post import SketchPosterior
+    monkeypatch.setattr(SketchPosterior, "kappa", 2.0)
+    return 2.0
+
+
+def test_sketch_post_in_open_loop_is_the_posterior_stream_pass_by_pass(weak_prior):
+    """Open-loop replay of the registered ranking equals the hand-written stream the bench
+    scores (bench/sketch_gap.py online_rse): per budget, a fresh PosteriorSurrogate, each pass
+    searched by Sketch.from_surrogate on the current posterior, then the outputs of exactly the
+    experts that budget's pass ran observed."""
+    from moe_spec.policy.overhead import POSTERIOR_WINDOW, SKETCH_RANK
+    from moe_spec.policy.rankings.sketch import routing_only
+    from moe_spec.policy.surrogate import MOMENTS, PosteriorSurrogate
+    model = _tanh_model()
+    stats = calibration(model)
+    batch, outputs, _, _ = _prompt_passes(model)
+    cov, budgets = coverage.get("substitution"), [2, 3]
+    keep = _replayed(batch, stats, budgets, cov)
+    differs = False
+    for j, b in enumerate(budgets):
+        post = PosteriorSurrogate(stats.fitted[MOMENTS], SKETCH_RANK, weak_prior,
+                                  POSTERIOR_WINDOW)
+        for t in range(batch.size):
+            part = batch.take(torch.tensor([t]))
+            want = Sketch.from_surrogate(post.refresh()).shortlists(
+                routing_only(part, torch.tensor([0])), cov, [b])[0]
+            assert torch.equal(keep[t, j], want[0, 0]), (b, t)
+            plain = Sketch.from_surrogate(Surrogate.fit(stats.fitted[MOMENTS], SKETCH_RANK))
+            differs |= not torch.equal(plain.shortlists(routing_only(part, torch.tensor([0])),
+                                                        cov, [b])[0], want)
+            idx, w = cov.apply(part, want)
+            idx, w = idx[:, 0], w[:, 0] * part.mask[..., None]
+            ran = outputs[t:t + 1].gather(2, idx[..., None].expand(*idx.shape, H))
+            post.observe(part.layers, part.hidden, idx, w, ran)
+    assert differs  # the posterior moved some shortlist away from plain sketch's
+
+
+def test_sketch_post_never_reads_the_current_pass_outputs(weak_prior):
+    """Perturbing every expert output of the last pass changes no shortlist (no pass reads its
+    own outputs); perturbing the first pass's changes a later one (it does learn from them)."""
+    model = _tanh_model()
+    stats = calibration(model)
+    batch, outputs, _, _ = _prompt_passes(model)
+    cov, budgets = coverage.get("substitution"), [2, 3]
+    keep = _replayed(batch, stats, budgets, cov)
+
+    def perturbed(t):
+        noisy = outputs.clone()
+        noisy[t] = noisy[t] * -3.0 + 5.0
+        out = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
+                           batch.rule, hidden=batch.hidden)
+        out.terms = ExpertTerms.from_outputs(noisy, batch.idx, batch.weights)
+        return _replayed(out, stats, budgets, cov)
+
+    assert torch.equal(perturbed(batch.size - 1), keep)
+    assert not torch.equal(perturbed(0), keep)

@@ -48,6 +48,8 @@ class Ranking(ABC):
     artifact: ClassVar[str | None] = None  # file name of what fit() learns, saved by save()
     stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
     observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget)
+    observes_output_vectors: ClassVar[bool] = False  # ... and needs the outputs themselves, not
+    # only their inner products (open-loop replay then gathers them)
     stateful_starts: tuple = ()  # rankings whose shortlists open-loop replay streams in order
     # and hands to shortlists(starts=...) (the oracle's stateful starts)
     selected_first: ClassVar[bool] = True  # under truncation, experts some tree token selected

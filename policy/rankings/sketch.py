@@ -138,7 +138,7 @@ class Sketch(Ranking):
         self.token_aware = False
         if not getattr(self, "warned", False):
             self.warned = True
-            warnings.warn(f"ranking sketch: {why}; using coact-prior's shortlists", stacklevel=3)
+            warnings.warn(f"ranking {self.name}: {why}; using coact-prior's shortlists", stacklevel=3)
 
     def save(self, path: Path) -> None:
         """The fitted surrogate; without one, a record that coact-prior's shortlists ran."""
@@ -161,7 +161,7 @@ class Sketch(Ranking):
         """Tree-layers ``rows`` of ``batch`` with predicted expert terms in place of true ones."""
         hidden = getattr(batch, "hidden", None)
         if hidden is None:
-            raise RankingError("ranking sketch needs the tree tokens' MoE inputs h_t "
+            raise RankingError(f"ranking {self.name} needs the tree tokens' MoE inputs h_t "
                                "(policy.rankings.sketch.with_inputs)")
         part = routing_only(batch, rows)
         pred = predicted_outputs(self.surrogate, part.layers, hidden[rows].to(batch.device),
