@@ -267,8 +267,8 @@ def main() -> None:
                    help="also score sketch-nlms-rR: the surrogate moved by one normalized "
                         "gradient step of size ETA after each pass, on the pairs it executed "
                         "(policy.surrogate.GradientSurrogate: no state beyond the surrogate)")
-    p.add_argument("--posterior", type=int, default=None, metavar="W",
-                   help="also score sketch-postW-rR: the calibration fit as a prior, each "
+    p.add_argument("--posterior", type=int, nargs="+", default=None, metavar="W",
+                   help="also score sketch-postW-rR for each window W: the calibration fit as a prior, each "
                         "expert's last W executed pairs as evidence, the posterior mean in closed "
                         "form after each pass (policy.surrogate.PosteriorSurrogate)")
     p.add_argument("--posterior-kappa", type=float, default=512.0, metavar="KAPPA",
@@ -366,9 +366,9 @@ def main() -> None:
             if args.online_step is not None:
                 variants.append(("sketch-nlms",
                                  lambda m, r: GradientSurrogate(m, r, args.online_step)))
-            if args.posterior is not None:
-                variants.append((f"sketch-post{args.posterior}", lambda m, r: PosteriorSurrogate(
-                    m, r, args.posterior_kappa, args.posterior)))
+            for window in args.posterior or []:
+                variants.append((f"sketch-post{window}", partial(
+                    lambda m, r, w: PosteriorSurrogate(m, r, args.posterior_kappa, w), w=window)))
             if not variants:
                 continue
             stream = list(passes(run, adapter, args.prompts))
@@ -397,7 +397,7 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
     names = ["coact-prior"] + [f"sketch-r{r}" for r in args.ranks] + (
         [] if args.online is None else [f"sketch-online-r{r}" for r in args.ranks]) + (
         [] if args.online_step is None else [f"sketch-nlms-r{r}" for r in args.ranks]) + (
-        [] if args.posterior is None else [f"sketch-post{args.posterior}-r{r}" for r in args.ranks])
+        [f"sketch-post{w}-r{r}" for w in args.posterior or [] for r in args.ranks])
     cells, medians = [], {}
     for cov_name in args.coverages:
         valid = [b for b in budgets if b >= coverages.get(cov_name).min_budget(k)]

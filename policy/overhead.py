@@ -93,22 +93,23 @@ def online_surrogate(n: int, h: int, rank: int = SKETCH_RANK, top_k: int = 8,
 def posterior_surrogate(n: int, h: int, rank: int, window: int, tokens: int = 63,
                         number_bytes: float = SURROGATE_BYTES) -> Overhead:
     """What :class:`policy.surrogate.PosteriorSurrogate` costs a pass, per MoE layer (D = H + 1,
-    w the window; its pairs and the layer's prior inverse A⁻¹ are float64 as the code holds
-    them, the factors float32):
+    w the window, every number stored as float32, s = 4; the solves upcast):
 
-        bytes per layer = the rank-(r + w) surrogate read + N·w·(H + D)·s written (new factors)
-                          + 2·N·w·(D + H)·8 (the window's pairs read and written) + D²·8 (A⁻¹)
+        bytes per layer = N·(r + w)·(2H + 1)·s + N·s    (the rank-(r + w) surrogate and ρ, read)
+                          + N·w·(2H + 2D)·s             (an updated expert's pairs X_i, Y_i read
+                                                         and its new factors E_iᵀ, P_iᵀ written)
+                          + D²·s                        (the layer's prior inverse A⁻¹, read)
         FLOPs per token = the rank-(r + w) surrogate's
-                          + N·(2·w·D² + 2·w²·D + 2·w·r·(D + H)) / tokens   (each expert's update,
-                            once per pass, spread over the pass's ``tokens`` tree tokens)
+                          + N·(2·w·D² + 2·w²·D + 2·w·r·(D + H)) / tokens   (each update, once per
+                            pass, spread over the pass's ``tokens`` tree tokens)
 
-    An upper bound on the update (every expert counted, not only those the pass ran); the w × w
-    solve is not counted."""
+    Every expert is counted as updated: an upper bound (a pass updates only the experts it ran,
+    at most B of N); the w × w solve is not counted."""
     d = h + 1
     read = surrogate(n, h, rank + window, number_bytes)
     update = n * (2 * window * d * d + 2 * window * window * d + 2 * window * rank * (d + h))
-    return Overhead(bytes_per_layer=read.bytes_per_layer + n * window * (h + d) * number_bytes
-                    + 2 * n * window * (d + h) * 8 + d * d * 8,
+    return Overhead(bytes_per_layer=read.bytes_per_layer
+                    + n * window * (2 * h + 2 * d) * number_bytes + d * d * number_bytes,
                     flops_per_token=read.flops_per_token + update / tokens)
 
 

@@ -268,8 +268,9 @@ class PosteriorSurrogate:
     of rank r + w whose first r columns are the calibration's (zero columns until w pairs
     arrive), so :class:`~policy.rankings.sketch.Sketch` searches on it unchanged. ρ_i is blended
     as in :class:`GradientSurrogate` from the errors the current fit made on the pass's pairs.
-    Cost (:func:`policy.overhead.posterior_surrogate`): the rank-(r + w) surrogate read, the
-    window's pairs and factors written, A⁻¹ read once per layer and pass."""
+    Cost (:func:`policy.overhead.posterior_surrogate`): the rank-(r + w) surrogate read, an
+    updated expert's pairs read and factors written, A⁻¹ read once per layer and pass; the pairs
+    and A⁻¹ are kept as float32 (the solves upcast), as charged."""
 
     def __init__(self, moments: InputMoments, rank: int, kappa: float, window: int,
                  base: Surrogate | None = None, inverses: dict | None = None):
@@ -290,7 +291,7 @@ class PosteriorSurrogate:
         self.count = torch.zeros_like(self.rho0)
         self.pairs: dict[int, list[list[torch.Tensor]]] = {}  # row -> per expert [X [f, D], Y [f, H]]
         self.inverse: dict[int, torch.Tensor] = {} if inverses is None else inverses  # row -> A⁻¹
-        self.dirty: set[int] = set()
+        self.dirty: dict[int, set[int]] = {}  # row -> experts that got new pairs
 
     def prior_inverse(self, row: int) -> torch.Tensor:
         """``A⁻¹ = (a (Sxx + λI))⁻¹`` of one layer (λ as :func:`reduced_rank`'s guard)."""
@@ -300,8 +301,9 @@ class PosteriorSurrogate:
             d = xx.shape[-1]
             lam = RIDGE * torch.diagonal(xx).sum() / d
             a = self.kappa / float(m.count[row].clamp_min(1))
-            self.inverse[row] = torch.linalg.inv(a * (xx + lam * torch.eye(d, dtype=xx.dtype)))
-        return self.inverse[row]
+            self.inverse[row] = torch.linalg.inv(
+                a * (xx + lam * torch.eye(d, dtype=xx.dtype))).float()  # stored as float32
+        return self.inverse[row].double()
 
     def observe(self, layers: torch.Tensor, hidden: torch.Tensor, idx: torch.Tensor,
                 weights: torch.Tensor, outputs: torch.Tensor) -> None:
@@ -317,25 +319,24 @@ class PosteriorSurrogate:
             self.count[row] += ran[t].sum(0)
             s.rho[row] = ((self.kappa * self.rho0[row] + self.errors[row])
                           / (self.kappa + self.count[row])).float()
-            pairs = self.pairs.setdefault(row, [[x.new_zeros(0, x.shape[-1]),
-                                                 y.new_zeros(0, y.shape[-1])] for _ in range(n)])
+            pairs = self.pairs.setdefault(row, [[torch.zeros(0, x.shape[-1]),
+                                                 torch.zeros(0, y.shape[-1])] for _ in range(n)])
             for i in ran[t].sum(0).nonzero().flatten().tolist():
                 sel = ran[t][:, i] > 0
-                old = pairs[i]
-                pairs[i] = [torch.cat([old[0], x[t][sel]])[-self.window:],
-                            torch.cat([old[1], y[t][sel, i]])[-self.window:]]
-            self.dirty.add(row)
+                old = pairs[i]  # stored as float32, as the cost charges them
+                pairs[i] = [torch.cat([old[0], x[t][sel].float()])[-self.window:],
+                            torch.cat([old[1], y[t][sel, i].float()])[-self.window:]]
+                self.dirty.setdefault(row, set()).add(i)
 
     def refresh(self) -> Surrogate:
         """The surrogate with every layer observed since the last call updated (class
         docstring)."""
         s, r = self.surrogate, self.rank
-        for row in sorted(self.dirty):
+        for row, experts in sorted(self.dirty.items()):
             inv = self.prior_inverse(row)
-            for i, (xs, ys) in enumerate(self.pairs[row]):
+            for i in sorted(experts):  # only experts with new pairs change
+                xs, ys = (p.double() for p in self.pairs[row][i])
                 f = xs.shape[0]
-                if not f:
-                    continue
                 m = self.base.u[row, i].double() @ self.base.v[row, i].double().T  # M_i [H, D]
                 err = ys - xs @ m.T  # E_i [f, H]
                 g = xs @ inv  # X_i A⁻¹ [f, D]

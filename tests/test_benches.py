@@ -392,11 +392,14 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     out = run("bench/sketch_gap.py", "--traces", str(tmp_path), "--model", "tiny-mixtral",
               "--benches", "mbpp", "--ranks", "2", "--budgets", "2,4", "--eval-prompts", "1",
               "--cal-prompts", "1", "--max-new-tokens", "4", "--threads", "1", "--online", "64",
-              "--online-step", "0.5",
+              "--online-step", "0.5", "--posterior", "2", "4",
               "--output", str(tmp_path / "s.json"), timeout=600)
     found = json.loads((tmp_path / "s.json").read_text())
     names = {c["ranking"] for c in found["cells"]}
-    assert names == {"coact-prior", "sketch-r2", "sketch-online-r2", "sketch-nlms-r2"}
+    assert names == {"coact-prior", "sketch-r2", "sketch-online-r2", "sketch-nlms-r2",
+                     "sketch-post2-r2", "sketch-post4-r2"}
+    post = [found["cost"][f"sketch-post{w}-r2"]["real"]["bytes_per_layer"] for w in (2, 4)]
+    assert found["cost"]["sketch-r2"]["real"]["bytes_per_layer"] < post[0] < post[1]
     online = found["cost"]["sketch-online-r2"]["real"]["expert_equivalents"]
     assert online > found["cost"]["sketch-r2"]["real"]["expert_equivalents"] and \
         found["online_kappa"] == 64

@@ -12,7 +12,8 @@ never the current pass's expert outputs (``tests/test_sketch.py``). One state pe
 pass executes depends on it), restarted with each prompt, as coact-online's.
 
 Cost (:func:`policy.overhead.posterior_surrogate`): the rank-(r + w) surrogate read every pass,
-the window's pairs and new factors written, each layer's prior inverse read; charged to every
+an updated expert's pairs read and new factors written, each layer's prior inverse read (all
+float32; an upper bound that counts every expert as updated); charged to every
 verification pass by the cost model like sketch's surrogate.
 """
 
