@@ -277,6 +277,11 @@ def main() -> None:
     p.add_argument("--output", type=Path, default=None, help="every cell and cost as JSON")
     add_table_options(p, "sketch")
     args = p.parse_args()
+    if args.posterior is not None:
+        if min(args.posterior) < 1 or not args.posterior_kappa > 0:
+            p.error("--posterior takes windows of at least 1 pair and --posterior-kappa a "
+                    "weight > 0")
+        args.posterior = sorted(set(args.posterior))
     if args.render:
         found = [(path, json.loads(path.read_text())) for path in args.render]
         for path, rep in found:  # another bench's output, or one before the matched savings

@@ -100,11 +100,13 @@ RANKINGS: dict[str, Entry] = {
     "oracle": Entry("moe_spec.policy.rankings.oracle", False,
                     "best shortlist found with every expert's output (offline reference): exact "
                     "where C(N,B) is small, else every runtime ranking's shortlist and the "
-                    "greedies, improved by swaps", version=5, uses_calibration=True,
+                    "greedies, improved by swaps", version=6, uses_calibration=True,
                     examples=True),
     # 2: substitution takes the best of three candidates, 3: of four, 4: exact search where it
     # fits, every runtime ranking's shortlist as a start, then swap local search, 5: the swaps
     # screened in closed form (all of them, not the 12 strongest outside), then verified;
+    # 6: sketch-post (stateful, token-aware) among the stateful starts where the calibration
+    # carries the surrogate's sums;
     # uses_calibration: fitted with calibration it also starts from the calibrated runtime
     # rankings' shortlists
     "exact": Entry("moe_spec.policy.rankings.exact", False,

@@ -91,26 +91,32 @@ def online_surrogate(n: int, h: int, rank: int = SKETCH_RANK, top_k: int = 8,
 
 
 def posterior_surrogate(n: int, h: int, rank: int, window: int, tokens: int = 63,
-                        number_bytes: float = SURROGATE_BYTES) -> Overhead:
+                        top_k: int = 8, number_bytes: float = SURROGATE_BYTES) -> Overhead:
     """What :class:`policy.surrogate.PosteriorSurrogate` costs a pass, per MoE layer (D = H + 1,
     w the window, every number stored as float32, s = 4; the solves upcast):
 
-        bytes per layer = N·(r + w)·(2H + 1)·s + N·s    (the rank-(r + w) surrogate and ρ, read)
-                          + N·w·(2H + 2D)·s             (an updated expert's pairs X_i, Y_i read
-                                                         and its new factors E_iᵀ, P_iᵀ written)
+        bytes per layer = N·((r + w)·(2H + 1) + 1)·s    (the rank-(r + w) surrogate and ρ, read)
+                          + 3·N·w·(D + H)·s             (an updated expert's pairs X_i, Y_i read
+                                                         and written back with the pass's new
+                                                         ones, its factors E_iᵀ, P_iᵀ written)
                           + D²·s                        (the layer's prior inverse A⁻¹, read)
-        FLOPs per token = the rank-(r + w) surrogate's
-                          + N·(2·w·D² + 2·w²·D + 2·w·r·(D + H)) / tokens   (each update, once per
+        FLOPs per token = the rank-(r + w) surrogate's (its prediction and the search's terms)
+                          + k·2·(r + w)·(D + H)         (the current fit on each executed pair,
+                                                         for ρ)
+                          + N·(2·w·D² + 4·w²·D + 2·w·r·(D + H)) / tokens   (each update: X_i A⁻¹,
+                            the w × w system and its solve against D columns, E_i; once per
                             pass, spread over the pass's ``tokens`` tree tokens)
 
-    Every expert is counted as updated: an upper bound (a pass updates only the experts it ran,
-    at most B of N); the w × w solve is not counted."""
+    Every expert is counted as updated, each with a full window: an upper bound (a pass
+    updates only the experts it ran, at most B of N)."""
     d = h + 1
-    read = surrogate(n, h, rank + window, number_bytes)
-    update = n * (2 * window * d * d + 2 * window * window * d + 2 * window * rank * (d + h))
-    return Overhead(bytes_per_layer=read.bytes_per_layer
-                    + n * window * (2 * h + 2 * d) * number_bytes + d * d * number_bytes,
-                    flops_per_token=read.flops_per_token + update / tokens)
+    width = rank + window  # stored in full, whatever H is
+    read = surrogate(n, h, width, number_bytes)
+    update = n * (2 * window * d * d + 4 * window * window * d + 2 * window * rank * (d + h))
+    return Overhead(bytes_per_layer=n * (width * (2 * h + 1) + 1) * number_bytes
+                    + 3 * n * window * (d + h) * number_bytes + d * d * number_bytes,
+                    flops_per_token=read.flops_per_token + top_k * 2 * width * (d + h)
+                    + update / tokens)
 
 
 def surrogate_cost(n: int, h: int, rank: int, intermediate: int, expert_bytes: float = 2,
@@ -121,7 +127,7 @@ def surrogate_cost(n: int, h: int, rank: int, intermediate: int, expert_bytes: f
     prompt, ``"refit"`` or ``"gradient"`` (:func:`online_surrogate`, top-k experts a token) or
     ``"posterior"`` (:func:`posterior_surrogate`, a window of ``window`` pairs)."""
     if online == "posterior":
-        cost = posterior_surrogate(n, h, rank, window)
+        cost = posterior_surrogate(n, h, rank, window, top_k=top_k)
     else:
         cost = surrogate(n, h, rank) if online is None else \
             online_surrogate(n, h, rank, top_k, exact=online == "refit")

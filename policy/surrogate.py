@@ -280,6 +280,9 @@ class PosteriorSurrogate:
         base = Surrogate.fit(moments, rank) if base is None else base
         el, n, h, r = base.u.shape
         self.base, self.moments = base, moments
+        if window < 1 or not kappa > 0:
+            raise ValueError(f"a posterior needs a window of at least 1 pair and a prior weight "
+                             f"κ > 0 (got {window}, {kappa})")
         self.rank, self.kappa, self.window = r, float(kappa), int(window)
         u = torch.zeros(el, n, h, r + self.window)
         v = torch.zeros(el, n, h + 1, r + self.window)
@@ -313,20 +316,22 @@ class PosteriorSurrogate:
         x = _augment(hidden.double())  # [T, M, D]
         ran, y = executed_outputs(idx, weights, outputs, n)
         for t, row in enumerate(s.rows(layers).tolist()):
-            z = torch.einsum("md,ndr->mnr", x[t], s.v[row].double())
-            e = (y[t] - torch.einsum("mnr,nhr->mnh", z, s.u[row].double())) * ran[t][..., None]
-            self.errors[row] += e.pow(2).sum((0, 2))
-            self.count[row] += ran[t].sum(0)
-            s.rho[row] = ((self.kappa * self.rho0[row] + self.errors[row])
-                          / (self.kappa + self.count[row])).float()
-            pairs = self.pairs.setdefault(row, [[torch.zeros(0, x.shape[-1]),
-                                                 torch.zeros(0, y.shape[-1])] for _ in range(n)])
+            if row not in self.pairs:
+                self.pairs[row] = [[torch.zeros(0, x.shape[-1]), torch.zeros(0, y.shape[-1])]
+                                   for _ in range(n)]
+            pairs = self.pairs[row]
             for i in ran[t].sum(0).nonzero().flatten().tolist():
                 sel = ran[t][:, i] > 0
+                xi, yi = x[t][sel], y[t][sel, i]  # the pairs expert i ran on
+                pred = (xi @ s.v[row, i].double()) @ s.u[row, i].double().T  # the current fit's
+                self.errors[row, i] += (yi - pred).pow(2).sum()
+                self.count[row, i] += xi.shape[0]
                 old = pairs[i]  # stored as float32, as the cost charges them
-                pairs[i] = [torch.cat([old[0], x[t][sel].float()])[-self.window:],
-                            torch.cat([old[1], y[t][sel, i].float()])[-self.window:]]
+                pairs[i] = [torch.cat([old[0], xi.float()])[-self.window:],
+                            torch.cat([old[1], yi.float()])[-self.window:]]
                 self.dirty.setdefault(row, set()).add(i)
+            s.rho[row] = ((self.kappa * self.rho0[row] + self.errors[row])
+                          / (self.kappa + self.count[row])).float()
 
     def refresh(self) -> Surrogate:
         """The surrogate with every layer observed since the last call updated (class
@@ -337,8 +342,8 @@ class PosteriorSurrogate:
             for i in sorted(experts):  # only experts with new pairs change
                 xs, ys = (p.double() for p in self.pairs[row][i])
                 f = xs.shape[0]
-                m = self.base.u[row, i].double() @ self.base.v[row, i].double().T  # M_i [H, D]
-                err = ys - xs @ m.T  # E_i [f, H]
+                err = ys - (xs @ self.base.v[row, i].double()) @ self.base.u[row, i].double().T
+                # E_i = Y_i − X_i M_iᵀ [f, H], M_i = U_i V_iᵀ applied factored
                 g = xs @ inv  # X_i A⁻¹ [f, D]
                 p = torch.linalg.solve(torch.eye(f, dtype=g.dtype) + g @ xs.T, g)  # P_i [f, D]
                 s.u[row, i, :, r:] = 0

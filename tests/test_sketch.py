@@ -261,10 +261,11 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
                "calibration").returncode == 0
     for mode, budgets in (("open", "8,16,24,32"), ("closed", "8")):
         r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
-                "--ranking", "sketch", "router", "--coverage", "substitution", "--budget",
+                "--ranking", "sketch", "sketch-post", "router", "--coverage", "substitution", "--budget",
                 budgets, "--mode", mode, "--no-progress", "--threads", "1")
         assert r.returncode == 0, r.stderr
         assert "coact-prior's shortlists" not in r.stderr, r.stderr
+        assert "sketch-post" in r.stdout, r.stdout  # replayed beside sketch, both loops
     saved = list((tmp_path / "replay_open").rglob("sketch*"))
     assert saved and all(b"fallback" not in p.read_bytes()[:4096] for p in saved), saved
     # the report charges sketch its surrogate's bytes: net of them at the tiny model's shape
@@ -410,7 +411,7 @@ def test_posterior_surrogate_is_the_prior_weighted_fit_of_each_experts_last_w_pa
     cal_x, cal_y = _nonlinear_pairs(1, 60)
     moments = InputMoments.empty([LAYER], N, H)
     moments.add(LAYER, cal_x, cal_y)
-    kappa, rank, window = 12.0, 2, 4
+    kappa, rank, window = 12.0, 2, 2
     post = PosteriorSurrogate(moments, rank, kappa, window)
     base = Surrogate.fit(moments, rank)
     layers, g = torch.tensor([LAYER]), torch.Generator().manual_seed(4)
@@ -437,28 +438,47 @@ def test_posterior_surrogate_is_the_prior_weighted_fit_of_each_experts_last_w_pa
     reg = xx + RIDGE * np.trace(xx) / d * np.eye(d)
     a = kappa / 60
     probe_x = np.concatenate([probe[0].numpy(), np.ones((3, 1))], 1)
-    seen = 0
+    dropped = 0
     for i in range(N):
-        mine = [(x, y) for x, y, e in executed if e == i][-window:]
+        every = [(x, y) for x, y, e in executed if e == i]
+        mine = every[-window:]
         m = (base.u[0, i].double() @ base.v[0, i].double().T).numpy()  # [H, D]
         if mine:
             xs = np.stack([np.append(x.numpy(), 1.0) for x, _ in mine]).astype(float)
             ys = np.stack([y[i].numpy() for _, y in mine]).astype(float)
             m = np.linalg.solve((a * reg + xs.T @ xs).T, (a * m @ reg + ys.T @ xs).T).T
         assert np.allclose(got[0, :, i, :H].numpy(), probe_x @ m.T, atol=2e-4), i
-        seen += len(mine) == window
-    assert seen >= 1  # the window dropped older pairs for at least one expert
+        dropped += len(every) > window
+    assert dropped >= 2  # the window dropped older pairs for several experts
 
 
-def test_the_posterior_is_charged_its_window_and_prior():
-    c = surrogate_cost(64, 2048, 4, 1024)
-    post = surrogate_cost(64, 2048, 4, 1024, online="posterior", window=8)
-    wider = surrogate_cost(64, 2048, 4, 1024, online="posterior", window=16)
-    assert c["bytes_per_layer"] < post["bytes_per_layer"] < wider["bytes_per_layer"]
-    d = 2049  # the rank-(r + w) surrogate, the window's pairs and factors, A⁻¹: float32
-    assert post["bytes_per_layer"] == surrogate_cost(64, 2048, 12, 1024)["bytes_per_layer"] \
-        + 64 * 8 * (2 * 2048 + 2 * d) * 4 + d * d * 4
-    assert post["expert_equivalents"] < 64  # bounded, unlike the exact refit
+def test_the_posterior_is_charged_what_it_stores():
+    """The charge per layer is the float32 state a full posterior holds, counted: its
+    rank-(r + w) surrogate read, every expert's window of pairs read and written back and its
+    factors written (3× the pairs' numbers), the prior inverse read."""
+    from moe_spec.policy.surrogate import PosteriorSurrogate
+    cal_x, cal_y = _nonlinear_pairs(1, 60)
+    moments = InputMoments.empty([LAYER], N, H)
+    moments.add(LAYER, cal_x, cal_y)
+    rank, window = 2, 3
+    post = PosteriorSurrogate(moments, rank, 4.0, window)
+    x, y = _nonlinear_pairs(2, window, shift=1.0)
+    every = torch.arange(N).repeat(window, 1)[None]  # every expert runs every token
+    post.observe(torch.tensor([LAYER]), x[None], every, torch.ones(1, window, N), y[None])
+    s = post.refresh()
+    stored = s.u.numel() + s.v.numel() + s.rho.numel()
+    pairs = sum(p.numel() for pair in post.pairs[0] for p in pair)
+    assert pairs == N * window * (2 * H + 1) and all(p.dtype == torch.float32
+                                                     for pair in post.pairs[0] for p in pair)
+    inverse = post.inverse[0]
+    assert inverse.dtype == torch.float32
+    cost = surrogate_cost(N, H, rank, 4, online="posterior", window=window)
+    assert cost["bytes_per_layer"] == (stored + 3 * pairs + inverse.numel()) * 4
+    wider = surrogate_cost(N, H, rank, 4, online="posterior", window=window + 1)
+    assert surrogate_cost(N, H, rank, 4)["bytes_per_layer"] < cost["bytes_per_layer"] \
+        < wider["bytes_per_layer"]
+    big = surrogate_cost(64, 2048, 4, 1024, online="posterior", window=16)
+    assert big["expert_equivalents"] < 64  # bounded, unlike the exact refit
 
 
 def _prompt_passes(model, passes: int = 5, m: int = 10, shift: float = 1.5):
@@ -483,10 +503,12 @@ def _tanh_model():
                            torch.tanh(base.expert_outputs(layer, x)) * 2)
 
 
-def _replayed(batch, stats, budgets, cov):
+def _replayed(batch, stats, budgets, cov, prompts=None):
     from moe_spec.replay import open_loop
     ranking = rankings.get("sketch-post")().fit(stats)
-    prompts, steps = torch.zeros(batch.size, dtype=torch.long), torch.arange(batch.size)
+    if prompts is None:
+        prompts = torch.zeros(batch.size, dtype=torch.long)
+    steps = torch.tensor([int((prompts[:t] == prompts[t]).sum()) for t in range(batch.size)])
     return open_loop.shortlists(ranking, batch, cov, budgets, prompts, steps,
                                 open_loop.Stream())[0]
 
@@ -504,20 +526,22 @@ def test_sketch_post_in_open_loop_is_the_posterior_stream_pass_by_pass(weak_prio
     """Open-loop replay of the registered ranking equals the hand-written stream the bench
     scores (bench/sketch_gap.py online_rse): per budget, a fresh PosteriorSurrogate, each pass
     searched by Sketch.from_surrogate on the current posterior, then the outputs of exactly the
-    experts that budget's pass ran observed."""
+    experts that budget's pass ran observed; a new prompt starts from the calibration fit."""
     from moe_spec.policy.overhead import POSTERIOR_WINDOW, SKETCH_RANK
     from moe_spec.policy.rankings.sketch import routing_only
     from moe_spec.policy.surrogate import MOMENTS, PosteriorSurrogate
     model = _tanh_model()
     stats = calibration(model)
-    batch, outputs, _, _ = _prompt_passes(model)
+    batch, outputs, _, _ = _prompt_passes(model, passes=7)
     cov, budgets = coverage.get("substitution"), [2, 3]
-    keep = _replayed(batch, stats, budgets, cov)
+    prompts = torch.tensor([0, 0, 0, 0, 1, 1, 1])  # the second prompt starts afresh
+    keep = _replayed(batch, stats, budgets, cov, prompts)
     differs = False
     for j, b in enumerate(budgets):
-        post = PosteriorSurrogate(stats.fitted[MOMENTS], SKETCH_RANK, weak_prior,
-                                  POSTERIOR_WINDOW)
         for t in range(batch.size):
+            if t == 0 or prompts[t] != prompts[t - 1]:
+                post = PosteriorSurrogate(stats.fitted[MOMENTS], SKETCH_RANK, weak_prior,
+                                          POSTERIOR_WINDOW)
             part = batch.take(torch.tensor([t]))
             want = Sketch.from_surrogate(post.refresh()).shortlists(
                 routing_only(part, torch.tensor([0])), cov, [b])[0]

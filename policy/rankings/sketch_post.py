@@ -52,7 +52,7 @@ class SketchPosterior(Sketch):
         if self.surrogate is not None and self.moments is None:
             self.blind("its calibration carries a fitted surrogate but not the sums it was "
                        "fitted from (policy.rankings.sketch.attach_moments), so it cannot learn")
-            self.surrogate = None
+            self.surrogate = self.base = None  # coact-prior's shortlists, as the warning says
         # each layer's prior inverse, shared by every budget's and prompt's state
         self.inverses = calibration.fitted.setdefault(("sketch-post", self.rank, self.kappa), {})
         return self
