@@ -102,11 +102,11 @@ def test_cli_summarises_the_default_model():
     sketch = info["selection_overhead"]["sketch"]
     assert sketch["bytes_per_layer"] == numbers * 4 and sketch["expert_dtype_bytes"] == 4
     assert sketch["expert_equivalents"] == numbers * 4 / (3 * 128 * 16 * 4)
-    # sketch-post: the rank-(4 + 16) surrogate read, each expert's window pairs read and new
-    # factors written, the layer's prior inverse read (all float32)
+    # sketch-post: the rank-(4 + 16) surrogate read, each expert's window of pairs read and
+    # written back and its new factors written, the layer's prior inverse read (all float32)
     post = info["selection_overhead"]["sketch-post"]
     d, w = 129, 16
-    assert post["bytes_per_layer"] == (64 * (20 * 128 + 20 * d + 1) + 64 * w * (2 * 128 + 2 * d)
+    assert post["bytes_per_layer"] == (64 * (20 * (2 * 128 + 1) + 1) + 3 * 64 * w * (d + 128)
                                        + d * d) * 4
     assert set(info["selection_overhead"]) == {"sketch", "sketch-post"}  # the others read none
 
