@@ -61,6 +61,7 @@ from moe_spec.policy.surrogate import (  # noqa: E402
     InputMoments,
     OnlineSurrogate,
     PosteriorSurrogate,
+    Surrogate,
 )
 from moe_spec.replay import open_loop  # noqa: E402
 from moe_spec.replay.run import calibration_stats  # noqa: E402
@@ -158,6 +159,20 @@ def cost_of(name: str, n: int, h: int, inter: int, k: int) -> dict:
     return surrogate_cost(n, h, int(rank), inter, online=online_kind(name), top_k=k, window=window)
 
 
+def posterior_maker(kappa: float, window: int):
+    """``make(moments, rank)`` → a fresh :class:`policy.surrogate.PosteriorSurrogate`; the
+    instances of one calibration and rank share its base fit and prior inverses (fitted and
+    inverted once, not once per prompt and budget: read-only, as sketch-post shares them)."""
+    shared: dict = {}
+
+    def make(moments, rank):
+        if (id(moments), rank) not in shared:
+            shared[(id(moments), rank)] = (moments, Surrogate.fit(moments, rank), {})
+        _, base, inverses = shared[(id(moments), rank)]
+        return PosteriorSurrogate(moments, rank, kappa, window, base=base, inverses=inverses)
+    return make
+
+
 def online_rse(stream, make, cov, budgets: list[int]) -> np.ndarray:
     """Summed RSE per budget of sketch with its surrogate updated during each prompt (``make()``
     a fresh :class:`policy.surrogate.OnlineSurrogate` or :class:`~policy.surrogate.
@@ -175,8 +190,7 @@ def online_rse(stream, make, cov, budgets: list[int]) -> np.ndarray:
             out[j] += float(open_loop.metrics(batch, keep, cov)["rse"].double().sum())
             idx, w = cov.apply(batch, keep)  # what the budgeted pass ran: [T, 1, M, k]
             idx, w = idx[:, 0], w[:, 0] * batch.mask[..., None]
-            experts = batch.terms.experts
-            ran = experts.gather(2, idx[..., None].expand(*idx.shape, experts.shape[-1]))
+            ran = open_loop.executed_outputs(batch, torch.arange(batch.size), idx[:, None])[:, 0]
             online.observe(batch.layers, batch.hidden, idx, w, ran)
     return out
 
@@ -372,8 +386,8 @@ def main() -> None:
                 variants.append(("sketch-nlms",
                                  lambda m, r: GradientSurrogate(m, r, args.online_step)))
             for window in args.posterior or []:
-                variants.append((f"sketch-post{window}", partial(
-                    lambda m, r, w: PosteriorSurrogate(m, r, args.posterior_kappa, w), w=window)))
+                variants.append((f"sketch-post{window}",
+                                 posterior_maker(args.posterior_kappa, window)))
             if not variants:
                 continue
             stream = list(passes(run, adapter, args.prompts))
