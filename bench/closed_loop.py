@@ -48,6 +48,7 @@ from pipeline import capture, replay_runs, run_names  # noqa: E402
 
 from moe_spec.analysis import power  # noqa: E402
 from moe_spec.catalog import Catalog, reader  # noqa: E402
+from moe_spec.console import threads  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 ORDER = ("router", "sqmass", "coact", "coact-online", "coact-prior", "learned", "sketch")  # columns
@@ -335,6 +336,7 @@ def main() -> None:
     p.add_argument("--block", default=BLOCK,
                    help=f"the marker lines' name in --readme files (default {BLOCK!r}; another "
                         "name writes a second block, e.g. one study's subset)")
+    threads.add_argument(p)
     args = p.parse_args()
     if args.render:
         found = [json.loads(path.read_text()) for path in args.render]
@@ -344,6 +346,7 @@ def main() -> None:
         for readme in args.readme:
             print(f"wrote the table into {readme}")
         return
+    threads.apply(args.threads)
     closed, online, missed = [], [], []
     for model in args.models:
         root = args.traces / model

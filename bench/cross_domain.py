@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,12 +42,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pipeline import capture, loaded_model, replay_runs  # noqa: E402
 
 from moe_spec.catalog.replay_metrics import gap_closed  # noqa: E402
+from moe_spec.console import threads  # noqa: E402
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 BUDGETS = (8, 16, 24, 32)  # k = 8, N ≥ 64 (tiny-olmoe, tiny-qwen3-moe): budgets_for(8, 64)
 MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
-README_BEGIN = "<!-- cross-domain matrix: begin (bench/cross_domain.py --readme; do not edit) -->"
-README_END = "<!-- cross-domain matrix: end -->"
+
+
+def block_markers(block: str) -> tuple[str, str]:
+    """The marker lines of a results block named ``block`` (``--block``): the README's
+    ``cross-domain matrix`` or another study's own table in docs/results.md."""
+    return (f"<!-- {block}: begin (bench/cross_domain.py --readme; do not edit) -->",
+            f"<!-- {block}: end -->")
+
+
+README_BEGIN, README_END = block_markers("cross-domain matrix")
 
 
 def budgets_for(k: int, n: int) -> tuple[int, ...]:
@@ -178,14 +188,25 @@ def print_ablation(model: str, gaps: pl.DataFrame, source: str,
                 print(f"  {'':<12} {bench:<10} {b:>3}" + "".join(cells))
 
 
-def off_diagonal_summary(report: dict) -> list[dict]:
-    """Per model × policy × calibrated ranking, over the off-diagonal single-benchmark cells
-    (evaluated on one benchmark, calibrated on another alone) at every budget: how many, the
-    share closing ≥ 50% of the router→oracle gap, and the worst cell."""
+SOURCE_KINDS = {
+    "single": ("Off-diagonal single-benchmark cells (evaluated on one benchmark, calibrated on "
+               "another alone), every budget:",
+               lambda c: c["calibration"] not in (None, "all", "others")
+               and c["calibration"] != c["bench"]),
+    "others": ("Calibrated on the other five benchmarks together (mixed, never the evaluated "
+               "one), every budget:", lambda c: c["calibration"] == "others"),
+}
+
+
+def off_diagonal_summary(report: dict, kind: str = "single") -> list[dict]:
+    """Per model × policy × calibrated ranking, over the off-diagonal cells of ``kind``
+    (:data:`SOURCE_KINDS`: single-benchmark calibration, or ``others``) at every budget: how
+    many, the share closing ≥ 50% of the router→oracle gap, the worst cell, and the median at
+    the smallest budget (B = k: one token's own experts, where calibration statistics run out)."""
     rows = []
     for model, found in report.items():
-        cells = [c for c in found["cells"] if c["calibration"] not in (None, "all", "others")
-                 and c["calibration"] != c["bench"] and c["ranking"] != "sqmass"]
+        cells = [c for c in found["cells"]
+                 if SOURCE_KINDS[kind][1](c) and c["ranking"] != "sqmass"]
         for key in sorted({(c["coverage"], c["ranking"]) for c in cells},
                           key=lambda x: (x[0] != "truncation", x[1])):
             mine = [c for c in cells if (c["coverage"], c["ranking"]) == key]
@@ -194,7 +215,10 @@ def off_diagonal_summary(report: dict) -> list[dict]:
             for c in mine:
                 if c["gap_closed"] < 0.5:
                     missed[c["budget"]] = missed.get(c["budget"], 0) + 1
+            k = min(c["budget"] for c in mine)
+            at_k = [c["gap_closed"] for c in mine if c["budget"] == k]
             rows.append(dict(model=model, coverage=key[0], ranking=key[1], cells=len(mine),
+                             median_at_k=statistics.median(at_k),
                              missed_by_budget=dict(sorted(missed.items())),
                              budgets=found.get("budgets"),
                              share_ge_50=sum(c["gap_closed"] >= 0.5 for c in mine) / len(mine),
@@ -204,15 +228,27 @@ def off_diagonal_summary(report: dict) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    """The README's table, from the report alone."""
-    lines = ["| model | budgets | policy | ranking | off-diagonal cells | ≥ 50% of gap closed | "
-             "cells under 50%, by B | worst cell |", "|---|---|---|---|---|---|---|---|"]
-    for r in off_diagonal_summary(report):
+    """The README's tables, from the report alone: one per kind of calibration source
+    (:data:`SOURCE_KINDS`) the report holds cells of."""
+    blocks = [markdown_table(report, kind) for kind in SOURCE_KINDS]
+    return "\n\n".join(b for b in blocks if b)
+
+
+def markdown_table(report: dict, kind: str) -> str:
+    rows = off_diagonal_summary(report, kind)
+    if not rows:
+        return ""
+    lines = [SOURCE_KINDS[kind][0], "",
+             "| model | budgets | policy | ranking | off-diagonal cells | ≥ 50% of gap closed | "
+             "cells under 50%, by B | worst cell | median at B = k |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
         budgets = ", ".join(map(str, r["budgets"] or ()))
         missed = ", ".join(f"B={b}: {n}" for b, n in r["missed_by_budget"].items()) or "none"
         lines.append(f"| {r['model']} | {budgets} | {r['coverage']} | {r['ranking']} | "
                      f"{r['cells']} | {100 * r['share_ge_50']:.0f}% | {missed} | "
-                     f"{100 * r['worst']:.0f}% ({r['worst_cell']}) |")
+                     f"{100 * r['worst']:.0f}% ({r['worst_cell']}) | "
+                     f"{100 * r['median_at_k']:.0f}% |")
     return "\n".join(lines)
 
 
@@ -261,8 +297,14 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write every cell as JSON")
-    add_table_options(p, "cross-domain matrix")
+    p.add_argument("--block", default="cross-domain matrix",
+                   help="the name in the marker lines of the block --readme rewrites (one "
+                        "study's table per block, e.g. 'sketch matrix' in docs/results.md)")
+    threads.add_argument(p)
+    add_table_options(p, "--block's")
     args = p.parse_args()
+    if not args.render:
+        threads.apply(args.threads)
     if args.render:
         report = {m: found for path in args.render
                   for m, found in json.loads(path.read_text()).items()}
@@ -284,9 +326,9 @@ def main() -> None:
         if args.output:
             args.output.write_text(json.dumps(report, indent=1, default=str))
     table = markdown(report)
-    print("\noff-diagonal single-benchmark cells, every budget:\n" + table)
+    print("\n" + table)
     for readme in args.readme:
-        rewrite_readme(readme, table)
+        rewrite_readme(readme, table, *block_markers(args.block))
         print(f"wrote the table into {readme}")
 
 

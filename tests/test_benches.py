@@ -132,13 +132,22 @@ def test_cross_domain_bench_writes_the_readme_table_from_its_output(cross_domain
     run("bench/cross_domain.py", "--render", str(tmp_path / "x.json"), "--readme", str(readme))
     text = readme.read_text()
     assert "typed" not in text and text.startswith("intro\n") and text.endswith("outro\n")
-    rows = [line for line in text.splitlines() if line.startswith("| tiny-olmoe")]
+    single, others = text.split("Calibrated on the other five benchmarks together")
+    rows = [line for line in single.splitlines() if line.startswith("| tiny-olmoe")]
     # two benchmarks: one off-diagonal cell each way × 4 budgets, per policy, for coact
     off = [c for c in found["tiny-olmoe"]["cells"] if c["ranking"] == "coact"
            and c["calibration"] in BENCHES and c["calibration"] != c["bench"]]
     assert len(rows) == len({c["coverage"] for c in off}) == 2
+    mixed = [line for line in others.splitlines() if line.startswith("| tiny-olmoe")]
+    held_out = [c for c in found["tiny-olmoe"]["cells"] if c["ranking"] == "coact"
+                and c["calibration"] == "others" and c["coverage"] == "truncation"]
+    assert len(mixed) == 2 and f"| {len(held_out)} |" in mixed[0]  # 2 benchmarks × 4 budgets
+    assert f"{100 * min(c['gap_closed'] for c in held_out):.0f}% (" in mixed[0]
     worst = min(c["gap_closed"] for c in off if c["coverage"] == "truncation")
     assert f"| {100 * worst:.0f}% (" in rows[0] and "| 8 |" in rows[0]
+    at_k = sorted(c["gap_closed"] for c in off if c["coverage"] == "truncation"
+                  and c["budget"] == 8)  # two cells: the median is their mean
+    assert len(at_k) == 2 and rows[0].endswith(f"| {50 * (at_k[0] + at_k[1]):.0f}% |")
     readme.write_text("no markers\n")
     done = subprocess.run([sys.executable, "bench/cross_domain.py", "--render",
                            str(tmp_path / "x.json"), "--readme", str(readme)], cwd=ROOT,
@@ -473,6 +482,7 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
 @pytest.mark.parametrize("script, files, block", [
     ("sketch_gap.py", "docs/results/sketch/*.json", None),
     ("closed_loop.py", "docs/results/sketch-closed/*.json", "sketch closed loop"),
+    ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix"),
 ])
 def test_committed_results_render_to_what_the_docs_show(script, files, block, tmp_path):
     """docs/results.md's generated blocks are what their bench renders from the committed
