@@ -116,8 +116,13 @@ RANKINGS: dict[str, Entry] = {
 }
 
 # The runtime ranking to use when in doubt: the one that held across domains at the tightest
-# budgets (issue 28; docs/results.md, "Does a selector hold across domains?"). --help says so.
+# budgets with a calibration of one distant benchmark, and costs no bytes (issue 28;
+# docs/results.md, "One selector across domains"). --help says so.
 RECOMMENDED = "coact-prior"
+# The one to use when the calibration spans several domains (none of them the served one
+# needed): there it closed more of the gap in every cell and saved more experts net of its own
+# bytes at the real shape (issue 40; docs/results.md, "sketch across domains").
+RECOMMENDED_MIXED = "sketch"
 
 COVERAGES: dict[str, str] = {
     "truncation": "natural top-k, experts outside the budget dropped (weights not renormalised)",
@@ -158,10 +163,14 @@ def ranking_names(*, runtime: bool | None = None) -> list[str]:
     return sorted(found, key=lambda n: (not RANKINGS[n].runtime, n))
 
 
+RECOMMENDATION_TAGS = {RECOMMENDED: " [recommended]",
+                       RECOMMENDED_MIXED: " [recommended with a calibration of several domains]"}
+
+
 def ranking_help(*, runtime: bool | None = None) -> str:
-    """One clause per ranking, for --help; the :data:`RECOMMENDED` one says so."""
-    return "; ".join(f"{n}: {RANKINGS[n].summary}" + (" [recommended]" if n == RECOMMENDED
-                                                      else "")
+    """One clause per ranking, for --help; the :data:`RECOMMENDED` one and the
+    :data:`RECOMMENDED_MIXED` one say so."""
+    return "; ".join(f"{n}: {RANKINGS[n].summary}" + RECOMMENDATION_TAGS.get(n, "")
                      for n in ranking_names(runtime=runtime))
 
 

@@ -194,3 +194,13 @@ def test_the_recommended_ranking_is_a_runtime_one_and_help_names_it():
     assert index.RANKINGS[index.RECOMMENDED].runtime
     clauses = [c for c in index.ranking_help().split("; ") if "[recommended]" in c]
     assert len(clauses) == 1 and clauses[0].startswith(f"{index.RECOMMENDED}: ")
+
+
+def test_the_mixed_calibration_recommendation_is_another_calibrated_runtime_ranking():
+    mixed = index.RANKINGS[index.RECOMMENDED_MIXED]
+    assert mixed.runtime and mixed.needs_calibration
+    assert index.RECOMMENDED_MIXED != index.RECOMMENDED
+    text = index.ranking_help()
+    assert text.count("[recommended with") == 1
+    assert (f"{index.RECOMMENDED_MIXED}: {mixed.summary} [recommended with a calibration of "
+            "several domains]") in text
