@@ -193,8 +193,8 @@ SOURCE_KINDS = {
                "another alone), every budget:",
                lambda c: c["calibration"] not in (None, "all", "others")
                and c["calibration"] != c["bench"]),
-    "others": ("Calibrated on the other five benchmarks together (mixed, never the evaluated "
-               "one), every budget:", lambda c: c["calibration"] == "others"),
+    "others": ("Calibrated on the other benchmarks together (mixed, never the evaluated one), "
+               "every budget:", lambda c: c["calibration"] == "others"),
 }
 
 

@@ -11,7 +11,9 @@ next C, role calibration), captured here when missing with the same settings. Op
 scores the batches itself here (every rank and calibration source on the same batches) with the
 replay's own batch loader (every expert output recomputed and checked against the capture, the
 same metrics) and attaches h_t for sketch; router, oracle (unfitted, the matrix's reference)
-and coact-prior are scored on the very same batches. It prints
+and coact-prior are scored on the very same batches (coact-prior from its calibration prior
+alone: batches are not streamed pass by pass, so it lacks replay's online refinement —
+:data:`PRIOR_ONLY`, printed with the tables). It prints
 
     gap closed = (RSE_router − RSE_X) / (RSE_router − RSE_oracle)     (mean RSE over tree-layers)
 
@@ -222,6 +224,12 @@ def surrogate_errors(args, evaluated, cal, sources, adapter) -> list[dict]:
             print(f"  r={r:<3} {bench + ' ← ' + src:<20} {100 * sums[0] / sums[1]:6.0f}% | "
                   f"{100 * sums[2] / sums[3]:4.0f}%", flush=True)
     return rows
+
+
+PRIOR_ONLY = ("coact-prior is scored here from its calibration prior alone: this bench scores "
+              "every ranking on whole batches and never streams a stateful one pass by pass, so "
+              "coact-prior misses the refinement from executed outputs that replay gives it (a "
+              "lower bound on the replayed ranking; bench/cross_domain.py replays it).")
 
 
 def cal_names(source: str, bench: str, benches: list[str]) -> list[str]:
@@ -551,7 +559,8 @@ def markdown(reports: list[dict]) -> str:
                          if "prompts" in rep else " (prompts a benchmark not recorded)")
         for rep in reports))
     return ("Gap closed, % (median over cells, worst in brackets); gap closed = (RSE_router − "
-            f"RSE_X) / (RSE_router − RSE_oracle). Scored: {scored}.\n\n" + "\n".join(lines) +
+            f"RSE_X) / (RSE_router − RSE_oracle). Scored: {scored}. {PRIOR_ONLY}\n\n"
+            + "\n".join(lines) +
             "\n\nExperts saved at matched error vs router, X's and the oracle's each averaged over "
             "the same cells and router budgets (those where both reach router's error inside "
             "their sweeps); the saving is the tiny model's, the charge (float32 surrogate, bf16 "

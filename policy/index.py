@@ -120,8 +120,9 @@ RANKINGS: dict[str, Entry] = {
 # docs/results.md, "One selector across domains"). --help says so.
 RECOMMENDED = "coact-prior"
 # The one to use when the calibration spans several domains (none of them the served one
-# needed): there it closed more of the gap in every cell and saved more experts net of its own
-# bytes at the real shape (issue 40; docs/results.md, "sketch across domains").
+# needed): there it closed more of the gap than coact-prior in every cell measured and kept
+# 83-90% of the oracle's saving net of its own bytes at the real shape (issue 40; tiny-olmoe and
+# tiny-gpt-oss; docs/results.md, "sketch across domains").
 RECOMMENDED_MIXED = "sketch"
 
 COVERAGES: dict[str, str] = {
