@@ -43,7 +43,13 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cross_domain import add_table_options, mean_rse, model_budgets, rewrite_readme  # noqa: E402
+from cross_domain import (  # noqa: E402
+    add_table_options,
+    block_markers,
+    mean_rse,
+    model_budgets,
+    rewrite_readme,
+)
 from pipeline import capture, replay_runs, run_names  # noqa: E402
 
 from moe_spec.analysis import power  # noqa: E402
@@ -53,11 +59,6 @@ from moe_spec.console import threads  # noqa: E402
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 ORDER = ("router", "sqmass", "coact", "coact-online", "coact-prior", "learned", "sketch")  # columns
 BLOCK = "closed loop"  # the marker lines' name (--block picks another block of the same file)
-
-
-def markers(block: str = BLOCK) -> tuple[str, str]:
-    return (f"<!-- {block}: begin (bench/closed_loop.py --readme; do not edit) -->",
-            f"<!-- {block}: end -->")
 METRICS = ("accepted_length", "path_unchanged", "top1_agreement", "mean_kl")
 PAIRED = ("accepted_length", "mean_kl")  # also as a difference from router on the same trees
 
@@ -285,7 +286,7 @@ def write_tables(closed: list[dict], online: list[dict], readmes: list[Path],
                   "router (paired, α = 0.05, power 0.8; bench/closed_loop.py, analysis/power.py):"
                   f"\n\n{power_markdown(closed)}")
     for readme in readmes:
-        rewrite_readme(readme, table, *markers(block))
+        rewrite_readme(readme, table, *block_markers(block, "closed_loop.py"))
     return table
 
 
@@ -332,10 +333,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None)
-    add_table_options(p, "closed-loop")
-    p.add_argument("--block", default=BLOCK,
-                   help=f"the marker lines' name in --readme files (default {BLOCK!r}; another "
-                        "name writes a second block, e.g. one study's subset)")
+    add_table_options(p, BLOCK)
     threads.add_argument(p)
     args = p.parse_args()
     if args.render:

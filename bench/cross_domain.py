@@ -49,10 +49,11 @@ BUDGETS = (8, 16, 24, 32)  # k = 8, N ≥ 64 (tiny-olmoe, tiny-qwen3-moe): budge
 MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
 
 
-def block_markers(block: str) -> tuple[str, str]:
-    """The marker lines of a results block named ``block`` (``--block``): the README's
-    ``cross-domain matrix`` or another study's own table in docs/results.md."""
-    return (f"<!-- {block}: begin (bench/cross_domain.py --readme; do not edit) -->",
+def block_markers(block: str, script: str = "cross_domain.py") -> tuple[str, str]:
+    """The marker lines of a results block named ``block`` (``--block``) that bench ``script``
+    writes: the README's ``cross-domain matrix``, or another study's own table in
+    docs/results.md."""
+    return (f"<!-- {block}: begin (bench/{script} --readme; do not edit) -->",
             f"<!-- {block}: end -->")
 
 
@@ -253,14 +254,18 @@ def markdown_table(report: dict, kind: str) -> str:
 
 
 def add_table_options(p: argparse.ArgumentParser, block: str) -> None:
-    """``--render`` (earlier ``--output`` files, nothing computed) and ``--readme`` (files whose
-    ``block`` between its marker lines is rewritten from the results)."""
+    """``--render`` (earlier ``--output`` files, nothing computed), ``--readme`` (files whose
+    block between its marker lines is rewritten from the results) and ``--block`` (that block's
+    name, ``block`` by default: :func:`block_markers`)."""
     p.add_argument("--render", type=Path, nargs="+", default=None,
                    help="compute nothing: read these JSON files (earlier --output, e.g. one per "
                         "model) and print the table, for --readme")
     p.add_argument("--readme", type=Path, nargs="+", default=[],
-                   help=f"rewrite these files' {block} block from the results (README.md, "
+                   help="rewrite these files' --block block from the results (README.md, "
                         "docs/results.md)")
+    p.add_argument("--block", default=block,
+                   help=f"the name in the marker lines of the block --readme rewrites (default "
+                        f"{block!r}; another name writes a second block, e.g. one study's subset)")
 
 
 def rewrite_readme(readme: Path, table: str, begin: str = README_BEGIN,
@@ -297,18 +302,14 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write every cell as JSON")
-    p.add_argument("--block", default="cross-domain matrix",
-                   help="the name in the marker lines of the block --readme rewrites (one "
-                        "study's table per block, e.g. 'sketch matrix' in docs/results.md)")
     threads.add_argument(p)
-    add_table_options(p, "--block's")
+    add_table_options(p, "cross-domain matrix")
     args = p.parse_args()
-    if not args.render:
-        threads.apply(args.threads)
     if args.render:
         report = {m: found for path in args.render
                   for m, found in json.loads(path.read_text()).items()}
     else:
+        threads.apply(args.threads)
         args.full_matrix = not args.sources
         report = {}
         for model in args.models:

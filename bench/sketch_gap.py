@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cross_domain import add_table_options, rewrite_readme  # noqa: E402
+from cross_domain import add_table_options, block_markers, rewrite_readme  # noqa: E402
 from pipeline import capture, loaded_model  # noqa: E402
 
 from moe_spec.catalog import Catalog, reader  # noqa: E402
@@ -314,7 +314,7 @@ def main() -> None:
         table = markdown([rep for _, rep in found])
         print(table)
         for readme in args.readme:
-            rewrite_readme(readme, table, README_BEGIN, README_END)
+            rewrite_readme(readme, table, *block_markers(args.block, "sketch_gap.py"))
             print(f"wrote the tables into {readme}")
         return
     torch.set_num_threads(args.threads)
@@ -505,8 +505,6 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
                 prompts=args.prompts or args.eval_prompts, cal_prompts=args.cal_prompts)
 
 
-README_BEGIN = "<!-- sketch: begin (bench/sketch_gap.py --readme; do not edit) -->"
-README_END = "<!-- sketch: end -->"
 KINDS = (("diagonal", "in domain"), ("off", "one other benchmark"),
          ("others", "the other benchmarks together"))
 
