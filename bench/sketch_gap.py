@@ -11,9 +11,10 @@ next C, role calibration), captured here when missing with the same settings. Op
 scores the batches itself here (every rank and calibration source on the same batches) with the
 replay's own batch loader (every expert output recomputed and checked against the capture, the
 same metrics) and attaches h_t for sketch; router, oracle (unfitted, the matrix's reference)
-and coact-prior are scored on the very same batches (coact-prior from its calibration prior
-alone: batches are not streamed pass by pass, so it lacks replay's online refinement —
-:data:`PRIOR_ONLY`, printed with the tables). It prints
+and coact-prior are scored on the very same batches, each through replay's own
+:func:`replay.open_loop.shortlists` (coact-prior streamed pass by pass and refined from what
+each budgeted pass executed, as replay runs it; outputs written before this was so are marked
+in the tables, :data:`PRIOR_ONLY`). It prints
 
     gap closed = (RSE_router − RSE_X) / (RSE_router − RSE_oracle)     (mean RSE over tree-layers)
 
@@ -107,12 +108,19 @@ def loader(run, adapter):
 
 
 def batches(run, adapter, max_batch: int, prompts: int | None = None):
-    """The run's tree-layers (of its first ``prompts`` prompts) in batches of up to
-    ``max_batch``, each with its tokens' MoE inputs h_t attached."""
+    """``(batch, prompts, steps)``: the run's tree-layers (of its first ``prompts`` prompts) in
+    batches of up to ``max_batch`` in prompt, step order, each with its tokens' MoE inputs h_t
+    attached, and each tree-layer's prompt index and step (what :func:`replay.open_loop.
+    shortlists` streams a stateful ranking by, as the replay engine does)."""
     source = PromptSource(run)
     pending = []
     layers = [layer.index for layer in adapter]
-    load = loader(run, adapter)
+    read = loader(run, adapter)
+
+    def load(slices):
+        return (read(slices),
+                torch.tensor([s.data.prompt_index for s in slices for _ in s.rows]),
+                torch.tensor([int(s.data.step[r]) for s in slices for r in s.rows]))
 
     for prompt in source.keys()[:prompts]:
         for data in source.chunks(prompt):
@@ -206,7 +214,8 @@ def surrogate_errors(args, evaluated, cal, sources, adapter) -> list[dict]:
     print(f"\n{args.model}: relative error of the predicted expert outputs, every expert | "
           "own top-k, evaluation ← calibration")
     for bench, runs in evaluated.items():
-        loaded = [b for run in runs for b in batches(run, adapter, args.max_batch, args.prompts)]
+        loaded = [b for run in runs
+                  for b, *_ in batches(run, adapter, args.max_batch, args.prompts)]
         for src, r in product(sources, args.ranks):
             surrogate = Surrogate.fit(cal[(src, bench)].fitted[MOMENTS], r)
             sums = np.zeros(4)  # error, energy: every expert; error, energy: own top-k
@@ -226,10 +235,11 @@ def surrogate_errors(args, evaluated, cal, sources, adapter) -> list[dict]:
     return rows
 
 
-PRIOR_ONLY = ("coact-prior is scored here from its calibration prior alone: this bench scores "
-              "every ranking on whole batches and never streams a stateful one pass by pass, so "
-              "coact-prior misses the refinement from executed outputs that replay gives it (a "
-              "lower bound on the replayed ranking; bench/cross_domain.py replays it).")
+PRIOR_ONLY = ("† coact-prior scored from its calibration prior alone (an output of this bench "
+              "written before it streamed stateful rankings pass by pass): it misses the "
+              "refinement from executed outputs that replay gives it, a lower bound on the "
+              "replayed ranking.")
+STREAMED = "streamed"  # an output's ``stateful`` field: stateful rankings scored as replay does
 
 
 def cal_names(source: str, bench: str, benches: list[str]) -> list[str]:
@@ -362,29 +372,34 @@ def main() -> None:
     counts: dict[tuple, int] = {}
     timing: dict[str, float] = {}
     for bench, runs in evaluated.items():
+        fitted = [(None, name, r) for name, r in base.items()]
+        for src in sources:
+            stats = cal[(src, bench)]
+            fitted.append((src, "coact-prior", rankings.get("coact-prior")().fit(stats)))
+            for r in args.ranks:
+                sketch = Sketch(rank=r).fit(stats)
+                assert sketch.token_aware, "sketch fitted without its surrogate"
+                fitted.append((src, f"sketch-r{r}", sketch))
         for run in runs:
-            for batch in batches(run, adapter, args.max_batch, args.prompts):
-                for cov_name in args.coverages:
+            # one instance and stream per ranking and policy: open_loop.shortlists streams a
+            # stateful ranking (coact-prior) pass by pass and feeds it what each budgeted pass
+            # executed, exactly as replay does (its rows equal replay's: tests/test_benches.py)
+            tasks = [(src, name, cov_name, ranking.clone() if ranking.stateful else ranking,
+                      open_loop.Stream()) for src, name, ranking in fitted
+                     for cov_name in args.coverages]
+            for batch, prompts, steps in batches(run, adapter, args.max_batch, args.prompts):
+                for src, name, cov_name, ranking, stream in tasks:
                     cov = coverages.get(cov_name)
                     valid = [b for b in budgets if b >= cov.min_budget(k)]
-                    tasks = [(None, name, r) for name, r in base.items()]
-                    for src in sources:
-                        stats = cal[(src, bench)]
-                        tasks.append((src, "coact-prior", rankings.get("coact-prior")().fit(stats)))
-                        for r in args.ranks:
-                            sketch = Sketch(rank=r).fit(stats)
-                            assert sketch.token_aware, "sketch fitted without its surrogate"
-                            tasks.append((src, f"sketch-r{r}", sketch))
-                    for src, name, ranking in tasks:
-                        t0 = time.perf_counter()
-                        ranking.reset()
-                        keep, _ = ranking.shortlists(batch, cov, valid)
-                        assert getattr(ranking, "token_aware", True), name  # h_t reached it
-                        timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
-                        rse = open_loop.metrics(batch, keep, cov)["rse"].double().sum(0).numpy()
-                        key = (bench, src, name, cov_name)
-                        sums[key] = sums.get(key, 0) + rse
-                        counts[key] = counts.get(key, 0) + batch.size
+                    t0 = time.perf_counter()
+                    keep, _ = open_loop.shortlists(ranking, batch, cov, valid, prompts, steps,
+                                                   stream)
+                    assert getattr(ranking, "token_aware", True), name  # h_t reached it
+                    timing[name] = timing.get(name, 0.0) + time.perf_counter() - t0
+                    rse = open_loop.metrics(batch, keep, cov)["rse"].double().sum(0).numpy()
+                    key = (bench, src, name, cov_name)
+                    sums[key] = sums.get(key, 0) + rse
+                    counts[key] = counts.get(key, 0) + batch.size
             print(f"{bench}: {counts[(bench, None, 'router', args.coverages[0])]} tree-layers, "
                   f"{time.perf_counter() - started:.0f}s", flush=True)
             variants = []  # (name prefix, a fresh surrogate updated during the prompt)
@@ -502,7 +517,8 @@ def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> d
                 tiny_shape=dict(n=n, h=h, i=inter), seconds=timing,
                 tree_layers={f"{b}": counts[(b, None, "router", args.coverages[0])]
                              for b in args.benches},
-                prompts=args.prompts or args.eval_prompts, cal_prompts=args.cal_prompts)
+                prompts=args.prompts or args.eval_prompts, cal_prompts=args.cal_prompts,
+                stateful=STREAMED)
 
 
 KINDS = (("diagonal", "in domain"), ("off", "one other benchmark"),
@@ -523,6 +539,8 @@ def markdown(reports: list[dict]) -> str:
     fmt = lambda m: "—" if m is None else f"{100 * m['median']:.0f} ({100 * m['worst']:.0f})"  # noqa: E731
     lines = ["| model | calibrated on | policy | ranking | B | " + " | ".join(k[1] for k in KINDS)
              + " |", "|---|---|---|---|---|" + "---|" * len(KINDS)]
+    shown = lambda rep, name: name + ("†" if name == "coact-prior" and  # noqa: E731
+                                       rep.get("stateful") != STREAMED else "")
     for rep in reports:
         src = calibrated_on(rep)
         keys = [tuple(k.split("|")) for k in rep["medians"]]
@@ -530,7 +548,7 @@ def markdown(reports: list[dict]) -> str:
         for cov, name in order:
             for b in rep["budgets"]:
                 cells = [rep["medians"].get(f"{cov}|{name}|{kind}|{b}") for kind, _ in KINDS]
-                row = (f"| {rep['model']} | {src} | {cov} | {name} | {b} | "
+                row = (f"| {rep['model']} | {src} | {cov} | {shown(rep, name)} | {b} | "
                        + " | ".join(fmt(c) for c in cells) + " |")
                 if any(cells) and row not in lines:  # a row two files share word for word
                     lines.append(row)  # (a ranking scored again beside new ones): once
@@ -548,7 +566,8 @@ def markdown(reports: list[dict]) -> str:
             charge = rep["cost"].get(name, {}).get("real", {}).get("expert_equivalents", 0.0)
             share = "—" if not oracle else f"{100 * (saved - charge) / oracle:.0f}%"
             net.append(f"| {rep['model']} ({real}) | {src} | "
-                       f"{', '.join(map(str, rep['budgets']))} | {cov} | {name} | {saved:.2f} | "
+                       f"{', '.join(map(str, rep['budgets']))} | {cov} | {shown(rep, name)} | "
+                       f"{saved:.2f} | "
                        f"{charge:.2f} | {saved - charge:.2f} | "
                        f"{'—' if oracle is None else f'{oracle:.2f}'} | {share} |")
     scored = "; ".join(dict.fromkeys(  # each distinct scoring once
@@ -556,8 +575,11 @@ def markdown(reports: list[dict]) -> str:
         "tree-layers" + (f" of {rep['prompts']} evaluation prompts a benchmark"
                          if "prompts" in rep else " (prompts a benchmark not recorded)")
         for rep in reports))
+    marked = any(rep.get("stateful") != STREAMED and any(
+        k.split("|")[1] == "coact-prior" for k in rep["medians"]) for rep in reports)
     return ("Gap closed, % (median over cells, worst in brackets); gap closed = (RSE_router − "
-            f"RSE_X) / (RSE_router − RSE_oracle). Scored: {scored}. {PRIOR_ONLY}\n\n"
+            f"RSE_X) / (RSE_router − RSE_oracle). Scored: {scored}."
+            + (f" {PRIOR_ONLY}" if marked else "") + "\n\n"
             + "\n".join(lines) +
             "\n\nExperts saved at matched error vs router, X's and the oracle's each averaged over "
             "the same cells and router budgets (those where both reach router's error inside "
