@@ -450,13 +450,15 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     for c in found["cells"]:
         if c["ranking"] == "sketch-r2":
             assert frozen[c["coverage"]][str(c["budget"])] == pytest.approx(c["rse"], rel=1e-9)
-    # coact-prior is scored as replay scores it: streamed pass by pass and refined from what each
-    # budgeted pass executed. At 16 new tokens that refinement changes its error (its prior alone,
-    # what the bench scored before, gave 0.0637 instead of 0.0689 under substitution at B = 3)
+    # router, oracle and coact-prior are scored as replay scores them: coact-prior streamed pass
+    # by pass (two prompts, batches of 5 tree-layers that split passes) and refined from what each
+    # budgeted pass executed. At 16 new tokens that refinement changes its error: its prior
+    # alone, what the bench scored before, fails this comparison (checked when written)
     streamed = tmp_path / "streamed"
     run("bench/sketch_gap.py", "--traces", str(streamed), "--model", "tiny-mixtral", "--benches",
-        "mbpp", "--ranks", "2", "--budgets", "2,4", "--eval-prompts", "1", "--cal-prompts", "1",
-        "--max-new-tokens", "16", "--threads", "1", "--output", str(streamed / "s.json"))
+        "mbpp", "--ranks", "2", "--budgets", "2,4", "--eval-prompts", "2", "--cal-prompts", "1",
+        "--max-new-tokens", "16", "--max-batch", "5", "--threads", "1",
+        "--output", str(streamed / "s.json"))
     long = json.loads((streamed / "s.json").read_text())
     replayed = json.loads(run("-c", REPLAYED.format(root=str(streamed / "tiny-mixtral"))))
     compared = [c for c in long["cells"] if c["ranking"] == "coact-prior"]
@@ -464,6 +466,10 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     for c in compared:
         assert replayed[f"coact-prior|{c['coverage']}|{c['budget']}"] == pytest.approx(
             c["rse"], rel=1e-6), c
+        router, oracle = (replayed[f"{r}|{c['coverage']}|{c['budget']}"] for r in
+                          ("router", "oracle"))  # the gap closed's two ends, replayed
+        assert c["gap_closed"] == pytest.approx((router - c["rse"]) / (router - oracle),
+                                                rel=1e-6, abs=1e-9), c
     errors = json.loads((tmp_path / "e.json").read_text())["surrogate_error"]
     assert [e["rank"] for e in errors] == [2, 8] and all(0 < e["every"] for e in errors)
     assert all(e["own_top_k"] > 0 and e["kind"] == "diagonal" for e in errors)
