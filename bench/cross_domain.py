@@ -302,6 +302,9 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", type=Path, default=None, help="write every cell as JSON")
+    p.add_argument("--capture-only", action="store_true",
+                   help="capture the evaluation and calibration runs and stop (no replay, no "
+                        "table): e.g. bench/closed_loop.py's runs at another --eval-prompts")
     threads.add_argument(p)
     add_table_options(p, "cross-domain matrix")
     args = p.parse_args()
@@ -316,6 +319,9 @@ def main() -> None:
             root = args.traces / model
             budgets = model_budgets(model)
             capture_all(root, model, args)
+            if args.capture_only:
+                print(f"{model}: captured under {root}")
+                continue
             replay_all(root, model, args, budgets)
             rse = mean_rse(root, model)
             gaps = gap_table(rse, args.rankings)
@@ -324,6 +330,8 @@ def main() -> None:
                                         for r in args.rankings}, cells=gaps.to_dicts())
             for source in ("all", "others"):
                 print_ablation(model, gaps, source, budgets)
+        if args.capture_only:
+            return
         if args.output:
             args.output.write_text(json.dumps(report, indent=1, default=str))
     table = markdown(report)

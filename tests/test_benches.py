@@ -122,6 +122,21 @@ def test_cross_domain_bench_fills_the_matrix(cross_domain):
 
 
 @smoke("cross_domain.py")
+def test_cross_domain_bench_captures_only_when_asked(tmp_path):
+    """--capture-only: the evaluation and calibration runs (disjoint prompts, the calibration
+    role) and nothing replayed, no table."""
+    out = run("bench/cross_domain.py", "--traces", str(tmp_path), "--models", "tiny-mixtral",
+              "--benches", "mbpp", "--eval-prompts", "2", "--cal-prompts", "1",
+              "--max-new-tokens", "2", "--capture-only", "--threads", "1")
+    from moe_spec.catalog import Catalog
+    catalog = Catalog(tmp_path / "tiny-mixtral")
+    runs = {r.name: r for r in catalog.runs(model="tiny-mixtral")}
+    assert set(runs) == {"eval-mbpp", "cal-mbpp"} and "captured under" in out
+    assert runs["cal-mbpp"].manifest["role"] == "calibration"
+    assert not (tmp_path / "tiny-mixtral" / "results").exists() and "| model |" not in out
+
+
+@smoke("cross_domain.py")
 def test_cross_domain_bench_writes_the_readme_table_from_its_output(cross_domain, tmp_path):
     _, found, _ = cross_domain
     (tmp_path / "x.json").write_text(json.dumps(found))
@@ -530,6 +545,7 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
 @pytest.mark.parametrize("script, files, block", [
     ("sketch_gap.py", "docs/results/sketch/*.json", None),
     ("closed_loop.py", "docs/results/sketch-closed/*.json", "sketch closed loop"),
+    ("closed_loop.py", "docs/results/sketch-closed-203/*.json", "sketch closed loop, 4x trees"),
     ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix"),
 ])
 def test_committed_results_render_to_what_the_docs_show(script, files, block, tmp_path):
