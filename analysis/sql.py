@@ -473,10 +473,12 @@ def _kind(statement) -> str:
 
 def _reaches_system_catalog(sql: str) -> bool:
     """Whether ``sql`` names DuckDB's ``system`` catalog (``system.main.repeat(…)`` would go
-    around the size guards)."""
+    around the size guards). Bare, DuckDB's tokenizer calls ``system`` a keyword; quoted, an
+    identifier: both are checked."""
     tokens = duckdb.tokenize(sql)
+    names = (duckdb.token_type.identifier, duckdb.token_type.keyword)
     for (pos, kind), nxt in zip(tokens, tokens[1:] + [(len(sql), None)]):
-        if kind == duckdb.token_type.identifier and sql[pos:nxt[0]].strip().strip('"').lower() \
+        if kind in names and sql[pos:nxt[0]].strip().strip('"').lower() \
                 == "system" and sql[nxt[0]:nxt[0] + 1] == ".":
             return True
     return False

@@ -197,9 +197,14 @@ def test_pathological_manifests_are_one_line(pristine, tmp_path, content):
 
 
 @pytest.mark.parametrize("sql", ["UPDATE EXTENSIONS", "SELECT 1; UPDATE EXTENSIONS",
-                                 "SELECT system.main.repeat('x', 3000000000)"])
+                                 "SELECT system.main.repeat('x', 3000000000)",
+                                 'SELECT "system".main.repeat(\'x\', 3000000000)',
+                                 "SELECT SYSTEM . main.repeat('x', 3000000000)"])
 def test_unknown_statements_are_refused_by_name(pristine, sql):
-    one_line_error(run("moe_spec.analysis.query_cli", sql, "--traces", pristine[0]), "query: error:")
+    """Refused before anything runs: the system catalog (bare, DuckDB tokenizes it as a keyword)
+    would go around repeat's size guard and build a 3 GB string."""
+    one_line_error(run("moe_spec.analysis.query_cli", sql, "--traces", pristine[0]), "query: error:",
+                   *(["system catalog"] if "system" in sql.lower() else []))
 
 
 @pytest.mark.parametrize("sql,limit,words", [
