@@ -313,15 +313,17 @@ def main() -> None:
                   for m, found in json.loads(path.read_text()).items()}
     else:
         threads.apply(args.threads)
+        if args.capture_only:
+            for model in args.models:
+                capture_all(args.traces / model, model, args)
+                print(f"{model}: captured under {args.traces / model}")
+            return
         args.full_matrix = not args.sources
         report = {}
         for model in args.models:
             root = args.traces / model
             budgets = model_budgets(model)
             capture_all(root, model, args)
-            if args.capture_only:
-                print(f"{model}: captured under {root}")
-                continue
             replay_all(root, model, args, budgets)
             rse = mean_rse(root, model)
             gaps = gap_table(rse, args.rankings)
@@ -330,8 +332,6 @@ def main() -> None:
                                         for r in args.rankings}, cells=gaps.to_dicts())
             for source in ("all", "others"):
                 print_ablation(model, gaps, source, budgets)
-        if args.capture_only:
-            return
         if args.output:
             args.output.write_text(json.dumps(report, indent=1, default=str))
     table = markdown(report)

@@ -388,12 +388,12 @@ def main() -> None:
             # one instance and stream per ranking and policy: open_loop.shortlists streams a
             # stateful ranking (coact-prior) pass by pass and feeds it what each budgeted pass
             # executed, exactly as replay does (its rows equal replay's: tests/test_benches.py)
-            tasks = [(src, name, cov_name, ranking.clone() if ranking.stateful or
-                      ranking.stateful_starts else ranking, open_loop.Stream())
-                     for src, name, ranking in fitted for cov_name in args.coverages]
+            tasks = [(src, name, cov_name, coverages.get(cov_name),
+                      ranking.clone() if ranking.stateful or ranking.stateful_starts else ranking,
+                      open_loop.Stream()) for src, name, ranking in fitted
+                     for cov_name in args.coverages]
             for batch, prompts, steps in batches(run, adapter, args.max_batch, args.prompts):
-                for src, name, cov_name, ranking, stream in tasks:
-                    cov = coverages.get(cov_name)
+                for src, name, cov_name, cov, ranking, stream in tasks:
                     valid = [b for b in budgets if b >= cov.min_budget(k)]
                     t0 = time.perf_counter()
                     keep, _ = open_loop.shortlists(ranking, batch, cov, valid, prompts, steps,
