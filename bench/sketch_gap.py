@@ -167,7 +167,8 @@ def cost_of(name: str, n: int, h: int, inter: int, k: int) -> dict:
     posterior's window is the number after ``sketch-post``)."""
     prefix, rank = name.rsplit("-r", 1)
     window = int(prefix[len("sketch-post"):]) if prefix.startswith("sketch-post") else 0
-    return surrogate_cost(n, h, int(rank), inter, online=online_kind(name), top_k=k, window=window)
+    return surrogate_cost(n, h, int(rank), inter, online=online_kind(name), top_k=k, window=window,
+                          gated=prefix == "sketch-gated")
 
 
 def posterior_maker(kappa: float, window: int):
@@ -307,6 +308,10 @@ def main() -> None:
                         "form after each pass (policy.surrogate.PosteriorSurrogate)")
     p.add_argument("--posterior-kappa", type=float, default=512.0, metavar="KAPPA",
                    help="the prior's weight in pseudo-tokens for --posterior")
+    p.add_argument("--gated", action="store_true",
+                   help="also score sketch-gated-rR: sketch on tree-layers whose MoE inputs lie "
+                        "near the calibration's, coact-prior streamed elsewhere "
+                        "(policy.rankings.sketch_gated)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--output", type=Path, default=None, help="every cell and cost as JSON")
     add_table_options(p, "sketch")
@@ -384,6 +389,10 @@ def main() -> None:
                 sketch = Sketch(rank=r).fit(stats)
                 assert sketch.token_aware, "sketch fitted without its surrogate"
                 fitted.append((src, f"sketch-r{r}", sketch))
+                if args.gated:
+                    gated = rankings.get("sketch-gated")(rank=r).fit(stats)
+                    assert gated.token_aware, "sketch-gated fitted without surrogate or gate"
+                    fitted.append((src, f"sketch-gated-r{r}", gated))
         for run in runs:
             # one instance and stream per ranking and policy: open_loop.shortlists streams a
             # stateful ranking (coact-prior) pass by pass and feeds it what each budgeted pass
@@ -441,6 +450,7 @@ def main() -> None:
 def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> dict:
     mean = {key: (sums[key] / counts[key]).tolist() for key in sums}
     names = ["coact-prior"] + [f"sketch-r{r}" for r in args.ranks] + (
+        [f"sketch-gated-r{r}" for r in args.ranks if args.gated]) + (
         [] if args.online is None else [f"sketch-online-r{r}" for r in args.ranks]) + (
         [] if args.online_step is None else [f"sketch-nlms-r{r}" for r in args.ranks]) + (
         [f"sketch-post{w}-r{r}" for w in args.posterior or [] for r in args.ranks])

@@ -93,6 +93,11 @@ RANKINGS: dict[str, Entry] = {
                          needs_calibration=True, artifact="sketch.npz", stateful=True,
                          overhead=lambda n, h: overheads.posterior_surrogate(
                              n, h, overheads.SKETCH_RANK, overheads.POSTERIOR_WINDOW)),
+    "sketch-gated": Entry("moe_spec.policy.rankings.sketch_gated", True,
+                          "sketch on tree-layers whose MoE inputs lie near its calibration's "
+                          "(novelty under the calibration's input covariance <= 3), "
+                          "coact-prior's shortlists elsewhere", needs_calibration=True,
+                          stateful=True, overhead=lambda n, h: overheads.gated_surrogate(n, h)),
     "previous": Entry("moe_spec.policy.rankings.previous", True,
                       "experts loaded by the previous pass at the layer first, then router mass",
                       version=2, stateful=True),  # 2: under truncation, selected experts first
@@ -100,13 +105,13 @@ RANKINGS: dict[str, Entry] = {
     "oracle": Entry("moe_spec.policy.rankings.oracle", False,
                     "best shortlist found with every expert's output (offline reference): exact "
                     "where C(N,B) is small, else every runtime ranking's shortlist and the "
-                    "greedies, improved by swaps", version=6, uses_calibration=True,
+                    "greedies, improved by swaps", version=7, uses_calibration=True,
                     examples=True),
     # 2: substitution takes the best of three candidates, 3: of four, 4: exact search where it
     # fits, every runtime ranking's shortlist as a start, then swap local search, 5: the swaps
     # screened in closed form (all of them, not the 12 strongest outside), then verified;
     # 6: sketch-post (stateful, token-aware) among the stateful starts where the calibration
-    # carries the surrogate's sums;
+    # carries the surrogate's sums; 7: sketch-gated likewise
     # uses_calibration: fitted with calibration it also starts from the calibrated runtime
     # rankings' shortlists
     "exact": Entry("moe_spec.policy.rankings.exact", False,

@@ -32,6 +32,11 @@ SKETCH_RANK = 4  # the surrogate's rank r that replay and the online budget fit:
 SURROGATE_BYTES = 4  # bytes a surrogate number takes (float32: policy.surrogate)
 POSTERIOR_WINDOW = 16  # sketch-post: executed pairs kept per expert (policy.surrogate.PosteriorSurrogate)
 POSTERIOR_KAPPA = 512.0  # sketch-post: the calibration fit's weight in pseudo-tokens
+GATE_COMPONENTS = 32  # sketch-gated: principal directions of the calibration's inputs kept
+# (policy.surrogate.InputGate); on tiny-olmoe and tiny-gpt-oss (H = 128) p = 32 put in-domain
+# tree-layers at median novelty ~1.1 and other benchmarks' at 2.2 (humaneval <- mbpp) to 5.9
+GATE_NOVELTY = 3.0  # sketch-gated: a tree-layer whose mean novelty exceeds this many times the
+# calibration's own mean (1) runs coact-prior's shortlist instead of sketch's
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,10 @@ class Overhead:
 
     bytes_per_layer: float = 0.0
     flops_per_token: float = 0.0
+
+    def __add__(self, other: Overhead) -> Overhead:
+        return Overhead(self.bytes_per_layer + other.bytes_per_layer,
+                        self.flops_per_token + other.flops_per_token)
 
     def expert_equivalents(self, hidden: int, intermediate: int, dtype_bytes: float = 2) -> float:
         """The bytes per layer in experts of the model (one expert: 3·H·I numbers of
@@ -63,6 +72,26 @@ def surrogate(n: int, h: int, rank: int = SKETCH_RANK,
     return Overhead(bytes_per_layer=surrogate_numbers(n, h, rank) * number_bytes,
                     flops_per_token=2 * n * r * (h + 1) + 2 * n * r * h + 2 * n * n * h + n
                     + 2 * n * h)
+
+
+def input_gate(h: int, components: int = GATE_COMPONENTS,
+               number_bytes: float = SURROGATE_BYTES) -> Overhead:
+    """What :class:`policy.surrogate.InputGate` adds to a pass, per MoE layer (D = H + 1, p
+    principal directions):
+
+        bytes per layer = (D·p + p + 1) · s     (the directions P, their variances λ and σ²)
+        FLOPs per token = 2·D·p + 3·p + 2·D     (z = Pᵀx, Σ z²/λ and the residual energy)"""
+    d = h + 1
+    p = min(components, d)
+    return Overhead(bytes_per_layer=(d * p + p + 1) * number_bytes,
+                    flops_per_token=2 * d * p + 3 * p + 2 * d)
+
+
+def gated_surrogate(n: int, h: int, rank: int = SKETCH_RANK,
+                    components: int = GATE_COMPONENTS) -> Overhead:
+    """sketch-gated's: the surrogate's (every pass runs it on the tree-layers the gate passes;
+    charged in full) and the gate's (:func:`input_gate`)."""
+    return surrogate(n, h, rank) + input_gate(h, components)
 
 
 def online_surrogate(n: int, h: int, rank: int = SKETCH_RANK, top_k: int = 8,
@@ -120,13 +149,17 @@ def posterior_surrogate(n: int, h: int, rank: int, window: int, tokens: int = 63
 
 
 def surrogate_cost(n: int, h: int, rank: int, intermediate: int, expert_bytes: float = 2,
-                   online: str | None = None, top_k: int = 8, window: int = 0) -> dict:
+                   online: str | None = None, top_k: int = 8, window: int = 0,
+                   gated: bool = False) -> dict:
     """What the surrogate costs at shape (N experts, hidden H, expert width I, the experts'
     ``expert_bytes`` a number): bytes per layer, FLOPs per token and the bytes in
     expert-equivalents, as one record (the benches print it); ``online``: updated during the
     prompt, ``"refit"`` or ``"gradient"`` (:func:`online_surrogate`, top-k experts a token) or
-    ``"posterior"`` (:func:`posterior_surrogate`, a window of ``window`` pairs)."""
-    if online == "posterior":
+    ``"posterior"`` (:func:`posterior_surrogate`, a window of ``window`` pairs); ``gated``: with
+    sketch-gated's input gate (:func:`gated_surrogate`)."""
+    if gated:
+        cost = gated_surrogate(n, h, rank)
+    elif online == "posterior":
         cost = posterior_surrogate(n, h, rank, window, top_k=top_k)
     else:
         cost = surrogate(n, h, rank) if online is None else \

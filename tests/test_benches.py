@@ -418,7 +418,7 @@ from pipeline import replay_runs
 root = "{root}"
 out = dict()
 for label, rankings, cal in (("base", ("router", "oracle"), ()),
-                             ("cal", ("coact-prior",), ("cal-mbpp",))):
+                             ("cal", ("coact-prior", "sketch-gated"), ("cal-mbpp",))):
     replay_runs(root, "tiny-mixtral", ["eval-mbpp"], rankings=rankings, bench="mbpp",
                 coverages=("substitution", "truncation"), budgets="2,4", calibration=cal,
                 out=root + "/replayed-" + label)
@@ -471,15 +471,17 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     # alone, what the bench scored before, fails this comparison (checked when written)
     streamed = tmp_path / "streamed"
     run("bench/sketch_gap.py", "--traces", str(streamed), "--model", "tiny-mixtral", "--benches",
-        "mbpp", "--ranks", "2", "--budgets", "2,4", "--eval-prompts", "2", "--cal-prompts", "1",
-        "--max-new-tokens", "16", "--max-batch", "5", "--threads", "1",
+        "mbpp", "--ranks", "4", "--budgets", "2,4", "--eval-prompts", "2", "--cal-prompts", "1",
+        "--max-new-tokens", "16", "--max-batch", "5", "--threads", "1", "--gated",
         "--output", str(streamed / "s.json"))
     long = json.loads((streamed / "s.json").read_text())
     replayed = json.loads(run("-c", REPLAYED.format(root=str(streamed / "tiny-mixtral"))))
-    compared = [c for c in long["cells"] if c["ranking"] == "coact-prior"]
-    assert len(compared) == 4 and long["stateful"] == "streamed"
+    # (sketch-gated likewise: its coact-prior state streamed, sketch at replay's rank 4)
+    compared = [c for c in long["cells"] if c["ranking"] in ("coact-prior", "sketch-gated-r4")]
+    assert len(compared) == 8 and long["stateful"] == "streamed"
     for c in compared:
-        assert replayed[f"coact-prior|{c['coverage']}|{c['budget']}"] == pytest.approx(
+        name = c["ranking"].removesuffix("-r4")
+        assert replayed[f"{name}|{c['coverage']}|{c['budget']}"] == pytest.approx(
             c["rse"], rel=1e-6), c
         router, oracle = (replayed[f"{r}|{c['coverage']}|{c['budget']}"] for r in
                           ("router", "oracle"))  # the gap closed's two ends, replayed

@@ -108,7 +108,11 @@ def test_cli_summarises_the_default_model():
     d, w = 129, 16
     assert post["bytes_per_layer"] == (64 * (20 * (2 * 128 + 1) + 1) + 3 * 64 * w * (d + 128)
                                        + d * d) * 4
-    assert set(info["selection_overhead"]) == {"sketch", "sketch-post"}  # the others read none
+    # sketch-gated: sketch's surrogate and the gate's p = 32 directions, variances and σ²
+    gated = info["selection_overhead"]["sketch-gated"]
+    assert gated["bytes_per_layer"] == (numbers + d * 32 + 32 + 1) * 4
+    assert set(info["selection_overhead"]) == {"sketch", "sketch-post", "sketch-gated"}
+    # (the others read none)
 
 
 def test_an_unsupported_family_is_refused_before_any_weight_is_read(tmp_path):

@@ -252,7 +252,8 @@ def test_the_online_budget_hands_sketch_the_tokens_moe_inputs():
 def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     """End to end on tiny-olmoe: with sketch asked for, replay collects the surrogate's sums on
     the calibration run and hands every batch its MoE inputs, open and closed loop: no
-    fallback warning, and the saved artifact is a surrogate (not coact-prior's record)."""
+    fallback warning (sketch-gated's sketch included), and the saved artifact is a surrogate
+    (not coact-prior's record)."""
     from helpers import run
     cap = ["--model", "tiny-olmoe", "--limit", "1", "--max-new-tokens", "8", "--no-progress",
            "--threads", "1", "--out", tmp_path]
@@ -261,11 +262,13 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
                "calibration").returncode == 0
     for mode, budgets in (("open", "8,16,24,32"), ("closed", "8")):
         r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
-                "--ranking", "sketch", "sketch-post", "router", "--coverage", "substitution", "--budget",
+                "--ranking", "sketch", "sketch-post", "sketch-gated", "router", "--coverage",
+                "substitution", "--budget",
                 budgets, "--mode", mode, "--no-progress", "--threads", "1")
         assert r.returncode == 0, r.stderr
         assert "coact-prior's shortlists" not in r.stderr, r.stderr
-        assert "sketch-post" in r.stdout, r.stdout  # replayed beside sketch, both loops
+        assert "sketch-post" in r.stdout and "sketch-gated" in r.stdout, r.stdout  # replayed
+        # beside sketch, both loops
     saved = list((tmp_path / "replay_open").rglob("sketch*"))
     assert saved and all(b"fallback" not in p.read_bytes()[:4096] for p in saved), saved
     # the report charges sketch its surrogate's bytes: net of them at the tiny model's shape
@@ -575,3 +578,116 @@ def test_sketch_post_never_reads_the_current_pass_outputs(weak_prior):
 
     assert torch.equal(perturbed(batch.size - 1), keep)
     assert not torch.equal(perturbed(0), keep)
+
+
+def test_the_input_gate_is_ppca_mahalanobis_and_one_on_its_own_calibration():
+    """Novelty against a direct float64 computation (eigendecomposition of C = Sxx/n, top-p
+    directions, σ² the mean of the rest); over the calibration's own tokens its mean is 1 for
+    every p, and inputs far from them score far above."""
+    from moe_spec.policy.surrogate import InputGate
+    model = linear_model()
+    tls = tree_layers(1, 8)
+    moments = InputMoments.collect(tls, model)
+    hidden = torch.stack([tl.hidden for tl in tls])  # [T, M, H]
+    mask = torch.ones(hidden.shape[:2], dtype=torch.bool)
+    layers = torch.full((len(tls),), LAYER)
+    x = torch.cat([hidden.double(), torch.ones(*hidden.shape[:2], 1, dtype=torch.float64)], -1)
+    c = (x.reshape(-1, H + 1).T @ x.reshape(-1, H + 1)) / x.shape[0] / x.shape[1]
+    vals, vecs = torch.linalg.eigh(c)
+    for p in (1, 3, H, H + 1):
+        gate = InputGate.fit(moments, p)
+        got = gate.novelty(layers, hidden, mask)
+        top, lam = vecs[:, -p:], vals[-p:]
+        sigma2 = vals[:-p].mean() if p <= H else None
+        z = x @ top
+        want = (z.pow(2) / lam).sum(-1)
+        if sigma2 is not None:
+            want = want + (x.pow(2).sum(-1) - z.pow(2).sum(-1)) / sigma2
+        want = (want / (H + 1)).mean(-1)
+        assert torch.allclose(got.double(), want, rtol=1e-4), p
+        assert abs(float(got.mean()) - 1.0) < 1e-4, p  # the calibration's own mean
+        far = gate.novelty(layers, hidden * 4 + 3, mask)
+        assert bool((far > 3).all()), p
+    half = mask.clone()
+    half[:, 6:] = False  # padding does not count
+    gate = InputGate.fit(moments, 3)
+    assert torch.allclose(gate.novelty(layers, hidden, half),
+                          gate.novelty(layers[:, None].expand(-1, 1).flatten(),
+                                       hidden[:, :6], mask[:, :6]))
+
+
+def _gated(stats, threshold, monkeypatch):
+    from moe_spec.policy.rankings.sketch_gated import SketchGated
+    monkeypatch.setattr(SketchGated, "threshold", threshold)
+    return rankings.get("sketch-gated")().fit(stats)
+
+
+def _streamed(ranking, batch, budgets, cov):
+    from moe_spec.replay import open_loop
+    prompts = torch.zeros(batch.size, dtype=torch.long)
+    return open_loop.shortlists(ranking, batch, cov, budgets, prompts, torch.arange(batch.size),
+                                open_loop.Stream())[0]
+
+
+def test_sketch_gated_is_sketch_near_its_calibration_and_streamed_coact_prior_far(monkeypatch):
+    """Replayed pass by pass (open_loop.shortlists, one state per budget): with every
+    tree-layer gated in it is sketch; with none, coact-prior streamed as replay streams it; at
+    the default threshold, inputs like the calibration's get sketch's rows and shifted ones
+    coact-prior's (which differ, so the test can fail)."""
+    model = _tanh_model()
+    stats = calibration(model)
+    batch, _, _, _ = _prompt_passes(model, passes=6, shift=0.0)
+    cov, budgets = coverage.get("substitution"), [2, 3, 4]
+    sketch = Sketch().fit(stats).shortlists(batch, cov, budgets)[0]
+    prior = _streamed(rankings.get("coact-prior")().fit(stats), batch, budgets, cov)
+    assert not torch.equal(sketch, prior)
+    assert torch.equal(_streamed(_gated(stats, float("inf"), monkeypatch), batch, budgets, cov),
+                       sketch)
+    assert torch.equal(_streamed(_gated(stats, -1.0, monkeypatch), batch, budgets, cov), prior)
+    gated = _gated(stats, 3.0, monkeypatch)
+    far = batch.hidden.clone()
+    far[3:] = far[3:] * 4 + 3  # the last three passes far from the calibration's inputs
+    assert (gated.gate.novelty(batch.layers, batch.hidden, batch.mask) <= 3).all()
+    shifted = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
+                           batch.rule, hidden=far)
+    shifted.terms = batch.terms
+    keep = _streamed(gated, shifted, budgets, cov)
+    assert torch.equal(keep[:3], sketch[:3])
+    assert torch.equal(keep[3:], _streamed(rankings.get("coact-prior")().fit(stats), shifted,
+                                           budgets, cov)[3:])
+
+
+def test_sketch_gated_never_reads_the_current_pass_outputs(monkeypatch):
+    """Perturbing the last pass's expert outputs changes no shortlist, gated in or out."""
+    model = _tanh_model()
+    stats = calibration(model)
+    batch, outputs, _, _ = _prompt_passes(model, passes=6, shift=0.0)
+    batch.hidden[3:] = batch.hidden[3:] * 4 + 3
+    cov, budgets = coverage.get("substitution"), [2, 3]
+    gated = _gated(stats, 3.0, monkeypatch)
+    near = gated.near(batch)
+    assert near[:3].all() and not near[3:].any()
+    keep = _streamed(gated, batch, budgets, cov)
+    for t in (2, batch.size - 1):  # gated in, gated out
+        noisy = outputs.clone()
+        noisy[t] = noisy[t] * -3.0 + 5.0
+        other = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
+                             batch.rule, hidden=batch.hidden)
+        other.terms = ExpertTerms.from_outputs(noisy, batch.idx, batch.weights)
+        assert torch.equal(_streamed(_gated(stats, 3.0, monkeypatch), other, budgets, cov)[:t + 1],
+                           keep[:t + 1]), t
+
+
+def test_sketch_gated_is_charged_its_surrogate_and_gate():
+    from moe_spec.policy import index, overhead
+    from moe_spec.policy.surrogate import InputGate
+    gate = InputGate.fit(InputMoments.collect(tree_layers(1, 4), linear_model()), 3)
+    held = gate.directions[0].numel() + gate.variances[0].numel() + 1
+    assert gate.directions.dtype == torch.float32
+    assert overhead.input_gate(H, 3).bytes_per_layer == held * 4
+    assert overhead.input_gate(H, 3).flops_per_token == 2 * (H + 1) * 3 + 3 * 3 + 2 * (H + 1)
+    both = index.overhead("sketch-gated", 64, 2048)
+    assert both == overhead.surrogate(64, 2048) + overhead.input_gate(2048)
+    assert both.bytes_per_layer > index.overhead("sketch", 64, 2048).bytes_per_layer
+    assert surrogate_cost(64, 2048, 4, 1024, gated=True)["bytes_per_layer"] == \
+        both.bytes_per_layer
