@@ -18,8 +18,10 @@ The search that then runs on the predicted terms (the oracle's greedy and swaps)
 The cost model (:mod:`analysis.cost`) charges these to every verification pass of a ranking that
 has them, and the experts-saved tables subtract the expert-equivalents from the experts a
 ranking saves (net experts saved). A ranking is charged by name: a sketch that fell back to
-coact-prior's shortlists (no surrogate or no h_t; it warns) is charged all the same. Torch-free:
-:mod:`policy.index` names each ranking's overhead.
+coact-prior's shortlists (no surrogate or no h_t; it warns) is charged all the same.
+``sketch-gated`` adds its input gate (:func:`input_gate`: p principal directions of the
+calibration's inputs) and is charged the whole surrogate even where the gate sends a tree-layer
+to coact-prior. Torch-free: :mod:`policy.index` names each ranking's overhead.
 """
 
 from __future__ import annotations

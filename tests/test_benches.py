@@ -549,6 +549,7 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     ("closed_loop.py", "docs/results/sketch-closed/*.json", "sketch closed loop"),
     ("closed_loop.py", "docs/results/sketch-closed-203/*.json", "sketch closed loop, 4x trees"),
     ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix"),
+    ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated"),
 ])
 def test_committed_results_render_to_what_the_docs_show(script, files, block, tmp_path):
     """docs/results.md's generated blocks are what their bench renders from the committed

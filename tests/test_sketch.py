@@ -691,3 +691,24 @@ def test_sketch_gated_is_charged_its_surrogate_and_gate():
     assert both.bytes_per_layer > index.overhead("sketch", 64, 2048).bytes_per_layer
     assert surrogate_cost(64, 2048, 4, 1024, gated=True)["bytes_per_layer"] == \
         both.bytes_per_layer
+
+
+def test_sketch_gated_without_inputs_or_sums_says_so_and_runs_coact_prior(monkeypatch):
+    model = _tanh_model()
+    stats = calibration(model)
+    batch, _, _, _ = _prompt_passes(model, passes=3, shift=0.0)
+    cov, budgets = coverage.get("substitution"), [2, 3]
+    prior = _streamed(rankings.get("coact-prior")().fit(stats), batch, budgets, cov)
+    bare = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
+                        batch.rule)
+    bare.terms = batch.terms
+    with pytest.warns(UserWarning, match="no MoE inputs"):
+        assert torch.equal(_streamed(_gated(stats, float("inf"), monkeypatch), bare, budgets,
+                                     cov), prior)
+    fitted = Surrogate.fit(stats.fitted.pop("sketch-moments"), Sketch.rank)
+    stats.fitted.clear()  # nor the gate fitted from them above
+    from moe_spec.policy.rankings.sketch import attach_surrogate
+    attach_surrogate(stats, fitted)  # a loaded surrogate, but no sums to fit the gate from
+    with pytest.warns(UserWarning, match="no input sums to gate by"):
+        assert torch.equal(_streamed(_gated(stats, float("inf"), monkeypatch), batch, budgets,
+                                     cov), prior)

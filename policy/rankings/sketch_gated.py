@@ -69,8 +69,10 @@ class SketchGated(CoactPrior):
     def near(self, batch) -> torch.Tensor:
         """``[T]`` bool: the tree-layers whose inputs the gate lets sketch rank."""
         if self.gate is None or getattr(batch, "hidden", None) is None:
-            if self.sketch.surrogate is not None:
-                self.sketch.blind("the batch carries no MoE inputs h_t (policy.rankings."
+            if self.sketch.surrogate is not None:  # (without one, fit() has said so)
+                self.sketch.blind("its calibration carries no input sums to gate by (policy."
+                                  "rankings.sketch.attach_moments)" if self.gate is None else
+                                  "the batch carries no MoE inputs h_t (policy.rankings."
                                   "sketch.with_inputs)")
             return torch.zeros(batch.size, dtype=torch.bool, device=batch.device)
         novelty = self.gate.novelty(batch.layers, batch.hidden, batch.mask)
