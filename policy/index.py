@@ -120,15 +120,20 @@ RANKINGS: dict[str, Entry] = {
                    skip_message="C(N, B) exceeds its limit of {limit} subsets"),
 }
 
-# The runtime ranking to use when in doubt: the one that held across domains at the tightest
-# budgets with a calibration of one distant benchmark, and costs no bytes (issue 28;
-# docs/results.md, "One selector across domains"). --help says so.
-RECOMMENDED = "coact-prior"
-# The one to use when the calibration spans several domains (none of them the served one
-# needed): there it closed more of the gap than coact-prior in every cell measured and kept
-# 83-90% of the oracle's saving net of its own bytes at the real shape (issue 40; tiny-olmoe and
-# tiny-gpt-oss; docs/results.md, "sketch across domains").
-RECOMMENDED_MIXED = "sketch"
+# The runtime ranking to use when in doubt (issue 40; docs/results.md, "sketch-gated"): with a
+# calibration of several domains it is sketch (the gate lets every tree-layer through: the same
+# cells and net saving to 0.03 experts), which closed more of the gap than coact-prior in every
+# cell measured and kept 83-90% of the oracle's saving net of its own bytes at the real shapes;
+# with one distant benchmark it holds tiny-olmoe's cells where sketch missed (worst 58%) and
+# keeps more of the oracle's saving than sketch and coact-prior on tiny-olmoe and tiny-gpt-oss.
+# --help says so.
+RECOMMENDED = "sketch-gated"
+# The one to use where no surrogate can be read (the tree's MoE inputs are not at hand when the
+# shortlist is chosen, or the surrogate's bytes cannot be afforded: at a tiny model's shape they
+# outweigh what it saves): it held across domains at the tightest budgets with a calibration of
+# one distant benchmark and costs no bytes (issue 28; docs/results.md, "One selector across
+# domains").
+RECOMMENDED_WITHOUT_SURROGATE = "coact-prior"
 
 COVERAGES: dict[str, str] = {
     "truncation": "natural top-k, experts outside the budget dropped (weights not renormalised)",
@@ -170,12 +175,12 @@ def ranking_names(*, runtime: bool | None = None) -> list[str]:
 
 
 RECOMMENDATION_TAGS = {RECOMMENDED: " [recommended]",
-                       RECOMMENDED_MIXED: " [recommended with a calibration of several domains]"}
+                       RECOMMENDED_WITHOUT_SURROGATE: " [recommended without a surrogate]"}
 
 
 def ranking_help(*, runtime: bool | None = None) -> str:
     """One clause per ranking, for --help; the :data:`RECOMMENDED` one and the
-    :data:`RECOMMENDED_MIXED` one say so."""
+    :data:`RECOMMENDED_WITHOUT_SURROGATE` one say so."""
     return "; ".join(f"{n}: {RANKINGS[n].summary}" + RECOMMENDATION_TAGS.get(n, "")
                      for n in ranking_names(runtime=runtime))
 

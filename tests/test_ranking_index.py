@@ -196,11 +196,12 @@ def test_the_recommended_ranking_is_a_runtime_one_and_help_names_it():
     assert len(clauses) == 1 and clauses[0].startswith(f"{index.RECOMMENDED}: ")
 
 
-def test_the_mixed_calibration_recommendation_is_another_calibrated_runtime_ranking():
-    mixed = index.RANKINGS[index.RECOMMENDED_MIXED]
-    assert mixed.runtime and mixed.needs_calibration
-    assert index.RECOMMENDED_MIXED != index.RECOMMENDED
+def test_the_recommendation_without_a_surrogate_is_another_runtime_ranking_that_reads_none():
+    free = index.RANKINGS[index.RECOMMENDED_WITHOUT_SURROGATE]
+    assert free.runtime and free.overhead is None  # charged nothing beyond its experts
+    assert index.RANKINGS[index.RECOMMENDED].overhead is not None
+    assert index.RECOMMENDED_WITHOUT_SURROGATE != index.RECOMMENDED
     text = index.ranking_help()
-    assert text.count("[recommended with") == 1
-    assert (f"{index.RECOMMENDED_MIXED}: {mixed.summary} [recommended with a calibration of "
-            "several domains]") in text
+    assert text.count("[recommended without") == 1
+    assert (f"{index.RECOMMENDED_WITHOUT_SURROGATE}: {free.summary} [recommended without a "
+            "surrogate]") in text
