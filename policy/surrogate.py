@@ -32,6 +32,7 @@ numbers per token).
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -446,7 +447,11 @@ class InputGate:
         novelty(x) = ( Σ_{j ≤ p} (P_jᵀ x)² / λ_j  +  (||x||² − ||Pᵀ x||²) / σ² ) / D
 
     a Mahalanobis distance per dimension: over the calibration's own tokens its mean is exactly 1
-    (Σ_j mean (P_jᵀx)² = Σ_j λ_j). A tree-layer's novelty is the mean over its tokens."""
+    (Σ_j mean (P_jᵀx)² = Σ_j λ_j). A tree-layer's novelty is the mean over its tokens. Held-out
+    inputs of the calibration's own distribution score a little above 1, the more so the fewer
+    calibration tokens a layer has per dimension (fit warns below one); p is capped at the
+    directions the calibration spans (eigenvalues above 1e-9 of the largest), and a layer with
+    no calibration tokens gates every input out (novelty ∞)."""
 
     layers: list[int]
     directions: torch.Tensor  # [L, D, p] float32
@@ -455,19 +460,34 @@ class InputGate:
 
     @classmethod
     def fit(cls, moments: InputMoments, components: int) -> InputGate:
+        d = moments.xx.shape[-1]
         dirs, lams, rests = [], [], []
         for row in range(len(moments.layers)):
-            c = moments.xx[row] / moments.count[row].clamp_min(1)
-            d = c.shape[-1]
+            count = float(moments.count[row])
+            if count < d:
+                warnings.warn(f"input gate: layer {moments.layers[row]} has {count:.0f} calibration "
+                              f"tokens for {d} input dimensions: held-out inputs of the same "
+                              "domain score above 1 (calibrate on more tokens)", stacklevel=2)
+            c = moments.xx[row] / max(count, 1.0)
             vals, vecs = torch.linalg.eigh((c + c.T) / 2)
             vals, vecs = vals.flip(0), vecs.flip(1)
-            floor = 1e-12 * float(vals.sum().clamp_min(1e-300)) / d  # a numerical guard
-            p = min(components, d)
+            spanned = int((vals > 1e-9 * vals[0].clamp_min(0)).sum()) if vals[0] > 0 else 0
+            p = min(components, max(spanned, 1))
             dirs.append(vecs[:, :p])
-            lams.append(vals[:p].clamp_min(floor))
-            rests.append(vals[p:].mean().clamp_min(floor) if p < d else torch.tensor(1.0))
-        return cls(list(moments.layers), torch.stack(dirs).float(), torch.stack(lams).float(),
-                   torch.stack(rests).float())
+            if spanned == 0:  # no calibration inputs: nothing is near them (σ² = 0 marks it)
+                lams.append(torch.full((p,), float("inf"), dtype=vals.dtype))
+                rests.append(torch.tensor(0.0, dtype=vals.dtype))
+                continue
+            lams.append(vals[:p])
+            rest = vals[p:].clamp_min(0)
+            rests.append(rest.mean().clamp_min(1e-9 * float(vals[0])) if len(rest) else
+                         torch.tensor(1.0, dtype=vals.dtype))
+        width = max(len(x) for x in lams)  # a layer of lower rank pads with unused directions
+        pad = [(torch.nn.functional.pad(dr, (0, width - dr.shape[1])),
+                torch.nn.functional.pad(lm, (0, width - len(lm)), value=float("inf")))
+               for dr, lm in zip(dirs, lams)]
+        return cls(list(moments.layers), torch.stack([a for a, _ in pad]).float(),
+                   torch.stack([b for _, b in pad]).float(), torch.stack(rests).float())
 
     def novelty(self, layers: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor
                 ) -> torch.Tensor:
@@ -476,10 +496,15 @@ class InputGate:
         lookup = {layer: i for i, layer in enumerate(self.layers)}
         rows = torch.tensor([lookup[int(x)] for x in layers.tolist()], dtype=torch.long,
                             device=hidden.device)
-        x = _augment(hidden.float())  # [T, M, D]
-        z = torch.einsum("tmd,tdp->tmp", x, self.directions.to(x.device)[rows])
-        inside = (z.pow(2) / self.variances.to(x.device)[rows][:, None]).sum(-1)
-        outside = (x.pow(2).sum(-1) - z.pow(2).sum(-1)).clamp_min(0)
-        per_token = (inside + outside / self.rest.to(x.device)[rows][:, None]) / x.shape[-1]
-        m = mask.to(x.dtype)
-        return (per_token * m).sum(-1) / m.sum(-1).clamp_min(1)
+        x = _augment(hidden.double())  # [T, M, D]; float64: the residual is a difference
+        directions = self.directions[rows.cpu()].to(x.device, torch.float64)  # [T, D, p]
+        z = torch.einsum("tmd,tdp->tmp", x, directions)
+        inside = (z.pow(2) / self.variances[rows.cpu()].to(x.device, torch.float64)[:, None]
+                  ).sum(-1)  # (padding directions: variance ∞, term 0)
+        outside = (x - torch.einsum("tmp,tdp->tmd", z, directions)).pow(2).sum(-1)
+        rest = self.rest[rows.cpu()].to(x.device, torch.float64)[:, None]
+        per_token = (inside + outside / rest.clamp_min(1e-300)) / x.shape[-1]
+        per_token = torch.where(rest > 0, per_token, torch.inf)  # a layer it never saw
+        per_token = torch.where(mask.to(x.device).bool(), per_token, 0.0)
+        count = mask.to(x.device).sum(-1).clamp_min(1)
+        return (per_token.sum(-1) / count).float()

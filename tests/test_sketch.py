@@ -629,53 +629,103 @@ def _streamed(ranking, batch, budgets, cov):
                                 open_loop.Stream())[0]
 
 
-def test_sketch_gated_is_sketch_near_its_calibration_and_streamed_coact_prior_far(monkeypatch):
+@pytest.fixture
+def weak_gram_prior(monkeypatch):
+    """coact-prior's calibration Gram worth 1e-3 pseudo-observations a pair (its default 8
+    outweighs what these few passes execute): its state then decides its shortlists."""
+    from moe_spec.policy.rankings.coact_online import CoactOnline
+    monkeypatch.setattr(CoactOnline, "prior", 1e-3)
+
+
+def _gated_reference(stats, batch, outputs, budgets, cov, near):
+    """Hand-written: per budget one coact-prior state; each pass takes sketch's shortlist where
+    ``near`` and the state's elsewhere, then the state observes what that pass ran."""
+    from moe_spec.policy.coverage import experts_used
+    from moe_spec.policy.rankings.sketch import routing_only
+    sketch = Sketch().fit(stats)
+    keep = torch.zeros(batch.size, len(budgets), batch.n, dtype=torch.bool)
+    for j, b in enumerate(budgets):
+        own = rankings.get("coact-prior")().fit(stats)
+        for t in range(batch.size):
+            routing = routing_only(batch, torch.tensor([t]))
+            chosen = (sketch if near[t] else own).shortlists(routing, cov, [b])[0]
+            keep[t, j] = chosen[0, 0]
+            idx, w = cov.apply(batch.take(torch.tensor([t])), chosen)
+            idx, w = idx[:, 0], w[:, 0] * routing.mask[..., None]
+            ran = outputs[t:t + 1].gather(2, idx[..., None].expand(*idx.shape, H))
+            own.observe(routing.layers, experts_used(idx, w, batch.n))
+            own.observe_outputs(routing.layers, idx, w, ran)
+    return keep
+
+
+def _far_from_pass(batch, first):
+    """``batch`` with the MoE inputs of passes ``first..`` moved far from the calibration's."""
+    far = batch.hidden.clone()
+    far[first:] = far[first:] * 4 + 3
+    out = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
+                       batch.rule, hidden=far)
+    out.terms = batch.terms
+    return out
+
+
+def test_sketch_gated_is_sketch_near_its_calibration_and_streamed_coact_prior_far(
+        monkeypatch, weak_gram_prior):
     """Replayed pass by pass (open_loop.shortlists, one state per budget): with every
     tree-layer gated in it is sketch; with none, coact-prior streamed as replay streams it; at
-    the default threshold, inputs like the calibration's get sketch's rows and shifted ones
-    coact-prior's (which differ, so the test can fail)."""
+    the default threshold, inputs like the calibration's get sketch's rows and shifted ones a
+    coact-prior state that observed what the *gated* passes ran (the hand-written reference),
+    which here differs from coact-prior's own stream (so the test can tell them apart)."""
     model = _tanh_model()
     stats = calibration(model)
-    batch, _, _, _ = _prompt_passes(model, passes=6, shift=0.0)
+    batch, outputs, _, _ = _prompt_passes(model, passes=7, shift=0.0)
     cov, budgets = coverage.get("substitution"), [2, 3, 4]
     sketch = Sketch().fit(stats).shortlists(batch, cov, budgets)[0]
     prior = _streamed(rankings.get("coact-prior")().fit(stats), batch, budgets, cov)
+    fresh = torch.cat([rankings.get("coact-prior")().fit(stats).shortlists(
+        batch.take(torch.tensor([t])), cov, budgets)[0] for t in range(batch.size)])
+    assert not torch.equal(prior, fresh)  # the state matters here
     assert not torch.equal(sketch, prior)
     assert torch.equal(_streamed(_gated(stats, float("inf"), monkeypatch), batch, budgets, cov),
                        sketch)
     assert torch.equal(_streamed(_gated(stats, -1.0, monkeypatch), batch, budgets, cov), prior)
     gated = _gated(stats, 3.0, monkeypatch)
-    far = batch.hidden.clone()
-    far[3:] = far[3:] * 4 + 3  # the last three passes far from the calibration's inputs
     assert (gated.gate.novelty(batch.layers, batch.hidden, batch.mask) <= 3).all()
-    shifted = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
-                           batch.rule, hidden=far)
-    shifted.terms = batch.terms
+    shifted = _far_from_pass(batch, 3)
+    near = gated.near(shifted)
+    assert near[:3].all() and not near[3:].any()
     keep = _streamed(gated, shifted, budgets, cov)
     assert torch.equal(keep[:3], sketch[:3])
-    assert torch.equal(keep[3:], _streamed(rankings.get("coact-prior")().fit(stats), shifted,
-                                           budgets, cov)[3:])
+    assert torch.equal(keep, _gated_reference(stats, shifted, outputs, budgets, cov, near))
+    own_stream = _streamed(rankings.get("coact-prior")().fit(stats), shifted, budgets, cov)
+    assert not torch.equal(keep[3:], own_stream[3:])
 
 
-def test_sketch_gated_never_reads_the_current_pass_outputs(monkeypatch):
-    """Perturbing the last pass's expert outputs changes no shortlist, gated in or out."""
+def test_sketch_gated_never_reads_the_current_pass_outputs(monkeypatch, weak_gram_prior):
+    """Perturbing the last pass's expert outputs changes no shortlist; perturbing an earlier
+    gated-in pass's changes a later gated-out one (coact-prior's state learns from them), so
+    outputs do reach it, one pass late. Called directly too, on a batch that carries terms."""
     model = _tanh_model()
     stats = calibration(model)
-    batch, outputs, _, _ = _prompt_passes(model, passes=6, shift=0.0)
-    batch.hidden[3:] = batch.hidden[3:] * 4 + 3
+    batch, outputs, _, _ = _prompt_passes(model, passes=7, shift=0.0)
+    batch = _far_from_pass(batch, 3)
     cov, budgets = coverage.get("substitution"), [2, 3]
-    gated = _gated(stats, 3.0, monkeypatch)
-    near = gated.near(batch)
-    assert near[:3].all() and not near[3:].any()
-    keep = _streamed(gated, batch, budgets, cov)
-    for t in (2, batch.size - 1):  # gated in, gated out
+    keep = _streamed(_gated(stats, 3.0, monkeypatch), batch, budgets, cov)
+
+    def perturbed(t):
         noisy = outputs.clone()
         noisy[t] = noisy[t] * -3.0 + 5.0
         other = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
                              batch.rule, hidden=batch.hidden)
         other.terms = ExpertTerms.from_outputs(noisy, batch.idx, batch.weights)
-        assert torch.equal(_streamed(_gated(stats, 3.0, monkeypatch), other, budgets, cov)[:t + 1],
-                           keep[:t + 1]), t
+        return other
+
+    assert torch.equal(_streamed(_gated(stats, 3.0, monkeypatch), perturbed(batch.size - 1),
+                                 budgets, cov), keep)
+    assert not torch.equal(_streamed(_gated(stats, 3.0, monkeypatch), perturbed(2), budgets,
+                                     cov), keep)
+    direct = _gated(stats, 3.0, monkeypatch).shortlists(batch, cov, budgets)[0]
+    noisy = _gated(stats, 3.0, monkeypatch).shortlists(perturbed(0), cov, budgets)[0]
+    assert torch.equal(direct, noisy)
 
 
 def test_sketch_gated_is_charged_its_surrogate_and_gate():
@@ -712,3 +762,23 @@ def test_sketch_gated_without_inputs_or_sums_says_so_and_runs_coact_prior(monkey
     with pytest.warns(UserWarning, match="no input sums to gate by"):
         assert torch.equal(_streamed(_gated(stats, float("inf"), monkeypatch), batch, budgets,
                                      cov), prior)
+
+
+def test_the_input_gate_survives_degenerate_calibrations():
+    """A layer with fewer calibration tokens than dimensions warns and caps p at what they span
+    (its own tokens still average 1, not the 1e4 a collapsed σ² gives); a layer it never saw
+    gates every input out (∞), and padding never turns that into NaN."""
+    from moe_spec.policy.surrogate import InputGate
+    model = linear_model()
+    few = tree_layers(1, 1, m=4)  # 4 tokens for H + 1 = 7 dimensions
+    moments = InputMoments.collect(few, model)
+    with pytest.warns(UserWarning, match="4 calibration tokens for 7 input dimensions"):
+        gate = InputGate.fit(moments, 32)
+    own = gate.novelty(torch.tensor([LAYER]), few[0].hidden[None], torch.ones(1, 4, dtype=torch.bool))
+    assert 0.5 < float(own) <= 1.0 + 1e-4
+    empty = InputMoments.empty([LAYER], N, H)
+    with pytest.warns(UserWarning, match="0 calibration tokens"):
+        blind = InputGate.fit(empty, 3)
+    mask = torch.tensor([[True, True, False]])
+    got = blind.novelty(torch.tensor([LAYER]), torch.randn(1, 3, H), mask)
+    assert torch.isinf(got).all() and not torch.isnan(got).any()

@@ -21,6 +21,7 @@ the gate's p directions read every pass.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import ClassVar
 
 import torch
@@ -69,11 +70,13 @@ class SketchGated(CoactPrior):
     def near(self, batch) -> torch.Tensor:
         """``[T]`` bool: the tree-layers whose inputs the gate lets sketch rank."""
         if self.gate is None or getattr(batch, "hidden", None) is None:
-            if self.sketch.surrogate is not None:  # (without one, fit() has said so)
-                self.sketch.blind("its calibration carries no input sums to gate by (policy."
-                                  "rankings.sketch.attach_moments)" if self.gate is None else
-                                  "the batch carries no MoE inputs h_t (policy.rankings."
-                                  "sketch.with_inputs)")
+            if self.sketch.surrogate is not None and not getattr(self, "warned", False):
+                self.warned = True  # (without a surrogate, fit() has said so)
+                why = ("its calibration carries no input sums to gate by (policy.rankings."
+                       "sketch.attach_moments)" if self.gate is None else
+                       "the batch carries no MoE inputs h_t (policy.rankings.sketch.with_inputs)")
+                warnings.warn(f"ranking {self.name}: {why}; using coact-prior's shortlists",
+                              stacklevel=3)
             return torch.zeros(batch.size, dtype=torch.bool, device=batch.device)
         novelty = self.gate.novelty(batch.layers, batch.hidden, batch.mask)
         return (novelty <= self.threshold).to(batch.device)
