@@ -125,8 +125,9 @@ RANKINGS: dict[str, Entry] = {
 # cells and net saving to 0.03 experts), which closed more of the gap than coact-prior in every
 # cell measured and kept 83-90% of the oracle's saving net of its own bytes at the real shapes;
 # with one distant benchmark it holds tiny-olmoe's cells where sketch missed (worst 58%) and
-# keeps more of the oracle's saving than sketch and coact-prior on tiny-olmoe and tiny-gpt-oss.
-# --help says so.
+# keeps more of the oracle's saving than sketch and coact-prior on tiny-olmoe and tiny-gpt-oss,
+# but not on tiny-qwen3-moe under substitution (43% against coact-prior's 56%), where its
+# coact-prior fallback is weak. --help says so.
 RECOMMENDED = "sketch-gated"
 # The one to use where no surrogate can be read (the tree's MoE inputs are not at hand when the
 # shortlist is chosen, or the surrogate's bytes cannot be afforded: at a tiny model's shape they
