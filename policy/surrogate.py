@@ -99,6 +99,16 @@ class InputMoments:
                    [s for p in parts for s in p.sources])
 
 
+def layer_rows(fitted: list[int], layers: torch.Tensor, what: str) -> torch.Tensor:
+    """``[T]`` CPU indices into a per-layer artifact fitted on layers ``fitted`` for tree-layers
+    at ``layers [T]``; a layer it was not fitted on is one clear error."""
+    lookup = {layer: i for i, layer in enumerate(fitted)}
+    try:
+        return torch.tensor([lookup[int(x)] for x in layers.tolist()], dtype=torch.long)
+    except KeyError as exc:
+        raise ValueError(f"no {what} for layer {exc.args[0]}; fit it on the same model") from None
+
+
 def _augment(h: torch.Tensor) -> torch.Tensor:
     """``[..., H] → [..., H + 1]``: the input with a constant 1 (the bias column)."""
     return torch.cat([h, torch.ones(*h.shape[:-1], 1, dtype=h.dtype, device=h.device)], -1)
@@ -136,12 +146,7 @@ class Surrogate:
                    torch.stack(rhos).float(), weights_hash)
 
     def rows(self, layers: torch.Tensor) -> torch.Tensor:
-        lookup = {layer: i for i, layer in enumerate(self.layers)}
-        try:
-            return torch.tensor([lookup[int(x)] for x in layers.tolist()], dtype=torch.long)
-        except KeyError as exc:
-            raise ValueError(f"no surrogate for layer {exc.args[0]}; fit it on the same model") \
-                from None
+        return layer_rows(self.layers, layers, "surrogate")
 
     def save(self, path: Path) -> None:
         """``.npz`` without pickled objects: the tensors and a JSON header."""
@@ -493,16 +498,14 @@ class InputGate:
                 ) -> torch.Tensor:
         """``[T]`` float32: each tree-layer's mean novelty over its tokens (``mask [T, M]``) for
         MoE inputs ``hidden [T, M, H]`` at ``layers [T]``."""
-        lookup = {layer: i for i, layer in enumerate(self.layers)}
-        rows = torch.tensor([lookup[int(x)] for x in layers.tolist()], dtype=torch.long,
-                            device=hidden.device)
+        rows = layer_rows(self.layers, layers, "input gate")
         x = _augment(hidden.double())  # [T, M, D]; float64: the residual is a difference
-        directions = self.directions[rows.cpu()].to(x.device, torch.float64)  # [T, D, p]
+        directions = self.directions[rows].to(x.device, torch.float64)  # [T, D, p]
         z = torch.einsum("tmd,tdp->tmp", x, directions)
-        inside = (z.pow(2) / self.variances[rows.cpu()].to(x.device, torch.float64)[:, None]
+        inside = (z.pow(2) / self.variances[rows].to(x.device, torch.float64)[:, None]
                   ).sum(-1)  # (padding directions: variance ∞, term 0)
         outside = (x - torch.einsum("tmp,tdp->tmd", z, directions)).pow(2).sum(-1)
-        rest = self.rest[rows.cpu()].to(x.device, torch.float64)[:, None]
+        rest = self.rest[rows].to(x.device, torch.float64)[:, None]
         per_token = (inside + outside / rest.clamp_min(1e-300)) / x.shape[-1]
         per_token = torch.where(rest > 0, per_token, torch.inf)  # a layer it never saw
         per_token = torch.where(mask.to(x.device).bool(), per_token, 0.0)

@@ -500,6 +500,16 @@ def _prompt_passes(model, passes: int = 5, m: int = 10, shift: float = 1.5):
     return batch, outputs, torch.zeros(passes, dtype=torch.long), torch.arange(passes)
 
 
+def _pass_outputs_perturbed(batch, outputs, t):
+    """``batch`` with every expert output of pass ``t`` changed (routing and inputs kept)."""
+    noisy = outputs.clone()
+    noisy[t] = noisy[t] * -3.0 + 5.0
+    out = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
+                       batch.rule, hidden=batch.hidden)
+    out.terms = ExpertTerms.from_outputs(noisy, batch.idx, batch.weights)
+    return out
+
+
 def _tanh_model():
     base = linear_model()
     return SimpleNamespace(moe_layers=[LAYER], num_experts=N, expert_outputs=lambda layer, x:
@@ -569,12 +579,7 @@ def test_sketch_post_never_reads_the_current_pass_outputs(weak_prior):
     keep = _replayed(batch, stats, budgets, cov)
 
     def perturbed(t):
-        noisy = outputs.clone()
-        noisy[t] = noisy[t] * -3.0 + 5.0
-        out = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
-                           batch.rule, hidden=batch.hidden)
-        out.terms = ExpertTerms.from_outputs(noisy, batch.idx, batch.weights)
-        return _replayed(out, stats, budgets, cov)
+        return _replayed(_pass_outputs_perturbed(batch, outputs, t), stats, budgets, cov)
 
     assert torch.equal(perturbed(batch.size - 1), keep)
     assert not torch.equal(perturbed(0), keep)
@@ -712,12 +717,7 @@ def test_sketch_gated_never_reads_the_current_pass_outputs(monkeypatch, weak_gra
     keep = _streamed(_gated(stats, 3.0, monkeypatch), batch, budgets, cov)
 
     def perturbed(t):
-        noisy = outputs.clone()
-        noisy[t] = noisy[t] * -3.0 + 5.0
-        other = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
-                             batch.rule, hidden=batch.hidden)
-        other.terms = ExpertTerms.from_outputs(noisy, batch.idx, batch.weights)
-        return other
+        return _pass_outputs_perturbed(batch, outputs, t)
 
     assert torch.equal(_streamed(_gated(stats, 3.0, monkeypatch), perturbed(batch.size - 1),
                                  budgets, cov), keep)
