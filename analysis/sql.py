@@ -116,12 +116,13 @@ def runs_table(runs: list, root: Path) -> pa.Table:
 VARIANT_FIELDS = [  # the columns that say which variant a replay result row is (unit keys)
     ("variant", pa.string()), ("mode", pa.string()), ("ranking_version", pa.int64()),
     ("calibration", pa.string()), ("calibration_run_ids", pa.string()),
-    ("batch_seed", pa.int64()), ("dtype", pa.string()), ("means_version", pa.int64()),
+    ("token_aware_starts", pa.bool_()), ("batch_seed", pa.int64()), ("dtype", pa.string()),
+    ("means_version", pa.int64()),
     ("committed_at", pa.string())]
 DEFAULT_VARIANT_RULE = ("one variant per cell (run, ranking, coverage, batch size, budget, "
-                        "layer): the calibrated one where there is one, then the one replayed "
-                        "in the run's captured dtype, batch seed 0, then the most recently "
-                        "computed")
+                        "layer): the calibrated one where there is one, then the oracle's with "
+                        "the token-aware starts, then the one replayed in the run's captured "
+                        "dtype, batch seed 0, then the most recently computed")
 
 
 def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
@@ -130,13 +131,15 @@ def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
     return dict(variant=config, mode=unit.get("mode"), ranking_version=unit.get("version", 1),
                 calibration=",".join(c[0] for c in cal) or None,
                 calibration_run_ids=",".join(c[1] for c in cal) or None,
+                token_aware_starts=bool(unit.get("token_aware_starts")),
                 batch_seed=unit.get("batch_seed"), dtype=unit.get("dtype", "float32"),
                 means_version=unit.get("means"), committed_at=committed_at)
 
 
 def _preference(unit: dict, captured_dtype: str, committed_at: str | None) -> tuple:
     """How a variant ranks for the default views (:data:`DEFAULT_VARIANT_RULE`): higher wins."""
-    return (bool(unit.get("calibration")), unit.get("dtype", "float32") == captured_dtype,
+    return (bool(unit.get("calibration")), bool(unit.get("token_aware_starts")),
+            unit.get("dtype", "float32") == captured_dtype,
             unit.get("batch_seed", 0) == 0, committed_at or "", json.dumps(unit, sort_keys=True))
 
 

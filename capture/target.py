@@ -33,6 +33,7 @@ from moe_spec.moe.recorder import VerifyRecorder
 from moe_spec.policy import coverage, rankings
 from moe_spec.policy.budget import Budget
 from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
+from moe_spec.policy.index import surrogate_sums
 
 
 @dataclass
@@ -192,7 +193,7 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
     problem = empty_calibration(stats, cal)
     if problem:
         raise CaptureError(problem)
-    if getattr(rankings.get(settings.ranking), "needs_hidden", False):  # token-aware: sketch
+    if surrogate_sums([settings.ranking]):  # token-aware: sketch
         from moe_spec.policy.rankings.sketch import attach_surrogate_sums
         attach_surrogate_sums(stats, cal, adapter, lambda run: reader.tree_layers([run]))
     return stats

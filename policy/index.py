@@ -41,6 +41,10 @@ class Entry(NamedTuple):
     skip_message: str | None = None  # why the CLI skips budgets; ``{limit}``: the class's limit
     overhead: Callable[[int, int], overheads.Overhead] | None = None  # (N, H) -> what it adds
     # to every verification pass (policy.overhead); None: nothing
+    needs_hidden: bool = False  # reads the tree tokens' MoE inputs h_t; its calibration then
+    # carries the surrogate's least-squares sums (surrogate_sums)
+    token_aware_starts: bool = False  # starts from the token-aware rankings' shortlists where
+    # the calibration carries those sums: its results are keyed by whether it did
 
 
 RANKINGS: dict[str, Entry] = {
@@ -83,7 +87,7 @@ RANKINGS: dict[str, Entry] = {
                     "the oracle's search on expert outputs predicted from the tree tokens' MoE "
                     "inputs h_t by rank-r calibration surrogates (without surrogate or h_t: "
                     "coact-prior's shortlists, with a warning; bench/sketch_gap.py)",
-                    version=2, needs_calibration=True, artifact="sketch.npz",
+                    version=2, needs_calibration=True, artifact="sketch.npz", needs_hidden=True,
                     overhead=lambda n, h: overheads.surrogate(n, h, overheads.SKETCH_RANK)),
     # 2: the surrogate's rank 16 -> 4 (policy.overhead.SKETCH_RANK: the same gap closed, a
     # quarter of the bytes)
@@ -91,13 +95,14 @@ RANKINGS: dict[str, Entry] = {
                          "sketch whose surrogates learn during the prompt: the posterior mean of "
                          "the calibration fit and each expert's last executed (h, E(h)) pairs",
                          needs_calibration=True, artifact="sketch.npz", stateful=True,
-                         overhead=lambda n, h: overheads.posterior_surrogate(
+                         needs_hidden=True, overhead=lambda n, h: overheads.posterior_surrogate(
                              n, h, overheads.SKETCH_RANK, overheads.POSTERIOR_WINDOW)),
     "sketch-gated": Entry("moe_spec.policy.rankings.sketch_gated", True,
                           "sketch on tree-layers whose MoE inputs lie near its calibration's "
                           "(novelty under the calibration's input covariance <= 3), "
                           "coact-prior's shortlists elsewhere", needs_calibration=True,
-                          stateful=True, overhead=lambda n, h: overheads.gated_surrogate(n, h)),
+                          stateful=True, needs_hidden=True,
+                          overhead=lambda n, h: overheads.gated_surrogate(n, h)),
     "previous": Entry("moe_spec.policy.rankings.previous", True,
                       "experts loaded by the previous pass at the layer first, then router mass",
                       version=2, stateful=True),  # 2: under truncation, selected experts first
@@ -105,13 +110,15 @@ RANKINGS: dict[str, Entry] = {
     "oracle": Entry("moe_spec.policy.rankings.oracle", False,
                     "best shortlist found with every expert's output (offline reference): exact "
                     "where C(N,B) is small, else every runtime ranking's shortlist and the "
-                    "greedies, improved by swaps", version=7, uses_calibration=True,
-                    examples=True),
+                    "greedies, improved by swaps", version=8, uses_calibration=True,
+                    examples=True, token_aware_starts=True),
     # 2: substitution takes the best of three candidates, 3: of four, 4: exact search where it
     # fits, every runtime ranking's shortlist as a start, then swap local search, 5: the swaps
     # screened in closed form (all of them, not the 12 strongest outside), then verified;
     # 6: sketch-post (stateful, token-aware) among the stateful starts where the calibration
-    # carries the surrogate's sums; 7: sketch-gated likewise
+    # carries the surrogate's sums; 7: sketch-gated likewise; 8: its key says whether those
+    # token-aware starts ran (token_aware_starts; earlier keys did not, so a weaker cell could
+    # answer for a stronger one)
     # uses_calibration: fitted with calibration it also starts from the calibrated runtime
     # rankings' shortlists
     "exact": Entry("moe_spec.policy.rankings.exact", False,
@@ -167,6 +174,15 @@ def min_budget(coverage: str, k: int) -> int:
     if coverage not in COVERAGES:
         raise ValueError(f"unknown coverage {coverage!r}; use one of {', '.join(COVERAGES)}")
     return k if coverage == "substitution" else 1
+
+
+def surrogate_sums(rankings) -> bool:
+    """Whether a replay or capture of ``rankings`` attaches the surrogate's least-squares sums
+    to its calibration statistics: when one of them reads the tree tokens' MoE inputs
+    (``needs_hidden``). Those sums are large (N·H·(H+1) float64 numbers a layer), so they are
+    collected only then; a ranking with ``token_aware_starts`` (the oracle) starts from the
+    token-aware rankings' shortlists only then, and its results' key says so."""
+    return any(RANKINGS[r].needs_hidden for r in rankings if r in RANKINGS)
 
 
 def ranking_names(*, runtime: bool | None = None) -> list[str]:

@@ -90,8 +90,10 @@ class ReplayOutcome:
     start_seconds: float = 0.0  # of which: starting Ray actors and loading their models
 
 
-UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size", "batch_seed")
-# (the rest of a key is versions)
+UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size", "batch_seed",
+                 "token_aware_starts", "dtype")
+# (the rest of a key is versions: a unit differing only there supersedes the other; variants
+# differing here live side by side, the views choosing one a cell: analysis.sql)
 
 
 def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,
@@ -105,11 +107,15 @@ def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,
 
 
 def unit_key(mode: ReplayMode | str, ranking: str, coverage: str, calibration: list[Run],
-             dtype: str = "float32") -> dict:
+             dtype: str = "float32", surrogate_sums: bool = False) -> dict:
     """What makes results comparable; calibration only where the ranking uses it, with the
     version of how statistics become means (results of an older definition are not reused),
     and the dtype the model was loaded in where it is not float32 (weights rounded to bf16 give
-    other numbers). The ranking's facts come from its line in :mod:`policy.index`."""
+    other numbers); for a ranking with ``token_aware_starts`` (the oracle), whether the
+    calibration carried the surrogate's sums (``surrogate_sums``:
+    :func:`policy.index.surrogate_sums` of the rankings replayed together), so that it started
+    from the token-aware rankings too. The ranking's facts come from its line in
+    :mod:`policy.index`."""
     entry = index.RANKINGS[ranking]
     mode = modes.get(mode)
     key = dict(mode=mode.name, ranking=ranking, coverage=coverage, calibration=[],
@@ -119,6 +125,8 @@ def unit_key(mode: ReplayMode | str, ranking: str, coverage: str, calibration: l
     if entry.needs_calibration or (entry.uses_calibration and calibration):
         key.update(calibration=sorted([r.name, r.run_id] for r in calibration),
                    means=index.MEANS_VERSION)
+        if entry.token_aware_starts and surrogate_sums:
+            key["token_aware_starts"] = True
     dtype = str(dtype).removeprefix("torch.")
     if dtype != "float32":
         key["dtype"] = dtype
@@ -142,25 +150,32 @@ def stored_variants(out: Path, table: str, run: Run) -> list[tuple[dict, "UnitRe
     return found
 
 
+CALIBRATION_FIELDS = ("calibration", "means", "layout", "token_aware_starts")  # key fields
+# that follow from a calibration: an uncalibrated request may be answered whatever they say
+
+
 def calibrated_variant(catalog: Catalog, out: Path, run: Run, key: dict,
                        wanted: set) -> UnitResults | None:
     """For a unit asked without calibration (``key``) whose ranking can use one: a stored
     variant that differs only by its calibration (runs still current) and holds every
-    ``wanted`` cell; the most recently computed. None when there is none."""
+    ``wanted`` cell: the oracle's with the token-aware starts where there is one (the stronger
+    search, as the default views prefer), then the most recently computed. None when there is
+    none."""
     current = {r.name: r.run_id for r in catalog.runs(model=run.model, roles=None)}
     best = None
     for unit, results in stored_variants(out, results_table(key), run):
         cal = unit.get("calibration") or []
-        rest = {k: v for k, v in unit.items() if k not in ("calibration", "means", "layout")}
-        mine = {k: v for k, v in key.items() if k not in ("calibration", "means", "layout")}
+        rest = {k: v for k, v in unit.items() if k not in CALIBRATION_FIELDS}
+        mine = {k: v for k, v in key.items() if k not in CALIBRATION_FIELDS}
         if not cal or rest != mine or any(current.get(n) != rid for n, rid in cal):
             continue
         blocks = results.complete_blocks()
         done = set().union(*(b.cells() for b in blocks)) if blocks else set()
         if wanted <= done:
-            stamp = max((b.committed_at or "" for b in blocks), default="")
-            if best is None or stamp > best[0]:
-                best = (stamp, results)
+            rank = (bool(unit.get("token_aware_starts")),
+                    max((b.committed_at or "" for b in blocks), default=""))
+            if best is None or rank > best[0]:
+                best = (rank, results)
     return None if best is None else best[1]
 
 
@@ -196,6 +211,8 @@ def variant_text(unit: dict) -> str:
              unit.get("coverage", "?")]
     cal = unit.get("calibration") or []
     words.append("calibrated on " + ", ".join(c[0] for c in cal) if cal else "no calibration")
+    if unit.get("token_aware_starts"):
+        words.append("with the token-aware starts")
     if unit.get("dtype"):
         words.append(f"model in {unit['dtype']}")
     if unit.get("batch_size", 1) > 1:
@@ -292,6 +309,7 @@ def plan(catalog: Catalog, runs: list[Run], request: ReplayRequest, calibration:
                                  "carried across that batch's passes (capture --batch-size "
                                  "refuses stateful rankings online)")
     found = []
+    sums = index.surrogate_sums(request.rankings)  # what calibration_stats attaches
     for run in runs:
         run_layers = run_layers_noted(run, layers, mode, outcome)
         if run_layers:
@@ -299,13 +317,13 @@ def plan(catalog: Catalog, runs: list[Run], request: ReplayRequest, calibration:
                 unit for name in request.rankings for cov_name in request.coverages
                 if (unit := plan_unit(catalog, out, run, mode, mode.cell_layers(run_layers),
                                       name, cov_name, request.budgets, calibration, n, k, dtype,
-                                      outcome)) is not None]))
+                                      outcome, sums)) is not None]))
     return ReplayPlan(request, calibration, out, found, outcome)
 
 
 def plan_unit(catalog: Catalog, out: Path, run: Run, mode: ReplayMode, cell_layers, name: str,
               cov_name: str, budgets, calibration: list[Run], n: int, k: int, dtype: str,
-              outcome: ReplayOutcome) -> UnitPlan | None:
+              outcome: ReplayOutcome, surrogate_sums: bool = False) -> UnitPlan | None:
     """One ranking × coverage of ``run`` (None when it evaluates no budget asked for)."""
     budgets = [b for b in budgets if b >= index.min_budget(cov_name, k)]
     skip = index.skipped_budgets(name, n, budgets)
@@ -314,7 +332,8 @@ def plan_unit(catalog: Catalog, out: Path, run: Run, mode: ReplayMode, cell_laye
     budgets = [b for b in budgets if b not in skip]
     if not budgets:
         return None
-    unit = UnitResults(out, mode.table, run, unit_key(mode, name, cov_name, calibration, dtype))
+    unit = UnitResults(out, mode.table, run, unit_key(mode, name, cov_name, calibration, dtype,
+                                                      surrogate_sums))
     wanted = {(layer, b) for layer in (cell_layers or [None]) for b in budgets}
     done = set().union(*(b.cells() for b in unit.complete_blocks()))
     other = stored_calibrated(catalog, out, run, unit, name, calibration, wanted, done)

@@ -28,7 +28,7 @@ from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, reade
 from moe_spec.catalog.results import UnitResults
 from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 from moe_spec.moe.adapter import MoEAdapter
-from moe_spec.policy import coverage, rankings
+from moe_spec.policy import coverage, index, rankings
 from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
 from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
 from moe_spec.replay.engine import OpenLoopEngine
@@ -96,8 +96,7 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     problem = empty_calibration(stats, cal)
     if problem:
         raise ReplayError(problem)
-    if any(getattr(rankings.get(r), "needs_hidden", False) for r in rankings_used
-           if r in rankings.REGISTRY):
+    if index.surrogate_sums(rankings_used):
         from moe_spec.policy.rankings.sketch import attach_surrogate_sums
         attach_surrogate_sums(stats, cal, adapter, read)
     return stats, cal
@@ -225,6 +224,7 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
             outcome.units.append(unit_plan.answered_by)
             continue
         unit, cls = unit_plan.unit, rankings.get(unit_plan.ranking)
+        check_starts(unit, cls, stats)
         cover = coverage.get(unit_plan.coverage)
         locks.enter_context(unit.locked())
         unit.drop_superseded(UNIT_IDENTITY)
@@ -241,6 +241,21 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
             outcome.notes += new_variant_notes(planned.out, run_plan.run, unit, cls,
                                                planned.calibration)
     return tasks
+
+
+def check_starts(unit: UnitResults, cls, stats) -> None:
+    """A ranking with ``token_aware_starts`` (the oracle) starts from the token-aware rankings
+    exactly when its calibration carries the surrogate's sums; its key must say which
+    (:func:`replay.plan.unit_key`), or a weaker cell would be stored as a stronger one. A caller
+    whose statistics were collected for other rankings than the plan's is refused."""
+    if not cls.token_aware_starts:
+        return
+    from moe_spec.policy.surrogate import MOMENTS
+    attached = stats is not None and MOMENTS in stats.fitted
+    if attached != bool(unit.unit.get("token_aware_starts")):
+        raise ReplayError(f"{cls.name}: the calibration statistics {'carry' if attached else 'lack'}"
+                          " the surrogate's sums but the plan says otherwise; collect them with "
+                          "calibration_stats(..., rankings_used=the rankings replayed)")
 
 
 def new_variant_notes(out: Path, run: Run, unit: UnitResults, cls,

@@ -184,6 +184,28 @@ def test_results_of_an_older_layout_are_recomputed_and_never_read(tmp_path, monk
         dict(key, mode="closed")  # the other table's layout did not change
 
 
+@pytest.mark.parametrize("field, value", [("dtype", "bfloat16"), ("token_aware_starts", True),
+                                          ("batch_seed", 1)])
+def test_variants_live_side_by_side_where_only_versions_supersede(tmp_path, field, value):
+    """A unit differing from a stored one in a variant field (the model's dtype, the oracle's
+    token-aware starts, the batch seed) is another experiment: storing it must not delete the
+    other (the views choose one a cell and name it); one differing only in a version does."""
+    key = dict(mode="open", ranking="oracle", coverage="truncation", calibration=[["cal", "c1"]])
+    units = [UnitResults(tmp_path, OPEN_TABLE, _run(), k)
+             for k in (key, dict(key, **{field: value}), dict(key, version=99))]
+    for unit in units:
+        with unit.locked():
+            (block,) = unit.plan([0, 1], [4])
+        for p in (0, 1):
+            unit.write_part(block, p, _rows(OPEN_TABLE, 1))
+        unit.finish(block)
+    with units[1].locked():
+        assert units[1].drop_superseded(plan.UNIT_IDENTITY) == []
+    with units[2].locked():  # a newer version replaces both of the same variant fields only
+        assert units[2].drop_superseded(plan.UNIT_IDENTITY) == [units[0].folder]
+    assert units[1].folder.exists() and not units[0].folder.exists()
+
+
 def test_modes_are_objects_looked_up_by_the_cli_names():
     assert set(modes.MODES) == {"open", "closed"}
     assert set(parser()._option_string_actions["--mode"].choices) == set(modes.MODES)

@@ -260,15 +260,35 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     assert run("moe_spec.capture.cli", *cap, "--bench", "mbpp", "--run", "ev").returncode == 0
     assert run("moe_spec.capture.cli", *cap, "--bench", "gsm8k", "--run", "cal", "--role",
                "calibration").returncode == 0
-    for mode, budgets in (("open", "8,16,24,32"), ("closed", "8")):
+    for mode, budgets, extra in (("open", "8,16,24,32", ["oracle"]), ("closed", "8", [])):
         r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
-                "--ranking", "sketch", "sketch-post", "sketch-gated", "router", "--coverage",
-                "substitution", "--budget",
+                "--ranking", "sketch", "sketch-post", "sketch-gated", "router", *extra,
+                "--coverage", "substitution", "--budget",
                 budgets, "--mode", mode, "--no-progress", "--threads", "1")
         assert r.returncode == 0, r.stderr
         assert "coact-prior's shortlists" not in r.stderr, r.stderr
         assert "sketch-post" in r.stdout and "sketch-gated" in r.stdout, r.stdout  # replayed
         # beside sketch, both loops
+    # the oracle replayed without a token-aware ranking starts without them: another variant
+    # (computed, not answered by the stronger one), named so; the default view and an
+    # uncalibrated request take the token-aware one
+    r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
+            "--ranking", "oracle", "--coverage", "substitution", "--budget", "8", "--no-progress",
+            "--threads", "1")
+    assert r.returncode == 0 and "reused" not in r.stdout.lower(), r.stdout + r.stderr
+    r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--ranking", "oracle",
+            "--coverage", "substitution", "--budget", "8", "--no-progress", "--threads", "1")
+    assert r.returncode == 0 and "with the token-aware starts" in r.stderr + r.stdout, r.stderr
+    q = run("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
+            "SELECT token_aware_starts, count(DISTINCT config) AS n, sum(rse) AS s FROM "
+            "replay_open_all WHERE ranking = 'oracle' AND budget = 8 GROUP BY ALL ORDER BY 1")
+    assert q.returncode == 0, q.stderr
+    rows = [line.split(",") for line in q.stdout.strip().splitlines()[1:]]
+    assert [(a, n) for a, n, _ in rows] == [("false", "1"), ("true", "1")], q.stdout
+    assert float(rows[1][2]) <= float(rows[0][2]) + 1e-9, rows  # more starts: never worse
+    q = run("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
+            "SELECT DISTINCT token_aware_starts FROM replay_open WHERE ranking = 'oracle'")
+    assert q.stdout.split() == ["token_aware_starts", "true"], q.stdout + q.stderr
     saved = list((tmp_path / "replay_open").rglob("sketch*"))
     assert saved and all(b"fallback" not in p.read_bytes()[:4096] for p in saved), saved
     # the report charges sketch its surrogate's bytes: net of them at the tiny model's shape
@@ -782,3 +802,27 @@ def test_the_input_gate_survives_degenerate_calibrations():
     mask = torch.tensor([[True, True, False]])
     got = blind.novelty(torch.tensor([LAYER]), torch.randn(1, 3, H), mask)
     assert torch.isinf(got).all() and not torch.isnan(got).any()
+
+
+def test_the_oracle_key_must_say_what_its_calibration_carries():
+    """replay refuses to store an oracle cell whose key disagrees with its calibration: with the
+    surrogate's sums it starts from the token-aware rankings (key token_aware_starts), without
+    them it does not; a ranking without token-aware starts is never checked."""
+    from moe_spec.policy.surrogate import MOMENTS
+    from moe_spec.replay import plan
+    from moe_spec.replay.run import ReplayError, check_starts
+    cal = [SimpleNamespace(name="cal", run_id="r1")]
+    oracle = rankings.get("oracle")
+    with_sums, without = SimpleNamespace(fitted={MOMENTS: object()}), SimpleNamespace(fitted={})
+    for sums, stats in ((True, with_sums), (False, without), (False, None)):
+        key = plan.unit_key("open", "oracle", "substitution", cal if stats else [],
+                            surrogate_sums=sums)
+        assert key.get("token_aware_starts", False) is sums
+        check_starts(SimpleNamespace(unit=key), oracle, stats)  # agrees: nothing raised
+        other = SimpleNamespace(unit={**key, "token_aware_starts": not sums})
+        if stats is not None:
+            with pytest.raises(ReplayError, match="surrogate's sums"):
+                check_starts(other, oracle, stats)
+    assert "token_aware_starts" not in plan.unit_key("open", "sketch", "substitution", cal,
+                                                     surrogate_sums=True)
+    check_starts(SimpleNamespace(unit={}), rankings.get("sketch"), with_sums)

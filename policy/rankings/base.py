@@ -47,6 +47,9 @@ class Ranking(ABC):
     uses_calibration: ClassVar[bool] = False  # fit() uses calibration when given (the oracle)
     artifact: ClassVar[str | None] = None  # file name of what fit() learns, saved by save()
     stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
+    needs_hidden: ClassVar[bool] = False  # reads the tree tokens' MoE inputs (batch.hidden)
+    token_aware_starts: ClassVar[bool] = False  # starts from the token-aware rankings where the
+    # calibration carries the surrogate's sums (the oracle; policy.index.surrogate_sums)
     observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget)
     observes_output_vectors: ClassVar[bool] = False  # ... and needs the outputs themselves, not
     # only their inner products (open-loop replay then gathers them)
@@ -190,7 +193,7 @@ REGISTRY = Registry()
 
 
 FACTS = ("runtime", "version", "needs_calibration", "uses_calibration", "artifact",
-         "stateful")  # what a ranking's line in policy.index says
+         "stateful", "needs_hidden", "token_aware_starts")  # what a ranking's line in policy.index says
 
 
 def register(cls: type[Ranking]) -> type[Ranking]:

@@ -148,7 +148,7 @@ def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
         cls = REGISTRY[name]
         if not cls.runtime or cls.stateful != stateful:
             continue
-        if getattr(cls, "needs_hidden", False) and (
+        if cls.needs_hidden and (
                 calibration is None or MOMENTS not in calibration.fitted):
             continue  # token-aware (sketch) without its surrogate: coact-prior's, a start already
         if cls.needs_calibration and calibration is None:

@@ -97,7 +97,6 @@ def routing_only(batch: RoutingBatch, rows: torch.Tensor) -> RoutingBatch:
 @register
 class Sketch(Ranking):
     name = "sketch"
-    needs_hidden = True  # reads the tree tokens' MoE inputs h_t (RoutingBatch.hidden)
     rank: ClassVar[int] = SKETCH_RANK  # the surrogate's rank r (policy.overhead)
 
     def __init__(self, rank: int | None = None):

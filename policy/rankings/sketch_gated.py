@@ -36,7 +36,6 @@ from moe_spec.policy.surrogate import MOMENTS, InputGate
 @register
 class SketchGated(CoactPrior):
     name = "sketch-gated"
-    needs_hidden = True  # reads the tree tokens' MoE inputs h_t (RoutingBatch.hidden)
     rank: ClassVar[int] = SKETCH_RANK
     components: ClassVar[int] = GATE_COMPONENTS
     threshold: ClassVar[float] = GATE_NOVELTY
