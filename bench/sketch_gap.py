@@ -380,6 +380,7 @@ def main() -> None:
     sums: dict[tuple, np.ndarray] = {}  # (bench, source, ranking, coverage) -> [sum rse per B]
     counts: dict[tuple, int] = {}
     timing: dict[str, float] = {}
+    novelty: dict[tuple, list] = {}  # (bench, source) -> the gate's novelty per tree-layer
     for bench, runs in evaluated.items():
         fitted = [(None, name, r) for name, r in base.items()]
         for src in sources:
@@ -401,7 +402,12 @@ def main() -> None:
                       ranking.clone() if ranking.stateful or ranking.stateful_starts else ranking,
                       open_loop.Stream()) for src, name, ranking in fitted
                      for cov_name in args.coverages]
+            gates = {src: ranking.gate for src, name, ranking in fitted
+                     if name.startswith("sketch-gated")}  # one gate per calibration (any r)
             for batch, prompts, steps in batches(run, adapter, args.max_batch, args.prompts):
+                for src, gate in gates.items():
+                    novelty.setdefault((bench, src), []).append(
+                        gate.novelty(batch.layers, batch.hidden, batch.mask).cpu())
                 for src, name, cov_name, cov, ranking, stream in tasks:
                     valid = [b for b in budgets if b >= cov.min_budget(k)]
                     t0 = time.perf_counter()
@@ -443,8 +449,30 @@ def main() -> None:
                             "the online stream must score the batches' tree-layers"
             print(f"{bench}: online, {time.perf_counter() - started:.0f}s", flush=True)
     report = summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing)
+    if novelty:
+        report["gate"] = gate_summary(novelty)
     if args.output:
         args.output.write_text(json.dumps(report, indent=1, default=str))
+
+
+def gate_summary(novelty: dict[tuple, list]) -> dict:
+    """Per evaluation ← calibration pair, what sketch-gated's input gate saw: the median
+    novelty of the tree-layers (their tokens' mean Mahalanobis distance per dimension under the
+    calibration's inputs, 1 on the calibration itself: policy.surrogate.InputGate) and the share
+    it let sketch rank (novelty ≤ the threshold); printed and kept in the output."""
+    from moe_spec.policy.rankings.sketch_gated import SketchGated
+    found = {}
+    print(f"\ninput gate (p = {SketchGated.components}, threshold {SketchGated.threshold:g}): "
+          "median novelty of the tree-layers, share ranked by sketch")
+    for (bench, src), parts in novelty.items():
+        values = torch.cat(parts).double()
+        found[f"{bench}|{src}"] = dict(
+            median_novelty=float(values.median()), tree_layers=len(values),
+            gated_in=float((values <= SketchGated.threshold).double().mean()))
+        print(f"  {bench + ' ← ' + src:<28} {found[f'{bench}|{src}']['median_novelty']:8.2f} "
+              f"{100 * found[f'{bench}|{src}']['gated_in']:6.0f}%")
+    return dict(components=SketchGated.components, threshold=SketchGated.threshold,
+                pairs=found)
 
 
 def summarise(args, sums, counts, budgets, sources, k, n, h, inter, timing) -> dict:
@@ -589,6 +617,18 @@ def markdown(reports: list[dict]) -> str:
         "tree-layers" + (f" of {rep['prompts']} evaluation prompts a benchmark"
                          if "prompts" in rep else " (prompts a benchmark not recorded)")
         for rep in reports))
+    gate = ["| model | evaluated on | calibrated on | median novelty | tree-layers ranked by "
+            "sketch |", "|---|---|---|---|---|"]
+    for rep in reports:
+        for pair, found in rep.get("gate", {}).get("pairs", {}).items():
+            bench, src = pair.split("|")
+            gate.append(f"| {rep['model']} | {bench} | {src} | {found['median_novelty']:.2f} | "
+                        f"{100 * found['gated_in']:.0f}% of {found['tree_layers']} |")
+    gated = "" if len(gate) == 2 else (
+        "\n\nsketch-gated's input gate (outputs that recorded it): the tree-layers' median "
+        "novelty under the calibration's inputs (1 on the calibration itself) and the share "
+        "whose novelty is at most the threshold, which sketch ranks (coact-prior the rest):\n\n"
+        + "\n".join(gate))
     marked = any(rep.get("stateful") != STREAMED for rep in reports)  # an output from before
     return ("Gap closed, % (median over cells, worst in brackets); gap closed = (RSE_router − "
             f"RSE_X) / (RSE_router − RSE_oracle). Scored: {scored}."
@@ -597,7 +637,7 @@ def markdown(reports: list[dict]) -> str:
             "\n\nExperts saved at matched error vs router, X's and the oracle's each averaged over "
             "the same cells and router budgets (those where both reach router's error inside "
             "their sweeps); the saving is the tiny model's, the charge (float32 surrogate, bf16 "
-            "experts) the real shape's: a projection:\n\n" + "\n".join(net))
+            "experts) the real shape's: a projection:\n\n" + "\n".join(net) + gated)
 
 
 def kind_of(bench: str, source: str) -> str:

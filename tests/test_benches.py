@@ -487,6 +487,20 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
                           ("router", "oracle"))  # the gap closed's two ends, replayed
         assert c["gap_closed"] == pytest.approx((router - c["rse"]) / (router - oracle),
                                                 rel=1e-6, abs=1e-9), c
+    # the gate's record: every scored tree-layer once per calibration, and its share says which
+    # ranking sketch-gated's cells are where it is all or nothing
+    gate = long["gate"]["pairs"]["mbpp|mbpp"]
+    assert gate["tree_layers"] == long["tree_layers"]["mbpp"] and 0 <= gate["gated_in"] <= 1
+    assert gate["median_novelty"] > 0 and long["gate"]["threshold"] == 3
+    if gate["gated_in"] in (0, 1):
+        same = "sketch-r4" if gate["gated_in"] == 1 else "coact-prior"
+        rse = {(c["ranking"], c["coverage"], c["budget"]): c["rse"] for c in long["cells"]}
+        for (name, cov, b), value in rse.items():
+            if name == "sketch-gated-r4":
+                assert value == pytest.approx(rse[(same, cov, b)], rel=1e-9), (cov, b)
+    gated = run("bench/sketch_gap.py", "--render", str(streamed / "s.json"))
+    assert f"| tiny-mixtral | mbpp | mbpp | {gate['median_novelty']:.2f} |" in gated, gated
+    assert "input gate" not in run("bench/sketch_gap.py", "--render", str(tmp_path / "s.json"))
     errors = json.loads((tmp_path / "e.json").read_text())["surrogate_error"]
     assert [e["rank"] for e in errors] == [2, 8] and all(0 < e["every"] for e in errors)
     assert all(e["own_top_k"] > 0 and e["kind"] == "diagonal" for e in errors)
