@@ -8,7 +8,11 @@ Per tree-layer and budget, under either coverage policy:
    prefixes, and the shortlist of every registered runtime ranking (fitted on the replay's
    calibration when one is given: static, coact-diag, coact, learned, coact-online; the
    stateful ones, previous and coact-online, streamed pass by pass by open-loop replay exactly
-   as their own results are); the start with the least exact error is kept (ties to the first).
+   as their own results are; the token-aware ones, sketch, sketch-post and sketch-gated, only
+   where the calibration carries the surrogate's sums, i.e. when one of them is replayed with
+   the oracle, and its results' key then says ``token_aware_starts``:
+   :func:`policy.index.surrogate_sums`); the start with the least exact error is kept (ties to
+   the first).
 3. **Swap local search** from that start (:func:`local_search`): replace one member of S by one
    of the strongest experts outside it while the exact error drops, batched over tree-layers.
 
