@@ -120,9 +120,9 @@ VARIANT_FIELDS = [  # the columns that say which variant a replay result row is 
     ("means_version", pa.int64()),
     ("committed_at", pa.string())]
 DEFAULT_VARIANT_RULE = ("one variant per cell (run, ranking, coverage, batch size, budget, "
-                        "layer): the calibrated one where there is one, then the oracle's with "
-                        "the token-aware starts, then the one replayed in the run's captured "
-                        "dtype, batch seed 0, then the most recently computed")
+                        "layer): the calibrated one where there is one, then the one replayed "
+                        "in the run's captured dtype, the oracle's with the token-aware starts, "
+                        "batch seed 0, then the most recently computed")
 
 
 def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
@@ -138,8 +138,8 @@ def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
 
 def _preference(unit: dict, captured_dtype: str, committed_at: str | None) -> tuple:
     """How a variant ranks for the default views (:data:`DEFAULT_VARIANT_RULE`): higher wins."""
-    return (bool(unit.get("calibration")), bool(unit.get("token_aware_starts")),
-            unit.get("dtype", "float32") == captured_dtype,
+    return (bool(unit.get("calibration")), unit.get("dtype", "float32") == captured_dtype,
+            bool(unit.get("token_aware_starts")),
             unit.get("batch_seed", 0) == 0, committed_at or "", json.dumps(unit, sort_keys=True))
 
 

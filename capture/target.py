@@ -194,8 +194,8 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
     if problem:
         raise CaptureError(problem)
     if surrogate_sums([settings.ranking]):  # token-aware: sketch
-        from moe_spec.policy.rankings.sketch import attach_surrogate_sums
-        attach_surrogate_sums(stats, cal, adapter, lambda run: reader.tree_layers([run]))
+        from moe_spec.policy.rankings.sketch import with_surrogate_sums
+        stats = with_surrogate_sums(stats, cal, adapter, lambda run: reader.tree_layers([run]))
     return stats
 
 

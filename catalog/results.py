@@ -207,11 +207,14 @@ class UnitResults:
             files += block_files(self.block_dir(b), b.files, self.root)
         return files
 
-    def drop_superseded(self, identity: tuple[str, ...]) -> list[Path]:
+    def drop_superseded(self, identity: tuple[str, ...], side_by_side: tuple[str, ...] = ()
+                        ) -> list[Path]:
         """Delete this run's result units that agree with this one on the ``identity`` keys but
-        not on the whole key (an older definition of the ranking or of its statistics): never
-        reused, and readers must not see them beside this unit's rows. A unit another replay
-        holds is left alone. Returns the folders deleted."""
+        differ in another key outside ``side_by_side`` (an older definition of the ranking or of
+        its statistics, whichever ``side_by_side`` variant it was): never reused, and readers
+        must not see them beside this unit's rows. Units differing only in ``side_by_side`` keys
+        (another dtype, seed, ...) are other experiments and stay. A unit another replay holds
+        is left alone. Returns the folders deleted."""
         dropped = []
         for path in sorted(self.folder.parent.glob(f"config=*/{RESULT_CONFIG}")):
             if path.parent == self.folder:
@@ -224,6 +227,9 @@ class UnitResults:
             if not isinstance(other, dict) or other == self.unit or \
                     any(other.get(k) != self.unit.get(k) for k in identity):
                 continue
+            versions = (set(other) | set(self.unit)) - set(identity) - set(side_by_side)
+            if all(other.get(k) == self.unit.get(k) for k in versions):
+                continue  # the same definition, another variant: kept beside this one
             lock = unit_lock(path.parent)
             try:
                 lock.acquire(timeout=0)

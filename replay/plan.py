@@ -90,10 +90,10 @@ class ReplayOutcome:
     start_seconds: float = 0.0  # of which: starting Ray actors and loading their models
 
 
-UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size", "batch_seed",
-                 "token_aware_starts", "dtype")
-# (the rest of a key is versions: a unit differing only there supersedes the other; variants
-# differing here live side by side, the views choosing one a cell: analysis.sql)
+UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size")
+SIDE_BY_SIDE = ("batch_seed", "token_aware_starts", "dtype")  # variants of one definition,
+# kept together (the views choose one a cell: analysis.sql); the rest of a key is versions: a
+# unit of a newer one supersedes every older unit of the same identity, whatever its variant
 
 
 def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,

@@ -33,6 +33,7 @@ from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_ca
 from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
 from moe_spec.replay.engine import OpenLoopEngine
 from moe_spec.replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, decided without torch)
+    SIDE_BY_SIDE,
     SWEEPS,
     TABLES,
     UNIT_IDENTITY,
@@ -97,8 +98,8 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     if problem:
         raise ReplayError(problem)
     if index.surrogate_sums(rankings_used):
-        from moe_spec.policy.rankings.sketch import attach_surrogate_sums
-        attach_surrogate_sums(stats, cal, adapter, read)
+        from moe_spec.policy.rankings.sketch import with_surrogate_sums
+        stats = with_surrogate_sums(stats, cal, adapter, read)
     return stats, cal
 
 
@@ -227,7 +228,7 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
         check_starts(unit, cls, stats)
         cover = coverage.get(unit_plan.coverage)
         locks.enter_context(unit.locked())
-        unit.drop_superseded(UNIT_IDENTITY)
+        unit.drop_superseded(UNIT_IDENTITY, SIDE_BY_SIDE)
         outcome.units.append(unit)
         saved = unit.folder / cls.artifact if cls.artifact else None
         if saved and not saved.exists():  # what it learned, beside its results

@@ -178,7 +178,7 @@ def test_results_of_an_older_layout_are_recomputed_and_never_read(tmp_path, monk
     assert new.unit == dict(key, layout=2) and new.folder != old.folder
     with new.locked():
         assert [b.cells() for b in new.plan([0, 1], [4])] == [block.cells()]  # recomputed
-        assert new.drop_superseded(plan.UNIT_IDENTITY) == [old.folder]  # and the old one goes
+        assert new.drop_superseded(plan.UNIT_IDENTITY, plan.SIDE_BY_SIDE) == [old.folder]
     assert not old.folder.exists()
     assert UnitResults(tmp_path, CLOSED_TABLE, _run(), dict(key, mode="closed")).unit == \
         dict(key, mode="closed")  # the other table's layout did not change
@@ -189,21 +189,24 @@ def test_results_of_an_older_layout_are_recomputed_and_never_read(tmp_path, monk
 def test_variants_live_side_by_side_where_only_versions_supersede(tmp_path, field, value):
     """A unit differing from a stored one in a variant field (the model's dtype, the oracle's
     token-aware starts, the batch seed) is another experiment: storing it must not delete the
-    other (the views choose one a cell and name it); one differing only in a version does."""
-    key = dict(mode="open", ranking="oracle", coverage="truncation", calibration=[["cal", "c1"]])
+    other (the views choose one a cell and name it); a newer version deletes every older unit,
+    whichever variant."""
+    key = dict(mode="open", ranking="oracle", coverage="truncation", calibration=[["cal", "c1"]],
+               version=7)
     units = [UnitResults(tmp_path, OPEN_TABLE, _run(), k)
-             for k in (key, dict(key, **{field: value}), dict(key, version=99))]
-    for unit in units:
+             for k in (key, dict(key, **{field: value}), dict(key, version=8))]
+    dropped = []
+    for unit in units:  # each written as replay writes it: older units dropped first
         with unit.locked():
+            dropped.append(unit.drop_superseded(plan.UNIT_IDENTITY, plan.SIDE_BY_SIDE))
             (block,) = unit.plan([0, 1], [4])
         for p in (0, 1):
             unit.write_part(block, p, _rows(OPEN_TABLE, 1))
         unit.finish(block)
-    with units[1].locked():
-        assert units[1].drop_superseded(plan.UNIT_IDENTITY) == []
-    with units[2].locked():  # a newer version replaces both of the same variant fields only
-        assert units[2].drop_superseded(plan.UNIT_IDENTITY) == [units[0].folder]
-    assert units[1].folder.exists() and not units[0].folder.exists()
+    assert dropped[:2] == [[], []]  # the variant stays beside the first
+    assert sorted(dropped[2]) == sorted([units[0].folder, units[1].folder])  # the newer
+    # version: both older variants go
+    assert units[2].folder.exists()
 
 
 def test_modes_are_objects_looked_up_by_the_cli_names():

@@ -826,3 +826,32 @@ def test_the_oracle_key_must_say_what_its_calibration_carries():
     assert "token_aware_starts" not in plan.unit_key("open", "sketch", "substitution", cal,
                                                      surrogate_sums=True)
     check_starts(SimpleNamespace(unit={}), rankings.get("sketch"), with_sums)
+
+
+def test_replays_sharing_a_calibration_in_one_process_start_the_oracle_from_what_they_asked():
+    """Calibration statistics are collected once per process and shared: a replay asking for a
+    token-aware ranking gets the surrogate's sums on a copy, so a later replay asking for none
+    neither finds them (its oracle key says no token-aware starts, and the check agrees) nor
+    reuses starts cached without them for one that has them (the oracle's start cache is keyed
+    by whether the sums were there)."""
+    from moe_spec.policy.calibration import collect_runs
+    from moe_spec.policy.rankings.sketch import with_surrogate_sums
+    from moe_spec.policy.surrogate import MOMENTS
+    from moe_spec.replay import plan
+    from moe_spec.replay.run import check_starts
+    model, tls = linear_model(), tree_layers(1, 8)
+    run = SimpleNamespace(run_id="share-c1", name="cal", ref="cal")
+    read = lambda r: iter(tls)  # noqa: E731
+    oracle = rankings.get("oracle")
+    plain = collect_runs([run], read, model, 0)
+    first = oracle().fit(plain)  # replay --ranking oracle: no sums, no token-aware starts
+    assert "sketch" not in [r.name for r in first.starts]
+    with_sums = with_surrogate_sums(plain, [run], model, read)  # --ranking oracle sketch
+    assert MOMENTS in with_sums.fitted and MOMENTS not in plain.fitted
+    again = collect_runs([run], read, model, 0)
+    assert again is plain and MOMENTS not in again.fitted  # --ranking router oracle after it
+    for stats, sums in ((with_sums, True), (again, False)):
+        key = plan.unit_key("open", "oracle", "substitution", [run], surrogate_sums=sums)
+        check_starts(SimpleNamespace(unit=key), oracle, stats)  # agrees: nothing raised
+        names = [r.name for r in oracle().fit(stats).starts]
+        assert ("sketch" in names) is sums, names

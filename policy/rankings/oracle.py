@@ -136,7 +136,8 @@ class Oracle(Ranking):
         return substitution_order(batch, max_budget)
 
 
-_STARTS: dict[Same, list[Ranking]] = {}  # the stateless starts per calibration object
+_STARTS: dict[tuple, list[Ranking]] = {}  # the stateless starts per calibration object and
+# whether it carried the surrogate's sums then (the token-aware starts need them)
 
 
 def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
@@ -144,7 +145,7 @@ def start_rankings(calibration, stateful: bool = False) -> list[Ranking]:
     without it, or without examples for a ranking that learns from them): the shortlists the
     oracle must never lose to. Stateless ones are fitted once per calibration object; stateful
     ones (``stateful=True``) fresh, since they keep state (open-loop replay streams them)."""
-    key = Same(calibration)
+    key = (Same(calibration), calibration is not None and MOMENTS in calibration.fitted)
     if not stateful and key in _STARTS:
         return _STARTS[key]
     found = []

@@ -17,7 +17,7 @@ Runtime-legal: it reads the batch's routing (``probs``, ``idx``, ``weights``, ``
 ``layers``, ``rule``), the MoE inputs the caller attaches (:func:`with_inputs`), and the
 surrogate fitted on calibration; never ``batch.terms`` (``tests/test_sketch.py`` perturbs the
 evaluation pass's expert outputs and checks the shortlist). The surrogate comes with the
-calibration statistics (:func:`attach_surrogate_sums`, which replay and capture's online budget
+calibration statistics (:func:`with_surrogate_sums`, which replay and capture's online budget
 call when sketch is asked for; :func:`attach_moments` / :func:`attach_surrogate`). Open-loop and
 closed-loop replay and the online budget hand rankings h_t (``RoutingBatch.hidden``). Without a
 surrogate or without the batch's MoE inputs it cannot be token-aware: it then returns
@@ -32,6 +32,7 @@ the cost model charges it to every verification pass).
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import ClassVar
@@ -57,15 +58,19 @@ def attach_moments(stats, moments: InputMoments):
 _SUMS: dict[str, InputMoments] = {}  # calibration run id -> its surrogate sums
 
 
-def attach_surrogate_sums(stats, runs: list, model, read) -> None:
-    """Attach to ``stats`` the surrogate's least-squares sums over the calibration ``runs``
-    (objects with ``run_id`` and ``ref``; ``read(run)`` their tree-layers; ``model`` computes
-    every expert's output), each run's sums collected once per process: what replay and the
-    online budget do when a token-aware ranking is asked for."""
+def with_surrogate_sums(stats, runs: list, model, read):
+    """A copy of ``stats`` carrying the surrogate's least-squares sums over the calibration
+    ``runs`` (objects with ``run_id`` and ``ref``; ``read(run)`` their tree-layers; ``model``
+    computes every expert's output), each run's sums collected once per process: what replay
+    and the online budget do when a token-aware ranking is asked for. A copy: statistics are
+    shared by every later replay of the same calibration in the process
+    (:func:`policy.calibration.collect_runs`), and one that asked for no token-aware ranking
+    must not find the sums (the oracle's results say whether it had them)."""
     for run in runs:
         if run.run_id not in _SUMS:
             _SUMS[run.run_id] = InputMoments.collect(read(run), model, sources=[run.ref])
-    attach_moments(stats, InputMoments.merge([_SUMS[r.run_id] for r in runs]))
+    return attach_moments(dataclasses.replace(stats, fitted=dict(stats.fitted)),
+                          InputMoments.merge([_SUMS[r.run_id] for r in runs]))
 
 
 def attach_surrogate(stats, surrogate: Surrogate):
