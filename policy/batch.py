@@ -156,10 +156,14 @@ class RoutingBatch:
             -1, self.idx, self.weights.float())
 
     def by_choice(self) -> torch.Tensor:
-        """``[T, M, N]``: every token's experts by decreasing selection score, ties to the lower
-        id (the order :func:`policy.routing.top_k_lowest_id` selects in), computed on first use."""
+        """``[T, M, N]``: every token's experts in the order substitution selects them, by
+        decreasing selection score with every expert allowed (group-limited routing: the
+        token's kept groups first, :meth:`policy.routing.RoutingRule.selection_scores`), ties to
+        the lower id (the order :func:`policy.routing.top_k_lowest_id` selects in), computed on
+        first use."""
         if self._by_choice is None:
-            self._by_choice = torch.sort(self.rule.selection_scores(self.probs), dim=-1,
+            every = torch.ones_like(self.probs, dtype=torch.bool)
+            self._by_choice = torch.sort(self.rule.selection_scores(self.probs, every), dim=-1,
                                          descending=True, stable=True).indices
         return self._by_choice
 

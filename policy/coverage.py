@@ -87,7 +87,7 @@ class Substitution(Coverage):
         lead = keep.shape[:-1]
         probs = grow(batch.probs, lead)
         rule = batch.rule
-        if not rule.group_limited and bool((keep.sum(-1) >= batch.k).all()):
+        if bool((keep.sum(-1) >= batch.k).all()):  # every token finds k experts in S
             idx = self.first_in(batch, keep)
             w = rule.mix(probs, idx)
         else:
@@ -107,9 +107,10 @@ class Substitution(Coverage):
     @staticmethod
     def first_in(batch, keep):
         """``[T, *E, M, k]``: each token's k first experts of S in its selection order
-        (:meth:`policy.batch.RoutingBatch.by_choice`), for plain top-k rules and |S| ≥ k: the
-        rule's top-k restricted to S (what :meth:`policy.routing.RoutingRule.select` returns),
-        without a top-k per shortlist."""
+        (:meth:`policy.batch.RoutingBatch.by_choice`), for |S| ≥ k: the rule's top-k restricted
+        to S (what :meth:`policy.routing.RoutingRule.select` returns; group-limited rules
+        included, their out-of-group tier being a fixed per-token offset), without a top-k or a
+        group selection per shortlist."""
         lead, k = keep.shape[:-1], batch.k
         order = grow(batch.by_choice(), lead)  # [T, *E, M, N]
         inside = keep[..., None, :].expand(*lead, order.shape[-2], batch.n).gather(-1, order)

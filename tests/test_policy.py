@@ -280,17 +280,37 @@ def test_direct_errors_equal_the_gram_expansion(seed, renorm, cov, budget):
                                rtol=1e-9, atol=1e-12)
 
 
+def candidates_order(batch, coverage, max_budget) -> torch.Tensor:
+    """The slow reference greedy: score every candidate shortlist S ∪ {c} through the coverage
+    policy and add the best, one step at a time."""
+    t, n = batch.size, batch.n
+    rows = torch.arange(t)
+    keep = torch.zeros(t, n, dtype=torch.bool)
+    eye = torch.eye(n, dtype=torch.bool)
+    order = torch.empty(t, min(max_budget, n), dtype=torch.long)
+    for s in range(order.shape[1]):
+        idx, w = coverage.apply(batch, keep[:, None, :] | eye)  # S ∪ {c}: [T, N, M, k]
+        err = batch.token_sq_errors(idx, w).sum(-1).masked_fill(keep, float("inf"))
+        order[:, s] = err.argmin(-1)
+        keep[rows, order[:, s]] = True
+    return order
+
+
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), renorm=st.booleans(), scale=st.sampled_from([1.0, 2.5]),
-       biased=st.booleans(), m=st.integers(1, 14))
+       biased=st.booleans(), m=st.integers(1, 14), grouped=st.booleans())
 def test_incremental_substitution_oracle_equals_scoring_every_candidate(seed, renorm, scale,
-                                                                        biased, m):
-    """The O(T·M·N) incremental greedy picks what scoring every S ∪ {c} shortlist picks."""
-    from moe_spec.policy.rankings.oracle import candidates_order, substitution_order
+                                                                        biased, m, grouped):
+    """The O(T·M·N) incremental greedy picks what scoring every S ∪ {c} shortlist picks, under
+    group-limited routing too (5 groups of 2, 2 kept: S's experts outside a token's groups
+    serve it only when its groups hold fewer than k of S)."""
+    from moe_spec.policy.rankings.oracle import substitution_order
     g = torch.Generator().manual_seed(seed)
     n, k = 10, 3
     bias = torch.randn(n, generator=g) * 0.05 if biased else None
-    rule = RoutingRule(k, renormalize=renorm, scale=scale, selection_bias=bias)
+    rule = RoutingRule(k, renormalize=renorm, scale=scale, selection_bias=bias,
+                       **(dict(groups=5, groups_kept=2) if grouped else {}))
+    assert rule.group_limited == grouped
     probs = torch.softmax(torch.randn(2, m, n, generator=g) * 2, -1)
     idx, w = rule.route(probs)
     experts = torch.randn(2, m, n, 5, generator=g)

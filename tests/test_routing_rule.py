@@ -98,13 +98,14 @@ def test_a_record_is_refused_when_it_cannot_be_rebuilt():
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 4), extra=st.integers(0, 4),
-       quantized=st.booleans(), biased=st.booleans())
+       quantized=st.booleans(), biased=st.booleans(), grouped=st.booleans())
 def test_substitution_fast_selection_equals_the_rules_top_k_within_s(seed, k, extra, quantized,
-                                                                      biased):
+                                                                      biased, grouped):
     """Substitution's selection by each token's cached selection order
     (policy.coverage.Substitution.first_in) is the rule's own top-k restricted to S
     (RoutingRule.select with ``allowed``), ties to the lower id included (coarsely quantised
-    scores tie often, as bf16 routers do)."""
+    scores tie often, as bf16 routers do), group-limited rules (DeepSeek's: S's experts outside
+    the token's kept groups after those inside) included; so is the whole coverage."""
     from moe_spec.policy.batch import RoutingBatch
     from moe_spec.policy.coverage import Substitution
     n, m, t = 8, 6, 3
@@ -113,7 +114,9 @@ def test_substitution_fast_selection_equals_the_rules_top_k_within_s(seed, k, ex
     if quantized:
         probs = (probs * 8).round() / 8
     bias = torch.randn(n, generator=g) * 0.1 if biased else None
-    rule = RoutingRule(k, renormalize=True, selection_bias=bias)
+    rule = RoutingRule(k, renormalize=True, selection_bias=bias,
+                       **(dict(groups=4, groups_kept=2) if grouped else {}))
+    assert rule.group_limited == grouped
     idx, w = rule.route(probs)
     batch = RoutingBatch(probs, idx, w, torch.ones(t, m, dtype=torch.bool),
                          torch.zeros(t, dtype=torch.long), rule)
@@ -121,5 +124,12 @@ def test_substitution_fast_selection_equals_the_rules_top_k_within_s(seed, k, ex
     for row in range(t):
         for j in range(2):
             keep[row, j, torch.randperm(n, generator=g)[:k + extra]] = True
-    want, _ = rule.select(probs[:, None].expand(t, 2, m, n), keep[..., None, :])
-    assert torch.equal(Substitution.first_in(batch, keep), want)
+    want, valid = rule.select(probs[:, None].expand(t, 2, m, n), keep[..., None, :])
+    assert torch.equal(Substitution.first_in(batch, keep), want) and bool(valid.all())
+    got_idx, got_w = Substitution().apply(batch, keep)  # the fast path, against the slow one
+    slow_w = rule.mix(probs[:, None].expand(t, 2, m, n), want, valid)
+    covered = keep[..., None, :].expand(t, 2, m, n).gather(-1, idx[:, None].expand(t, 2, m, k)
+                                                           ).all(-1, keepdim=True)
+    assert torch.equal(got_idx, torch.where(covered, idx[:, None], want))
+    torch.testing.assert_close(got_w, torch.where(covered, w[:, None].to(slow_w.dtype), slow_w),
+                               rtol=0, atol=0, equal_nan=True)  # (quantised 0s renormalise to NaN)

@@ -189,7 +189,7 @@ def test_local_search_improves_a_bad_start_to_the_exhaustive_optimum_on_a_small_
     batch, _ = synthetic(3, m=10, n=8, k=2)
     cov = coverage.get("truncation")
     worst = prefix_masks(torch.argsort(batch.mass(), descending=False), [3], 8)  # least mass
-    found = local_search(batch, cov, worst, [3], candidates=5, max_rounds=10)
+    found = local_search(batch, cov, worst, [3], max_rounds=10)
     best = exhaustive_best(batch, cov, 3)[:, None]
     assert _cell_errors(batch, cov, found) <= _cell_errors(batch, cov, worst)
     assert torch.allclose(_cell_errors(batch, cov, found), _cell_errors(batch, cov, best))
@@ -197,17 +197,22 @@ def test_local_search_improves_a_bad_start_to_the_exhaustive_optimum_on_a_small_
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), extra=st.integers(0, 3), renormalize=st.booleans(),
-       biased=st.booleans(), name=st.sampled_from(["truncation", "substitution"]))
-def test_swap_screening_predicts_every_swaps_exact_error(seed, extra, renormalize, biased, name):
+       biased=st.booleans(), name=st.sampled_from(["truncation", "substitution"]),
+       grouped=st.booleans())
+def test_swap_screening_predicts_every_swaps_exact_error(seed, extra, renormalize, biased, name,
+                                                         grouped):
     """The oracle's closed-form screen of all swaps (policy.rankings.oracle.screen_swaps) equals
     the exact error of each swapped shortlist, |S| = k included (substitution then has no expert
-    of S outside a token's selection), with and without a selection bias."""
+    of S outside a token's selection), with and without a selection bias, under plain and
+    group-limited routing (4 groups of 2, 2 kept: DeepSeek's rule in small)."""
     from moe_spec.policy.rankings.oracle import errors, screen_swaps
     n, k = 8, 2
     batch, experts = synthetic(seed, m=10, n=n, k=k, renormalize=renormalize)
-    if biased:  # the natural routing is the biased rule's
-        bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)) * 0.2
-        rule = RoutingRule(k, renormalize=renormalize, selection_bias=bias)
+    if biased or grouped:  # the natural routing is the biased (grouped) rule's
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)) * 0.2 \
+            if biased else None
+        rule = RoutingRule(k, renormalize=renormalize, selection_bias=bias,
+                           **(dict(groups=4, groups_kept=2) if grouped else {}))
         idx, w = rule.route(batch.probs[0])
         batch = RoutingBatch.single(batch.probs[0], idx, w, 3, rule)
         batch.terms = ExpertTerms.from_outputs(experts[None], idx[None], w[None])

@@ -13,8 +13,9 @@ Per tree-layer and budget, under either coverage policy:
    the oracle, and its results' key then says ``token_aware_starts``:
    :func:`policy.index.surrogate_sums`); the start with the least exact error is kept (ties to
    the first).
-3. **Swap local search** from that start (:func:`local_search`): replace one member of S by one
-   of the strongest experts outside it while the exact error drops, batched over tree-layers.
+3. **Swap local search** from that start (:func:`local_search`): every swap (one member of S
+   out, one expert outside in) screened in closed form, the best few scored exactly, the best
+   made while the exact error drops, batched over tree-layers.
 
 So in open-loop replay the oracle is never worse than any runtime ranking in any cell, by
 construction (called directly, without the stream, it starts from the stateless ones only); the
@@ -43,8 +44,9 @@ policy, for every tree-layer of a batch at once (``max_budget`` steps per batch)
 
   so each step scores all N candidates of all T tree-layers in O(T·M·N). Once no candidate
   changes any token of a tree-layer (S covers every token's top-k), the rest of its order is
-  filled by expert id, as exact ties resolve, and it leaves the loop. Group-limited routing
-  falls back to scoring every candidate shortlist through the coverage policy.
+  filled by expert id, as exact ties resolve, and it leaves the loop. "c beats m" is the
+  token's substitution order, so group-limited routing (DeepSeek's: the token's kept groups
+  first, a fixed tier above S's other experts) is searched the same way.
 """
 
 from __future__ import annotations
@@ -76,7 +78,6 @@ from moe_spec.policy.surrogate import MOMENTS
 @register
 class Oracle(Ranking):
     name = "oracle"
-    swap_candidates: ClassVar[int] = 12  # group-limited rules (no screening): experts outside S
     # tried per member in a swap round
     max_rounds: ClassVar[int] = 8
 
@@ -104,7 +105,7 @@ class Oracle(Ranking):
             extra = [s[:, searched] for s in starts]
             keep[:, searched] = local_search(batch, coverage,
                                              self.start(batch, coverage, part, extra),
-                                             part, self.swap_candidates, self.max_rounds)
+                                             part, self.max_rounds)
         return keep, budgets
 
     def start(self, batch, coverage, budgets, extra=()) -> torch.Tensor:
@@ -131,8 +132,6 @@ class Oracle(Ranking):
         if isinstance(coverage, Truncation):
             return greedy_quadratic(truncation_matrix(batch), torch.zeros(
                 batch.size, batch.n, dtype=torch.float64, device=batch.device), max_budget)
-        if batch.rule.group_limited:
-            return candidates_order(batch, coverage, max_budget)
         return substitution_order(batch, max_budget)
 
 
@@ -181,17 +180,15 @@ def errors(batch, coverage, keep: torch.Tensor) -> torch.Tensor:
     return token_errors(batch, coverage)(keep, *coverage.apply(batch, keep)).sum(-1)
 
 
-def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], candidates: int,
-                 max_rounds: int, verify: int = 4) -> torch.Tensor:
+def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], max_rounds: int,
+                 verify: int = 4) -> torch.Tensor:
     """Swap local search from ``keep [T, B, N]``. Each round, every tree-layer still improving
     *screens* its swaps (one member of S out, one expert outside in), takes the ``verify`` swaps
     screened best, scores them with the exact error and makes the best one if it lowers the exact
     error by more than 1e-12 relative; rounds end when no tree-layer improves or after
     ``max_rounds``. Screening (:func:`screen_swaps`) predicts every swap's error in closed form,
-    all b·(N − b) of them, under truncation and plain top-k substitution; group-limited routing
-    falls back to the ``candidates`` strongest experts outside S (router mass) × every member.
-    Batched over tree-layers; only exact errors decide, so the result is never worse than the
-    start."""
+    all b·(N − b) of them, under either policy and every routing rule. Batched over
+    tree-layers; only exact errors decide, so the result is never worse than the start."""
     keep = keep.clone()
     floor = batch.terms.floor.sum(-1)  # [T]: every token's routing unchanged
     for j, b in enumerate(budgets):
@@ -205,7 +202,7 @@ def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], candid
                 break
             sub = active.nonzero().squeeze(1)
             part = batch if len(sub) == batch.size else batch.take(sub, outputs=False)
-            tries = one_swap_away(part, coverage, current[sub], b, candidates, verify)
+            tries = one_swap_away(part, coverage, current[sub], b, verify)
             found = errors(part, coverage, tries)  # [R, V] exact
             low, at = found.min(-1)
             better = low < err[sub] * (1 - 1e-12) - 1e-300
@@ -220,28 +217,17 @@ def local_search(batch, coverage, keep: torch.Tensor, budgets: list[int], candid
     return keep
 
 
-def one_swap_away(batch, coverage, current: torch.Tensor, b: int, candidates: int,
-                    verify: int) -> torch.Tensor:
+def one_swap_away(batch, coverage, current: torch.Tensor, b: int, verify: int) -> torch.Tensor:
     """``[R, V, N]`` shortlists one swap away from ``current [R, N]`` (|S| = b) to score exactly:
-    the ``verify`` best by :func:`screen_swaps` where it applies, else every member × the
-    ``candidates`` strongest experts outside S."""
+    the ``verify`` best by :func:`screen_swaps`."""
     r, n = current.shape
     rows = torch.arange(r, device=current.device)
-    predicted = screen_swaps(batch, coverage, current)  # [R, N (out), N (in)] or None
-    if predicted is not None:
-        legal = current[:, :, None] & ~current[:, None, :]  # m ∈ S, c ∉ S
-        flat = predicted.masked_fill(~legal, float("inf")).view(r, -1)
-        v = min(verify, b * (n - b))
-        pick = flat.topk(v, dim=-1, largest=False).indices  # ties: any, all verified
-        out_, in_ = pick // n, pick % n  # [R, V]
-    else:
-        members = torch.argsort((~current).long(), dim=-1, stable=True)[:, :b]  # [R, b]
-        x = min(candidates, n - b)
-        strength = batch.mass().double() + torch.arange(n, 0, -1, device=batch.device) * 1e-30
-        outside = torch.argsort(strength.masked_fill(current, float("-inf")), dim=-1,
-                                descending=True, stable=True)[:, :x]  # [R, x]
-        out_ = members[:, :, None].expand(-1, -1, x).reshape(r, -1)
-        in_ = outside[:, None, :].expand(-1, b, -1).reshape(r, -1)
+    predicted = screen_swaps(batch, coverage, current)  # [R, N (out), N (in)]
+    legal = current[:, :, None] & ~current[:, None, :]  # m ∈ S, c ∉ S
+    flat = predicted.masked_fill(~legal, float("inf")).view(r, -1)
+    v = min(verify, b * (n - b))
+    pick = flat.topk(v, dim=-1, largest=False).indices  # ties: any, all verified
+    out_, in_ = pick // n, pick % n  # [R, V]
     tries = current[:, None, :].repeat(1, out_.shape[1], 1)  # [R, V, N]
     slot = torch.arange(out_.shape[1], device=current.device)[None, :]
     tries[rows[:, None], slot, out_] = False
@@ -249,10 +235,9 @@ def one_swap_away(batch, coverage, current: torch.Tensor, b: int, candidates: in
     return tries
 
 
-def screen_swaps(batch, coverage, current: torch.Tensor) -> torch.Tensor | None:
+def screen_swaps(batch, coverage, current: torch.Tensor) -> torch.Tensor:
     """Predicted total error ``[R, N, N]`` of every swap (member m out, expert c in) of the
-    shortlists ``current [R, N]``, in closed form (the Gram expansion, rounding aside), or None
-    where there is none (group-limited substitution).
+    shortlists ``current [R, N]``, in closed form (the Gram expansion, rounding aside).
 
     * Truncation: with D the experts left out the error is ``F + 2 Σ_{i∈D} l_i + Σ_{i,j∈D} A_ij``
       (``A``: :func:`truncation_matrix`; ``l_i = Σ_t ⟨δ_t, ḡ_i E_i⟩``), so with ``R_x = Σ_{j∈D}
@@ -260,7 +245,9 @@ def screen_swaps(batch, coverage, current: torch.Tensor) -> torch.Tensor | None:
     * Substitution: token t's selection P_t (top-k of S) changes only if m ∈ P_t (m's slot goes
       to the better of c and the best expert of S outside P_t) or c outranks P_t's weakest member
       (c takes its slot); each case is one slot replaced, scored in O(1) by the update of
-      :func:`substitution_order`, and the m ∈ P_t terms are scattered to m (k per token)."""
+      :func:`substitution_order`, and the m ∈ P_t terms are scattered to m (k per token).
+      "Outranks" is the token's substitution order (:meth:`policy.batch.RoutingBatch.by_choice`;
+      group-limited rules: its kept groups first), so every routing rule is screened."""
     if isinstance(coverage, Truncation):
         a = truncation_matrix(batch)  # [R, N, N]
         lin = torch.zeros(batch.size, batch.n, dtype=torch.float64, device=batch.device)
@@ -272,22 +259,19 @@ def screen_swaps(batch, coverage, current: torch.Tensor) -> torch.Tensor | None:
         m_side = (2 * lin + diag + 2 * row)[:, :, None]
         c_side = (-2 * lin + diag - 2 * row)[:, None, :]
         return total + m_side + c_side - 2 * a
-    if batch.rule.group_limited:
-        return None
     return _substitution_swaps(batch, current)
 
 
 def _substitution_swaps(batch, current: torch.Tensor) -> torch.Tensor:
-    """The substitution case of :func:`screen_swaps` (plain top-k rules)."""
+    """The substitution case of :func:`screen_swaps`."""
     q, bvec = batch.terms.gram()  # [R, M, N, N], [R, M, N]
     r_sq = batch.terms.routed_sq  # [R, M]
     r, m, n, k = batch.size, batch.probs.shape[1], batch.n, batch.k
     real = batch.mask.double()  # [R, M]
     g = batch.probs.double()
     mixing = batch.rule.mixing
-    # rank of every expert per token: selection score descending, ties to the lower id
-    by_choice = torch.sort(batch.rule.selection_scores(batch.probs), dim=-1, descending=True,
-                           stable=True).indices
+    # rank of every expert per token in substitution's order, ties to the lower id
+    by_choice = batch.by_choice()
     rank = torch.empty_like(by_choice).scatter_(
         -1, by_choice, torch.arange(n, device=batch.device).expand_as(by_choice))
     key = rank.masked_fill(~current[:, None, :], 2 * n)  # only S selectable
@@ -343,23 +327,6 @@ def truncation_matrix(batch) -> torch.Tensor:
     return pair_sums(batch.idx, batch.terms.natural, batch.n)
 
 
-def candidates_order(batch, coverage, max_budget) -> torch.Tensor:
-    """Greedy by scoring every candidate shortlist S ∪ {c} through the coverage policy."""
-    t, n = batch.size, batch.n
-    rows = torch.arange(t, device=batch.device)
-    keep = torch.zeros(t, n, dtype=torch.bool, device=batch.device)
-    eye = torch.eye(n, dtype=torch.bool, device=batch.device)
-    steps = min(max_budget, n)
-    order = torch.empty(t, steps, dtype=torch.long, device=batch.device)
-    for s in range(steps):
-        idx, w = coverage.apply(batch, keep[:, None, :] | eye)  # S ∪ {c}: [T, N, M, k]
-        err = batch.token_sq_errors(idx, w).sum(-1).masked_fill(keep, float("inf"))
-        best = err.argmin(-1)
-        order[:, s] = best
-        keep[rows, best] = True
-    return order
-
-
 def _at(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[t, m, index[t, m]]`` for ``x [T, M, N]``, ``index [T, M]`` → ``[T, M]``."""
     return x.gather(-1, index[..., None])[..., 0]
@@ -374,13 +341,16 @@ def _column(q: torch.Tensor, index: torch.Tensor, live: torch.Tensor) -> torch.T
 
 
 def substitution_order(batch, max_budget) -> torch.Tensor:
-    """The incremental greedy of the module docstring (plain top-k routing rules)."""
+    """The incremental greedy of the module docstring (every routing rule: "c beats m" in the
+    token's substitution order, group-limited rules' kept groups first)."""
     rule = batch.rule
     q, b = batch.terms.gram()  # [T, M, N, N], [T, M, N]
     r_sq = batch.terms.routed_sq  # [T, M]
     t, m, n, k = batch.size, batch.probs.shape[1], batch.n, batch.k
     dev = batch.device
-    choice = rule.selection_scores(batch.probs)  # selection scores (float32, biased if any)
+    every = torch.ones_like(batch.probs, dtype=torch.bool)
+    choice = rule.selection_scores(batch.probs, every)  # selection scores (biased if any;
+    # group-limited: float64, the experts outside a token's kept groups a fixed tier below)
     g = batch.probs.double()
     diag = q.diagonal(dim1=-2, dim2=-1)
     real = batch.mask
