@@ -562,6 +562,7 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     ("sketch_gap.py", "docs/results/sketch/*.json", None),
     ("closed_loop.py", "docs/results/sketch-closed/*.json", "sketch closed loop"),
     ("closed_loop.py", "docs/results/sketch-closed-203/*.json", "sketch closed loop, 4x trees"),
+    ("closed_loop.py", "docs/results/sketch-closed-406/*.json", "sketch closed loop, 8x trees"),
     ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix"),
     ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated"),
 ])
