@@ -78,7 +78,6 @@ from moe_spec.policy.surrogate import MOMENTS
 @register
 class Oracle(Ranking):
     name = "oracle"
-    # tried per member in a swap round
     max_rounds: ClassVar[int] = 8
 
     def fit(self, calibration=None):
