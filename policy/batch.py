@@ -162,8 +162,7 @@ class RoutingBatch:
         the lower id (the order :func:`policy.routing.top_k_lowest_id` selects in), computed on
         first use."""
         if self._by_choice is None:
-            every = torch.ones_like(self.probs, dtype=torch.bool)
-            self._by_choice = torch.sort(self.rule.selection_scores(self.probs, every), dim=-1,
+            self._by_choice = torch.sort(self.rule.substitution_scores(self.probs), dim=-1,
                                          descending=True, stable=True).indices
         return self._by_choice
 

@@ -178,6 +178,11 @@ class RoutingRule:
             choice = choice.masked_fill(~allowed, float("-inf"))
         return choice
 
+    def substitution_scores(self, g: torch.Tensor) -> torch.Tensor:
+        """The order substitution selects in (:meth:`selection_scores` with every expert
+        allowed): group-limited, a token's kept groups a fixed tier above its other experts."""
+        return self.selection_scores(g, torch.ones_like(g, dtype=torch.bool))
+
     def select(self, g: torch.Tensor, allowed: torch.Tensor | None = None):
         """``(T_k indices [..., k], whether each slot found an allowed expert [..., k])``, by
         decreasing selection score, ties to the lower expert id (:func:`top_k_lowest_id`)."""

@@ -347,8 +347,7 @@ def substitution_order(batch, max_budget) -> torch.Tensor:
     r_sq = batch.terms.routed_sq  # [T, M]
     t, m, n, k = batch.size, batch.probs.shape[1], batch.n, batch.k
     dev = batch.device
-    every = torch.ones_like(batch.probs, dtype=torch.bool)
-    choice = rule.selection_scores(batch.probs, every)  # selection scores (biased if any;
+    choice = rule.substitution_scores(batch.probs)  # selection scores (biased if any;
     # group-limited: float64, the experts outside a token's kept groups a fixed tier below)
     g = batch.probs.double()
     diag = q.diagonal(dim1=-2, dim2=-1)
