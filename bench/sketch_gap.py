@@ -62,10 +62,12 @@ from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs 
 from moe_spec.policy.surrogate import (  # noqa: E402
     MOMENTS,
     GradientSurrogate,
+    InputGate,
     InputMoments,
     OnlineSurrogate,
     PosteriorSurrogate,
     Surrogate,
+    predicted_outputs,
 )
 from moe_spec.replay import open_loop  # noqa: E402
 from moe_spec.replay.run import calibration_stats  # noqa: E402
@@ -207,34 +209,73 @@ def online_rse(stream, make, cov, budgets: list[int]) -> np.ndarray:
     return out
 
 
+GATE_SWEEP = (8, 16, 32)  # the input gate's p compared by --surrogate-error (and the full D)
+
+
+def spearman(a: np.ndarray, b: np.ndarray) -> float:
+    """Spearman's rank correlation (the Pearson correlation of the ranks; ties are negligible
+    among continuous errors and distances)."""
+    ra, rb = (np.argsort(np.argsort(x)).astype(float) for x in (a, b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
 def surrogate_errors(args, evaluated, cal, sources, adapter) -> list[dict]:
     """Per evaluation × calibration cell and rank: ``Σ ||E_i(h) − Ê_i(h)||² / Σ ||E_i(h)||²``
     over the scored tokens and every expert, and over each token's own top-k (the outputs the
-    search leans on most)."""
-    from moe_spec.policy.surrogate import Surrogate, predicted_outputs
+    search leans on most); and how far the evaluation's inputs lie from the calibration's: the
+    median tree-layer novelty of :class:`policy.surrogate.InputGate` with p = each of
+    :data:`GATE_SWEEP` and the full covariance (p = D, the Mahalanobis distance per dimension),
+    and per token the Spearman correlation between that full distance and the surrogate's
+    relative error over every expert."""
     rows = []
     print(f"\n{args.model}: relative error of the predicted expert outputs, every expert | "
-          "own top-k, evaluation ← calibration")
+          "own top-k, evaluation ← calibration; the input gate's median novelty at p = "
+          f"{', '.join(map(str, GATE_SWEEP))}, D; Spearman(per-token error, full novelty)")
     for bench, runs in evaluated.items():
         loaded = [b for run in runs
                   for b, *_ in batches(run, adapter, args.max_batch, args.prompts)]
-        for src, r in product(sources, args.ranks):
-            surrogate = Surrogate.fit(cal[(src, bench)].fitted[MOMENTS], r)
-            sums = np.zeros(4)  # error, energy: every expert; error, energy: own top-k
-            for batch in loaded:
-                true = batch.terms.experts.double()  # [T, M, N, H]
-                pred = predicted_outputs(surrogate, batch.layers, batch.hidden,
-                                         batch.mask)[..., :true.shape[-1]].double()
-                err, energy = (true - pred).pow(2).sum(-1), true.pow(2).sum(-1)  # [T, M, N]
-                own = torch.zeros_like(err).scatter_(2, batch.idx, 1.0) * batch.mask[..., None]
-                every = batch.mask[..., None].double().expand_as(err)
-                sums += [float((err * every).sum()), float((energy * every).sum()),
-                         float((err * own).sum()), float((energy * own).sum())]
-            rows.append(dict(bench=bench, calibration=src, rank=r, every=sums[0] / sums[1],
-                             own_top_k=sums[2] / sums[3], kind=kind_of(bench, src)))
-            print(f"  r={r:<3} {bench + ' ← ' + src:<20} {100 * sums[0] / sums[1]:6.0f}% | "
-                  f"{100 * sums[2] / sums[3]:4.0f}%", flush=True)
+        for src in sources:
+            moments = cal[(src, bench)].fitted[MOMENTS]
+            d = moments.xx.shape[-1]
+            novelty, full = {}, None
+            for p in (*GATE_SWEEP, d):
+                gate = InputGate.fit(moments, p)
+                novelty["D" if p == d else str(p)] = float(torch.cat(
+                    [gate.novelty(b.layers, b.hidden, b.mask) for b in loaded]).median())
+                if p == d:
+                    full = [gate.per_token(b.layers, b.hidden, b.mask)[b.mask.bool()].numpy()
+                            for b in loaded]
+            for r in args.ranks:
+                rows.append(relative_errors(Surrogate.fit(moments, r), loaded, full) |
+                            dict(bench=bench, calibration=src, rank=r, novelty=novelty,
+                                 kind=kind_of(bench, src)))
+                e = rows[-1]
+                print(f"  r={r:<3} {bench + ' ← ' + src:<20} {100 * e['every']:6.0f}% | "
+                      f"{100 * e['own_top_k']:4.0f}%   novelty " +
+                      " ".join(f"{v:.2f}" for v in novelty.values()) +
+                      f"   Spearman {e['spearman']:.2f}", flush=True)
     return rows
+
+
+def relative_errors(surrogate, loaded: list, novelty: list) -> dict:
+    """:func:`surrogate_errors`' error sums of one surrogate over the batches ``loaded``, and
+    the Spearman correlation of its per-token error with ``novelty`` (per batch, its unpadded
+    tokens in order)."""
+    sums = np.zeros(4)  # error, energy: every expert; error, energy: own top-k
+    per_token = []
+    for batch in loaded:
+        true = batch.terms.experts.double()  # [T, M, N, H]
+        pred = predicted_outputs(surrogate, batch.layers, batch.hidden,
+                                 batch.mask)[..., :true.shape[-1]].double()
+        err, energy = (true - pred).pow(2).sum(-1), true.pow(2).sum(-1)  # [T, M, N]
+        own = torch.zeros_like(err).scatter_(2, batch.idx, 1.0) * batch.mask[..., None]
+        every = batch.mask[..., None].double().expand_as(err)
+        sums += [float((err * every).sum()), float((energy * every).sum()),
+                 float((err * own).sum()), float((energy * own).sum())]
+        mine = batch.mask.bool()
+        per_token.append((err.sum(-1)[mine] / energy.sum(-1)[mine].clamp_min(1e-300)).numpy())
+    return dict(every=sums[0] / sums[1], own_top_k=sums[2] / sums[3],
+                spearman=spearman(np.concatenate(per_token), np.concatenate(novelty)))
 
 
 PRIOR_ONLY = ("† coact-prior scored from its calibration prior alone (an output of this bench "

@@ -498,6 +498,13 @@ class InputGate:
                 ) -> torch.Tensor:
         """``[T]`` float32: each tree-layer's mean novelty over its tokens (``mask [T, M]``) for
         MoE inputs ``hidden [T, M, H]`` at ``layers [T]``."""
+        per_token = self.per_token(layers, hidden, mask)
+        count = mask.to(per_token.device).sum(-1).clamp_min(1)
+        return (per_token.sum(-1) / count).float()
+
+    def per_token(self, layers: torch.Tensor, hidden: torch.Tensor, mask: torch.Tensor
+                  ) -> torch.Tensor:
+        """``[T, M]`` float64: each token's novelty (0 on padding)."""
         rows = layer_rows(self.layers, layers, "input gate")
         x = _augment(hidden.double())  # [T, M, D]; float64: the residual is a difference
         directions = self.directions[rows].to(x.device, torch.float64)  # [T, D, p]
@@ -508,6 +515,4 @@ class InputGate:
         rest = self.rest[rows].to(x.device, torch.float64)[:, None]
         per_token = (inside + outside / rest.clamp_min(1e-300)) / x.shape[-1]
         per_token = torch.where(rest > 0, per_token, torch.inf)  # a layer it never saw
-        per_token = torch.where(mask.to(x.device).bool(), per_token, 0.0)
-        count = mask.to(x.device).sum(-1).clamp_min(1)
-        return (per_token.sum(-1) / count).float()
+        return torch.where(mask.to(x.device).bool(), per_token, 0.0)

@@ -504,6 +504,12 @@ def test_sketch_bench_scores_every_cell_and_reports_its_cost(tmp_path):
     errors = json.loads((tmp_path / "e.json").read_text())["surrogate_error"]
     assert [e["rank"] for e in errors] == [2, 8] and all(0 < e["every"] for e in errors)
     assert all(e["own_top_k"] > 0 and e["kind"] == "diagonal" for e in errors)
+    # the input gate's view of the same cell: the median novelty at each p (the full covariance
+    # D last, one per cell whatever the rank) and its per-token rank correlation with the error
+    assert list(errors[0]["novelty"]) == ["8", "16", "32", "D"]
+    assert errors[0]["novelty"] == errors[1]["novelty"]
+    assert all(v > 0 for v in errors[0]["novelty"].values())
+    assert all(-1 <= e["spearman"] <= 1 for e in errors)
     readme = tmp_path / "results.md"  # the tables, written between their markers from the JSON
     readme.write_text("intro\n<!-- sketch: begin (bench/sketch_gap.py --readme; do not edit) -->"
                       "\ntyped by hand\n<!-- sketch: end -->\noutro\n")

@@ -628,7 +628,9 @@ def test_the_input_gate_is_ppca_mahalanobis_and_one_on_its_own_calibration():
         want = (z.pow(2) / lam).sum(-1)
         if sigma2 is not None:
             want = want + (x.pow(2).sum(-1) - z.pow(2).sum(-1)) / sigma2
-        want = (want / (H + 1)).mean(-1)
+        want = want / (H + 1)  # [T, M] per token
+        assert torch.allclose(gate.per_token(layers, hidden, mask), want, rtol=1e-4), p
+        want = want.mean(-1)
         assert torch.allclose(got.double(), want, rtol=1e-4), p
         assert abs(float(got.mean()) - 1.0) < 1e-4, p  # the calibration's own mean
         far = gate.novelty(layers, hidden * 4 + 3, mask)
@@ -636,6 +638,7 @@ def test_the_input_gate_is_ppca_mahalanobis_and_one_on_its_own_calibration():
     half = mask.clone()
     half[:, 6:] = False  # padding does not count
     gate = InputGate.fit(moments, 3)
+    assert bool((gate.per_token(layers, hidden, half)[:, 6:] == 0).all())
     assert torch.allclose(gate.novelty(layers, hidden, half),
                           gate.novelty(layers[:, None].expand(-1, 1).flatten(),
                                        hidden[:, :6], mask[:, :6]))
