@@ -9,8 +9,9 @@ The whole matrix is one command: every model of ``--models`` (the four families 
 every evaluation × calibration cell, both policies, at the model's budgets (:func:`budgets_for`:
 k to 32, N = 32 models k to 20). Captures and replays already on disk are reused, so a rerun
 finishes what an interrupted one left and adds new rankings only. ``--readme`` rewrites the block
-between the README's ``cross-domain matrix`` markers from the JSON written with ``--output`` (or
-read with ``--render``): the table is never typed.
+between a file's ``cross-domain matrix`` markers (``--block NAME`` for another: the README's
+table is the ``sketch matrix`` block) from the JSON written with ``--output`` (or read with
+``--render``): the table is never typed.
 
 Per model and benchmark (mbpp, humaneval, gsm8k, math500, cnndm, specbench) it captures an
 evaluation run (prompts 0..E−1) and a calibration run (prompts E..E+C−1, role calibration) —

@@ -564,22 +564,25 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     assert "token-layers/s" in out and not (tmp_path / "w" / "sglang.jsonl").exists()
 
 
-@pytest.mark.parametrize("script, files, block", [
-    ("sketch_gap.py", "docs/results/sketch/*.json", None),
-    ("closed_loop.py", "docs/results/sketch-closed/*.json", "sketch closed loop"),
-    ("closed_loop.py", "docs/results/sketch-closed-203/*.json", "sketch closed loop, 4x trees"),
-    ("closed_loop.py", "docs/results/sketch-closed-406/*.json", "sketch closed loop, 8x trees"),
-    ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix"),
-    ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated"),
+@pytest.mark.parametrize("script, files, block, page", [
+    ("sketch_gap.py", "docs/results/sketch/*.json", None, "docs/results.md"),
+    ("closed_loop.py", "docs/results/sketch-closed/*.json", "sketch closed loop", "docs/results.md"),
+    ("closed_loop.py", "docs/results/sketch-closed-203/*.json", "sketch closed loop, 4x trees",
+     "docs/results.md"),
+    ("closed_loop.py", "docs/results/sketch-closed-406/*.json", "sketch closed loop, 8x trees",
+     "docs/results.md"),
+    ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix", "docs/results.md"),
+    ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix", "README.md"),
+    ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated", "docs/results.md"),
 ])
-def test_committed_results_render_to_what_the_docs_show(script, files, block, tmp_path):
-    """docs/results.md's generated blocks are what their bench renders from the committed
-    JSON files (the command the docs name): a file edited, added or removed without
-    re-rendering, or a block typed by hand, fails here."""
+def test_committed_results_render_to_what_the_docs_show(script, files, block, page, tmp_path):
+    """docs/results.md's generated blocks, and the README's table, are what their bench
+    renders from the committed JSON files (the command the docs name): a file edited, added or
+    removed without re-rendering, or a block typed by hand, fails here."""
     found = sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(files))
     assert found, files
-    doc = (ROOT / "docs" / "results.md").read_text()
-    copy = tmp_path / "results.md"
+    doc = (ROOT / page).read_text()
+    copy = tmp_path / "page.md"
     copy.write_text(doc)
     run(f"bench/{script}", "--render", *found, "--readme", str(copy),
         *(["--block", block] if block else []))
