@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.stats import spearmanr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -212,13 +213,6 @@ def online_rse(stream, make, cov, budgets: list[int]) -> np.ndarray:
 GATE_SWEEP = (8, 16, 32)  # the input gate's p compared by --surrogate-error (and the full D)
 
 
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rank correlation (the Pearson correlation of the ranks; ties are negligible
-    among continuous errors and distances)."""
-    ra, rb = (np.argsort(np.argsort(x)).astype(float) for x in (a, b))
-    return float(np.corrcoef(ra, rb)[0, 1])
-
-
 def surrogate_errors(args, evaluated, cal, sources, adapter) -> list[dict]:
     """Per evaluation × calibration cell and rank: ``Σ ||E_i(h) − Ê_i(h)||² / Σ ||E_i(h)||²``
     over the scored tokens and every expert, and over each token's own top-k (the outputs the
@@ -237,14 +231,13 @@ def surrogate_errors(args, evaluated, cal, sources, adapter) -> list[dict]:
         for src in sources:
             moments = cal[(src, bench)].fitted[MOMENTS]
             d = moments.xx.shape[-1]
-            novelty, full = {}, None
+            novelty = {}
             for p in (*GATE_SWEEP, d):
                 gate = InputGate.fit(moments, p)
                 novelty["D" if p == d else str(p)] = float(torch.cat(
                     [gate.novelty(b.layers, b.hidden, b.mask) for b in loaded]).median())
-                if p == d:
-                    full = [gate.per_token(b.layers, b.hidden, b.mask)[b.mask.bool()].numpy()
-                            for b in loaded]
+            full = [gate.per_token(b.layers, b.hidden, b.mask)[b.mask.bool()].numpy()
+                    for b in loaded]  # the last gate's: p = D
             for r in args.ranks:
                 rows.append(relative_errors(Surrogate.fit(moments, r), loaded, full) |
                             dict(bench=bench, calibration=src, rank=r, novelty=novelty,
@@ -274,8 +267,8 @@ def relative_errors(surrogate, loaded: list, novelty: list) -> dict:
                  float((err * own).sum()), float((energy * own).sum())]
         mine = batch.mask.bool()
         per_token.append((err.sum(-1)[mine] / energy.sum(-1)[mine].clamp_min(1e-300)).numpy())
-    return dict(every=sums[0] / sums[1], own_top_k=sums[2] / sums[3],
-                spearman=spearman(np.concatenate(per_token), np.concatenate(novelty)))
+    rho = spearmanr(np.concatenate(per_token), np.concatenate(novelty)).statistic
+    return dict(every=sums[0] / sums[1], own_top_k=sums[2] / sums[3], spearman=float(rho))
 
 
 PRIOR_ONLY = ("† coact-prior scored from its calibration prior alone (an output of this bench "
