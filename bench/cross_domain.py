@@ -83,6 +83,22 @@ BASE = ("router", "oracle", "sqmass")  # need no calibration: replayed once per 
 ABLATION_ONLY = {"coact-diag"}  # replayed for the diagonal, all and others only (the ablation)
 
 
+def check_prompts(p: argparse.ArgumentParser, args) -> None:
+    """Before any capture: each benchmark holds ``--eval-prompts`` evaluation prompts and at least
+    one calibration prompt after them (else one line and exit 2); a calibration shorter than
+    ``--cal-prompts`` (CNN/DM holds 80 prompts) is said, with the count it gets."""
+    from moe_spec.tasks import benchmarks
+    for bench in args.benches:
+        have = len(benchmarks.load(bench))
+        if have <= args.eval_prompts:
+            p.error(f"{bench} holds {have} prompts: none left for its calibration run after "
+                    f"--eval-prompts {args.eval_prompts}; ask for fewer")
+        if have < args.eval_prompts + args.cal_prompts:
+            print(f"note: {bench} holds {have} prompts: its calibration run gets the "
+                  f"{have - args.eval_prompts} after the {args.eval_prompts} evaluation ones, "
+                  f"not --cal-prompts {args.cal_prompts}", file=sys.stderr)
+
+
 def capture_all(root: Path, model: str, args) -> None:
     common = dict(model=model, max_new_tokens=args.max_new_tokens, seed=args.seed)
     for bench in args.benches:
@@ -313,6 +329,7 @@ def main() -> None:
         report = {m: found for path in args.render
                   for m, found in json.loads(path.read_text()).items()}
     else:
+        check_prompts(p, args)
         threads.apply(args.threads)
         if args.capture_only:
             for model in args.models:

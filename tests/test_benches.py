@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -134,6 +135,27 @@ def test_cross_domain_bench_captures_only_when_asked(tmp_path):
     assert set(runs) == {"eval-mbpp", "cal-mbpp"} and "captured under" in out
     assert runs["cal-mbpp"].manifest["role"] == "calibration"
     assert not (tmp_path / "tiny-mixtral" / "results").exists() and "| model |" not in out
+
+
+@smoke("cross_domain.py")
+def test_cross_domain_bench_refuses_a_benchmark_too_short_before_capturing(tmp_path, monkeypatch,
+                                                                           capsys):
+    """CNN/DM holds 80 prompts: 80 evaluation ones leave no calibration run (one line, exit 2,
+    nothing captured); 70 leave it 10, not --cal-prompts' 24, and it says so."""
+    args = ["bench/cross_domain.py", "--traces", str(tmp_path), "--models", "tiny-mixtral",
+            "--benches", "mbpp", "cnndm", "--capture-only", "--threads", "1"]
+    done = subprocess.run([sys.executable, *args, "--eval-prompts", "80"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "cnndm holds 80 prompts" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not any(tmp_path.iterdir())
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import cross_domain
+    refused = []
+    cross_domain.check_prompts(SimpleNamespace(error=refused.append),
+                               SimpleNamespace(benches=["cnndm"], eval_prompts=70, cal_prompts=24))
+    assert not refused
+    assert "calibration run gets the 10 after the 70 evaluation ones, not --cal-prompts 24" in \
+        capsys.readouterr().err
 
 
 @smoke("cross_domain.py")
