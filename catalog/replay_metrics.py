@@ -68,6 +68,9 @@ METRICS: dict[str, tuple[Metric, ...]] = {
         Metric("mass_excluded", pa.float64(), "Σ_{i∉S} s_i / Σ_i s_i, s_i = Σ_t g_i(t)"),
         Metric("experts_loaded", pa.int16(), "#{i : w_i(t) ≠ 0 for some t}"),
         Metric("unique_experts", pa.int16(), "|∪_t T_k(t)| without a budget", view=None),
+        Metric("surrogate_ranked", pa.bool_(), "S searched on a surrogate's predicted outputs "
+               "Ê_i(h_t) (the sketch family where it ran it; sketch-gated: novelty ≤ its "
+               "threshold); the view's mean: the share of tree-layers", view="surrogate_share"),
     ),
     # per (tree, ranking, coverage, budget)
     CLOSED_TABLE: (
@@ -92,7 +95,8 @@ METRICS[CLOSED_BATCH_TABLE] = METRICS[CLOSED_TABLE]
 
 # Bumped whenever a table's metric columns (names or types) change; part of every result unit's
 # key (catalog.results), so blocks of an older layout are recomputed, never mixed with new ones.
-LAYOUT_VERSION: dict[str, int] = {OPEN_TABLE: 1, CLOSED_TABLE: 1, BATCH_TABLE: 1,
+# 2 (replay_open, replay_batch): surrogate_ranked, where the sketch family ran its surrogate
+LAYOUT_VERSION: dict[str, int] = {OPEN_TABLE: 2, CLOSED_TABLE: 1, BATCH_TABLE: 2,
                                   CLOSED_BATCH_TABLE: 1}
 # :func:`fingerprint` of each (table, version): tests/test_replay_metrics.py fails when the
 # declared columns differ from their version's, so a layout never changes without a bump (a new
@@ -102,6 +106,8 @@ FINGERPRINTS: dict[tuple[str, int], str] = {
     (CLOSED_TABLE, 1): "5b7c7fb80a18f8ed",
     (BATCH_TABLE, 1): "8f953f9016955a70",
     (CLOSED_BATCH_TABLE, 1): "5b7c7fb80a18f8ed",
+    (OPEN_TABLE, 2): "b25a0cbb1260cbd3",
+    (BATCH_TABLE, 2): "b25a0cbb1260cbd3",
 }
 
 

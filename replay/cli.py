@@ -262,7 +262,30 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
         lines += [f"gap closed, all B: Σ_B (router − X) / Σ_B (router − oracle) of the {m} over "
                   "the budgets above", "  where router, oracle and X were all replayed (one figure "
                   "for the sweep, not a per-budget value)"]
-    return lines
+    return lines + surrogate_lines(frame, present, count, mode.counted_unit)
+
+
+def surrogate_lines(frame, rankings: list[str], count: str, unit: str) -> list[str]:
+    """One line per token-aware ranking (``needs_hidden``) replayed: the share of its
+    ``unit`` (tree-layers) whose shortlists its surrogate searched (the stored
+    ``surrogate_ranked``), the rest coact-prior's — sketch-gated's input gate at work, or a
+    sketch without a surrogate or MoE inputs, said in numbers."""
+    if "surrogate_ranked" not in frame.columns:
+        return []
+    out = []
+    for r in rankings:
+        if r not in index.RANKINGS or not index.RANKINGS[r].needs_hidden:
+            continue
+        rows = frame.filter(frame["ranking"] == r)
+        share = float((rows["surrogate_ranked"] * rows[count]).sum() / rows[count].sum())
+        if share in (0, 1):
+            out.append(f"{r}: its surrogate ranked every {unit[:-1]}" if share else
+                       f"{r}: its surrogate ranked no {unit[:-1]} (coact-prior's shortlists "
+                       "throughout)")
+        else:
+            out.append(f"{r}: its surrogate ranked {share:.0%} of the {unit}, coact-prior's "
+                       f"shortlists the other {1 - share:.0%}")
+    return out
 
 
 def write_output(path: Path, payload: dict, frame) -> None:

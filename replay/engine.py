@@ -182,7 +182,7 @@ class OpenLoopEngine:
             keep, budgets = open_loop.shortlists(task.ranking, sub, task.coverage,
                                                  task.block.budgets, prompts_t[rows],
                                                  steps_t[rows], task.stream)
-            m = open_loop.metrics(sub, keep, task.coverage)
+            m = open_loop.metrics(sub, keep, task.coverage, task.ranking.surrogate_ranked(sub))
             sel = {k: v[want] for k, v in keys.items()}
             for prompt in np.unique(sel["prompt_index"]).tolist():
                 at = sel["prompt_index"] == prompt

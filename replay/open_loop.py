@@ -166,10 +166,13 @@ def _locate(slices: list[Slice], i: int) -> tuple[Slice, int]:
     raise IndexError(i)
 
 
-def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage) -> dict[str, torch.Tensor]:
-    """RSE, mean per-token relative error, mass excluded, experts loaded and unique experts,
-    ``[T, B]`` each, for shortlists ``keep [T, B, N]``: one tensor per metric that
-    :data:`catalog.replay_metrics.METRICS` declares for ``replay_open``, by its name."""
+def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
+            surrogate_ranked: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """RSE, mean per-token relative error, mass excluded, experts loaded, unique experts and
+    whether a surrogate ranked the tree-layer, ``[T, B]`` each, for shortlists ``keep [T, B, N]``
+    that a ranking chose (``surrogate_ranked [T]``: its :meth:`Ranking.surrogate_ranked`; None:
+    none was): one tensor per metric that :data:`catalog.replay_metrics.METRICS` declares for
+    ``replay_open``, by its name."""
     idx, w = coverage.apply(batch, keep)  # [T, B, M, k]
     sq = coverage.sq_errors(batch, keep, idx, w)  # [T, B, M], exact
     gold_sq = batch.terms.gold_sq[:, None, :]  # [T, 1, M]
@@ -181,8 +184,11 @@ def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage) -> dict
     excluded = (s * ~keep).sum(-1) / s.sum(-1)
     loaded = experts_used(idx, w * real[..., None], batch.n).sum(-1)
     unique = batch.union().sum(-1)[:, None].expand_as(loaded)
+    if surrogate_ranked is None:
+        surrogate_ranked = torch.zeros(batch.size, dtype=torch.bool, device=keep.device)
+    ranked = surrogate_ranked.to(keep.device)[:, None].expand_as(loaded)
     return dict(rse=rse, token_error=token, mass_excluded=excluded, experts_loaded=loaded,
-                unique_experts=unique)
+                unique_experts=unique, surrogate_ranked=ranked)
 
 
 @dataclass

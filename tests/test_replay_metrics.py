@@ -84,6 +84,10 @@ def test_open_loop_produces_exactly_the_declared_metrics_and_they_are_stored(cov
     # unique experts: the natural top-k union, the same at every budget
     assert m["unique_experts"][:, 0].tolist() == batch.union().sum(-1).tolist()
     assert float(m["rse"][:, -1].max()) < 1e-12  # B = N keeps every expert: exact
+    assert not m["surrogate_ranked"].any()  # no ranking's word: none ranked by a surrogate
+    said = torch.tensor([True, False, True])
+    ranked = open_loop.metrics(batch, keep, coverage.get(cov), said)["surrogate_ranked"]
+    assert torch.equal(ranked, said[:, None].expand(-1, len(budgets)))
     task = SimpleNamespace(ranking=SimpleNamespace(name="router"),
                            coverage=SimpleNamespace(name=cov))
     keys = dict(prompt_index=[0] * batch.size, prompt_id=["p"] * batch.size,
@@ -163,6 +167,7 @@ def _run(name="eval", run_id="r1"):
 
 def test_results_of_an_older_layout_are_recomputed_and_never_read(tmp_path, monkeypatch):
     key = dict(mode="open", ranking="router", coverage="truncation", calibration=[])
+    monkeypatch.setitem(LAYOUT_VERSION, OPEN_TABLE, 1)  # results stored under the first layout
     old = UnitResults(tmp_path, OPEN_TABLE, _run(), key)
     assert old.unit == key  # version 1: keys written before the layout was versioned hold
     with old.locked():

@@ -269,6 +269,16 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
         assert "coact-prior's shortlists" not in r.stderr, r.stderr
         assert "sketch-post" in r.stdout and "sketch-gated" in r.stdout, r.stdout  # replayed
         # beside sketch, both loops
+        if mode == "open":  # the summary says how much of it the surrogate ranked
+            assert "sketch: its surrogate ranked every tree-layer" in r.stdout, r.stdout
+            assert "sketch-gated: its surrogate ranked" in r.stdout, r.stdout
+    q = run("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
+            "SELECT ranking, avg(surrogate_ranked::INT) AS share, count(*) AS n FROM replay_open "
+            "GROUP BY ALL ORDER BY ALL")
+    share = {line.split(",")[0]: float(line.split(",")[1])
+             for line in q.stdout.strip().splitlines()[1:]}
+    assert share["sketch"] == share["sketch-post"] == 1 and share["router"] == 0, q.stdout
+    assert share["oracle"] == 0 and 0 <= share["sketch-gated"] <= 1, q.stdout
     # the oracle replayed without a token-aware ranking starts without them: another variant
     # (computed, not answered by the stronger one), named so; the default view and an
     # uncalibrated request take the token-aware one
@@ -721,6 +731,14 @@ def test_sketch_gated_is_sketch_near_its_calibration_and_streamed_coact_prior_fa
     shifted = _far_from_pass(batch, 3)
     near = gated.near(shifted)
     assert near[:3].all() and not near[3:].any()
+    # what replay stores per tree-layer (surrogate_ranked): the gate's rows; sketch's every one
+    # with its MoE inputs, none without; a routing-only ranking none
+    assert torch.equal(gated.surrogate_ranked(shifted), near)
+    assert Sketch().fit(stats).surrogate_ranked(shifted).all()
+    bare = RoutingBatch(batch.probs, batch.idx, batch.weights, batch.mask, batch.layers,
+                        batch.rule)
+    assert not Sketch().fit(stats).surrogate_ranked(bare).any()
+    assert not rankings.get("coact-prior")().fit(stats).surrogate_ranked(shifted).any()
     keep = _streamed(gated, shifted, budgets, cov)
     assert torch.equal(keep[:3], sketch[:3])
     assert torch.equal(keep, _gated_reference(stats, shifted, outputs, budgets, cov, near))

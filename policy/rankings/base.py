@@ -104,6 +104,13 @@ class Ranking(ABC):
         budget on its own (``exact``)."""
         return self.prefixes(batch, coverage, budgets), list(budgets)
 
+    def surrogate_ranked(self, batch: RoutingBatch) -> torch.Tensor:
+        """``[T]`` bool: the tree-layers of ``batch`` whose shortlists this ranking searched on a
+        surrogate's predicted expert outputs ``Ê_i(h_t)`` (the token-aware path; replay's
+        ``surrogate_ranked`` column). False for every ranking that reads routing alone; the
+        sketch family says where it ran its surrogate, and where it fell back."""
+        return torch.zeros(batch.size, dtype=torch.bool, device=batch.device)
+
     def memo_key(self) -> tuple | None:
         """What makes two instances answer alike on the same batch, or None where they may not
         (a stateful ranking, an offline one, one that reads more than routing and calibration):

@@ -137,6 +137,12 @@ class Sketch(Ranking):
     def memo_key(self):
         return None  # its answer depends on batch.hidden and the surrogate: never shared
 
+    def surrogate_ranked(self, batch):
+        """Every tree-layer where it holds a surrogate and the batch its MoE inputs, none where
+        it falls back to coact-prior's shortlists (:meth:`shortlists`' condition)."""
+        ran = self.surrogate is not None and getattr(batch, "hidden", None) is not None
+        return torch.full((batch.size,), ran, dtype=torch.bool, device=batch.device)
+
     def blind(self, why: str) -> None:
         """Say once per instance that sketch falls back to coact-prior's shortlists, and why."""
         self.token_aware = False

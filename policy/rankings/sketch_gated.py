@@ -80,10 +80,14 @@ class SketchGated(CoactPrior):
         novelty = self.gate.novelty(batch.layers, batch.hidden, batch.mask)
         return (novelty <= self.threshold).to(batch.device)
 
+    def surrogate_ranked(self, batch):
+        """The gated-in tree-layers (:meth:`near`) where sketch holds a surrogate."""
+        return self.near(batch) & self.sketch.surrogate_ranked(batch)
+
     def overlay(self, batch, coverage, budgets, keep: torch.Tensor) -> torch.Tensor:
-        """``keep`` (coact-prior's shortlists) with the gated-in tree-layers' rows replaced by
-        sketch's."""
-        rows = self.near(batch).nonzero().flatten()
+        """``keep`` (coact-prior's shortlists) with the rows of the tree-layers sketch ranks
+        (:meth:`surrogate_ranked`) replaced by sketch's."""
+        rows = self.surrogate_ranked(batch).nonzero().flatten()
         if len(rows):
             keep = keep.clone()
             keep[rows] = self.sketch.shortlists(routing_only(batch, rows), coverage,
