@@ -50,7 +50,7 @@ from cross_domain import (  # noqa: E402
     model_budgets,
     rewrite_readme,
 )
-from pipeline import capture, replay_runs, run_names  # noqa: E402
+from pipeline import capture, replay_runs, results_frame, run_names  # noqa: E402
 
 from moe_spec.analysis import power  # noqa: E402
 from moe_spec.catalog import Catalog, reader  # noqa: E402
@@ -81,8 +81,7 @@ def closed_table(root: Path, model: str, bench: str, args, budgets: str) -> list
     replay_runs(root, model, [f"eval-{bench}"], bench=bench, mode="closed",
                 rankings=tuple(args.rankings), coverages=("truncation", "substitution"),
                 calibration=tuple(calibration_runs(root, model)), budgets=budgets, out=out)
-    df = pl.read_parquet(f"{out}/replay_closed/model={model}/bench={bench}/**/*.parquet",
-                         hive_partitioning=True)
+    df = results_frame(out, "replay_closed", model=model, bench=bench)
     rng = np.random.default_rng(args.seed)
     tree = ["prompt_index", "step"]
     routers = {(coverage, budget): g.select(*tree, *PAIRED) for (coverage, budget), g in

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from pipeline import capture, replay_runs
+from pipeline import capture, replay_runs, results_frame
 
 from moe_spec.analysis.replay_views import budget_at
 
@@ -44,7 +44,7 @@ def main() -> None:
     replay_runs(args.traces, args.model, ["eval"], calibration=("cal",),
                 rankings=("static", "router", "oracle", "coact"),
                 coverages=("truncation", "substitution"), budgets="sweep", out=results)
-    df = pl.read_parquet(f"{results}/replay_open/**/*.parquet", hive_partitioning=True)
+    df = results_frame(results)
     mean = df.group_by("ranking", "coverage", "budget").agg(pl.col("rse").mean()).sort("budget")
     for coverage in ("truncation", "substitution"):
         rows = df.filter(pl.col("coverage") == coverage).height // 4

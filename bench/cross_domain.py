@@ -40,7 +40,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import capture, loaded_model, replay_runs  # noqa: E402
+from pipeline import capture, loaded_model, replay_runs, results_frame  # noqa: E402
 
 from moe_spec.catalog.replay_metrics import gap_closed  # noqa: E402
 from moe_spec.console import threads  # noqa: E402
@@ -136,8 +136,7 @@ def mean_rse(root: Path, model: str) -> pl.DataFrame:
         if not (folder / "replay_open" / f"model={model}").is_dir():
             continue  # closed-loop results (bench/closed_loop.py) live beside these
         source = folder.name.removeprefix("cal=") if folder.name != "base" else None
-        df = pl.read_parquet(f"{folder}/replay_open/model={model}/**/*.parquet",
-                             hive_partitioning=True)
+        df = results_frame(folder, model=model)
         frames.append(df.group_by("bench", "ranking", "coverage", "budget")
                       .agg(pl.col("rse").mean(), pl.len().alias("tree_layers"))
                       .with_columns(calibration=pl.lit(source)))

@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline import results_frame  # noqa: E402
+
 from moe_spec.catalog import Catalog  # noqa: E402
 from moe_spec.catalog.replay_metrics import gap_closed  # noqa: E402
 from moe_spec.moe import models  # noqa: E402
@@ -64,8 +66,7 @@ def shrunk(stats: CalibrationStats, kappa: float) -> ShrunkStats:
 
 
 def base_rse(root: Path, model: str) -> pl.DataFrame:
-    df = pl.read_parquet(f"{root}/results/base/replay_open/model={model}/**/*.parquet",
-                         hive_partitioning=True)
+    df = results_frame(root / "results" / "base", model=model)
     return (df.filter(pl.col("coverage") == "truncation").group_by("bench", "ranking", "budget")
             .agg(pl.col("rse").mean()).pivot(on="ranking", index=["bench", "budget"],
                                              values="rse"))
@@ -96,7 +97,7 @@ def main() -> None:
                     replay(catalog, run, adapter, ReplayRequest(("coact",), ("truncation",),
                                                                 BUDGETS), shrunk(stats, kappa),
                            cal, Path(out), device=torch.device("cpu"), progress=False)
-                    df = pl.read_parquet(f"{out}/replay_open/**/*.parquet", hive_partitioning=True)
+                    df = results_frame(Path(out))
                 got = df.group_by("budget").agg(pl.col("rse").mean()).join(
                     ref.filter(pl.col("bench") == bench), on="budget").sort("budget")
                 gap = got.select(gap_closed(pl.col("router"), pl.col("oracle"),

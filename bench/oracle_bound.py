@@ -20,7 +20,7 @@ from pathlib import Path
 
 import polars as pl
 import torch
-from pipeline import capture, replay_runs
+from pipeline import capture, replay_runs, results_frame
 
 from moe_spec.moe.models import EMBEDDED
 from moe_spec.policy import index
@@ -76,8 +76,7 @@ def main() -> None:
         replay_runs(args.traces, model, [f"{model}-eval"], calibration=(f"{model}-cal",),
                     rankings=(*runtime, "oracle", "exact"),
                     coverages=("truncation", "substitution"), budgets="sweep", out=out)
-        df = pl.read_parquet(f"{out}/replay_open/model={model}/**/*.parquet",
-                             hive_partitioning=True)
+        df = results_frame(out, model=model)
         report[model] = dict(rows=count(df), exact=versus_exact(df),
                              seconds=round(time.perf_counter() - t0, 1))
     print(f"\ncells (tree-layer x budget) where a runtime ranking beats the oracle by more than "

@@ -13,6 +13,35 @@ from moe_spec.catalog import Catalog
 from moe_spec.replay.run import ReplayOutcome, ReplayRequest, calibration_stats, parse_budgets, replay
 
 
+def results_frame(out: Path, table: str = "replay_open", *, model: str | None = None,
+                  bench: str | None = None):
+    """The rows of ``table`` (replay_open, replay_closed, ...) under ``out`` that readers may
+    treat as final: every complete block of the current metric layout, its committed files
+    verified (:func:`catalog.results.complete_blocks`, :func:`~catalog.results.block_files`),
+    with model, bench, run and config as columns; optionally one model's or bench's. What the
+    benches read instead of globbing Parquet files, where a stray part, an interrupted block or
+    another layout's file would enter the numbers."""
+    import polars as pl
+
+    from moe_spec.catalog import location
+    from moe_spec.catalog.names import partition_value
+    from moe_spec.catalog.results import block_files, complete_blocks
+    frames = []
+    for b in complete_blocks(out, table):
+        if (model is not None and b["model"] != partition_value(model)) or \
+                (bench is not None and b["bench"] != bench):
+            continue
+        files = block_files(b["folder"], b["files"], out)
+        if files:
+            frames.append(location.read_frame(files).with_columns(
+                model=pl.lit(b["model"]), bench=pl.lit(b["bench"]), run=pl.lit(b["run"]),
+                config=pl.lit(b["config"])))
+    if not frames:
+        raise SystemExit(f"no complete {table} results under {out}"
+                         + (f" for {model}" if model else "") + (f" / {bench}" if bench else ""))
+    return pl.concat(frames, how="diagonal_relaxed")
+
+
 def capture(out: Path, run: str, *, role: str = "evaluation", **settings) -> CaptureSummary:
     """``capture --out OUT --run RUN --role ROLE --no-progress`` with ``settings`` as options
     (resumes, so a finished run is not captured again)."""
