@@ -288,8 +288,8 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
     """(model, bench, run, config, block) of every complete block under ``root``: what readers
     may treat as final (an interrupted sweep's blocks are left out, and so are blocks of an older
     metric layout: :func:`current_layout`). A torn or foreign config is left out too, with one
-    line saying so appended to ``skipped``."""
-    rows = []
+    line saying so appended to ``skipped``, and so is the number of units of an older layout."""
+    rows, older = [], 0
     for path in sorted(location.root(root).glob(f"{table}/model=*/bench=*/run=*/config=*/{RESULT_CONFIG}")):
         try:
             state = json.loads(path.read_text())
@@ -303,7 +303,8 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
                                f"delete {path.parent} and replay again")
             continue
         if isinstance(state.get("unit"), dict) and not current_layout(table, state["unit"]):
-            continue  # recomputed by the next replay, which deletes it (drop_superseded)
+            older += 1  # recomputed by the next replay, which deletes it (drop_superseded)
+            continue
         parts = {p.split("=", 1)[0]: p.split("=", 1)[1] for p in path.parent.parts[-4:]}
         for b in blocks:
             if isinstance(b, dict) and b.get("status") == "complete" \
@@ -321,4 +322,8 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
                                  budgets=b.get("budgets"), unit=state.get("unit"),
                                  committed_at=b.get("committed_at"),
                                  folder=path.parent / f"block={b.get('id')}"))
+    if older and skipped is not None:
+        skipped.append(f"{older} result unit(s) of {table} under {location.display(root)} hold "
+                       "an older metric layout (catalog/replay_metrics.py): left out until "
+                       "replay recomputes them (ask for the same cells again)")
     return rows

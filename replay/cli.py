@@ -265,6 +265,11 @@ def summary_lines(frame, mode, runs: list, rankings: list[str],
     return lines + surrogate_lines(frame, present, count, mode.counted_unit)
 
 
+def _share(x: float) -> str:
+    """A share strictly between 0 and 1 as a percentage that never reads 0% or 100%."""
+    return "<1%" if x < 0.005 else ">99%" if x >= 0.995 else f"{x:.0%}"
+
+
 def surrogate_lines(frame, rankings: list[str], count: str, unit: str) -> list[str]:
     """One line per token-aware ranking (``needs_hidden``) replayed: the share of its
     ``unit`` (tree-layers) whose shortlists its surrogate searched (the stored
@@ -283,8 +288,8 @@ def surrogate_lines(frame, rankings: list[str], count: str, unit: str) -> list[s
                        f"{r}: its surrogate ranked no {unit[:-1]} (coact-prior's shortlists "
                        "throughout)")
         else:
-            out.append(f"{r}: its surrogate ranked {share:.0%} of the {unit}, coact-prior's "
-                       f"shortlists the other {1 - share:.0%}")
+            out.append(f"{r}: its surrogate ranked {_share(share)} of the {unit}, "
+                       f"coact-prior's shortlists the other {_share(1 - share)}")
     return out
 
 

@@ -26,6 +26,7 @@ from moe_spec.policy.batch import ExpertTerms, RoutingBatch
 from moe_spec.policy.coverage import prefix_masks
 from moe_spec.policy.routing import RoutingRule
 from moe_spec.replay import closed_loop, engine, modes, open_loop, plan
+from moe_spec.replay import cli as replay_cli
 from moe_spec.replay.cli import parser, summary_lines
 
 # layouts results were stored under: their fingerprints never change (a layout change is a new
@@ -160,6 +161,25 @@ def test_summary_and_views_aggregate_every_declared_metric(name):
     assert f"{name}-loop replay" in lines[0] and mode.counted_unit in lines[0]
 
 
+def test_the_summary_says_how_much_a_surrogate_ranked_without_rounding_to_all_or_none():
+    frame = pl.DataFrame(dict(ranking=["sketch-gated", "sketch-gated", "sketch", "router"],
+                              surrogate_ranked=[0.996, 0.996, 0.003, 0.0],
+                              tree_layers=[100, 100, 100, 100]))
+    lines = replay_cli.surrogate_lines(frame, ["sketch-gated", "sketch", "router"], "tree_layers",
+                                       "tree-layers")
+    assert lines == ["sketch-gated: its surrogate ranked >99% of the tree-layers, coact-prior's "
+                     "shortlists the other <1%",
+                     "sketch: its surrogate ranked <1% of the tree-layers, coact-prior's "
+                     "shortlists the other >99%"]  # router reads no MoE input: no line
+    whole = frame.with_columns(surrogate_ranked=pl.Series([1.0, 1.0, 0.0, 0.0]))
+    assert replay_cli.surrogate_lines(whole, ["sketch-gated", "sketch"], "tree_layers",
+                                      "tree-layers") == [
+        "sketch-gated: its surrogate ranked every tree-layer",
+        "sketch: its surrogate ranked no tree-layer (coact-prior's shortlists throughout)"]
+    assert replay_cli.surrogate_lines(frame.drop("surrogate_ranked"), ["sketch"], "tree_layers",
+                                      "tree-layers") == []  # closed loop: no such column
+
+
 def _run(name="eval", run_id="r1"):
     return SimpleNamespace(model="tiny-olmoe", bench="mbpp", name=name, run_id=run_id,
                            prompt_indices=lambda: [0, 1])
@@ -178,7 +198,10 @@ def test_results_of_an_older_layout_are_recomputed_and_never_read(tmp_path, monk
     assert len(results.complete_blocks(tmp_path, OPEN_TABLE)) == 1
 
     monkeypatch.setitem(LAYOUT_VERSION, OPEN_TABLE, 2)  # a metric added: the layout bumped
-    assert results.complete_blocks(tmp_path, OPEN_TABLE) == []  # readers leave it out
+    said = []
+    assert results.complete_blocks(tmp_path, OPEN_TABLE, said) == []  # readers leave it out
+    assert len(said) == 1 and "1 result unit(s) of replay_open" in said[0] \
+        and "older metric layout" in said[0], said  # and say so, once
     new = UnitResults(tmp_path, OPEN_TABLE, _run(), key)
     assert new.unit == dict(key, layout=2) and new.folder != old.folder
     with new.locked():
