@@ -593,6 +593,8 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
      "docs/results.md"),
     ("closed_loop.py", "docs/results/sketch-closed-406/*.json", "sketch closed loop, 8x trees",
      "docs/results.md"),
+    ("closed_loop.py", "docs/results/sketch-closed-bk/*.json", "sketch closed loop, B = k to size",
+     "docs/results.md"),
     ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix", "docs/results.md"),
     ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix", "README.md"),
     ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated", "docs/results.md"),
