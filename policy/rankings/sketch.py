@@ -137,11 +137,15 @@ class Sketch(Ranking):
     def memo_key(self):
         return None  # its answer depends on batch.hidden and the surrogate: never shared
 
+    def searches_surrogate(self, batch) -> bool:
+        """Whether :meth:`shortlists` and :meth:`order` search on predicted outputs: it holds a
+        surrogate and the batch carries its MoE inputs (else coact-prior's answer)."""
+        return self.surrogate is not None and getattr(batch, "hidden", None) is not None
+
     def surrogate_ranked(self, batch):
-        """Every tree-layer where it holds a surrogate and the batch its MoE inputs, none where
-        it falls back to coact-prior's shortlists (:meth:`shortlists`' condition)."""
-        ran = self.surrogate is not None and getattr(batch, "hidden", None) is not None
-        return torch.full((batch.size,), ran, dtype=torch.bool, device=batch.device)
+        """Every tree-layer where it :meth:`searches_surrogate`, none where it falls back."""
+        return torch.full((batch.size,), self.searches_surrogate(batch), dtype=torch.bool,
+                          device=batch.device)
 
     def blind(self, why: str) -> None:
         """Say once per instance that sketch falls back to coact-prior's shortlists, and why."""
@@ -188,7 +192,7 @@ class Sketch(Ranking):
 
     def shortlists(self, batch, coverage, budgets):
         from moe_spec.policy.rankings.oracle import Oracle
-        if self.surrogate is None or getattr(batch, "hidden", None) is None:
+        if not self.searches_surrogate(batch):
             if self.surrogate is not None:
                 self.blind("the batch carries no MoE inputs h_t (policy.rankings.sketch."
                            "with_inputs)")
@@ -207,7 +211,7 @@ class Sketch(Ranking):
         """The oracle's greedy order on the predicted terms (what :meth:`shortlists` starts
         from; the shortlists themselves are searched per budget)."""
         from moe_spec.policy.rankings.oracle import Oracle
-        if self.surrogate is None or getattr(batch, "hidden", None) is None:
+        if not self.searches_surrogate(batch):
             return self.fallback.order(batch, coverage, max_budget)
         search = Oracle()
         return torch.cat([search.order(self.predicted(batch, rows), coverage, max_budget)
