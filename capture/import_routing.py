@@ -190,7 +190,10 @@ def manifest_of(fmt: Format, source: Path, facts: ModelFacts, bench: str, run: s
         settings=dict(kind=schema.ROUTING_ONLY, source_format=fmt.name, source_version=fmt.version,
                       tokens=options.tokens, batching=batching, virtual_batch_size=batch_size,
                       recorded_passes=fmt.recorded_passes,
-                      drop_shared_slot=options.drop_shared_slot),
+                      drop_shared_slot=options.drop_shared_slot,
+                      prompt_start=options.prompt_start,
+                      microbatches_per_step=options.microbatches,
+                      layer_base=options.layer_base, merge_ranks=options.merge_ranks),
         num_experts=facts.num_experts, top_k=facts.top_k, num_layers=facts.num_layers,
         moe_layers=list(facts.moe_layers), shared_experts=facts.shared_experts,
         hidden_size=facts.hidden_size, draft=None, dtype=None, device=None,
@@ -272,6 +275,10 @@ def import_routing(fmt: Format, source: Path, facts: ModelFacts, out, bench: str
         index = _stream(fmt, source, facts, options, parts, summary, advance)
         if index < 0:
             raise SourceError(f"{source} holds no routing record")
+        if not summary.token_layers:
+            raise SourceError(f"{source} routes no token (every request empty"
+                              + (f"; {', '.join(f'{v} {k}' for k, v in summary.skipped.items())}"
+                                 if summary.skipped else "") + "): nothing to import")
         parts.flush()
         parts.finish()
         summary.requests = index + 1
@@ -305,9 +312,8 @@ def _stream(fmt: Format, source: Path, facts: ModelFacts, options: ReadOptions, 
             summary: ImportSummary, advance) -> int:
     """Every record of ``source`` into ``parts``, request by request (one ``sequences`` row per
     request when its last piece arrives); the last prompt index (−1: none)."""
-    kwargs = dict(skipped=summary.skipped) if fmt.name == "megatron" else {}
     index, current, row = -1, None, None
-    for piece in fmt.read(source, facts, options, advance, **kwargs):
+    for piece in fmt.read(source, facts, options, advance, skipped=summary.skipped):
         if current is None or current != piece.request:  # a new request
             if current is not None:
                 raise SourceError(f"{source}: the routing of request {current} stops before "
@@ -316,6 +322,8 @@ def _stream(fmt: Format, source: Path, facts: ModelFacts, options: ReadOptions, 
             current = piece.request
             row = dict(prompt_index=index, prompt_id=current,
                        prompt_token_ids=piece.prompt_token_ids,
+                       prompt_tokens=piece.prompt_tokens
+                       if piece.prompt_token_ids is None else None,
                        output_token_ids=piece.output_token_ids, steps=None,
                        mean_accepted_length=None, wall_seconds=piece.seconds,
                        stop_reason=piece.finish_reason)
@@ -371,6 +379,23 @@ def parser() -> console.ArgumentParser:
     p.add_argument("--drop-shared-slot", action="store_true",
                    help="drop fused shared-expert slots (ids N…N+s−1, SGLang "
                         "--enable-shared-experts-fusion) instead of refusing them")
+    p.add_argument("--prompt-start", default="0", metavar="N|prompt|auto",
+                   help="vllm, sglang: where each response's rows start (vLLM's request field "
+                        "routed_experts_prompt_start, SGLang's routed_experts_start_len; no "
+                        "response echoes it): N, 'prompt' (decode rows only, what "
+                        "export-routing writes) or 'auto' (from each response's row count); "
+                        "default 0")
+    p.add_argument("--microbatches-per-step", type=int, default=1, metavar="M",
+                   help="megatron: microbatches per training iteration (every microbatch's "
+                        "router call is stamped with the iteration); default 1")
+    p.add_argument("--layer-base", type=int, default=0, choices=(0, 1),
+                   help="megatron: 0 = the hook path (decoder.layers.<i>), 1 = record_indices "
+                        "(inference with --moe-enable-routing-replay: layer_number, 1-based, "
+                        "global across pipeline stages); default 0")
+    p.add_argument("--merge-ranks", action="store_true",
+                   help="megatron: read a folder's rank files as one stream, each step's "
+                        "records concatenated in rank order (tensor-parallel ranks under "
+                        "sequence parallelism; pipeline stages with global layer numbers)")
     p.add_argument("--part-rows", type=int, default=PART_ROWS,
                    help="token-layers per routing_ids part (bounds memory)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -399,6 +424,7 @@ def preflight(args) -> tuple[Format, ModelFacts]:
         check_name(args.bench, "--bench")
     except InvalidName as exc:
         raise ImportRefused(str(exc)) from None
+    args.read_options = read_options(args, fmt)
     check_source(args.source, fmt)
     if args.batching == "recorded" and not fmt.recorded_passes:
         raise ImportRefused(f"--batching recorded: {fmt.engine}'s format records no forward "
@@ -412,6 +438,29 @@ def preflight(args) -> tuple[Format, ModelFacts]:
     facts = read_facts(args.model)
     check_run_free(args.out, facts.name, args.bench, args.run)
     return fmt, facts
+
+
+def read_options(args, fmt: Format) -> ReadOptions:
+    """The reading options as given, each refused in one line where the format does not read
+    it or its value is out of range."""
+    from moe_spec.capture.engines.base import parse_prompt_start
+    try:
+        start = parse_prompt_start(args.prompt_start)
+    except ValueError as exc:
+        raise ImportRefused(str(exc)) from None
+    if not 1 <= args.microbatches_per_step <= 4096:
+        raise ImportRefused(f"--microbatches-per-step {args.microbatches_per_step} must be "
+                            "within 1 … 4096")
+    options = ReadOptions(tokens=args.tokens, drop_shared_slot=args.drop_shared_slot,
+                          prompt_start=start, microbatches=args.microbatches_per_step,
+                          layer_base=args.layer_base, merge_ranks=args.merge_ranks)
+    flags = dict(prompt_start="--prompt-start", microbatches="--microbatches-per-step",
+                 layer_base="--layer-base", merge_ranks="--merge-ranks")
+    for name, flag in flags.items():
+        if getattr(options, name) != getattr(ReadOptions(), name) and name not in fmt.options:
+            readers = [f.name for f in FORMATS.values() if name in f.options]
+            raise ImportRefused(f"{flag} applies to {', '.join(readers)}, not {fmt.name}")
+    return options
 
 
 def print_summary(s: ImportSummary, facts: ModelFacts) -> None:
@@ -450,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         fmt, facts = preflight(args)
         summary = import_routing(
             fmt, args.source, facts, args.out, args.bench, args.run, role=args.role,
-            options=ReadOptions(tokens=args.tokens, drop_shared_slot=args.drop_shared_slot),
+            options=args.read_options,
             batching=args.batching, batch_size=args.batch_size, part_rows=args.part_rows,
             progress=not args.no_progress)
     except (UserError, ValueError) as exc:  # ValueError: a library's refusal, in one line too

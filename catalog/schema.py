@@ -66,6 +66,9 @@ TABLES: dict[str, pa.Schema] = {
         pa.field("mean_accepted_length", pa.float64()),  # τ = mean(accepted drafts + 1)
         pa.field("wall_seconds", pa.float64()),
         pa.field("stop_reason", pa.string()),
+        # the prompt's length where a source counts its tokens without giving them (an imported
+        # SGLang or vLLM response: usage.prompt_tokens); null where prompt_token_ids say it
+        pa.field("prompt_tokens", pa.int32()),
     ]),
     # one row per verification pass
     "trees": pa.schema(_KEY + _STEP + [

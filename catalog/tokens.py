@@ -112,7 +112,7 @@ def requests(run: Run, *, prompt_tokens: bool = False) -> Iterator[Request]:
             pending.append(nxt)
         prompt = seq["prompt_token_ids"]
         yield Request(index, seq["prompt_id"], take(index, seq["prompt_id"]),
-                      len(prompt) if prompt is not None else None,
+                      len(prompt) if prompt is not None else seq.get("prompt_tokens"),
                       seq["output_token_ids"], seq["stop_reason"])
 
 
@@ -141,8 +141,9 @@ def sequences(run: Run) -> Iterator[dict]:
             yield from t.to_pylist()
         return
     for path in parts:
-        try:
-            t = location.read_table(path, columns=columns, page_checksum_verification=True)
+        try:  # a routing-only run's parts are small: read whole, the prompt count where stored
+            t = location.read_table(path, page_checksum_verification=True)
+            t = t.select([c for c in columns + ["prompt_tokens"] if c in t.column_names])
         except (pa.ArrowException, OSError) as exc:
             raise CatalogError(f"{path}: corrupt or unreadable sequences part "
                                f"({reader.reason(exc, path)}); import the routing again") from exc

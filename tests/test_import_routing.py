@@ -87,7 +87,7 @@ def test_capture_export_import_gives_the_same_ids_and_figures(captured, facts, t
     batching = "virtual" if fmt == "llamacpp" else "auto"  # llama.cpp: one sequence a file
     summary = import_routing.import_routing(
         FORMATS[fmt], dest, facts(family), captured, "mbpp", name, batching=batching,
-        batch_size=B, progress=False)
+        batch_size=B, progress=False, options=EXPORTED[fmt])
     run = the_run(captured, name, family)
     assert run.routing_only and run.source_format == fmt
     assert summary.tokens == exported.tokens and summary.token_layers == \
@@ -111,6 +111,10 @@ def test_capture_export_import_gives_the_same_ids_and_figures(captured, facts, t
 
 # --- hostile sources ------------------------------------------------------------------------------
 N, K, L = 64, 8, 8  # tiny-olmoe
+# export-routing writes decode rows only (a capture records no prefill): the responses of requests
+# whose prompt start (vLLM) / start length (SGLang) was the prompt's length
+EXPORTED = {f: ReadOptions(prompt_start="prompt") if f in ("vllm", "sglang") else ReadOptions()
+            for f in FORMATS}
 
 
 def good_ids(tokens_: int, seed: int = 0) -> np.ndarray:
@@ -119,15 +123,27 @@ def good_ids(tokens_: int, seed: int = 0) -> np.ndarray:
     return np.stack(rows).reshape(tokens_, L, K) if rows else np.zeros((0, L, K), np.int64)
 
 
-def sglang_record(ids_: np.ndarray, prompt: int = 5, rid: str = "r0", start: int | None = None,
-                  completion: int | None = None, encoded: str | None = None) -> dict:
-    start = prompt if start is None else start
+def sglang_record(ids_: np.ndarray, prompt: int = 5, rid: str = "r0", start: int = 0,
+                  completion: int | None = None, encoded: str | None = None,
+                  dtype: str | None = None) -> dict:
+    """What SGLang's /generate returns (``tokenizer_manager`` meta_info; the capturer's base64 of
+    the ids' bytes) for a request of ``prompt`` tokens whose decode rows are ``ids_``: the rows
+    cover positions [start, prompt + completion − 1), ``start`` the request's
+    routed_experts_start_len (never echoed); prompt rows repeat the first decode row."""
     completion = len(ids_) + 1 if completion is None else completion
-    return {"text": "", "meta_info": {
-        "id": rid, "prompt_tokens": prompt, "completion_tokens": completion,
-        "routed_experts_start_len": start,
-        "routed_experts": encoded if encoded is not None else
-        base64.b64encode(np.asarray(ids_, "<i4").tobytes()).decode()}}
+    ids_ = np.asarray(ids_)
+    lead = np.repeat(ids_[:1], prompt, axis=0) if len(ids_) else \
+        np.zeros((prompt, *ids_.shape[1:]), np.int64)
+    rows = np.concatenate([lead, ids_])[start:]
+    meta = {"id": rid, "finish_reason": {"type": "length", "length": completion},
+            "prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": 0,
+            "e2e_latency": 0.5,
+            "routed_experts": encoded if encoded is not None else
+            base64.b64encode(rows.astype(np.dtype(dtype or "int32").newbyteorder("<"))
+                             .tobytes()).decode()}
+    if dtype:
+        meta["routed_experts_dtype"] = dtype
+    return {"text": "", "meta_info": meta}
 
 
 def write_lines(path: Path, records: list, tail: str = "") -> Path:
@@ -164,7 +180,7 @@ def test_good_sources_of_every_kind_import(tmp_path, facts):
 
 @pytest.mark.parametrize("case", [
     "wrong shape", "sentinel", "padding", "cut short", "not json", "bad base64", "id >= N",
-    "layers", "start past prompt", "no routed_experts", "empty"])
+    "layers", "unknown start", "no routed_experts", "empty"])
 def test_a_hostile_sglang_source_is_one_line_and_commits_nothing(case, tmp_path, capsys):
     ids_ = good_ids(3)
     path = tmp_path / "s.jsonl"
@@ -198,9 +214,9 @@ def test_a_hostile_sglang_source_is_one_line_and_commits_nothing(case, tmp_path,
     elif case == "layers":  # a model with 6 MoE layers served this
         write_lines(path, [sglang_record(ids_[:, :6].copy())])
         refused(capsys, tmp_path, "sglang", path, "layer count disagrees")
-    elif case == "start past prompt":
-        write_lines(path, [sglang_record(ids_, start=9)])
-        refused(capsys, tmp_path, "sglang", path, "routed_experts_start_len")
+    elif case == "unknown start":  # SGLang never echoes routed_experts_start_len
+        write_lines(path, [sglang_record(ids_, start=3)])
+        refused(capsys, tmp_path, "sglang", path, "routed_experts_start_len", "--prompt-start 3")
     elif case == "no routed_experts":
         del good["meta_info"]["routed_experts"]
         write_lines(path, [good])
@@ -240,22 +256,33 @@ def test_dense_layer_slots_are_dropped_and_fused_shared_experts_named(tmp_path, 
     refused(capsys, tmp_path, "sglang", path, "dense layers", model="tiny-deepseek-v3")
 
 
-def vllm_record(ids_: np.ndarray, prompt: int = 3, split: bool = False, nested: bool = False,
-                completion: int | None = None) -> dict:
-    from moe_spec.capture.engines.vllm import npy_base64
-    completion = len(ids_) - (0 if split else prompt) + 1 if completion is None else completion
-    routed = ids_.tolist() if nested else npy_base64(ids_.astype(np.int16))
-    record = {"id": "cmpl-1", "created": 1700000000,
-              "usage": {"prompt_tokens": prompt, "completion_tokens": completion},
-              "choices": [{"index": 0, "routed_experts": routed, "finish_reason": "stop"}]}
-    if split:
-        record["prompt_routed_experts"] = None
-    return record
+def numpy2base64(arr: np.ndarray) -> str:
+    """vLLM's ``vllm.utils.serial_utils.numpy2base64``: base64 of ``np.save`` output."""
+    import io
+    buffer = io.BytesIO()
+    np.save(buffer, arr)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def vllm_record(ids_: np.ndarray, prompt: int = 3, nested: bool = False,
+                completion: int | None = None, dtype=np.int32) -> dict:
+    """What vLLM's ``request_output_to_completion_response`` writes for one prompt and n = 1
+    (``ids_``: the rows from the request's prompt start on)."""
+    completion = len(ids_) - prompt + 1 if completion is None else completion
+    routed = ids_.tolist() if nested else numpy2base64(ids_.astype(dtype))
+    return {"id": "cmpl-1", "object": "text_completion", "created": 1700000000, "model": "m",
+            "choices": [{"index": 0, "text": "", "logprobs": None, "finish_reason": "stop",
+                         "stop_reason": None, "prompt_logprobs": None, "prompt_token_ids": None,
+                         "token_ids": None, "routed_experts": routed}],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                      "completion_tokens": completion, "prompt_tokens_details": None},
+            "system_fingerprint": None, "kv_transfer_params": None}
 
 
 def test_vllm_layouts_and_prompt_rows(tmp_path, facts, capsys):
-    """The whole-sequence layout (rows = prompt + completion − 1) keeps decode rows, prompt rows
-    with --tokens all (token < 0); the split layout; nested lists; a wrong row count."""
+    """The whole sequence (rows = prompt + completion − 1) keeps decode rows, prompt rows with
+    --tokens all (token < 0); nested lists; a wrong row count; the non-upstream split layout
+    (prompt_routed_experts) refused."""
     full = good_ids(7)  # 3 prompt rows + 4 decode rows
     path = write_lines(tmp_path / "v.jsonl", [vllm_record(full, nested=True)])
     f = facts("tiny-olmoe")
@@ -264,6 +291,7 @@ def test_vllm_layouts_and_prompt_rows(tmp_path, facts, capsys):
     assert (s.tokens, s.prompt_rows) == (4, 0)
     got = next(tokens.requests(the_run(tmp_path / "t", "dec")))
     assert np.array_equal(got.tokens.ids, full[3:]) and got.tokens.token.tolist() == [0, 1, 2, 3]
+    assert got.prompt_len == 3  # usage.prompt_tokens kept without the prompt's ids
     s = import_routing.import_routing(FORMATS["vllm"], path, f, tmp_path / "t", "b", "all",
                                       options=ReadOptions(tokens="all"), progress=False)
     assert (s.tokens, s.prompt_rows) == (4, 3)
@@ -271,16 +299,77 @@ def test_vllm_layouts_and_prompt_rows(tmp_path, facts, capsys):
     every = next(tokens.requests(run, prompt_tokens=True)).tokens
     assert every.token.tolist() == [-3, -2, -1, 0, 1, 2, 3]
     assert ids.figures(run).tokens == 4  # the analyses read decode tokens only
-    split = write_lines(tmp_path / "s.jsonl", [vllm_record(full[3:], split=True)])
-    import_routing.import_routing(FORMATS["vllm"], split, f, tmp_path / "t", "b", "split",
-                                  progress=False)
-    got = next(tokens.requests(the_run(tmp_path / "t", "split")))
-    assert np.array_equal(got.tokens.ids, full[3:])
+    for dtype in (np.uint8, np.uint16):
+        one = write_lines(tmp_path / f"{dtype.__name__}.jsonl", [vllm_record(full, dtype=dtype)])
+        import_routing.import_routing(FORMATS["vllm"], one, f, tmp_path / "t", "b",
+                                      dtype.__name__, progress=False)
+        got = next(tokens.requests(the_run(tmp_path / "t", dtype.__name__)))
+        assert np.array_equal(got.tokens.ids, full[3:])
     bad = write_lines(tmp_path / "w.jsonl", [vllm_record(full, completion=9)])
     refused(capsys, tmp_path, "vllm", bad, "wrong shape")
     ragged = vllm_record(full, nested=True)
     ragged["choices"][0]["routed_experts"][2][1] = [1, 2]
     refused(capsys, tmp_path, "vllm", write_lines(tmp_path / "r.jsonl", [ragged]), "ragged")
+    split = {**vllm_record(full[3:], prompt=0), "prompt_routed_experts": None}
+    refused(capsys, tmp_path, "vllm", write_lines(tmp_path / "s.jsonl", [split]),
+            "prompt_routed_experts is no field of upstream vLLM")
+
+
+def test_vllm_several_prompts_take_each_choices_own_prompt(tmp_path, facts, capsys):
+    """Path 1: /v1/completions with two prompts (3 and 5 tokens, return_token_ids): one choice per
+    prompt, usage.prompt_tokens the sum (8); each choice's prompt_token_ids give its rows."""
+    f = facts("tiny-olmoe")
+    prompts, outs = [[11, 12, 13], [21, 22, 23, 24, 25]], [[1, 2, 3, 4], [5, 6]]
+    rows = [good_ids(len(p) + len(o) - 1, seed) for seed, (p, o) in enumerate(zip(prompts, outs))]
+    choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": "length",
+                "stop_reason": None, "prompt_logprobs": None, "prompt_token_ids": p,
+                "token_ids": o, "routed_experts": numpy2base64(r.astype(np.int32))}
+               for i, (p, o, r) in enumerate(zip(prompts, outs, rows))]
+    record = {"id": "cmpl-x", "object": "text_completion", "created": 1700000000, "model": "m",
+              "choices": choices, "usage": {"prompt_tokens": 8, "completion_tokens": 6,
+                                            "total_tokens": 14}}
+    path = write_lines(tmp_path / "m.jsonl", [record])
+    s = import_routing.import_routing(FORMATS["vllm"], path, f, tmp_path / "t", "b", "multi",
+                                      progress=False)
+    assert (s.requests, s.tokens) == (2, 3 + 1)
+    got = list(tokens.requests(the_run(tmp_path / "t", "multi")))
+    assert [r.prompt_id for r in got] == ["cmpl-x-0", "cmpl-x-1"]
+    assert [r.prompt_len for r in got] == [3, 5]
+    for r, full, p in zip(got, rows, prompts):
+        assert np.array_equal(r.tokens.ids, full[len(p):])
+    for c in choices:  # without return_token_ids: the summed usage cannot be split
+        c["prompt_token_ids"] = c["token_ids"] = None
+    refused(capsys, tmp_path, "vllm", write_lines(tmp_path / "n.jsonl", [record]),
+            "return_token_ids")
+
+
+def test_vllm_prompt_start_and_dense_layer_slots(tmp_path, facts, capsys):
+    """Path 2: a request with routed_experts_prompt_start = 2 on tiny-deepseek-v3 (layer 0 dense):
+    the rows start at position 2, the layer axis is num_hidden_layers with zeros in the dense
+    layer's slot (vLLM's buffer). The response cannot tell the start: refused naming
+    --prompt-start; read with it, or with auto."""
+    f = facts("tiny-deepseek-v3")
+    n, k, p, c, start = f.num_experts, f.top_k, 6, 5, 2
+    rng = np.random.default_rng(5)
+    moe = np.stack([rng.permutation(n)[:k] for _ in range((p + c - 1) * 7)]) \
+        .reshape(p + c - 1, 7, k)
+    full = np.zeros((p + c - 1, f.num_layers, k), np.int32)
+    full[:, 1:] = moe
+    record = vllm_record(full[start:], prompt=p, completion=c)
+    path = write_lines(tmp_path / "p.jsonl", [record])
+    refused(capsys, tmp_path, "vllm", path, "routed_experts_prompt_start", "--prompt-start 2",
+            model="tiny-deepseek-v3")
+    for option in ("2", "auto"):
+        code = import_routing.main([str(path), "--format", "vllm", "--model",
+                                    "tiny-deepseek-v3", "--bench", "b", "--run", f"s{option}",
+                                    "--out", str(tmp_path / "t"), "--no-progress", "--tokens",
+                                    "all", "--prompt-start", option])
+        assert code == 0, capsys.readouterr().err
+        got = next(tokens.requests(the_run(tmp_path / "t", f"s{option}"), prompt_tokens=True))
+        assert got.tokens.token.tolist() == list(range(start - p, c - 1))
+        assert np.array_equal(got.tokens.ids, moe[start:])
+    refused(capsys, tmp_path, "vllm", path, "past the prompt", model="tiny-deepseek-v3",
+            extra=("--prompt-start", "9"))
 
 
 def megatron_lines(steps: list[np.ndarray], skip_layer: tuple | None = None) -> list[dict]:
@@ -314,27 +403,62 @@ def test_megatron_steps_are_batch_passes_and_bad_steps_are_named(tmp_path, facts
     refused(capsys, tmp_path, "megatron", path, "wrong shape")
 
 
+def moe_trace_rows(ubatch: np.ndarray, n_layer: int = L, seed: int = 0) -> list[str]:
+    """What llama.cpp's moe-trace eval callback writes for one ubatch whose true top-k ids are
+    ``ubatch`` ``[n, L, k]`` (every layer MoE): per layer in order, the ``ffn_moe_topk-<il>``
+    tensor copied as if contiguous. It is a strided view of the argsort ``[n, N]`` (its first k
+    columns), so for n > 1 the copy holds the first n·k values of the argsort: token 0's full
+    ranking, not the top-k of each token; and the last layer (il = n_layer − 1) routes only the
+    output token in a multi-token ubatch (``inp_out_ids`` gathered before its MoE block)."""
+    rng = np.random.default_rng(seed)
+    n = len(ubatch)
+    out = []
+    for layer in range(n_layer):
+        top = ubatch[:, layer]  # [n, k]
+        if n == 1:
+            copied = top.reshape(-1)
+        elif layer == n_layer - 1:  # only the output (last) token reaches this MoE block
+            copied = top[-1]
+        else:
+            argsort = np.stack([np.r_[t, rng.permutation(np.setdiff1d(np.arange(N), t))]
+                                for t in top])  # [n, N]: each token's ranking, top-k first
+            copied = argsort.reshape(-1)[:n * K]  # the strided view read as contiguous
+        out += [f"{layer},{e}" for e in copied]
+    return out
+
+
 def test_llamacpp_ubatches_are_rebuilt_from_rows(tmp_path, facts, capsys):
-    """A prompt ubatch of 3 tokens, then 2 one-token decode ubatches: layer,expert rows."""
-    prompt, decode = good_ids(3, 3), good_ids(2, 4)
-    rows = ["layer,expert"]
-    for ub in (prompt, decode[:1], decode[1:]):
-        for layer in range(L):
-            rows += [f"{layer},{e}" for e in ub[:, layer].reshape(-1)]
+    """Path 8: a prompt ubatch of 4 tokens (its rows strided copies, its last layer the output
+    token only), then 3 one-token decode ubatches: the decode tokens are read exactly, the prompt
+    ubatch dropped (counted), with --tokens all too; a multi-token ubatch after decoding began,
+    a lost row and a header-only file are refused."""
+    prompt, decode = good_ids(4, 3), good_ids(3, 4)
+    rows = ["layer,expert"] + moe_trace_rows(prompt)
+    for t in range(len(decode)):
+        rows += moe_trace_rows(decode[t:t + 1])
     path = tmp_path / "trace.csv"
     path.write_text("\n".join(rows) + "\n")
     f = facts("tiny-olmoe")
-    s = import_routing.import_routing(FORMATS["llamacpp"], path, f, tmp_path / "t", "b", "cpp",
-                                      options=ReadOptions(tokens="all"), progress=False)
-    assert (s.tokens, s.prompt_rows) == (2, 3)
-    got = next(tokens.requests(the_run(tmp_path / "t", "cpp"), prompt_tokens=True)).tokens
-    assert got.token.tolist() == [-3, -2, -1, 0, 1]
-    assert np.array_equal(got.ids, np.concatenate([prompt, decode]))
-    assert got.step.tolist() == [0, 0, 0, 1, 2]
+    for mode in ("decode", "all"):
+        s = import_routing.import_routing(FORMATS["llamacpp"], path, f, tmp_path / "t", "b",
+                                          f"cpp-{mode}", options=ReadOptions(tokens=mode),
+                                          progress=False)
+        assert (s.tokens, s.prompt_rows) == (3, 0)
+        assert s.skipped == {"prompt ubatch rows dropped (moe-trace copies them from a strided "
+                             "view)": 4}
+        got = next(tokens.requests(the_run(tmp_path / "t", f"cpp-{mode}"),
+                                   prompt_tokens=True)).tokens
+        assert got.token.tolist() == [0, 1, 2] and got.step.tolist() == [1, 2, 3]
+        assert np.array_equal(got.ids, decode)
+    late = rows + moe_trace_rows(good_ids(2, 9))
+    path.write_text("\n".join(late) + "\n")
+    refused(capsys, tmp_path, "llamacpp", path, "after decoding began", "strided")
     path.write_text("\n".join(rows[:-3]) + "\n")  # the last token's last layer lost 3 rows
     refused(capsys, tmp_path, "llamacpp", path, "wrong shape")
     path.write_text("\n".join(rows) + "\n7,\n")  # a cut-short last row
     refused(capsys, tmp_path, "llamacpp", path, "layer,expert")
+    path.write_text("layer,expert\n")  # issue 60: only the header
+    refused(capsys, tmp_path, "llamacpp", path, "no `layer,expert` row")
 
 
 # --- a routing-only run among the others -------------------------------------------------------

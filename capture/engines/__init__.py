@@ -31,18 +31,22 @@ class Format:
     write: Callable
     writes_passes: bool = False  # write() takes batch passes, not requests
     dest_is_folder: bool = False
+    options: tuple[str, ...] = ()  # the ReadOptions fields (besides tokens) this format reads
 
 
 FORMATS: dict[str, Format] = {f.name: f for f in (
     Format("vllm", "vLLM", "--enable-return-routed-experts", "a .jsonl of responses (or a folder "
-           "of them)", vllm.VERSION, False, vllm.read, vllm.write),
+           "of them)", vllm.VERSION, False, vllm.read, vllm.write,
+           options=("prompt_start", "drop_shared_slot")),
     Format("sglang", "SGLang", "--enable-return-routed-experts + return_routed_experts per "
            "request", "a .jsonl of responses (or a folder of them)", sglang.VERSION, False,
-           sglang.read, sglang.write),
+           sglang.read, sglang.write, options=("prompt_start", "drop_shared_slot")),
     Format("megatron", "Megatron-LM", "--moe-routing-trace-path DIR (RouterTracer)",
            "router_trace_rank<r>.jsonl, or the folder of them", megatron.VERSION, True,
-           megatron.read, megatron.write, writes_passes=True, dest_is_folder=True),
+           megatron.read, megatron.write, writes_passes=True, dest_is_folder=True,
+           options=("microbatches", "layer_base", "merge_ranks", "drop_shared_slot")),
     Format("llamacpp", "llama.cpp", "the moe-trace example (MOE_TRACE_OUT=trace.csv)",
            "a layer,expert .csv (or a folder: one request per file)", llamacpp.VERSION, True,
-           llamacpp.read, llamacpp.write, dest_is_folder=True),
+           llamacpp.read, llamacpp.write, dest_is_folder=True,
+           options=("drop_shared_slot",)),
 )}

@@ -13,7 +13,9 @@ commits nothing.
 from __future__ import annotations
 
 import binascii
+import io
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,8 +57,54 @@ class ModelFacts:
 
 @dataclass(frozen=True)
 class ReadOptions:
+    """What the source cannot say about itself (each names the engine setting it stands for)."""
+
     tokens: str = "decode"  # decode: generated tokens only; all: prompt rows too (j < 0)
     drop_shared_slot: bool = False  # drop fused shared-expert slots (ids N … N+s−1)
+    # vLLM routed_experts_prompt_start / SGLang routed_experts_start_len: request fields no
+    # response echoes. An int (every request's), "prompt" (decode rows only: the start at
+    # each request's prompt length) or "auto" (each response's start from its row count)
+    prompt_start: int | str = 0
+    microbatches: int = 1  # Megatron: forward passes (microbatches) per training iteration
+    layer_base: int = 0  # Megatron: 0 = hook path (decoder.layers.<i>), 1 = record_indices
+    merge_ranks: bool = False  # Megatron: merge the rank files of a folder into one stream
+
+
+PROMPT_STARTS = ("prompt", "auto")
+
+
+def parse_prompt_start(text: str) -> int | str:
+    """``--prompt-start`` as given: a whole number, ``prompt`` or ``auto``."""
+    if text in PROMPT_STARTS:
+        return text
+    if not re.fullmatch(r"[0-9]{1,9}", text or ""):
+        raise ValueError(f"--prompt-start {text!r}: a whole number (0 … 999999999), 'prompt' "
+                         "or 'auto'")
+    return int(text)
+
+
+def resolve_start(option: int | str, prompt: int, implied: int | None, where: str,
+                  field_name: str) -> int:
+    """The first position a response's rows cover: the option's, checked against the start its
+    row count implies (``implied``: prompt + completion − 1 − rows; None where the row count is
+    not known yet). One line, naming ``--prompt-start``, where they disagree."""
+    if option == "auto":
+        if implied is None or not 0 <= implied <= prompt:
+            raise SourceError(f"{where}: the row count implies a start of {implied} (prompt "
+                              f"{prompt} tokens): not a {field_name} between 0 and the prompt "
+                              "(wrong shape)")
+        return implied
+    start = prompt if option == "prompt" else int(option)
+    if start > prompt:
+        raise SourceError(f"{where}: --prompt-start {start} is past the prompt ({prompt} "
+                          "tokens)")
+    if implied is not None and implied != start:
+        hint = (f"; the rows would fit {field_name} = {implied} (a request field the response "
+                f"does not echo): pass --prompt-start {implied if implied else 0}, 'prompt' or"
+                " 'auto'" if 0 <= implied <= prompt else "")
+        raise SourceError(f"{where}: the rows do not cover positions {start} … (prompt + "
+                          f"completion − 1) for --prompt-start {option} (wrong shape){hint}")
+    return start
 
 
 @dataclass
@@ -71,6 +119,7 @@ class Piece:
     timestamp: float | None = None
     last: bool = True
     prompt_token_ids: list[int] | None = None
+    prompt_tokens: int | None = None  # the prompt's length, where the source counts it
     output_token_ids: list[int] | None = None
     finish_reason: str | None = None
     seconds: float | None = None  # the request's wall time, where recorded
@@ -162,10 +211,84 @@ def b64_bytes(text, where: str, field_name: str) -> bytes:
         raise SourceError(f"{where}: {field_name} is not valid base64 ({exc})") from None
 
 
-def whole(value, where: str, field_name: str, low: int = 0) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise SourceError(f"{where}: {field_name} is {value!r}, not a whole number ≥ {low}")
+MAX_COUNT = 2**31 - 1  # token counts, positions, steps: what the int32 columns hold
+
+
+def whole(value, where: str, field_name: str, low: int = 0, high: int = MAX_COUNT) -> int:
+    """A JSON integer within ``low … high`` (never a bool, string or float), or one line."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        shown = repr(value) if not isinstance(value, int) or abs(value) < 10**12 else \
+            f"{'-' if value < 0 else ''}a {len(str(abs(value)))}-digit number"
+        raise SourceError(f"{where}: {field_name} is {shown[:40]}, not a whole number within "
+                          f"{low} … {high}")
     return value
+
+
+def finite(value, where: str, field_name: str) -> float | None:
+    """An optional JSON number (a timestamp, a latency) as a finite float; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SourceError(f"{where}: {field_name} is {type(value).__name__}, not a number")
+    try:
+        out = float(value)
+    except OverflowError:
+        out = math.inf
+    if not math.isfinite(out):
+        raise SourceError(f"{where}: {field_name} is not a finite number")
+    return out
+
+
+def id_array(value, where: str, field_name: str) -> np.ndarray:
+    """Nested JSON lists of expert ids as an int64 array: every leaf a JSON integer (never a
+    bool, string, float or null), lists of equal length, or one line."""
+    try:
+        arr = np.asarray(value)
+    except (ValueError, OverflowError, TypeError):
+        raise SourceError(f"{where}: {field_name} is a ragged nested list, not [tokens, "
+                          "layers, top-k]: wrong shape") from None
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        kind = {"b": "true/false", "U": "strings", "S": "strings", "f": "non-integer numbers",
+                "O": "null, out-of-range or mixed values"}.get(arr.dtype.kind, str(arr.dtype))
+        raise SourceError(f"{where}: {field_name} holds {kind}, not integer expert ids")
+    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
+        raise SourceError(f"{where}: {field_name} holds an id too large for an expert")
+    return arr.astype(np.int64, copy=False)
+
+
+def npy_array(raw: bytes, where: str, field_name: str, rows: int | None = None) -> np.ndarray:
+    """A ``.npy`` file's bytes as an integer array viewing them (no copy): its header checked
+    first (an integer dtype, a 3-d shape, ``rows`` rows where known, exactly the bytes the shape
+    needs), so a header that declares more than the bytes hold allocates nothing."""
+    f = io.BytesIO(raw)
+    try:
+        version = np.lib.format.read_magic(f)
+        reader = {(1, 0): np.lib.format.read_array_header_1_0,
+                  (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if reader is None:
+            raise ValueError(f"unknown .npy version {version}")
+        shape, fortran, dtype = reader(f, max_header_size=4096)
+    except (ValueError, OSError, EOFError, SyntaxError) as exc:
+        raise SourceError(f"{where}: {field_name} is a damaged .npy array "
+                          f"({str(exc)[:120]})") from None
+    if dtype.kind not in "iu" or dtype.hasobject:
+        raise SourceError(f"{where}: {field_name} holds {dtype} values, not integer ids")
+    if len(shape) != 3:
+        raise SourceError(f"{where}: {field_name} has shape {list(shape)}, expected [tokens, "
+                          "layers, top-k]: wrong shape")
+    if rows is not None and shape[0] != rows:
+        raise SourceError(f"{where}: {field_name} declares {shape[0]} rows, expected {rows}: "
+                          "wrong shape")
+    need = math.prod(shape) * dtype.itemsize
+    have = len(raw) - f.tell()
+    if need != have:
+        raise SourceError(f"{where}: {field_name}'s header declares shape {list(shape)} "
+                          f"({need:,} bytes) but {have:,} bytes follow: a damaged .npy array")
+    arr = np.frombuffer(raw, dtype, offset=f.tell()).reshape(shape, order="F" if fortran
+                                                                else "C")
+    return arr
 
 
 # --- streaming JSONL ----------------------------------------------------------------------------
@@ -189,7 +312,10 @@ def jsonl(path: Path, progress: Callable[[int], None] | None = None,
     value with escapes, is parsed whole."""
     pattern = re.compile(rb'"' + re.escape(cut_out) + rb'"\s*:\s*"') if cut_out else None
     with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
+        for number, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), 1):
+            if len(line) > MAX_LINE:
+                raise SourceError(f"{path} line {number} is longer than {MAX_LINE >> 20} MiB: "
+                                  "not one routing record")
             if progress:
                 progress(len(line))
             if not line.strip():
@@ -205,7 +331,13 @@ def jsonl(path: Path, progress: Callable[[int], None] | None = None,
                         taken = value
                         line = line[:m.end() - 1] + CUT_JSON + line[end + 1:]
             try:
-                yield number, json.loads(line), taken
+                yield number, strict_json(line), taken
+            except RecursionError:
+                raise SourceError(f"{path} line {number} nests deeper than a routing record "
+                                  "can (JSON nesting too deep)") from None
+            except NonFinite as exc:
+                raise SourceError(f"{path} line {number} holds {exc}: not a finite number") \
+                    from None
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 cut = not line.endswith(b"\n") and f.peek(1) == b""
                 if cut:
@@ -215,6 +347,30 @@ def jsonl(path: Path, progress: Callable[[int], None] | None = None,
                 why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
                 raise SourceError(f"{path} line {number} is not JSON ({why}); one JSON record "
                                   "per line is expected") from None
+
+
+MAX_LINE = 1 << 30  # bytes of one JSONL record
+
+
+class NonFinite(ValueError):
+    """``Infinity``, ``NaN`` or a number beyond float range in a JSON record."""
+
+
+def _constant(name: str):
+    raise NonFinite(name)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NonFinite(text[:40])
+    return value
+
+
+def strict_json(line: bytes):
+    """``json.loads`` without ``Infinity``/``NaN`` and with every float finite (``1e400``
+    refused); nesting is bounded by the interpreter (RecursionError, caught by the caller)."""
+    return json.loads(line, parse_constant=_constant, parse_float=_float)
 
 
 CUT = "\u0000cut"  # what a cut-out field holds after :func:`jsonl` took its value out

@@ -3,16 +3,22 @@
 one ``layer,expert`` CSV row per routed activation, for a prompt evaluation and a greedy
 continuation of one sequence.
 
-The format is this small and not precisely specified (the example is a proposal, llama.cpp
-PR 28544), so the reader accepts the minimal shape and reconstructs the rest from the row order
-the callback writes: per ubatch, per MoE layer in increasing order, the ``[n_tokens, k]`` top-k
-ids token by token. ``layer`` is llama.cpp's block index ``il`` (the decoder layer); an optional
-header line ``layer,expert`` is skipped. Then every k consecutive rows of a layer are one token,
-a ubatch ends where the layer sequence starts again, and every MoE layer of the model must route
-the same tokens in each ubatch. Ubatches are recorded forward passes (``step``). Leading
-ubatches of more than one token are the prompt's (kept with ``--tokens all``); decode starts at
-the first one-token ubatch (a prompt whose last ubatch holds one token is off by that token; a
-model with one MoE layer cannot tell ubatches apart). A folder of CSV files is one request per
+The format is this small and not precisely specified (the example is a proposal, ggml-org/
+llama.cpp PR 28544: ``examples/moe-trace``, its eval callback), so the reader accepts the minimal
+shape and reconstructs the rest from the row order the callback writes: per ubatch, per MoE
+layer in increasing order, the ``[n_tokens, k]`` top-k ids token by token. ``layer`` is
+llama.cpp's block index ``il`` (the decoder layer); an optional header line ``layer,expert`` is
+skipped. Then every k consecutive rows of a layer are one token, a ubatch ends where the layer
+sequence starts again, and every MoE layer routes the same tokens in a ubatch, except the last
+decoder layer of a multi-token (prompt) ubatch: the graph gathers the output rows
+(``inp_out_ids``) before that layer's MoE block, so it routes only the output token(s).
+
+What is trusted: the callback copies a multi-token ubatch's id tensor from a strided view as if
+contiguous, so the prompt ubatches' rows hold plausible ids that are not the top-k: they are
+dropped (counted in the summary), with ``--tokens all`` too; a multi-token ubatch after decoding
+began is refused. Decode starts at the first one-token ubatch (a prompt whose last ubatch holds
+one token is off by that token; a model with one MoE layer cannot tell ubatches apart); each
+decode ubatch is a recorded forward pass (``step``). A folder of CSV files is one request per
 file (its name the request id).
 
 Write (``export-routing --format llamacpp``): ``DEST`` (a folder), one ``<request>.csv`` per
@@ -50,16 +56,18 @@ def _columns(path: Path) -> tuple[list[str] | None, int]:
     return (["layer", "expert"], 1 if first == b"layer,expert" else 0)
 
 
+PROMPT_DROPPED = "prompt ubatch rows dropped (moe-trace copies them from a strided view)"
+
+
 class _Ubatches:
     """Rows → tokens → ubatches, streamed: complete ubatches come out, the rest waits."""
 
-    def __init__(self, path: Path, facts: ModelFacts, options: ReadOptions):
-        self.path, self.facts, self.options = path, facts, options
+    def __init__(self, path: Path, facts: ModelFacts, options: ReadOptions, skipped: dict):
+        self.path, self.facts, self.options, self.skipped = path, facts, options, skipped
         self.layer = np.zeros(0, np.int64)
         self.expert = np.zeros(0, np.int64)
         self.ubatch = 0
         self.decoding = False
-        self.prompt: list[np.ndarray] = []  # prompt ubatches' ids, until decode starts
         self.next_token = 0
 
     def feed(self, layer: np.ndarray, expert: np.ndarray, final: bool) -> Iterator[Piece]:
@@ -89,39 +97,44 @@ class _Ubatches:
             raise SourceError(f"{where}: rows for layers {layers.tolist()}, but "
                               f"{facts.describe()} has MoE layers {list(facts.moe_layers)} (the "
                               "layer count disagrees with the config, or rows are missing)")
-        if (lengths % k).any() or len(set(lengths.tolist())) != 1:
-            raise SourceError(f"{where}: {lengths.tolist()} rows at its layers: not the same "
-                              f"whole number of tokens × k={k} at every layer (wrong shape)")
+        if (lengths % k).any():
+            raise SourceError(f"{where}: {lengths.tolist()} rows at its layers: not a whole "
+                              f"number of tokens × k={k} at every layer (wrong shape)")
         n = int(lengths[0]) // k
-        arr = self.expert[lo:hi].reshape(len(layers), n, k).transpose(1, 0, 2)
-        ids = checked_ids(arr, facts, self.options, where)
+        last_gathers = facts.moe_layers[-1] == facts.num_layers - 1 and len(lengths) > 1
+        body = lengths[:-1] if last_gathers and n > 1 else lengths
+        if len(set(body.tolist())) != 1 or (body is not lengths and
+                                             not 0 < lengths[-1] <= lengths[0]):
+            raise SourceError(f"{where}: {lengths.tolist()} rows at its layers: not the same "
+                              f"tokens × k={k} at every layer (only the last decoder layer of a "
+                              "prompt ubatch routes fewer: its output tokens) (wrong shape)")
         step = self.ubatch
         self.ubatch += 1
-        if not self.decoding and n > 1:
-            self.prompt.append(ids)
+        if n > 1:  # a multi-token ubatch: strided copies, never trusted
+            if self.decoding:
+                raise SourceError(f"{where}: a ubatch of {n} tokens after decoding began: "
+                                  "moe-trace copies a multi-token ubatch's ids from a strided "
+                                  "view (not the top-k), and the reader follows one sequence")
+            self.skipped[PROMPT_DROPPED] = self.skipped.get(PROMPT_DROPPED, 0) + n
             return
-        if not self.decoding:
-            self.decoding = True
-            yield from self._prompt_rows()
+        if len(set(lengths.tolist())) != 1:
+            raise SourceError(f"{where}: {lengths.tolist()} rows at its layers: a one-token "
+                              "ubatch routes its token at every MoE layer (wrong shape)")
+        self.decoding = True
+        arr = self.expert[lo:hi].reshape(len(layers), n, k).transpose(1, 0, 2)
+        ids = checked_ids(arr, facts, self.options, where)
         token = np.arange(self.next_token, self.next_token + n, dtype=np.int32)
         self.next_token += n
         yield Piece(self.path.stem, ids, token, step=np.full(n, step, np.int64), last=False)
 
-    def _prompt_rows(self) -> Iterator[Piece]:
-        if self.options.tokens == "all" and self.prompt:
-            ids = np.concatenate(self.prompt)
-            steps = np.concatenate([np.full(len(p), u, np.int64)
-                                    for u, p in enumerate(self.prompt)])
-            yield Piece(self.path.stem, ids, np.arange(-len(ids), 0, dtype=np.int32),
-                        step=steps, last=False)
-        self.prompt = []
-
 
 def read(source: Path, facts: ModelFacts, options: ReadOptions,
-         progress: Callable[[int], None] | None = None) -> Iterator[Piece]:
+         progress: Callable[[int], None] | None = None, skipped: dict | None = None) \
+        -> Iterator[Piece]:
+    skipped = skipped if skipped is not None else {}
     for path in source_files(source, "*.csv"):
         names, skip = _columns(path)
-        state = _Ubatches(path, facts, options)
+        state = _Ubatches(path, facts, options, skipped)
         convert = pacsv.ConvertOptions(column_types={"layer": pa.int64(), "expert": pa.int64()},
                                        null_values=[], strings_can_be_null=False)
         try:
@@ -143,9 +156,9 @@ def read(source: Path, facts: ModelFacts, options: ReadOptions,
         except pa.ArrowException as exc:
             raise SourceError(f"{path}: cannot read it as CSV ({str(exc)[:160]})") from None
         pieces = list(state.feed(np.zeros(0, np.int64), np.zeros(0, np.int64), True))
-        if not state.decoding:  # every ubatch a prompt's: no decode token at all
-            state.decoding = True
-            pieces += list(state._prompt_rows())
+        if not state.ubatch:
+            raise SourceError(f"{path} holds no `layer,expert` row (only a header, or "
+                              "nothing): no routing to import")
         if pieces:
             pieces[-1].last = True
         else:

@@ -14,6 +14,10 @@ from moe_spec.errors import UserError
 from moe_spec.moe import models
 
 
+MAX_LAYERS = 4096  # decoder layers (the layer column is int16; real models have < 200)
+MAX_EXPERTS = 32767  # routed experts (ids are stored as int16)
+
+
 class ModelFactsError(UserError, ValueError):
     """A --model whose config does not say what routing needs; one line."""
 
@@ -33,12 +37,24 @@ def _dense_layers(cfg, model_type: str) -> set[int]:
     return dense
 
 
+def _check_size(model: str, name: str, value, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= high:
+        shown = repr(value)[:40] if not isinstance(value, int) or abs(value) < 10**9 else \
+            f"a {len(str(abs(value)))}-digit number"
+        raise ModelFactsError(f"the config of {model!r} says {name} = {shown}: not within 1 "
+                              f"… {high} (a model this workbench can read)")
+
+
 def model_facts(model: str) -> ModelFacts:
     """Resolve ``--model`` and read its facts, or raise one line."""
     try:
         source = models.resolve(model)
     except models.ModelError as exc:
         raise ModelFactsError(str(exc)) from None
+    early = models.read_config(model) or {}  # sizes checked before transformers builds
+    early = early.get("text_config", early) if isinstance(early.get("text_config"), dict) \
+        else early  # per-layer lists from them
+    _check_size(model, "num_hidden_layers", early.get("num_hidden_layers", 1), MAX_LAYERS)
     models.quiet_transformers()
     from transformers import AutoConfig
     try:  # a hub id: its config.json from the local cache (or the hub where it is reachable)
@@ -60,15 +76,18 @@ def model_facts(model: str) -> ModelFacts:
                               "num_experts_per_tok): not a MoE model")
     model_type = str(getattr(cfg, "model_type", config.get("model_type", "")))
     layers = getattr(cfg, "num_hidden_layers", None)
-    if not isinstance(layers, int) or layers < 1:
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
         raise ModelFactsError(f"the config of {model!r} names no num_hidden_layers")
+    n, k = shape
+    for name, value, high in (("num_hidden_layers", layers, MAX_LAYERS),
+                              ("routed experts", n, MAX_EXPERTS), ("top-k", k, n)):
+        _check_size(model, name, value, high)
     moe = tuple(i for i in range(layers) if i not in _dense_layers(cfg, model_type))
     if not moe:
         raise ModelFactsError(f"the config of {model!r} has no MoE layer (every layer dense)")
     shared = getattr(cfg, "n_shared_experts", None)
-    if not isinstance(shared, int):
+    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared <= MAX_EXPERTS:
         shared = 1 if (getattr(cfg, "shared_expert_intermediate_size", 0) or 0) > 0 else 0
-    n, k = shape
     return ModelFacts(name=source.name, location=source.location, model_type=model_type,
                       num_experts=n, top_k=k, num_layers=layers, moe_layers=moe,
                       shared_experts=int(shared),
