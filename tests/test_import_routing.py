@@ -256,6 +256,86 @@ def test_dense_layer_slots_are_dropped_and_fused_shared_experts_named(tmp_path, 
     refused(capsys, tmp_path, "sglang", path, "dense layers", model="tiny-deepseek-v3")
 
 
+def sglang_openai(ids_: np.ndarray, prompt: int = 5, n: int = 1, output_ids: bool = False,
+                  chat: bool = True) -> dict:
+    """What SGLang's OpenAI-compatible endpoints return since PR 17648
+    (``serving_chat._build_chat_response`` / ``serving_completions._build_completion_response``):
+    ``sglext.routed_experts`` at the response level, built from the first result only; ``usage``
+    counts the prompt once and every choice's completion."""
+    first = sglang_record(ids_, prompt=prompt)["meta_info"]
+    lengths = [len(ids_) + 1] + [3] * (n - 1)
+    choices = [{"index": i, "finish_reason": "length",
+                **({"message": {"role": "assistant", "content": ""}} if chat else {"text": ""})}
+               for i in range(n)]
+    ext = {"routed_experts": first["routed_experts"]}
+    if output_ids:  # return_output_ids_in_sglext
+        ext["output_ids"] = [list(range(c)) for c in lengths]
+    return {"id": "chatcmpl-1", "object": "chat.completion" if chat else "text_completion",
+            "created": 1700000000, "model": "m", "choices": choices,
+            "usage": {"prompt_tokens": prompt, "completion_tokens": sum(lengths),
+                      "total_tokens": prompt + sum(lengths)}, "sglext": ext}
+
+
+def test_sglang_openai_endpoints_read_the_response_level_sglext(tmp_path, facts, capsys):
+    """Path 3: /v1/chat/completions and /v1/completions with sglext at the response level; with
+    n = 2 only choice 0's routing is returned (its length from sglext.output_ids): read, the
+    other choice counted as skipped; without output_ids refused naming it."""
+    f = facts("tiny-olmoe")
+    ids_ = good_ids(4, 7)
+    path = write_lines(tmp_path / "o.jsonl", [sglang_openai(ids_), sglang_openai(ids_,
+                                                                                chat=False)])
+    s = import_routing.import_routing(FORMATS["sglang"], path, f, tmp_path / "t", "b", "oai",
+                                      progress=False)
+    assert (s.requests, s.tokens) == (2, 8)
+    for r in tokens.requests(the_run(tmp_path / "t", "oai")):
+        assert np.array_equal(r.tokens.ids, ids_) and r.prompt_len == 5
+    path = write_lines(tmp_path / "n.jsonl", [sglang_openai(ids_, n=2, output_ids=True)])
+    s = import_routing.import_routing(FORMATS["sglang"], path, f, tmp_path / "t", "b", "n2",
+                                      progress=False)
+    assert s.tokens == 4 and list(s.skipped.values()) == [1]
+    assert "choice 0's only" in next(iter(s.skipped))
+    path = write_lines(tmp_path / "m.jsonl", [sglang_openai(ids_, n=2)])
+    refused(capsys, tmp_path, "sglang", path, "sglext.output_ids", "choice 0")
+
+
+def test_sglang_start_len_is_a_request_option_never_read_from_meta_info(tmp_path, facts,
+                                                                        capsys):
+    """Path 4: routed_experts_start_len = 3 (a request field): refused naming --prompt-start,
+    read with it or auto; a routed_experts_start_len in meta_info (SGLang writes none) is never
+    read; the SGLang export writes none."""
+    f = facts("tiny-olmoe")
+    ids_ = good_ids(4, 8)
+    record = sglang_record(ids_, start=3)
+    record["meta_info"]["routed_experts_start_len"] = 3  # ignored: not what SGLang writes
+    path = write_lines(tmp_path / "s.jsonl", [record])
+    refused(capsys, tmp_path, "sglang", path, "--prompt-start 3")
+    for option in ("3", "auto"):
+        s = import_routing.import_routing(
+            FORMATS["sglang"], path, f, tmp_path / "t", "b", f"s{option}", progress=False,
+            options=ReadOptions(prompt_start=int(option) if option.isdigit() else option))
+        got = next(tokens.requests(the_run(tmp_path / "t", f"s{option}")))
+        assert np.array_equal(got.tokens.ids, ids_)
+    dest = tmp_path / "e.jsonl"
+    export_routing.export_routing(the_run(tmp_path / "t", "s3"), "sglang", dest)
+    meta = json.loads(dest.read_text())["meta_info"]
+    assert set(meta) <= {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+                         "routed_experts", "cached_tokens", "e2e_latency"}
+    assert meta["prompt_tokens"] == 5  # the prompt length kept
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "uint16", "int32"])
+def test_sglang_ids_in_the_dtype_meta_info_names(dtype, tmp_path, facts, capsys):
+    """Path 5: meta_info.routed_experts_dtype (an open SGLang PR: uint8/uint16 ids)."""
+    ids_ = good_ids(3, 9)
+    path = write_lines(tmp_path / "d.jsonl", [sglang_record(ids_, dtype=dtype)])
+    import_routing.import_routing(FORMATS["sglang"], path, facts("tiny-olmoe"), tmp_path / "t",
+                                  "b", "d", progress=False)
+    assert np.array_equal(next(tokens.requests(the_run(tmp_path / "t", "d"))).tokens.ids, ids_)
+    bad = sglang_record(ids_, dtype=dtype)
+    bad["meta_info"]["routed_experts_dtype"] = "float16"
+    refused(capsys, tmp_path, "sglang", write_lines(tmp_path / "b.jsonl", [bad]), "float16")
+
+
 def numpy2base64(arr: np.ndarray) -> str:
     """vLLM's ``vllm.utils.serial_utils.numpy2base64``: base64 of ``np.save`` output."""
     import io
@@ -372,6 +452,38 @@ def test_vllm_prompt_start_and_dense_layer_slots(tmp_path, facts, capsys):
             extra=("--prompt-start", "9"))
 
 
+class RouterTracer:
+    """Megatron-LM's RouterTracer serialisation, reproduced (router_trace.py): records buffered
+    per router call and written at a step boundary with ``step`` stamped (training:
+    ``advance_step(iteration)``), ``layer`` the module's ``decoder.layers.<i>`` (hooks) or the
+    given ``layer_ids`` (``record_indices``), one JSON object per line."""
+
+    def __init__(self, rank: int = 0):
+        self.rank, self.records, self.lines = rank, [], []
+
+    def hook(self, layer: int, top: np.ndarray) -> None:  # _record, training mode
+        self.records.append(dict(step=0, stage="pre_dispatch", block="decoder", layer=layer,
+                                 rank=self.rank, num_tokens=len(top), topk=top.shape[1],
+                                 top_indices=top))
+
+    def record_indices(self, indices: np.ndarray, layer_ids: list[int]) -> None:
+        for i, layer in enumerate(layer_ids):
+            self.hook(layer, indices[:, i])
+
+    def advance_step(self, step: int) -> None:
+        for rec in self.records:
+            rec["step"] = step
+            rec["top_indices"] = rec["top_indices"].tolist()
+            self.lines.append(json.dumps(rec))
+        self.records = []
+
+    def write(self, folder: Path) -> Path:
+        folder.mkdir(exist_ok=True)
+        path = folder / f"router_trace_rank{self.rank}.jsonl"
+        path.write_text("".join(line + "\n" for line in self.lines))
+        return path
+
+
 def megatron_lines(steps: list[np.ndarray], skip_layer: tuple | None = None) -> list[dict]:
     out = []
     for s, ids_ in enumerate(steps):
@@ -383,24 +495,79 @@ def megatron_lines(steps: list[np.ndarray], skip_layer: tuple | None = None) -> 
     return out
 
 
-def test_megatron_steps_are_batch_passes_and_bad_steps_are_named(tmp_path, facts, capsys):
-    steps = [good_ids(3, 1), good_ids(2, 2)]
-    lines = megatron_lines(steps)
-    lines.insert(3, dict(step=0, block="mtp", layer=0, num_tokens=1, top_indices=[[0] * K]))
-    (tmp_path / "meg").mkdir()
-    path = write_lines(tmp_path / "meg" / "router_trace_rank0.jsonl", lines)
-    s = import_routing.import_routing(FORMATS["megatron"], tmp_path / "meg", facts("tiny-olmoe"),
-                                      tmp_path / "t", "b", "meg", progress=False)
-    assert (s.requests, s.tokens, s.skipped) == (1, 5, {"mtp records": 1})
-    figs = ids.figures(the_run(tmp_path / "t", "meg"))
-    assert figs.batching == "recorded" and figs.passes == 2
-    assert figs.rows["nodes"][::L].tolist() == [3, 2]
-    write_lines(path, megatron_lines(steps, skip_layer=(1, 5)))
-    refused(capsys, tmp_path, "megatron", path, "step 1", "layer count disagrees")
-    lines = megatron_lines(steps)
-    lines[2]["num_tokens"] = 4
-    write_lines(path, lines)
-    refused(capsys, tmp_path, "megatron", path, "wrong shape")
+def test_megatron_microbatches_and_recomputation_within_an_iteration(tmp_path, facts, capsys):
+    """Path 6: training with 2 microbatches per iteration and activation recomputation: every
+    router call of an iteration carries its step; the recomputed forward re-fires the hooks (in
+    backward order) with the same ids. Refused naming --microbatches-per-step, read with it:
+    each microbatch a pass, the re-fires dropped and counted."""
+    f = facts("tiny-olmoe")
+    tracer = RouterTracer()
+    batches = {}
+    for it in (5, 6):  # iteration numbers as the training loop gives them
+        mbs = [good_ids(3, 10 * it + m) for m in range(2)]
+        batches[it] = mbs
+        for mb in mbs:  # forward of each microbatch
+            for layer in range(L):
+                tracer.hook(layer, mb[:, layer])
+        for mb in reversed(mbs):  # backward: recomputation re-runs each layer's router
+            for layer in reversed(range(L)):
+                tracer.hook(layer, mb[:, layer])
+        tracer.advance_step(it)
+    tracer.write(tmp_path / "meg")
+    refused(capsys, tmp_path, "megatron", tmp_path / "meg", "--microbatches-per-step 2")
+    s = import_routing.import_routing(FORMATS["megatron"], tmp_path / "meg", f, tmp_path / "t",
+                                      "b", "mb", options=ReadOptions(microbatches=2),
+                                      progress=False)
+    assert s.tokens == 12 and list(s.skipped.values()) == [2 * 2 * L]  # iterations × microbatches × layers
+    got = next(tokens.requests(the_run(tmp_path / "t", "mb"))).tokens
+    assert np.array_equal(got.ids, np.concatenate(batches[5] + batches[6]))
+    assert got.step.tolist() == [10] * 3 + [11] * 3 + [12] * 3 + [13] * 3  # iteration × 2 + m
+    figs = ids.figures(the_run(tmp_path / "t", "mb"))
+    assert figs.batching == "recorded" and figs.passes == 4
+
+
+def test_megatron_record_indices_layers_and_merged_rank_files(tmp_path, facts, capsys):
+    """Path 7: inference with routing replay records through record_indices(layer_ids=
+    [layer_number]), 1-based and offset by the pipeline stage (two stages of 4 layers: files
+    numbered 1…4 and 5…8); sequence parallelism shards each step's tokens over 2 tensor-parallel
+    ranks. --layer-base 1 and --merge-ranks read both; the same tokens on two ranks (no sequence
+    parallelism) are refused."""
+    f = facts("tiny-olmoe")
+    steps = [good_ids(4, 20), good_ids(2, 21)]
+    pp = tmp_path / "pp"
+    for stage in range(2):
+        tracer = RouterTracer(rank=stage)
+        layers = list(range(4 * stage, 4 * stage + 4))
+        for s_, full in enumerate(steps):
+            tracer.record_indices(full[:, layers], [x + 1 for x in layers])
+            tracer.advance_step(s_)
+        tracer.write(pp)
+    refused(capsys, tmp_path, "megatron", pp, "--layer-base 1", extra=("--merge-ranks",))
+    s = import_routing.import_routing(FORMATS["megatron"], pp, f, tmp_path / "t", "b", "pp",
+                                      options=ReadOptions(layer_base=1, merge_ranks=True),
+                                      progress=False)
+    got = next(tokens.requests(the_run(tmp_path / "t", "pp"))).tokens
+    assert s.requests == 1 and np.array_equal(got.ids, np.concatenate(steps))
+    sp = tmp_path / "sp"
+    for rank in range(2):  # each rank's router sees its half of the tokens
+        tracer = RouterTracer(rank=rank)
+        for s_, full in enumerate(steps):
+            half = full[rank * len(full) // 2:(rank + 1) * len(full) // 2]
+            for layer in range(L):
+                tracer.hook(layer, half[:, layer])
+            tracer.advance_step(s_)
+        tracer.write(sp)
+    s = import_routing.import_routing(FORMATS["megatron"], sp, f, tmp_path / "t", "b", "sp",
+                                      options=ReadOptions(merge_ranks=True), progress=False)
+    got = next(tokens.requests(the_run(tmp_path / "t", "sp"))).tokens
+    assert np.array_equal(got.ids, np.concatenate(steps)) and s.tokens == 6
+    assert got.step.tolist() == [0] * 4 + [1] * 2
+    (sp / "router_trace_rank1.jsonl").write_text((sp / "router_trace_rank0.jsonl").read_text()
+                                                 .replace('"rank": 0', '"rank": 1'))
+    refused(capsys, tmp_path, "megatron", sp, "without sequence parallelism",
+            extra=("--merge-ranks",))
+    refused(capsys, tmp_path, "sglang", sp / "router_trace_rank0.jsonl", "--merge-ranks applies "
+            "to megatron", extra=("--merge-ranks",))
 
 
 def moe_trace_rows(ubatch: np.ndarray, n_layer: int = L, seed: int = 0) -> list[str]:
