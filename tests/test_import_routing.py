@@ -624,8 +624,8 @@ def test_llamacpp_ubatches_are_rebuilt_from_rows(tmp_path, facts, capsys):
     refused(capsys, tmp_path, "llamacpp", path, "wrong shape")
     path.write_text("\n".join(rows) + "\n7,\n")  # a cut-short last row
     refused(capsys, tmp_path, "llamacpp", path, "layer,expert")
-    path.write_text("layer,expert\n")  # issue 60: only the header
-    refused(capsys, tmp_path, "llamacpp", path, "no `layer,expert` row")
+    path.write_text("layer,expert\n")  # issue 60: only the header (an empty run: refused)
+    refused(capsys, tmp_path, "llamacpp", path, "routes no token")
 
 
 # --- a routing-only run among the others -------------------------------------------------------
@@ -749,3 +749,105 @@ def test_an_import_goes_to_an_object_store_and_reads_back(s3, tmp_path, facts):
         import_routing.import_routing(FORMATS["sglang"], bad, facts("tiny-olmoe"), root, "b",
                                       "bad", part_rows=1000, progress=False)
     assert not s3.glob(f"{S3_BUCKET}/imports/*/model=*/bench=b/run=bad/*")
+
+
+# --- issue 60: imported numbers are checked as numbers -------------------------------------------
+def megatron_line(**change) -> str:
+    record = dict(step=0, stage="pre_dispatch", block="decoder", layer=0, rank=0, num_tokens=1,
+                  topk=K, top_indices=[list(range(K))])
+    return json.dumps({**record, **change})
+
+
+@pytest.mark.parametrize("case,line,words", [
+    ("bool id", megatron_line(top_indices=[[True] + list(range(1, K))]), ["true/false"]),
+    ("string id", megatron_line(top_indices=[["5"] + list(range(1, K))]), ["strings"]),
+    ("float id", megatron_line(top_indices=[[1.5] + list(range(1, K))]), ["non-integer"]),
+    ("null id", megatron_line(top_indices=[[None] + list(range(1, K))]), ["null"]),
+    ("huge id", megatron_line(top_indices=[[10**30] + list(range(1, K))]), ["out of range"]),
+    ("huge step", megatron_line(step=10**30), ["step", "31-digit"]),
+    ("1e400", megatron_line().replace('"step": 0', '"step": 1e400'), ["not a finite number"]),
+    ("Infinity", megatron_line().replace('"step": 0', '"step": Infinity'), ["Infinity"]),
+    ("bool step", megatron_line(step=True), ["step is True"]),
+    ("deep nesting", '{"top_indices": ' + "[" * 200_000 + "]" * 200_000 + "}",
+     ["nesting too deep"]),
+])
+def test_hostile_numbers_are_one_line(case, line, words, tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    path = tmp_path / "m" / "router_trace_rank0.jsonl"
+    path.write_text(line + "\n")
+    refused(capsys, tmp_path, "megatron", path, *words)
+
+
+def test_hostile_response_numbers_and_sizes_are_one_line(tmp_path, capsys):
+    ids_ = good_ids(2)
+    nan = sglang_record(ids_)
+    line = json.dumps(nan).replace('"e2e_latency": 0.5', '"e2e_latency": NaN')
+    (tmp_path / "n.jsonl").write_text(line + "\n")  # never a NaN stored
+    refused(capsys, tmp_path, "sglang", tmp_path / "n.jsonl", "NaN")
+    big = sglang_record(ids_)
+    big["meta_info"]["prompt_tokens"] = 10**30
+    refused(capsys, tmp_path, "sglang", write_lines(tmp_path / "p.jsonl", [big]),
+            "prompt_tokens", "31-digit")
+    stamp = vllm_record(good_ids(5))
+    stamp["created"] = True
+    refused(capsys, tmp_path, "vllm", write_lines(tmp_path / "c.jsonl", [stamp]), "created")
+    nested = vllm_record(good_ids(5), nested=True)
+    nested["choices"][0]["routed_experts"][0][0][0] = True
+    refused(capsys, tmp_path, "vllm", write_lines(tmp_path / "b.jsonl", [nested]), "true/false")
+    # a .npy header declaring (1e11, 8, 8) over a few bytes: refused before any allocation
+    import io
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": "<i4", "fortran_order": False,
+                                                  "shape": (10**11, 8, 8)})
+    huge = vllm_record(good_ids(5))
+    huge["choices"][0]["routed_experts"] = base64.b64encode(buffer.getvalue() + b"\0" * 64) \
+        .decode()
+    refused(capsys, tmp_path, "vllm", write_lines(tmp_path / "h.jsonl", [huge]),
+            "header declares shape [100000000000, 8, 8]")
+
+
+def test_a_config_with_absurd_sizes_is_refused(tmp_path, capsys):
+    folder = tmp_path / "absurd"
+    folder.mkdir()
+    config = json.loads((models.resolve("tiny-olmoe").path / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 10**7}))
+    src = write_lines(tmp_path / "s.jsonl", [sglang_record(good_ids(2))])
+    refused(capsys, tmp_path, "sglang", src, "num_hidden_layers = 10000000", model=str(folder))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_export_import_export_is_a_fixpoint_with_prompt_lengths(fmt, tmp_path, facts):
+    """An imported run (SGLang responses with prompts of 5, 2 and 7 tokens) exported, imported
+    and exported again: the two exports are identical, prompt lengths included."""
+    f = facts("tiny-olmoe")
+    records = [sglang_record(good_ids(t, seed), prompt=p, rid=f"q{seed}")
+               for seed, (t, p) in enumerate([(4, 5), (0, 2), (6, 7)])]
+    src = write_lines(tmp_path / "s.jsonl", records)
+    import_routing.import_routing(FORMATS["sglang"], src, f, tmp_path / "t", "b", "run0",
+                                  progress=False)
+    folder = FORMATS[fmt].dest_is_folder
+    dests = []
+    for i in range(2):
+        dest = tmp_path / (f"out{i}" if folder else f"out{i}.jsonl")
+        export_routing.export_routing(the_run(tmp_path / "t", f"run{i}"), fmt, dest,
+                                      batch_size=B)
+        import_routing.import_routing(FORMATS[fmt], dest, f, tmp_path / "t", "b", f"run{i + 1}",
+                                      options=EXPORTED[fmt], progress=False)
+        dests.append(dest)
+    if folder:
+        a, b = (sorted(p.relative_to(d) for d in [x] for p in x.rglob("*")) for x in dests)
+        assert a == b and all((dests[0] / n).read_bytes() == (dests[1] / n).read_bytes()
+                              for n in a)
+    else:
+        assert dests[0].read_bytes() == dests[1].read_bytes()
+    if fmt in ("vllm", "sglang"):
+        lines = [json.loads(x) for x in dests[0].read_text().splitlines()]
+        counts = [x["usage"]["prompt_tokens"] if fmt == "vllm" else x["meta_info"]
+                  ["prompt_tokens"] for x in lines]
+        assert counts == [5, 2, 7]
+        for r in (1, 2):
+            assert [q.prompt_len for q in tokens.requests(the_run(tmp_path / "t", f"run{r}"))] \
+                == [5, 2, 7]
+    a = np.concatenate([t.ids for t in tokens.chunks(the_run(tmp_path / "t", "run0"))])
+    b = np.concatenate([t.ids for t in tokens.chunks(the_run(tmp_path / "t", "run2"))])
+    assert np.array_equal(a, b)

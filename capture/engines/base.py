@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import binascii
 import io
+import itertools
 import json
 import math
 import re
@@ -241,21 +242,35 @@ def finite(value, where: str, field_name: str) -> float | None:
 
 def id_array(value, where: str, field_name: str) -> np.ndarray:
     """Nested JSON lists of expert ids as an int64 array: every leaf a JSON integer (never a
-    bool, string, float or null), lists of equal length, or one line."""
+    bool, string, float or null: numpy would turn ``true`` into 1), lists of equal length, or
+    one line. The leaves' types are checked level by level at C speed (``map(type, …)``)."""
+    level, depth = value, 0
+    while True:
+        if not isinstance(level, list):
+            raise SourceError(f"{where}: {field_name} is {type(level).__name__}, not a list of "
+                              "ids")
+        kinds = set(map(type, level))
+        if kinds == {list}:
+            if depth == 3:
+                raise SourceError(f"{where}: {field_name} nests deeper than [tokens, layers, "
+                                  "top-k]: wrong shape")
+            level, depth = list(itertools.chain.from_iterable(level)), depth + 1
+            continue
+        break
+    if kinds - {int}:
+        bad = sorted(k.__name__ for k in kinds - {int})
+        names = {"bool": "true/false", "str": "strings", "float": "non-integer numbers",
+                 "NoneType": "null", "list": "lists beside ids (ragged)", "dict": "objects"}
+        raise SourceError(f"{where}: {field_name} holds "
+                          f"{', '.join(names.get(b, b) for b in bad)}, not integer expert ids")
     try:
-        arr = np.asarray(value)
-    except (ValueError, OverflowError, TypeError):
+        return np.asarray(value, dtype=np.int64)
+    except OverflowError:
+        raise SourceError(f"{where}: {field_name} holds an id out of range (null, "
+                          "out-of-range or mixed values), not an expert") from None
+    except ValueError:
         raise SourceError(f"{where}: {field_name} is a ragged nested list, not [tokens, "
                           "layers, top-k]: wrong shape") from None
-    if arr.size == 0:
-        return arr.astype(np.int64)
-    if arr.dtype.kind not in "iu":
-        kind = {"b": "true/false", "U": "strings", "S": "strings", "f": "non-integer numbers",
-                "O": "null, out-of-range or mixed values"}.get(arr.dtype.kind, str(arr.dtype))
-        raise SourceError(f"{where}: {field_name} holds {kind}, not integer expert ids")
-    if arr.dtype.kind == "u" and arr.max() > np.iinfo(np.int64).max:
-        raise SourceError(f"{where}: {field_name} holds an id too large for an expert")
-    return arr.astype(np.int64, copy=False)
 
 
 def npy_array(raw: bytes, where: str, field_name: str, rows: int | None = None) -> np.ndarray:

@@ -19,7 +19,7 @@ dropped (counted in the summary), with ``--tokens all`` too; a multi-token ubatc
 began is refused. Decode starts at the first one-token ubatch (a prompt whose last ubatch holds
 one token is off by that token; a model with one MoE layer cannot tell ubatches apart); each
 decode ubatch is a recorded forward pass (``step``). A folder of CSV files is one request per
-file (its name the request id).
+file (its name the request id, an ``NNNNNN-`` order prefix taken off).
 
 Write (``export-routing --format llamacpp``): ``DEST`` (a folder), one ``<request>.csv`` per
 request, header ``layer,expert``, each decode token as a one-token ubatch.
@@ -125,7 +125,8 @@ class _Ubatches:
         ids = checked_ids(arr, facts, self.options, where)
         token = np.arange(self.next_token, self.next_token + n, dtype=np.int32)
         self.next_token += n
-        yield Piece(self.path.stem, ids, token, step=np.full(n, step, np.int64), last=False)
+        yield Piece(request_id(self.path), ids, token, step=np.full(n, step, np.int64),
+                    last=False)
 
 
 def read(source: Path, facts: ModelFacts, options: ReadOptions,
@@ -156,15 +157,18 @@ def read(source: Path, facts: ModelFacts, options: ReadOptions,
         except pa.ArrowException as exc:
             raise SourceError(f"{path}: cannot read it as CSV ({str(exc)[:160]})") from None
         pieces = list(state.feed(np.zeros(0, np.int64), np.zeros(0, np.int64), True))
-        if not state.ubatch:
-            raise SourceError(f"{path} holds no `layer,expert` row (only a header, or "
-                              "nothing): no routing to import")
         if pieces:
             pieces[-1].last = True
         else:
-            pieces = [Piece(path.stem, np.zeros((0, len(facts.moe_layers), facts.top_k),
+            pieces = [Piece(request_id(path), np.zeros((0, len(facts.moe_layers), facts.top_k),
                                                 np.int16), np.zeros(0, np.int32))]
         yield from pieces
+
+
+def request_id(path: Path) -> str:
+    """A file's request id: its name without ``.csv`` and without the ``NNNNNN-`` order prefix
+    export-routing gives its files (so an export imports back under the same ids)."""
+    return re.sub(r"^[0-9]{6}-", "", path.stem)
 
 
 def safe_name(text: str) -> str:
