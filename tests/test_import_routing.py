@@ -636,7 +636,7 @@ def imported(captured, facts, tmp_path_factory):
     dest = tmp_path_factory.mktemp("sglang") / "s.jsonl"
     export_routing.export_routing(native, "sglang", dest)
     import_routing.import_routing(FORMATS["sglang"], dest, facts("tiny-olmoe"), captured,
-                                  "mbpp", "imp", progress=False)
+                                  "mbpp", "imp", progress=False, options=EXPORTED["sglang"])
     return the_run(captured, "imp", "tiny-olmoe")
 
 
