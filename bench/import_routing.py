@@ -5,7 +5,8 @@
 The source is what SGLang returns for a real model's shape (``--shape``, default Qwen3-30B-A3B:
 48 MoE layers, 128 experts, top-8; its config.json written to a folder, no weights): one
 ``/generate`` response per line, ``meta_info.routed_experts`` base64 int32 ``[rows, layers, k]``
-with a slot per decoder layer, ``routed_experts_start_len`` = the prompt (decode rows only), ids
+with a slot per decoder layer, decode rows only (requests that sent ``routed_experts_start_len``
+= the prompt; read with ``--prompt-start prompt``, as SGLang never echoes it), ids
 drawn skewed (a few hot experts per layer, as real routing) and distinct within each top-k.
 The import runs as its own process (``import-routing --output``), so its peak RSS is its own.
 
@@ -56,7 +57,7 @@ def write_source(path: Path, size: int, n: int, k: int, layers: int, seed: int =
             offsets = np.sort(rng.choice(n, size=k, replace=False))  # distinct within a top-k
             ids = (base[:, :, None] + offsets[None, None, :]) % n
             meta = dict(id=f"req-{records}", prompt_tokens=p, completion_tokens=c,
-                        routed_experts_start_len=p, finish_reason={"type": "length"},
+                        finish_reason={"type": "length"},
                         e2e_latency=round(float(rng.random()), 3),
                         routed_experts=base64.b64encode(ids.astype("<i4").tobytes())
                         .decode("ascii"))
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
     done = subprocess.run([sys.executable, "-m", "moe_spec.capture.import_routing", str(out / "sglang.jsonl"),
                            "--format", "sglang", "--model", str(out / "model"), "--bench", "bench",
                            "--run", "sglang", "--out", str(out / "traces"), "--no-progress",
+                           "--prompt-start", "prompt",
                            "--output", str(summary)], cwd=ROOT, env=env, capture_output=True,
                           text=True)
     wall = time.perf_counter() - t0
