@@ -6,9 +6,11 @@ trace or llama.cpp moe-trace CSVs, so a user can check ``import-routing`` agains
 engine writes, and a capture round-trips: capture → export → import gives the same ids and the
 same ids-only figures (``tests/test_import_routing.py``).
 
-A capture records no prefill routing: the records hold the generated tokens' rows only (vLLM's
-split layout with ``prompt_routed_experts: null``; SGLang's ``routed_experts_start_len`` = the
-prompt's length; llama.cpp's CSVs one-token ubatches). Megatron's steps are the run's batch
+Each format writes only fields its engine writes, with the values the run has (prompt lengths
+included). A capture records no prefill routing: vLLM's and SGLang's records hold the generated
+tokens' rows only, what a request whose prompt start (``routed_experts_prompt_start`` /
+``routed_experts_start_len``, never echoed) was its prompt's length gets: import them with
+``--prompt-start prompt``; llama.cpp's CSVs are one-token ubatches. Megatron's steps are the run's batch
 passes: recorded ones where it has them, else virtual batches of ``--batch-size`` consecutive
 requests at the same decode position.
 """

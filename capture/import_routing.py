@@ -39,6 +39,9 @@ EXAMPLES = """
 import-routing --format sglang responses.jsonl --model Qwen/Qwen3-30B-A3B --bench chat
 import-routing --format vllm out.jsonl --model data/models/tiny-olmoe --bench mbpp --run vllm-a
 import-routing --format megatron trace_dir --model deepseek-v3 --bench train --tokens all
+import-routing --format megatron trace_dir --model olmoe --bench train --microbatches-per-step 4 --merge-ranks
+import-routing --format vllm turn2.jsonl --model olmoe --bench agent --prompt-start 812
+import-routing --format sglang exported.jsonl --model olmoe --bench rt --prompt-start prompt
 import-routing --format llamacpp moe_trace.csv --model tiny-qwen3-moe --bench demo --batching virtual
 import-routing --format sglang big.jsonl --model olmoe --bench prod --out s3://bucket/traces
 """

@@ -851,3 +851,16 @@ def test_export_import_export_is_a_fixpoint_with_prompt_lengths(fmt, tmp_path, f
     a = np.concatenate([t.ids for t in tokens.chunks(the_run(tmp_path / "t", "run0"))])
     b = np.concatenate([t.ids for t in tokens.chunks(the_run(tmp_path / "t", "run2"))])
     assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("fmt,extra,words", [
+    ("sglang", ("--prompt-start", "-1"), ["--prompt-start '-1'"]),
+    ("vllm", ("--prompt-start", "1e9"), ["'prompt' or 'auto'"]),
+    ("megatron", ("--microbatches-per-step", "0"), ["within 1 … 4096"]),
+    ("megatron", ("--prompt-start", "3"), ["--prompt-start applies to vllm, sglang"]),
+    ("sglang", ("--layer-base", "1"), ["--layer-base applies to megatron"]),
+    ("llamacpp", ("--microbatches-per-step", "2"), ["applies to megatron"]),
+])
+def test_reading_options_are_checked_before_reading(fmt, extra, words, tmp_path, capsys):
+    src = write_lines(tmp_path / "s.jsonl", [sglang_record(good_ids(2))])
+    refused(capsys, tmp_path, fmt, src, *words, extra=extra)
