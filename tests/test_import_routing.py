@@ -768,6 +768,8 @@ def megatron_line(**change) -> str:
     ("1e400", megatron_line().replace('"step": 0', '"step": 1e400'), ["not a finite number"]),
     ("Infinity", megatron_line().replace('"step": 0', '"step": Infinity'), ["Infinity"]),
     ("bool step", megatron_line(step=True), ["step is True"]),
+    ("5000 digits", megatron_line().replace('"step": 0', '"step": ' + "9" * 5000),
+     ["number too long"]),
     ("deep nesting", '{"top_indices": ' + "[" * 200_000 + "]" * 200_000 + "}",
      ["nesting too deep"]),
 ])

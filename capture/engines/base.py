@@ -345,23 +345,31 @@ def jsonl(path: Path, progress: Callable[[int], None] | None = None,
                             pattern.search(line, end) is None:
                         taken = value
                         line = line[:m.end() - 1] + CUT_JSON + line[end + 1:]
-            try:
-                yield number, strict_json(line), taken
-            except RecursionError:
-                raise SourceError(f"{path} line {number} nests deeper than a routing record "
-                                  "can (JSON nesting too deep)") from None
-            except NonFinite as exc:
-                raise SourceError(f"{path} line {number} holds {exc}: not a finite number") \
-                    from None
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                cut = not line.endswith(b"\n") and f.peek(1) == b""
-                if cut:
-                    raise SourceError(f"{path} line {number} is cut short (the file ends inside "
-                                      "a record: an interrupted write?); remove the partial "
-                                      "line or export again") from None
-                why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
-                raise SourceError(f"{path} line {number} is not JSON ({why}); one JSON record "
-                                  "per line is expected") from None
+            yield number, _parsed(line, path, number, f), taken
+
+
+def _parsed(line: bytes, path: Path, number: int, f):
+    """One line's JSON, or one line naming the line and the fault (``f``: the open file, to
+    tell a last line cut short from a damaged one)."""
+    try:
+        return strict_json(line)
+    except RecursionError:
+        raise SourceError(f"{path} line {number} nests deeper than a routing record can (JSON "
+                          "nesting too deep)") from None
+    except NonFinite as exc:
+        raise SourceError(f"{path} line {number} holds {exc}: not a finite number") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        cut = not line.endswith(b"\n") and f.peek(1) == b""
+        if cut:
+            raise SourceError(f"{path} line {number} is cut short (the file ends inside a "
+                              "record: an interrupted write?); remove the partial line or "
+                              "export again") from None
+        why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+        raise SourceError(f"{path} line {number} is not JSON ({why}); one JSON record per "
+                          "line is expected") from None
+    except ValueError as exc:  # an integer past the interpreter's digit limit
+        raise SourceError(f"{path} line {number} holds a number too long to be a count or an "
+                          f"id ({str(exc)[:60]})") from None
 
 
 MAX_LINE = 1 << 30  # bytes of one JSONL record
