@@ -126,7 +126,7 @@ DTYPES = {None: "<i4", "int32": "<i4", "uint8": "u1", "uint16": "<u2"}
 def decode(meta: dict, counts: dict, rid: str, record: dict, facts: ModelFacts,
            options: ReadOptions, where: str) -> Piece:
     """One completion's routing as a :class:`Piece` (checked)."""
-    if "routed_experts" not in meta:
+    if meta.get("routed_experts") is None:
         raise SourceError(f"{where}: no routed_experts (start the server with "
                           "--enable-return-routed-experts and send return_routed_experts: true)")
     p = whole(counts.get("prompt_tokens"), where, "prompt_tokens")
