@@ -523,7 +523,7 @@ def imports(tmp_path_factory):
     for folder in ("both", "only"):
         assert import_routing.main(["--format", "sglang", str(source), "--model", "tiny-olmoe",
                                     "--bench", "mbpp", "--out", str(root / folder), "--run",
-                                    "imp"]) == 0
+                                    "imp", "--prompt-start", "prompt"]) == 0  # decode rows only
     assert replay_cli.main(["--traces", str(root / "both"), "--ranking", "router", "--budget",
                             "16,32", "--no-progress"]) == 0  # leaves the import alone
     return root
