@@ -432,6 +432,9 @@ def _runner():
     loads, dumps, kind, rep, chars = json.loads, json.dumps, type, repr, str
     MAPPINGS = (dict, collections.Counter, collections.OrderedDict, collections.defaultdict)
     NoneType, items, fromhex = kind(None), dict.items, bytes.fromhex
+    CONVERT = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset, "dict": dict,
+               "sorted": sorted, "str": str, "int": int, "float": float, "bool": bool,
+               "len": len}  # taken before the program runs: it cannot redefine them
     def encode(v, depth=0):  # exact built-in types only: a subclass is not plain data
         t = kind(v)
         if depth > 100:
@@ -503,6 +506,8 @@ def _runner():
             space = dict(main.__dict__)
             space.update({name: decode(v) for name, v in call["env"].items()})
             value = eval(compile(call["expr"], f"<test {number}>", "eval"), space)
+            if call.get("convert"):
+                value = CONVERT[call["convert"]](value)
             try:
                 values.append(None if call["discard"] else encode(value))
             except (TypeError, ValueError, RecursionError) as exc:
@@ -550,14 +555,20 @@ def run_python(program: str, timeout: float = TIMEOUT) -> Result:
     return _run(program, timeout, None)
 
 
+CONVERSIONS = (None, "list", "tuple", "set", "frozenset", "dict", "sorted", "str", "int", "float",
+               "bool", "len")  # what a call's ``convert`` may name (the runner's own built-ins)
+
+
 def run_calls(program: str, calls: list[dict], timeout: float = TIMEOUT) -> Result:
     """Run ``program`` (setup and code, no tests) in the sandbox, then evaluate each call there:
-    ``{"expr": source, "env": {name: plain value}, "discard": bool}``, the expression in the
-    program's namespace with ``env`` added. passed = every call returned plain data; ``values``
+    ``{"expr": source, "env": {name: plain value}, "discard": bool, "convert": name}``, the
+    expression in the program's namespace with ``env`` added, its value passed through the
+    runner's own built-in ``convert`` (optional, :data:`CONVERSIONS`: ``list`` of an iterator). passed = every call returned plain data; ``values``
     holds them (None for discarded ones), decoded here from the one document the runner wrote.
     What they must equal is never sent into the sandbox: the caller compares."""
     for call in calls:
-        if set(call) != {"expr", "env", "discard"} or type(call["expr"]) is not str:
+        if not {"expr", "env", "discard"} <= set(call) <= {"expr", "env", "discard", "convert"} \
+                or type(call["expr"]) is not str or call.get("convert") not in CONVERSIONS:
             raise ValueError(f"bad call {call!r:.200}")
     return _run(program, timeout, calls)
 
