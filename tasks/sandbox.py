@@ -37,10 +37,12 @@ Two ways to run a program, neither resting on the exit status:
   program that tampers with its interpreter (frame walking to the nonce, ``/proc/self/mem``,
   tracing hooks, replacing the runner's encoder) can still choose what values come back, but
   that is all it can do: the same as returning them, so it passes only with values that satisfy
-  the tests (e.g. answers hard-coded from the asserts an MBPP prompt shows). Parts of an assert
-  that need the program's own names are calls too, whichever side of the comparison they are on
-  (HumanEval/33 compares ``candidate`` with ``sort_third``, the same function; /32, /38 and /50
-  call helpers the prompt defines, which the program can redefine, as it could upstream).
+  the tests (e.g. answers hard-coded from the asserts an MBPP prompt shows). The calls are
+  only calls of the task's functions (named by its reference or prompt, never by the program)
+  on plain arguments, whichever side of the comparison they are on (HumanEval/33 compares
+  ``candidate`` with ``sort_third``, the same function); ``abs``, ``sorted`` and the like run
+  in the scorer, a call's optional ``convert`` (``list`` of an iterator) is the runner's own
+  built-in, and the prompt's helpers (/32's ``poly``) run in a sandbox of the prompt alone.
 * :func:`run_python` (the escape tests): the harness makes a random nonce, the init hands it to
   a small runner through a pipe the runner reads and closes at once, the runner executes the
   program (setup, code and tests in one module) and only if that returns normally writes

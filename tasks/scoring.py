@@ -145,11 +145,12 @@ def math500(prompt: Prompt, completion: str) -> Score:
 # The benchmark's tests are parsed here (``ast``), never run in the sandbox and never run here as
 # code. This process executes the test's own statements with a small evaluator of plain values
 # (assignments, ``for`` and ``if`` over test data, ``import`` of math, random, string and copy,
-# whitelisted built-ins and methods); every sub-expression that needs the program (a call of its
-# functions, a name it defines) becomes a *call* that the sandbox evaluates and returns as plain
-# data (:func:`tasks.sandbox.run_calls`), after the test values it uses were computed here. Each
-# assert is then evaluated here with those values: the comparison and its expected side never
-# enter the sandbox. A test this cannot split is a failure that says so.
+# whitelisted built-ins and methods); each call of the task's functions (the names its reference
+# or prompt binds, never the completion's) becomes a *call* that the sandbox evaluates and returns
+# as plain data (:func:`tasks.sandbox.run_calls`), after the test values it uses were computed
+# here. Each assert is then evaluated here with those values: the comparison, ``abs``,
+# ``sorted`` and the expected side never enter the sandbox. A test this cannot reduce to such
+# calls is a failure that says so.
 
 class Unsplittable(ValueError):
     """A test statement or expression this process cannot check without running it as code."""
