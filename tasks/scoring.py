@@ -786,6 +786,8 @@ def _checked(programs: dict[str, str], checker: _Checker, build: Callable[[], No
         return Score("pass@1", 0.0, failed.result.reason, failed.result.stdout[-300:])
     except Unsplittable as exc:
         return Score("pass@1", 0.0, "failed", f"ValueError: test not supported here: {exc}")
+    except sandbox.SandboxUnavailable:
+        raise  # no sandbox: nothing is scored (evaluate says so in one line)
     except Exception as exc:  # noqa: BLE001 - a test value computed here raised
         return Score("pass@1", 0.0, "failed", f"{type(exc).__name__}: {str(exc)[:200]}")
     shown = "".join(output)[-300:]
