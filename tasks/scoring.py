@@ -158,6 +158,7 @@ class Unsplittable(ValueError):
 
 _RNG_SEED = 0  # the tests' ``random``: a private, seeded generator (scores are reproducible)
 _MAX_CALLS = 10_000
+_MAX_ROUNDS = 16  # sandbox runs a test may need (a call waiting on another's value: one more)
 _MAX_SIZE = 10_000_000  # elements or characters a ``*`` here may build
 _BUILTINS = {f.__name__: f for f in (
     abs, all, any, bool, chr, dict, divmod, enumerate, float, frozenset, int, isinstance, len,
@@ -681,6 +682,7 @@ class _Checker:
         all are. A value computed here that the program needs must be plain data."""
         values: dict = {}
         needs = [_refs(c["node"]) for c in self.calls]
+        rounds = 0
         while len(values) < len(self.calls):
             ready = [i for i, c in enumerate(self.calls)
                      if f"_call{i}" not in values and needs[i] <= values.keys()]
@@ -692,6 +694,10 @@ class _Checker:
                 values[f"_call{i}"] = self.value(c["node"], {**c["env"], **values})
             if local:
                 continue  # what they unblock may be local too: one sandbox run per world
+            rounds += 1
+            if rounds > _MAX_ROUNDS:
+                raise Unsplittable(f"calls that wait on each other more than {_MAX_ROUNDS} "
+                                   "deep")
             for world in ("prompt", "program"):
                 batch = [i for i in ready if self.calls[i]["world"] == world]
                 if not batch:

@@ -506,3 +506,20 @@ def test_an_assert_that_cannot_be_reduced_scores_zero_and_says_so(test):
                           tests=(f"def check(candidate):\n    {test}\n",), entry_point="f")
     score = scoring.humaneval(p, p.reference)
     assert score.value == 0.0 and "test not supported here" in score.detail, score
+
+
+def test_chained_calls_are_passed_as_plain_values_and_bounded():
+    """A call that needs another's value plus arithmetic waits a round (the arithmetic runs in
+    the scorer); a chain deeper than the bound is refused, not run for minutes."""
+    p = benchmarks.Prompt("humaneval", "t", "def f(x):\n", "    return x + 1\n",
+                          tests=("def check(candidate):\n"
+                                 "    assert candidate(candidate(1) * 10) == 21\n",),
+                          entry_point="f")
+    assert scoring.humaneval(p, p.reference).value == 1.0
+    assert scoring.humaneval(p, "    return x + 2\n").value == 0.0
+    deep = "def check(candidate):\n    x = 0\n" + "    x = candidate(x) + 0\n" * 20 + \
+        "    assert x == 20\n"
+    score = scoring.humaneval(benchmarks.Prompt("humaneval", "t", "def f(x):\n",
+                                                "    return x + 1\n", tests=(deep,),
+                                                entry_point="f"), "    return x + 1\n")
+    assert score.value == 0.0 and "more than 16 deep" in score.detail, score
