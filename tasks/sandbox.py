@@ -565,8 +565,9 @@ def run_calls(program: str, calls: list[dict], timeout: float = TIMEOUT) -> Resu
     """Run ``program`` (setup and code, no tests) in the sandbox, then evaluate each call there:
     ``{"expr": source, "env": {name: plain value}, "discard": bool, "convert": name}``, the
     expression in the program's namespace with ``env`` added, its value passed through the
-    runner's own built-in ``convert`` (optional, :data:`CONVERSIONS`: ``list`` of an iterator). passed = every call returned plain data; ``values``
-    holds them (None for discarded ones), decoded here from the one document the runner wrote.
+    runner's own built-in ``convert`` (optional, :data:`CONVERSIONS`: ``list`` of an iterator).
+    passed = every call returned plain data; ``values`` holds them (None for discarded ones),
+    decoded here from the one document the runner wrote.
     What they must equal is never sent into the sandbox: the caller compares."""
     for call in calls:
         if not {"expr", "env", "discard"} <= set(call) <= {"expr", "env", "discard", "convert"} \
