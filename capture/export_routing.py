@@ -100,10 +100,10 @@ def prepare_dest(dest: Path, folder: bool, force: bool, traces=None) -> Path:
     if folder:
         if dest.exists() and not dest.is_dir():
             raise ExportRefused(f"DEST {dest} is a file; this format writes a folder")
+        atomic.check_replaceable(dest, MARKER)  # before suggesting --force
         if dest.is_dir() and any(dest.iterdir()) and not force:
             raise ExportRefused(f"DEST {dest} is a folder that is not empty; pass --force to "
                                 "replace it")
-        atomic.check_replaceable(dest, MARKER)
         return dest
     if dest.exists() and not dest.is_file():
         raise ExportRefused(f"DEST {dest} is not a regular file; this format writes one .jsonl")

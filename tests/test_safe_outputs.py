@@ -205,6 +205,13 @@ def test_export_force_replaces_its_own_output(one_prompt, tmp_path, capsys):
     dest = tmp_path / "mdir"
     assert _export(one_prompt, "megatron", dest) == 0
     (dest / "stale.txt").write_text("from the last export")
+    capsys.readouterr()
+    one_line(capsys, _export(one_prompt, "megatron", dest), "pass --force")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    err = one_line(capsys, _export(one_prompt, "megatron", foreign), "did not write")
+    assert "pass --force" not in err  # it would not help
     assert _export(one_prompt, "megatron", dest, "--force") == 0
     assert not (dest / "stale.txt").exists() and (dest / "router_trace_rank0.jsonl").is_file()
     out = tmp_path / "out.jsonl"
