@@ -212,14 +212,7 @@ def _emit(text: str, out: Path | None) -> int:
 def check_out(out: Path | None, traces) -> None:
     """``--out`` never lands inside the traces root: a file there could be read as a part of a
     run or replace one."""
-    if out is None or str(out) == "-" or location.is_remote(traces):
-        return
-    import os
-    inside = os.path.realpath(out)
-    root = os.path.realpath(traces)
-    if inside == root or inside.startswith(root.rstrip(os.sep) + os.sep):
-        raise UserError(f"--out {out} is inside the traces folder {traces}; write results "
-                        "elsewhere (the traces hold what captures and replays commit)")
+    atomic.check_outside(out, traces, "--out")  # the one owner of the rule
 
 
 if __name__ == "__main__":

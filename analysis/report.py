@@ -517,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
     try:
         args.traces = location.from_args(args.traces, args.storage_options)
+        atomic.check_outside(args.out, args.traces, "--out")
         if args.compare:
             if len(args.compare) < 2:
                 raise UserError("--compare needs two or more runs")
@@ -534,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         first = str(exc).strip().splitlines()[0]
         return fail("report", f"a trace table could not be read ({first[:200]}); recapture the "
                     "affected run")
+    except atomic.UnsafeTarget as exc:  # an --out inside the traces, a link
+        return fail("report", exc)
     except OSError as exc:
         return fail("report", f"cannot write to {args.out}: {exc.strerror or exc}; choose a "
                     "writable --out")

@@ -34,13 +34,38 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+WILDCARDS = {"0.0.0.0", "::", "[::]", "*", "0", "::0", "0:0:0:0:0:0:0:0"}  # every interface
+
+
+def listening_address(host: str) -> str:
+    """``--host`` as given, refused (UserError) when empty, blank or a wildcard other than an
+    explicit ``0.0.0.0``: Streamlit reads an empty address as "every interface", and a stray
+    ``--host ""`` must not expose the dashboard. ``0.0.0.0`` is allowed with a warning."""
+    text = host.strip()
+    if not text:
+        raise UserError("--host is empty, which listens on every interface; give 127.0.0.1 "
+                        "(this machine), an address of this machine, or 0.0.0.0 on purpose")
+    if text == "0.0.0.0":
+        print("workbench-app: warning: --host 0.0.0.0 listens on every interface: anyone who "
+              "can reach this machine can read the traces", file=sys.stderr)
+        return text
+    if text.lower() in WILDCARDS:
+        raise UserError(f"--host {host!r} listens on every interface; give 127.0.0.1 (this "
+                        "machine), an address of this machine, or exactly 0.0.0.0 on purpose")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if not 1 <= args.port <= 65535:
         p.error(f"--port {args.port} is not a port; use 1..65535")
     try:
+        args.host = listening_address(args.host)
         root = location.from_args(args.traces, args.storage_options)
+        if not location.is_remote(root) and root.exists() and not root.is_dir():
+            raise UserError(f"--traces {args.traces} is not a folder; give the traces folder "
+                            "(captures and replay results), e.g. --traces traces")
     except UserError as exc:
         return fail("workbench-app", exc)
     if not root.is_dir():

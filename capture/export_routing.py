@@ -17,8 +17,7 @@ requests at the same decode position.
 
 from __future__ import annotations
 
-import os
-import shutil
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,7 +28,7 @@ import numpy as np
 from moe_spec import console
 from moe_spec.capture.engines import FORMATS
 from moe_spec.capture.engines.model import facts_of_run
-from moe_spec.catalog import Catalog, CatalogError, location, tokens
+from moe_spec.catalog import Catalog, CatalogError, atomic, location, tokens
 from moe_spec.errors import UserError, fail
 
 EXAMPLES = """
@@ -89,42 +88,56 @@ def _passes(run, batch_size: int | None, summary: ExportSummary):
             yield summary.records - 1, ids
 
 
-def prepare_dest(dest: Path, folder: bool, force: bool) -> Path:
-    """A file or folder that may be written: never a link, device or FIFO; an existing
-    non-empty folder or file only with ``force``."""
+MARKER = ".export-routing.json"  # in every folder export-routing writes: what --force may replace
+
+
+def prepare_dest(dest: Path, folder: bool, force: bool, traces=None) -> Path:
+    """A file or folder that may be written: never a link, device or FIFO, nor inside the
+    traces root; an existing one only with ``force``, and then only one this command wrote: a
+    folder holding :data:`MARKER` (never ``.``, ``..`` or a folder holding traces), a file of
+    JSON lines (:func:`catalog.atomic.check_replaceable`)."""
     if dest.is_symlink():
         raise ExportRefused(f"DEST {dest} is a symbolic link; give a real path")
+    atomic.check_outside(dest, traces, "DEST")
     if folder:
         if dest.exists() and not dest.is_dir():
             raise ExportRefused(f"DEST {dest} is a file; this format writes a folder")
-        if dest.is_dir() and any(dest.iterdir()):
-            if not force:
-                raise ExportRefused(f"DEST {dest} is a folder that is not empty; pass --force to "
-                                    "replace it")
-            shutil.rmtree(dest)
+        atomic.check_replaceable(dest, MARKER)  # before suggesting --force
+        if dest.is_dir() and any(dest.iterdir()) and not force:
+            raise ExportRefused(f"DEST {dest} is a folder that is not empty; pass --force to "
+                                "replace it")
         return dest
     if dest.exists() and not dest.is_file():
         raise ExportRefused(f"DEST {dest} is not a regular file; this format writes one .jsonl")
     if dest.exists() and not force:
         raise ExportRefused(f"DEST {dest} exists; pass --force to replace it")
+    if dest.exists() and not _json_lines(dest):
+        raise ExportRefused(f"DEST {dest} is not a file this command wrote (not JSON lines); "
+                            "--force replaces only its own output: give a new name")
     return dest
 
 
+def _json_lines(path: Path) -> bool:
+    """Whether ``path`` (a regular file) is empty or starts with a JSON object on one line, as
+    every file export-routing writes does."""
+    with open(path, "rb") as f:
+        head = f.readline(1 << 20)
+    if not head:
+        return True
+    try:
+        return isinstance(json.loads(head), dict)
+    except ValueError:
+        return False
+
+
 def export_routing(run, fmt_name: str, dest: Path, *, batch_size: int | None = None,
-                   force: bool = False) -> ExportSummary:
+                   force: bool = False, traces=None) -> ExportSummary:
     fmt = FORMATS[fmt_name]
     start = time.perf_counter()
-    dest = prepare_dest(Path(dest), fmt.dest_is_folder, force)
+    dest = prepare_dest(Path(dest), fmt.dest_is_folder, force, traces)
     facts = facts_of_run(run.manifest)
     summary = ExportSummary(run.name, fmt.name, str(dest))
-    if fmt.dest_is_folder:  # built beside DEST, then put in place
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        target = tmp
-    else:
-        tmp = dest.with_name(f".{dest.name}.tmp")
-        target = tmp
-    try:
+    with atomic.staged(dest) as target:  # a fresh private folder beside DEST, then renamed
         if fmt.writes_passes:
             files, _ = fmt.write(_passes(run, batch_size, summary), target, facts)
             summary.requests = run.manifest.get("prompts_total", 0)
@@ -132,19 +145,11 @@ def export_routing(run, fmt_name: str, dest: Path, *, batch_size: int | None = N
             files, summary.records = fmt.write(_counted(tokens.requests(run), summary), target,
                                                facts)
         if fmt.dest_is_folder:
-            if dest.exists():
-                shutil.rmtree(dest)
-            os.replace(tmp, dest)
-            files = [dest / f.relative_to(tmp) for f in files]
+            (target / MARKER).write_text(json.dumps({"tool": "export-routing",
+                                                     "format": fmt.name, "run": run.name}) + "\n")
+            files = [dest / f.relative_to(target) for f in files]
         else:
-            os.replace(tmp, dest)
             files = [dest]
-    except BaseException:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        elif tmp.exists():
-            tmp.unlink()
-        raise
     summary.files = [str(f) for f in files]
     summary.seconds = time.perf_counter() - start
     return summary
@@ -180,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.batch_size is not None and args.batch_size < 1:
             raise ExportRefused(f"--batch-size {args.batch_size} must be at least 1")
-        console.check_output_option(args.output, ExportRefused)
         traces = location.from_args(args.traces, args.storage_options)
+        console.check_output_option(args.output, ExportRefused, traces=traces,
+                                    differs={"DEST": args.dest})
         run = find_run(traces, args.run, args.model, args.bench)
         summary = export_routing(run, args.format, args.dest, batch_size=args.batch_size,
-                                 force=args.force)
+                                 force=args.force, traces=traces)
     except (UserError, ValueError) as exc:
         return fail("export-routing", exc)
     except CatalogError as exc:

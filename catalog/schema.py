@@ -11,10 +11,11 @@ Layout (hive partitioning, readable by DuckDB, pyarrow and polars with no projec
     batch_profile_passes alike)
 
 Partition columns (``model``, ``bench``, ``run``) are not stored in the files; readers get them
-from the paths. A prompt's files are written to ``.<name>.tmp`` and renamed; ``sequences`` is
-written last, so a prompt is complete exactly when its ``sequences`` part exists. Files whose
-names start with ``_`` or ``.`` (the manifest, files being written) are skipped by pyarrow's
-dataset discovery and never match ``*.parquet`` globs, so plain readers see only finished parts.
+from the paths. A prompt's files are written to ``.<name>.<random>.tmp`` and renamed;
+``sequences`` is written last, so a prompt is complete exactly when its ``sequences`` part
+exists. Files whose names start with ``_`` or ``.`` (the manifest, files being written) are
+skipped by pyarrow's dataset discovery and never match ``*.parquet`` globs, so plain readers see
+only finished parts.
 Notation as in DESIGN.md: for tree node t and MoE layer ℓ, ``g_t`` router softmax (N),
 ``T_k(t)`` natural top-k, ``ḡ`` mixing weights, ``h_t`` MoE input, ``O*_t`` gold MoE output.
 """

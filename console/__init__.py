@@ -124,13 +124,23 @@ def write_json(path: Path | None, payload: dict) -> None:
                               + "\n").encode("utf-8"))
 
 
-def check_output_option(path: Path | None, error: type[Exception]) -> None:
+def check_output_option(path: Path | None, error: type[Exception], traces=None,
+                        differs: dict | None = None) -> None:
     """``--output PATH`` checked before any work (``-``, stdout, is always fine): a link,
-    folder or device is ``error`` in one line."""
+    folder or device, a path inside the traces root ``traces``, or the same path as one of the
+    command's other outputs (``differs``: ``{"DEST": path}``) is ``error`` in one line."""
     if path is None or str(path) == "-":
         return
+    import os
+    for option, other in (differs or {}).items():
+        if other is not None and str(other) != "-" and \
+                os.path.realpath(path) == os.path.realpath(other):
+            raise error(f"--output {path} is {option} too; the summary would replace the "
+                        f"result: give --output another name")
     try:
         check_output(path)
+        from moe_spec.catalog.atomic import check_outside
+        check_outside(path, traces, "--output")
     except OSError as exc:
         raise error(f"cannot write --output {path}: {exc}") from None
 

@@ -8,6 +8,7 @@ answered from the stored results without loading the model.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,6 +139,23 @@ def load_dtype(option: str, runs: list) -> str:
     return str(runs[0].manifest.get("dtype") or "auto").removeprefix("torch.")
 
 
+def check_outputs(args) -> None:
+    """Before any work: ``--out`` (a results root) is the traces root itself or outside it,
+    never a folder inside it (its results would sit among the run's files); ``--output`` is a
+    plain file outside both roots."""
+    from moe_spec.catalog import atomic
+    from moe_spec.replay.plan import ReplayError
+    if args.out is not None and not location.is_remote(args.out) and \
+            not location.is_remote(args.traces) and \
+            os.path.realpath(args.out) != os.path.realpath(args.traces):
+        try:
+            atomic.check_outside(args.out, args.traces, "--out")
+        except atomic.UnsafeTarget as exc:
+            raise ReplayError(f"{exc} (or give --out {args.traces} itself)") from None
+    console.check_output_option(args.output, ReplayError, traces=args.traces)
+    console.check_output_option(args.output, ReplayError, traces=args.out)
+
+
 def preflight(args):
     """Everything that can be refused before torch loads: the traces, the runs and their roles,
     the calibration runs (found, calibration role, other prompts), the options. Returns the
@@ -162,7 +180,7 @@ def preflight(args):
     if args.batch_size > 1 and (args.workers or args.ray_address):
         raise ReplayError("--batch-size with --workers/--ray-address is not supported: a batch's "
                           "prompts are replayed together in one process; drop --workers")
-    console.check_output_option(args.output, ReplayError)  # before any work, not after it
+    check_outputs(args)
     try:
         layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
     except ValueError:

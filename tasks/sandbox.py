@@ -37,10 +37,12 @@ Two ways to run a program, neither resting on the exit status:
   program that tampers with its interpreter (frame walking to the nonce, ``/proc/self/mem``,
   tracing hooks, replacing the runner's encoder) can still choose what values come back, but
   that is all it can do: the same as returning them, so it passes only with values that satisfy
-  the tests (e.g. answers hard-coded from the asserts an MBPP prompt shows). Parts of an assert
-  that need the program's own names are calls too, whichever side of the comparison they are on
-  (HumanEval/33 compares ``candidate`` with ``sort_third``, the same function; /32, /38 and /50
-  call helpers the prompt defines, which the program can redefine, as it could upstream).
+  the tests (e.g. answers hard-coded from the asserts an MBPP prompt shows). The calls are
+  only calls of the task's functions (named by its reference or prompt, never by the program)
+  on plain arguments, whichever side of the comparison they are on (HumanEval/33 compares
+  ``candidate`` with ``sort_third``, the same function); ``abs``, ``sorted`` and the like run
+  in the scorer, a call's optional ``convert`` (``list`` of an iterator) is the runner's own
+  built-in, and the prompt's helpers (/32's ``poly``) run in a sandbox of the prompt alone.
 * :func:`run_python` (the escape tests): the harness makes a random nonce, the init hands it to
   a small runner through a pipe the runner reads and closes at once, the runner executes the
   program (setup, code and tests in one module) and only if that returns normally writes
@@ -432,6 +434,9 @@ def _runner():
     loads, dumps, kind, rep, chars = json.loads, json.dumps, type, repr, str
     MAPPINGS = (dict, collections.Counter, collections.OrderedDict, collections.defaultdict)
     NoneType, items, fromhex = kind(None), dict.items, bytes.fromhex
+    CONVERT = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset, "dict": dict,
+               "sorted": sorted, "str": str, "int": int, "float": float, "bool": bool,
+               "len": len}  # taken before the program runs: it cannot redefine them
     def encode(v, depth=0):  # exact built-in types only: a subclass is not plain data
         t = kind(v)
         if depth > 100:
@@ -503,6 +508,8 @@ def _runner():
             space = dict(main.__dict__)
             space.update({name: decode(v) for name, v in call["env"].items()})
             value = eval(compile(call["expr"], f"<test {number}>", "eval"), space)
+            if call.get("convert"):
+                value = CONVERT[call["convert"]](value)
             try:
                 values.append(None if call["discard"] else encode(value))
             except (TypeError, ValueError, RecursionError) as exc:
@@ -550,14 +557,21 @@ def run_python(program: str, timeout: float = TIMEOUT) -> Result:
     return _run(program, timeout, None)
 
 
+CONVERSIONS = (None, "list", "tuple", "set", "frozenset", "dict", "sorted", "str", "int", "float",
+               "bool", "len")  # what a call's ``convert`` may name (the runner's own built-ins)
+
+
 def run_calls(program: str, calls: list[dict], timeout: float = TIMEOUT) -> Result:
     """Run ``program`` (setup and code, no tests) in the sandbox, then evaluate each call there:
-    ``{"expr": source, "env": {name: plain value}, "discard": bool}``, the expression in the
-    program's namespace with ``env`` added. passed = every call returned plain data; ``values``
-    holds them (None for discarded ones), decoded here from the one document the runner wrote.
+    ``{"expr": source, "env": {name: plain value}, "discard": bool, "convert": name}``, the
+    expression in the program's namespace with ``env`` added, its value passed through the
+    runner's own built-in ``convert`` (optional, :data:`CONVERSIONS`: ``list`` of an iterator).
+    passed = every call returned plain data; ``values`` holds them (None for discarded ones),
+    decoded here from the one document the runner wrote.
     What they must equal is never sent into the sandbox: the caller compares."""
     for call in calls:
-        if set(call) != {"expr", "env", "discard"} or type(call["expr"]) is not str:
+        if not {"expr", "env", "discard"} <= set(call) <= {"expr", "env", "discard", "convert"} \
+                or type(call["expr"]) is not str or call.get("convert") not in CONVERSIONS:
             raise ValueError(f"bad call {call!r:.200}")
     return _run(program, timeout, calls)
 

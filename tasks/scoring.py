@@ -145,11 +145,12 @@ def math500(prompt: Prompt, completion: str) -> Score:
 # The benchmark's tests are parsed here (``ast``), never run in the sandbox and never run here as
 # code. This process executes the test's own statements with a small evaluator of plain values
 # (assignments, ``for`` and ``if`` over test data, ``import`` of math, random, string and copy,
-# whitelisted built-ins and methods); every sub-expression that needs the program (a call of its
-# functions, a name it defines) becomes a *call* that the sandbox evaluates and returns as plain
-# data (:func:`tasks.sandbox.run_calls`), after the test values it uses were computed here. Each
-# assert is then evaluated here with those values: the comparison and its expected side never
-# enter the sandbox. A test this cannot split is a failure that says so.
+# whitelisted built-ins and methods); each call of the task's functions (the names its reference
+# or prompt binds, never the completion's) becomes a *call* that the sandbox evaluates and returns
+# as plain data (:func:`tasks.sandbox.run_calls`), after the test values it uses were computed
+# here. Each assert is then evaluated here with those values: the comparison, ``abs``,
+# ``sorted`` and the expected side never enter the sandbox. A test this cannot reduce to such
+# calls is a failure that says so.
 
 class Unsplittable(ValueError):
     """A test statement or expression this process cannot check without running it as code."""
@@ -157,10 +158,11 @@ class Unsplittable(ValueError):
 
 _RNG_SEED = 0  # the tests' ``random``: a private, seeded generator (scores are reproducible)
 _MAX_CALLS = 10_000
+_MAX_ROUNDS = 16  # sandbox runs a test may need (a call waiting on another's value: one more)
 _MAX_SIZE = 10_000_000  # elements or characters a ``*`` here may build
 _BUILTINS = {f.__name__: f for f in (
-    abs, all, any, bool, chr, dict, divmod, enumerate, float, frozenset, int, len, list, max, min,
-    ord, range, repr, reversed, round, set, sorted, str, sum, tuple, zip)}
+    abs, all, any, bool, chr, dict, divmod, enumerate, float, frozenset, int, isinstance, len,
+    list, max, min, ord, range, repr, reversed, round, set, sorted, str, sum, tuple, type, zip)}
 # one of these around a program call (its only argument) goes with it: ``list(f(x))`` is one call
 _CONVERSIONS = {"list", "tuple", "set", "frozenset", "sorted", "dict", "str", "int", "float",
                 "bool", "len"}
@@ -202,11 +204,17 @@ class _Module:
         return random.Random if attr == "Random" else getattr(self.source, attr)
 
 
-class _Symbolic:
-    """A test variable whose value needs the program: its expression, sent with each use."""
+class _Deferred:
+    """A test variable whose value needs the program: the record (``_callN``) that computes it,
+    resolved with the calls."""
 
-    def __init__(self, node: ast.expr, env: dict):
-        self.node, self.env = node, env
+    def __init__(self, ref: str):
+        self.ref = ref
+
+
+def _refs(node: ast.AST) -> set[str]:
+    """The records (``_callN``) whose values ``node`` uses."""
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id.startswith("_call")}
 
 
 def _binary(op: type, a, b):
@@ -225,11 +233,17 @@ def _binary(op: type, a, b):
 class _Checker:
     """One benchmark prompt's tests, executed here; the calls go to the sandbox."""
 
-    def __init__(self, program_names: set[str], aliases: dict[str, str] | None = None):
+    def __init__(self, program_names: set[str], aliases: dict[str, str] | None = None,
+                 prompt_names: set[str] = frozenset()):
         self.rng = random.Random(_RNG_SEED)
         self.aliases = aliases or {}  # HumanEval: check's ``candidate`` -> the entry point
-        self.program = set(program_names) | set(self.aliases)  # names the program binds
+        # the task's names (never the completion's): its functions, called in the program's
+        # sandbox, and the prompt's own helpers, called in a sandbox of the prompt's code alone
+        self.program = set(program_names) | set(self.aliases)
+        self.prompt = set(prompt_names) - self.program
         self.imported: list = []  # functions imported by the tests from _MODULES
+        # records, in order: {"world": "program" | "prompt" | "here", "node", "env", "convert",
+        # "discard"}; record N's value is ``_callN``, resolved by :meth:`resolve`
         self.calls: list[dict] = []
         self.asserts: list[tuple[ast.expr, dict, str]] = []
         self.fresh = 0
@@ -248,8 +262,8 @@ class _Checker:
         if node.id in bound:
             return True
         if node.id in env:
-            return not isinstance(env[node.id], (_Symbolic, _Module))
-        return node.id in _BUILTINS and node.id not in self.program
+            return not isinstance(env[node.id], (_Deferred, _Module))
+        return node.id in _BUILTINS and node.id not in self.program | self.prompt
 
     def _here_elements(self, node, env: dict, bound: frozenset) -> bool:
         return all(self.here(e, env, bound) and not isinstance(e, ast.Starred)
@@ -327,7 +341,8 @@ class _Checker:
         if isinstance(func, ast.Name):
             if func.id in env:
                 return any(env[func.id] is f for f in self.imported)
-            return func.id in _BUILTINS and func.id not in bound and func.id not in self.program
+            return func.id in _BUILTINS and func.id not in bound and \
+                func.id not in self.program | self.prompt
         if isinstance(func, ast.Attribute):
             if self._module_attr(func, env) is not None:
                 return True
@@ -370,7 +385,11 @@ class _Checker:
     def _value_call(self, node: ast.Call, env: dict):
         func = node.func
         if isinstance(func, ast.Attribute) and self._module_attr(func, env) is None:
-            target = getattr(self.value(func.value, env), func.attr)
+            owner = self.value(func.value, env)
+            if (type(owner) not in sandbox.PLAIN and type(owner) not in _METHODS) or \
+                    func.attr.startswith("_"):  # the tests' own values, or plain returned ones
+                raise TypeError(f"{type(owner).__name__}.{func.attr} is not a method of plain data")
+            target = getattr(owner, func.attr)
         else:
             target = self.value(func, env)
         return target(*(self.value(a, env) for a in node.args),
@@ -430,61 +449,89 @@ class _Checker:
             for t, x in zip(target.elts, items):
                 env[t.id] = x
 
-    # -- what the sandbox evaluates ------------------------------------------------------------
-    def call(self, node: ast.expr, env: dict, discard: bool = False) -> ast.Name:
-        """``node`` as a call for the sandbox: the test values in it are computed here first (in
-        order, so ``random`` draws as in the test) and sent as plain data; returns the name the
-        call's value will have when the assert is evaluated here."""
+    # -- what the sandboxes evaluate ----------------------------------------------------------
+    # The program's sandbox evaluates only calls of the task's functions, on arguments computed
+    # here and sent as plain data (nested calls of its functions, and displays of them, stay one
+    # call): ``f(_v0, g(_v1))``. Everything around them (built-ins, operators, ``abs``,
+    # comparisons, the expected side) is evaluated here, with the values it returned: nothing the
+    # completion defines (an ``abs``, a ``float`` subclass) takes part. The prompt's own helpers
+    # (HumanEval/32's ``poly``) run in a sandbox of the prompt's code alone.
+    def world(self, name: str, env: dict) -> str | None:
+        """Where a call of ``name`` is evaluated: "program", "prompt", or None (not the task's)."""
+        if name in env:
+            return None
+        if name in self.program:
+            return "program"
+        return "prompt" if name in self.prompt else None
+
+    def _record(self, world: str, node: ast.AST, env: dict, convert: str | None = None,
+                discard: bool = False) -> ast.Name:
         if len(self.calls) >= _MAX_CALLS:
             raise Unsplittable(f"more than {_MAX_CALLS} calls")
+        self.calls.append(dict(world=world, node=node, env=env, convert=convert, discard=discard))
+        return ast.Name(f"_call{len(self.calls) - 1}", ast.Load())
+
+    @staticmethod
+    def _snapshot(env: dict) -> dict:
+        return {k: copy.deepcopy(v) if type(v) in sandbox.PLAIN else v for k, v in env.items()}
+
+    def call(self, node: ast.Call, env: dict, discard: bool = False,
+             convert: str | None = None) -> ast.Name:
+        """``node`` (a call of one of the task's functions) as a record for its sandbox: the test
+        values in its arguments are computed here first (in order, so ``random`` draws as in
+        the test) and sent as plain data; returns the name its value will have here."""
+        world = self.world(node.func.id, env)
         sent: dict = {}
-        expr = self._send(copy.deepcopy(node), env, sent)
+        expr = self._child(node, env, sent, world)
         for val in sent.values():
             try:
                 sandbox.encode(val)
             except (TypeError, ValueError, RecursionError) as exc:
                 raise Unsplittable(f"a test value is not plain data ({exc})") from None
-        sent = copy.deepcopy(sent)  # as it is now: the test may change it later
-        self.calls.append(dict(expr=ast.unparse(expr), env=sent, discard=discard))
-        return ast.Name(f"_call{len(self.calls) - 1}", ast.Load())
+        return self._record(world, expr, copy.deepcopy(sent), convert, discard)
 
-    def _send(self, node: ast.AST, env: dict, sent: dict) -> ast.AST:
-        if isinstance(node, ast.Name):
-            if isinstance(env.get(node.id), _Symbolic):
-                symbolic = env[node.id]
-                sent.update(symbolic.env)
-                return copy.deepcopy(symbolic.node)
-            if node.id in self.aliases:
-                return ast.Name(self.aliases[node.id], ast.Load())
-            if node.id not in env:
-                return node  # a built-in or the program's own name: the sandbox resolves it
-            if type(env[node.id]) not in sandbox.PLAIN:
-                raise Unsplittable(f"{node.id} (not plain data) used by the program's code")
-            return self._placeholder(env[node.id], sent)
-        if isinstance(node, ast.Attribute) and self._module_attr(node, env) is not None:
-            module = self._module_attr(node, env)
-            found = module.get(node.attr)
-            if type(found) in sandbox.PLAIN:
-                return self._placeholder(found, sent)
-            if module.name == "random":  # its state stays here
-                raise Unsplittable(f"random.{node.attr} used by the program's code")
-            return ast.parse(f"__import__({module.name!r}).{node.attr}", mode="eval").body
-        if isinstance(node, ast.expr) and not isinstance(node, ast.Constant) and \
-                self.here(node, env):
+    def _child(self, node: ast.AST, env: dict, sent: dict, world: str) -> ast.AST:
+        """``node`` as the sandbox of ``world`` evaluates it: calls of that world's functions,
+        displays of them, and placeholders for values computed here or by other records."""
+        if isinstance(node, ast.Constant):
+            return node  # a literal: evaluated there without any name
+        if isinstance(node, ast.expr) and self.here(node, env):
             found = self.value(node, env)
             if type(found) not in sandbox.PLAIN:
                 raise Unsplittable(f"{ast.unparse(node)[:80]} is not plain data")
             return self._placeholder(found, sent)
-        if isinstance(node, (ast.Lambda, ast.ListComp, ast.SetComp, ast.GeneratorExp,
-                             ast.DictComp, ast.NamedExpr, ast.Await, ast.Yield, ast.YieldFrom)):
-            raise Unsplittable(f"a {type(node).__name__} around the program's code")
-        for field, old in ast.iter_fields(node):
-            if isinstance(old, list):
-                setattr(node, field, [self._send(x, env, sent) if isinstance(x, ast.AST) else x
-                                      for x in old])
-            elif isinstance(old, ast.AST):
-                setattr(node, field, self._send(old, env, sent))
-        return node
+        if isinstance(node, ast.Name):
+            deferred = env.get(node.id)
+            if isinstance(deferred, _Deferred):
+                record = self.calls[int(deferred.ref[5:])]
+                if record["world"] == world and not record["convert"]:
+                    sent.update(record["env"])  # f(g(x)) as one call, as the test wrote it
+                    return copy.deepcopy(record["node"])
+                return ast.Name(deferred.ref, ast.Load())
+            if node.id in self.aliases:
+                return ast.Name(self.aliases[node.id], ast.Load())
+            if self.world(node.id, env) == world:
+                return node  # the task's own name (MBPP 367's trees, built by its setup)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                self.world(node.func.id, env) == world and not any(
+                isinstance(a, ast.Starred) for a in node.args) and \
+                all(k.arg is not None for k in node.keywords):
+            return ast.Call(self._child(node.func, env, sent, world),
+                            [self._child(a, env, sent, world) for a in node.args],
+                            [ast.keyword(k.arg, self._child(k.value, env, sent, world))
+                             for k in node.keywords])
+        elif isinstance(node, (ast.List, ast.Tuple, ast.Set)) and not any(
+                isinstance(e, ast.Starred) for e in node.elts):
+            return type(node)(elts=[self._child(e, env, sent, world) for e in node.elts],
+                              **({} if isinstance(node, ast.Set) else {"ctx": ast.Load()}))
+        elif isinstance(node, ast.Dict) and all(k is not None for k in node.keys):
+            return ast.Dict([self._child(k, env, sent, world) for k in node.keys],
+                            [self._child(v, env, sent, world) for v in node.values])
+        # anything else (arithmetic on a result, another world's call): computed first, here
+        part = self.split(node, env)
+        if not (isinstance(part, ast.Name) and part.id.startswith("_call")):
+            part = self._record("here", part, self._snapshot(env))
+        return ast.Name(part.id, ast.Load())
 
     def _placeholder(self, found, sent: dict) -> ast.Name:
         name = f"_v{self.fresh}"
@@ -493,28 +540,44 @@ class _Checker:
         return ast.Name(name, ast.Load())
 
     def split(self, node: ast.expr, env: dict) -> ast.expr:
-        """``node`` with each largest part that needs the program replaced by a call's name; the
-        operations around those parts (comparisons, arithmetic, ``abs``, the expected side)
-        stay here."""
+        """``node`` with each call of the task's functions replaced by a record's name; the
+        operations around them (comparisons, arithmetic, ``abs``, methods of the returned
+        values, the expected side) stay here. Anything else that needs the program (a lambda,
+        a comprehension over its values, an unknown function) cannot be split."""
         if self.here(node, env):
             return node
+        if isinstance(node, ast.Name) and isinstance(env.get(node.id), _Deferred):
+            return ast.Name(env[node.id].ref, ast.Load())
         if isinstance(node, ast.Starred) or (isinstance(node, ast.Call) and any(
                 isinstance(a, ast.Starred) for a in node.args)):
             raise Unsplittable("a starred argument")
-        if isinstance(node, ast.Call) and self._callable_here(node.func, env, frozenset()):
-            if isinstance(node.func, ast.Name) and node.func.id in _CONVERSIONS and \
-                    len(node.args) == 1 and not node.keywords and \
-                    isinstance(node.args[0], (ast.Call, ast.Name, ast.Subscript, ast.Attribute)):
-                return self.call(node, env)  # list(f(x)): the conversion goes with the call
-            node = copy.copy(node)
-            node.args = [self.split(a, env) for a in node.args]
-            node.keywords = [ast.keyword(k.arg, self.split(k.value, env)) for k in node.keywords]
-            return node
-        if isinstance(node, ast.Subscript) and not self.here(node.value, env):
-            return self.call(node, env)  # f(x)[0]
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Name) and self.world(func.id, env):
+                return self.call(node, env)
+            inner = node.args[0] if len(node.args) == 1 else None
+            if isinstance(func, ast.Name) and func.id in _CONVERSIONS and not node.keywords and \
+                    self._callable_here(func, env, frozenset()) and \
+                    isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name) and \
+                    self.world(inner.func.id, env):
+                # list(f(x)): the program's value (an iterator, say) made plain there by the
+                # runner's own ``list``, which the completion cannot redefine
+                return self.call(inner, env, convert=func.id)
+            args = [self.split(a, env) for a in node.args]
+            keywords = [ast.keyword(k.arg, self.split(k.value, env)) for k in node.keywords]
+            if self._callable_here(func, env, frozenset()):
+                pass
+            elif isinstance(func, ast.Attribute) and not func.attr.startswith("_") and \
+                    self._module_attr(func, env) is None:  # a method of a returned value
+                func = ast.Attribute(self.split(func.value, env), func.attr, ast.Load())
+            else:
+                raise Unsplittable(f"{ast.unparse(func)[:60]} is neither a function of the "
+                                   "task nor a supported built-in")
+            return ast.Call(func, args, keywords)
         if not isinstance(node, (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.IfExp,
-                                 ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Subscript)):
-            return self.call(node, env)  # a call of the program's code, a name it defines
+                                 ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Subscript,
+                                 ast.Slice)):
+            raise Unsplittable(f"a {type(node).__name__} around the program's values")
         node = copy.copy(node)
         for field, old in ast.iter_fields(node):
             if isinstance(old, list):
@@ -523,6 +586,7 @@ class _Checker:
             elif isinstance(old, ast.expr):
                 setattr(node, field, self.split(old, env))
         return node
+
 
     # -- statements -------------------------------------------------------------------------
     def run(self, statements: list[ast.stmt], env: dict) -> None:
@@ -538,8 +602,7 @@ class _Checker:
                                f"{ast.unparse(st).splitlines()[0][:80]}")
 
     def _assert(self, st: ast.Assert, env: dict) -> None:
-        snapshot = {k: copy.deepcopy(v) if type(v) in sandbox.PLAIN else v
-                    for k, v in env.items()}
+        snapshot = self._snapshot(env)
         self.asserts.append((self.split(st.test, env), snapshot, ast.unparse(st.test)))
 
     def _expression(self, st: ast.Expr, env: dict) -> None:
@@ -547,8 +610,11 @@ class _Checker:
             return  # a docstring, a bare ``print``
         if self.here(st.value, env):
             self.value(st.value, env)
-        else:
+        elif isinstance(st.value, ast.Call) and isinstance(st.value.func, ast.Name) and \
+                self.world(st.value.func.id, env):
             self.call(st.value, env, discard=True)
+        else:
+            self._record("here", self.split(st.value, env), self._snapshot(env))
 
     def _assign(self, st: ast.Assign, env: dict) -> bool | None:
         if len(st.targets) != 1:
@@ -557,9 +623,10 @@ class _Checker:
         if self.here(st.value, env):
             self._bind_checked(target, self.value(st.value, env), env)
         elif isinstance(target, ast.Name):
-            sent: dict = {}
-            node = self._send(copy.deepcopy(st.value), env, sent)
-            env[target.id] = _Symbolic(node, sent)
+            part = self.split(st.value, env)
+            if not (isinstance(part, ast.Name) and part.id.startswith("_call")):
+                part = self._record("here", part, self._snapshot(env))
+            env[target.id] = _Deferred(part.id)
         else:
             raise Unsplittable("unpacking a value that needs the program")
         return None
@@ -607,10 +674,50 @@ class _Checker:
             raise Unsplittable("an assignment target that is not names")
         self._bind(target, item, env)
 
-    # -- the verdict, here ---------------------------------------------------------------------
-    def verdict(self, values: list) -> str | None:
-        """None if every assert holds with the calls' values, else why not (one line)."""
-        named = {f"_call{i}": v for i, v in enumerate(values)}
+    # -- the records' values and the verdict, here -----------------------------------------
+    def resolve(self, run: Callable[[str, list[dict]], list]) -> dict:
+        """Every record's value (``{"_callN": value}``), in rounds: the records whose inputs are
+        known are evaluated (``here``: by this process; ``program``/``prompt``: one
+        ``run(world, calls)`` each, calls as :func:`tasks.sandbox.run_calls` takes them), until
+        all are. A value computed here that the program needs must be plain data."""
+        values: dict = {}
+        needs = [_refs(c["node"]) for c in self.calls]
+        rounds = 0
+        while len(values) < len(self.calls):
+            ready = [i for i, c in enumerate(self.calls)
+                     if f"_call{i}" not in values and needs[i] <= values.keys()]
+            if not ready:
+                raise Unsplittable("records that wait on each other")
+            local = [i for i in ready if self.calls[i]["world"] == "here"]
+            for i in local:
+                c = self.calls[i]
+                values[f"_call{i}"] = self.value(c["node"], {**c["env"], **values})
+            if local:
+                continue  # what they unblock may be local too: one sandbox run per world
+            rounds += 1
+            if rounds > _MAX_ROUNDS:
+                raise Unsplittable(f"calls that wait on each other more than {_MAX_ROUNDS} "
+                                   "deep")
+            for world in ("prompt", "program"):
+                batch = [i for i in ready if self.calls[i]["world"] == world]
+                if not batch:
+                    continue
+                calls = []
+                for i in batch:
+                    c = self.calls[i]
+                    env = dict(c["env"])
+                    for ref in sorted(needs[i]):
+                        if type(values[ref]) not in sandbox.PLAIN:
+                            raise TypeError(f"{type(values[ref]).__name__} is not plain data")
+                        env[ref] = values[ref]
+                    calls.append(dict(expr=ast.unparse(c["node"]), env=env,
+                                      discard=c["discard"], convert=c["convert"]))
+                values.update(zip((f"_call{i}" for i in batch), run(world, calls)))
+        return values
+
+    def verdict(self, named: dict) -> str | None:
+        """None if every assert holds with the records' values (:meth:`resolve`), else why not
+        (one line)."""
         for number, (node, env, text) in enumerate(self.asserts, 1):
             try:
                 ok = bool(self.value(node, {**env, **named}))
@@ -630,28 +737,38 @@ def code_of(completion: str) -> str:
     return fenced[0] if fenced else truncate(completion)
 
 
-def _program_names(source: str) -> set[str]:
-    """Names the program binds at its top level (parsed, never run): a test's ``max(...)`` is
-    the program's ``max`` if it defines one, so that part goes to the sandbox."""
+def _task_names(source: str) -> set[str]:
+    """Names the task's own code (a reference solution, MBPP's setup, a HumanEval prompt) binds
+    at its top level (parsed, never run): the only names a test's call may reach the program
+    (or prompt) by. The completion's names never count: its ``abs`` is not the test's."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return set()  # the sandbox reports it
+        return set()
     names = set()
     for st in tree.body:
-        for node in ast.walk(st):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                names.add(node.id)
-            elif isinstance(node, ast.alias):
-                names.add((node.asname or node.name).split(".")[0])
+        if isinstance(st, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(st.name)
+        elif isinstance(st, (ast.Import, ast.ImportFrom)):
+            continue  # modules the code uses, never the test's
+        else:
+            names |= {n.id for n in ast.walk(st)
+                      if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     return names
 
 
-def _checked(program: str, checker: _Checker, build: Callable[[], None]) -> Score:
-    """Split the tests (``build``), run the program and its calls in the sandbox, and decide
-    here whether every assert holds."""
+class _CallsFailed(Exception):
+    """A sandbox run of the calls did not return values: its :class:`sandbox.Result`."""
+
+    def __init__(self, result):
+        super().__init__(result.reason)
+        self.result = result
+
+
+def _checked(programs: dict[str, str], checker: _Checker, build: Callable[[], None]) -> Score:
+    """Split the tests (``build``), evaluate the task's calls in sandboxes (``programs``: the
+    source each world runs: ``program`` the completion with the task's code around it,
+    ``prompt`` the task's own code alone), and decide here whether every assert holds."""
     try:
         build()
     except (Unsplittable, SyntaxError) as exc:
@@ -660,30 +777,51 @@ def _checked(program: str, checker: _Checker, build: Callable[[], None]) -> Scor
         return Score("pass@1", 0.0, "failed", f"{type(exc).__name__}: {str(exc)[:200]}")
     if not checker.asserts:
         return Score("pass@1", 0.0, "failed", "ValueError: the task has no asserts")
-    result = sandbox.run_calls(program, checker.calls)
-    if not result.passed:
-        return Score("pass@1", 0.0, result.reason, result.stdout[-300:])
-    why = checker.verdict(result.values)
+    output: list[str] = []
+
+    def run(world: str, calls: list[dict]) -> list:
+        result = sandbox.run_calls(programs[world], calls)
+        output.append(result.stdout)
+        if not result.passed:
+            raise _CallsFailed(result)
+        return result.values
+
+    try:
+        values = checker.resolve(run)
+    except _CallsFailed as failed:
+        return Score("pass@1", 0.0, failed.result.reason, failed.result.stdout[-300:])
+    except Unsplittable as exc:
+        return Score("pass@1", 0.0, "failed", f"ValueError: test not supported here: {exc}")
+    except sandbox.SandboxUnavailable:
+        raise  # no sandbox: nothing is scored (evaluate says so in one line)
+    except Exception as exc:  # noqa: BLE001 - a test value computed here raised
+        return Score("pass@1", 0.0, "failed", f"{type(exc).__name__}: {str(exc)[:200]}")
+    shown = "".join(output)[-300:]
+    why = checker.verdict(values)
     if why is not None:
-        return Score("pass@1", 0.0, "failed", (result.stdout[-300:] + "\n" + why).lstrip())
-    return Score("pass@1", 1.0, "passed", result.stdout[-300:])
+        return Score("pass@1", 0.0, "failed", (shown + "\n" + why).lstrip())
+    return Score("pass@1", 1.0, "passed", shown)
 
 
 def mbpp(prompt: Prompt, completion: str) -> Score:
+    """The tests call the functions the reference solution defines (and read the values MBPP's
+    setup builds, as MBPP 367's trees): the setup runs after the code, whose classes it uses."""
     code = code_of(completion)
-    program = "\n".join([prompt.setup, code])
-    checker = _Checker(_program_names(program))
+    program = "\n".join([code, prompt.setup])
+    checker = _Checker(_task_names(prompt.reference) | _task_names(prompt.setup))
 
     def build():
         env: dict = {}
         for test in prompt.tests:
             checker.run(ast.parse(test).body, env)
-    return _checked(program, checker, build)
+    return _checked({"program": program, "prompt": prompt.setup}, checker, build)
 
 
 def humaneval(prompt: Prompt, completion: str) -> Score:
+    """``check(candidate)`` calls the entry point in the program's sandbox, and the prompt's
+    other functions (HumanEval/32's ``poly``, /38's ``encode_cyclic``) in a sandbox of the
+    prompt alone: a completion that redefines them changes nothing the test computes."""
     program = prompt.text + code_of(completion)
-    names = _program_names(program) | {prompt.entry_point}
 
     def build():
         tree = ast.parse(prompt.tests[0])
@@ -695,8 +833,18 @@ def humaneval(prompt: Prompt, completion: str) -> Score:
         env: dict = {}
         checker.run([st for st in tree.body if st is not checks[0]], env)
         checker.run(checks[0].body, env)
-    checker = _Checker(names)
-    return _checked(program, checker, build)
+    checker = _Checker({prompt.entry_point}, prompt_names=_task_names(_prompt_code(prompt.text)))
+    return _checked({"program": program, "prompt": _prompt_code(prompt.text)}, checker, build)
+
+
+def _prompt_code(text: str) -> str:
+    """A HumanEval prompt as a module of its own (its helpers, for the prompt's sandbox): as
+    written, or with a ``pass`` body for the function it leaves open."""
+    try:
+        ast.parse(text)
+        return text
+    except SyntaxError:
+        return text.rstrip("\n") + "\n    pass\n"
 
 
 def rouge_l(prompt: Prompt, completion: str) -> Score:

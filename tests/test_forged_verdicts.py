@@ -171,20 +171,32 @@ def test_encode_is_strict():
 
 def _checker(tests: str, **aliases):
     import ast
-    checker = scoring._Checker({"f"} | set(aliases.values()), aliases)
+    checker = scoring._Checker({"f", "g"} | set(aliases.values()), aliases)
     checker.run(ast.parse(tests).body, {})
     return checker
+
+
+def _exprs(checker) -> list[str]:
+    """What the program's sandbox is asked to evaluate: each call (with its conversion)."""
+    import ast
+    return [f"{c['convert']}({ast.unparse(c['node'])})" if c["convert"] else ast.unparse(c["node"])
+            for c in checker.calls]
+
+
+def _named(values: list) -> dict:
+    return {f"_call{i}": v for i, v in enumerate(values)}
 
 
 def test_the_expected_side_never_enters_the_sandbox():
     checker = _checker("assert f(1) == 2\nassert abs(f(1.33) - 0.33) < 1e-6\n"
                        "assert tuple(f([1])) == tuple([7])\nassert not f('<')\n"
                        "assert f(2) is True\nassert f(3) == (3 + 5, 3 * 5)\n")
-    exprs = [c["expr"] for c in checker.calls]
+    exprs = _exprs(checker)
     assert exprs == ["f(1)", "f(1.33)", "tuple(f(_v0))", "f('<')", "f(2)", "f(3)"], exprs
-    assert checker.verdict([2, 0.3300000001, (7,), False, True, (8, 15)]) is None
-    assert "test 2" in checker.verdict([2, 0.0, (7,), False, True, (8, 15)])
-    assert "test 5" in checker.verdict([2, 0.33, (7,), False, 1, (8, 15)])  # 1 is not True
+    assert {c["world"] for c in checker.calls} == {"program"}
+    assert checker.verdict(_named([2, 0.3300000001, (7,), False, True, (8, 15)])) is None
+    assert "test 2" in checker.verdict(_named([2, 0.0, (7,), False, True, (8, 15)]))
+    assert "test 5" in checker.verdict(_named([2, 0.33, (7,), False, 1, (8, 15)]))  # 1 not True
 
 
 def test_loops_random_and_test_variables_run_here():
@@ -198,13 +210,16 @@ def test_loops_random_and_test_variables_run_here():
             assert f(x, y) == x + 1
     """)
     checker = _checker(tests)
-    assert len(checker.calls) == 3
-    for c in checker.calls:  # x and s computed here, g(s) and f(...) there
-        assert re.fullmatch(r"f\(_v\d+, g\(_v\d+\)\)", c["expr"]), c
+    calls = [(e, c) for e, c in zip(_exprs(checker), checker.calls) if e.startswith("f")]
+    assert len(calls) == 3
+    for e, c in calls:  # x and s computed here, g(s) and f(...) there
+        assert re.fullmatch(r"f\(_v\d+, g\(_v\d+\)\)", e), e
         assert sorted(type(v).__name__ for v in c["env"].values()) == ["int", "str"], c
-    xs = [next(v for v in c["env"].values() if type(v) is int) for c in checker.calls]
-    assert checker.verdict([x + 1 for x in xs]) is None
-    assert checker.verdict([x for x in xs]) is not None
+    xs = [next(v for v in c["env"].values() if type(v) is int) for _, c in calls]
+    f_at = [i for i, e in enumerate(_exprs(checker)) if e.startswith("f")]
+    right = {f"_call{i}": x + 1 for i, x in zip(f_at, xs)}
+    assert checker.verdict(right) is None
+    assert checker.verdict({k: v - 1 for k, v in right.items()}) is not None
     again = _checker(tests)  # the tests' random numbers are reproducible
     assert [c["env"] for c in again.calls] == [c["env"] for c in checker.calls]
 

@@ -104,6 +104,50 @@ def test_the_app_binds_to_localhost_by_default():
     assert parser().parse_args([]).host == "127.0.0.1"
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """``workbench-app``'s main with Streamlit replaced by a recorder: the arguments it would
+    have been started with (a run that gets that far), never a server."""
+    from streamlit.web import cli as stcli
+    started: list = []
+    monkeypatch.setattr(stcli, "main", lambda: started.append(list(sys.argv)) or 0)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    return started
+
+
+@pytest.mark.parametrize("host", ["", " ", "::", "[::]", "*", "0"])
+def test_the_app_refuses_an_empty_or_wildcard_host(launched, capsys, tmp_path, host):
+    """``--host ""`` listened on every interface (Streamlit reads empty as all)."""
+    from helpers import exit_code, one_line
+
+    from moe_spec.app import launch
+    code = exit_code(launch.main, ["--traces", str(tmp_path), "--host", host, "--headless"])
+    one_line(capsys, code, "--host", "every interface", "0.0.0.0")
+    assert not launched
+
+
+def test_the_app_listens_everywhere_only_on_an_explicit_0000_with_a_warning(launched, capsys,
+                                                                           tmp_path):
+    from moe_spec.app import launch
+    assert launch.main(["--traces", str(tmp_path), "--host", "0.0.0.0", "--headless"]) == 0
+    assert "warning" in capsys.readouterr().err and "0.0.0.0" in launched[0]
+    assert launch.main(["--traces", str(tmp_path), "--headless"]) == 0
+    assert "warning" not in capsys.readouterr().err and "127.0.0.1" in launched[1]
+
+
+@pytest.mark.parametrize("traces", ["/etc/passwd", "/dev/zero", "file"])
+def test_the_app_refuses_traces_that_are_not_a_folder(launched, capsys, tmp_path, traces):
+    from helpers import exit_code, one_line
+
+    from moe_spec.app import launch
+    if traces == "file":
+        traces = tmp_path / "traces.txt"
+        traces.write_text("not a folder")
+    code = exit_code(launch.main, ["--traces", str(traces), "--headless"])
+    one_line(capsys, code, "--traces", "not a folder")
+    assert not launched
+
+
 # --- 4. never destroy data -----------------------------------------------------------------------
 def test_training_refuses_a_non_empty_folder_without_force(tmp_path):
     (tmp_path / "model").mkdir()

@@ -711,10 +711,10 @@ def test_export_refuses_an_existing_dest_without_force(tmp_path, facts, capsys):
     import_routing.import_routing(FORMATS["sglang"], src, facts("tiny-olmoe"), tmp_path / "t",
                                   "b", "r", progress=False)
     dest = tmp_path / "out.jsonl"
-    dest.write_text("keep me")
+    dest.write_text('{"keep": "me"}\n')  # JSON lines: what --force may replace
     args = ["--format", "vllm", "--run", "r", "--traces", str(tmp_path / "t"), str(dest)]
     assert export_routing.main(args) == 2 and "--force" in capsys.readouterr().err
-    assert dest.read_text() == "keep me"
+    assert dest.read_text() == '{"keep": "me"}\n'
     assert export_routing.main([*args, "--force"]) == 0
     assert json.loads(dest.read_text().splitlines()[0])["usage"]["completion_tokens"] == 3
 

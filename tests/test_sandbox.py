@@ -425,3 +425,101 @@ def test_evaluate_without_a_sandbox_is_one_line(hostile_run, monkeypatch, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "code sandbox unavailable" in err[0] and "util-linux" in err[0], err
 
+
+
+# ---- completions that redefine what the test computes with (issue 60) -------------------------
+# The program's sandbox evaluates only the task's calls; everything else of an assert is
+# evaluated by the scorer, so a completion's own ``abs`` (or ``sorted``, ``math.isclose``, a
+# prompt helper) never takes part. Each case: (assert in check(candidate), reference body, a
+# completion that returns a wrong value and redefines what the assert uses).
+REDEFINED = {
+    "abs": ("assert abs(candidate(1.5) - 3.0) < 1e-6", "return x * 2",
+            "return -1.0\ndef abs(x):\n    return 0\n"),
+    "builtins.abs": ("assert abs(candidate(1.5) - 3.0) < 1e-6", "return x * 2",
+                     "return -1.0\nimport builtins\nbuiltins.abs = lambda x: 0\n"),
+    "sorted": ("assert sorted(candidate([3, 1])) == [1, 3]", "return list(x)",
+               "return [9]\ndef sorted(x):\n    return [1, 3]\n"),
+    "set": ("assert set(candidate([1, 2])) == {1, 2}", "return list(x)",
+            "return [9]\ndef set(x):\n    return {1, 2}\n"),
+    "len": ("assert len(candidate([1, 2])) == 2", "return list(x)",
+            "return []\ndef len(x):\n    return 2\n"),
+    "round": ("assert round(candidate(0.333), 2) == 0.67", "return x * 2",
+              "return 5.0\ndef round(x, n):\n    return 0.67\n"),
+    "isinstance": ("assert isinstance(candidate(1), str)", "return str(x)",
+                   "return 1\ndef isinstance(a, b):\n    return True\n"),
+    "float": ("assert candidate(1.5) == float('3.0')", "return x * 2",
+              "return 'x'\nclass float:\n    def __new__(cls, s):\n        return 'x'\n"),
+    "str": ("assert candidate(1) == str(1)", "return str(x)",
+            "return 'no'\ndef str(x):\n    return 'no'\n"),
+    "max": ("assert max(candidate([1, 5]), 0) == 5", "return max(x)",
+            "return -3\ndef max(*a):\n    return 5\n"),
+    "math.isclose": ("import math\n    assert math.isclose(candidate(1.5), 3.0)", "return x * 2",
+                     "return 0.0\nimport math\nmath.isclose = lambda *a, **k: True\n"),
+    "float.__eq__": ("assert candidate(1.5) == 3.0", "return x * 2",
+                     "return type('F', (float,), {'__eq__': lambda s, o: True})(0.0)\n"),
+    "list.__eq__": ("assert candidate([1]) == [2]", "return [v * 2 for v in x]",
+                    "return type('L', (list,), {'__eq__': lambda s, o: True})()\n"),
+    "the prompt's helper": ("assert helper(candidate(1.5)) == 6.0", "return x * 2",
+                            "return 0.0\ndef helper(y):\n    return 6.0\n"),
+}
+
+
+@pytest.mark.parametrize("name", list(REDEFINED))
+def test_a_completion_cannot_redefine_what_the_test_computes_with(name):
+    test, reference, cheat = REDEFINED[name]
+    check = f"def check(candidate):\n    {test}\n"
+    p = benchmarks.Prompt("humaneval", "t", "def helper(y):\n    return y * 2\n\n\ndef f(x):\n",
+                          f"    {reference}\n", tests=(check,), entry_point="f")
+    assert scoring.humaneval(p, p.reference).value == 1.0
+    score = scoring.humaneval(p, "    " + cheat)
+    assert score.value == 0.0, score
+
+
+def test_humaneval_4_with_its_own_abs_scores_zero():
+    """The reported exploit: ``return -1.0`` then ``def abs(x): return 0`` scored 1.0."""
+    tasks = {p.prompt_id: p for p in benchmarks.load("humaneval")}
+    h = tasks["HumanEval/4"]
+    score = scoring.humaneval(h, "    return -1.0\ndef abs(x):\n    return 0\n")
+    assert score.value == 0.0 and "got -1.0" in score.detail, score
+    poly = tasks["HumanEval/32"]  # the prompt's poly is the test's, not the completion's
+    assert scoring.humaneval(poly, "    return 0.0\ndef poly(xs, x):\n    return 0\n").value == 0.0
+    assert scoring.humaneval(poly, poly.reference).value == 1.0
+
+
+def test_mbpp_with_its_own_builtins_scores_zero():
+    p = benchmarks.Prompt("mbpp", "t", "", "def f(x):\n    return sorted(x)\n",
+                          tests=("assert sorted(f([2, 1])) == [1, 2]",
+                                 "assert abs(len(f([2, 1])) - 2) < 1"))
+    assert scoring.mbpp(p, p.reference).value == 1.0
+    cheat = "def f(x):\n    return []\ndef sorted(x):\n    return [1, 2]\ndef abs(x):\n    return 0\n"
+    assert scoring.mbpp(p, cheat).value == 0.0
+
+
+@pytest.mark.parametrize("test", [
+    "assert (lambda v: v)(candidate(1)) == 2",  # a lambda around the program's value
+    "assert [v for v in candidate([1])] == [2]",  # a comprehension over it
+    "assert candidate(1).real == 2",  # an attribute of it
+    "assert unknown(candidate(1)) == 2",  # a function neither the task's nor a built-in
+])
+def test_an_assert_that_cannot_be_reduced_scores_zero_and_says_so(test):
+    p = benchmarks.Prompt("humaneval", "t", "def f(x):\n", "    return x * 2\n",
+                          tests=(f"def check(candidate):\n    {test}\n",), entry_point="f")
+    score = scoring.humaneval(p, p.reference)
+    assert score.value == 0.0 and "test not supported here" in score.detail, score
+
+
+def test_chained_calls_are_passed_as_plain_values_and_bounded():
+    """A call that needs another's value plus arithmetic waits a round (the arithmetic runs in
+    the scorer); a chain deeper than the bound is refused, not run for minutes."""
+    p = benchmarks.Prompt("humaneval", "t", "def f(x):\n", "    return x + 1\n",
+                          tests=("def check(candidate):\n"
+                                 "    assert candidate(candidate(1) * 10) == 21\n",),
+                          entry_point="f")
+    assert scoring.humaneval(p, p.reference).value == 1.0
+    assert scoring.humaneval(p, "    return x + 2\n").value == 0.0
+    deep = "def check(candidate):\n    x = 0\n" + "    x = candidate(x) + 0\n" * 20 + \
+        "    assert x == 20\n"
+    score = scoring.humaneval(benchmarks.Prompt("humaneval", "t", "def f(x):\n",
+                                                "    return x + 1\n", tests=(deep,),
+                                                entry_point="f"), "    return x + 1\n")
+    assert score.value == 0.0 and "more than 16 deep" in score.detail, score
