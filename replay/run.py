@@ -28,8 +28,8 @@ from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, reade
 from moe_spec.catalog.results import UnitResults
 from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 from moe_spec.moe.adapter import MoEAdapter
-from moe_spec.policy import coverage, index, rankings
-from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
+from moe_spec.policy import coverage, rankings
+from moe_spec.policy.calibration import CalibrationStats, calibrate
 from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
 from moe_spec.replay.engine import OpenLoopEngine
 from moe_spec.replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, decided without torch)
@@ -94,14 +94,8 @@ def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated:
     read = lambda run: tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",  # noqa: E731
                             unit="tree-layer", disable=True if not progress else None)
     weights = expert_weights_digest(adapter)  # once for every calibration run
-    stats = collect_runs(cal, read, adapter, examples_for(rankings_used),
-                         saved=lambda run: saved_stats_path(catalog, run, weights))
-    problem = empty_calibration(stats, cal)
-    if problem:
-        raise ReplayError(problem)
-    if index.surrogate_sums(rankings_used):
-        from moe_spec.policy.rankings.sketch import with_surrogate_sums
-        stats = with_surrogate_sums(stats, cal, adapter, read)
+    stats = calibrate(cal, read, adapter, rankings_used,
+                      saved=lambda run: saved_stats_path(catalog, run, weights))
     return stats, cal
 
 
