@@ -72,16 +72,16 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg, bytes_per_param: float = 2.0) -> "ModelShape":
-        from moe_spec.moe.models import EXPERT_COUNT_KEYS  # each family's record names its key
-        n = next(v for v in (getattr(cfg, key, None) for key in EXPERT_COUNT_KEYS) if v)
-        inter = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shared = (getattr(cfg, "n_shared_experts", 0) or 0) * inter
-        dense = min(getattr(cfg, "first_k_dense_replace", 0) or 0, cfg.num_hidden_layers)
-        dense += len(getattr(cfg, "mlp_only_layers", []) or [])
-        return cls(cfg.num_hidden_layers, cfg.hidden_size, inter, n, cfg.num_experts_per_tok,
-                   cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, cfg.vocab_size,
-                   bytes_per_param, shared, dense, cfg.intermediate_size if dense else 0)
+        """The shape a config states (:func:`moe.families.facts`, its family's keys and
+        dense-layer rule); AttributeError naming what it leaves out."""
+        from moe_spec.moe.families import facts
+        f = facts(cfg)
+        dense = len(f.dense_layers)
+        shape = (f.num_layers, f.hidden_size, f.expert_inter, f.num_experts, f.top_k, f.heads,
+                 f.kv_heads, f.head_dim, f.vocab)
+        if None in shape or (dense and f.dense_inter is None):
+            raise AttributeError(f"the config states no complete MoE shape: {shape}")
+        return cls(*shape, bytes_per_param, f.shared_inter, dense, f.dense_inter if dense else 0)
 
     @property
     def expert_bytes(self) -> float:

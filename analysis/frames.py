@@ -27,10 +27,9 @@ def model_shape(location: str) -> cost.ModelShape | None:
     ``config.json`` read as is where it names every width (instant), else through transformers
     (hub ids, or a config that leaves values at the family's defaults)."""
     import json
-    from types import SimpleNamespace
     try:
         raw = json.loads((Path(location) / "config.json").read_text())
-        return cost.ModelShape.from_config(SimpleNamespace(**raw))
+        return cost.ModelShape.from_config(raw)  # (read by moe.families.facts)
     except (OSError, ValueError, AttributeError, TypeError):
         pass
     from transformers import AutoConfig
@@ -46,7 +45,7 @@ def real_target(manifest: dict, model: str) -> tuple[str, cost.ModelShape] | Non
     (routing-only imports) or of the captured model's config, else for the model's name."""
     from moe_spec.moe import families, models, shapes
     model_type = manifest.get("model_type") or \
-        (models.read_config(manifest["model_location"]) or {}).get("model_type")
+        families.facts(models.read_config(manifest["model_location"])).model_type
     family = families.lookup(model_type, manifest.get("model") or model)
     real = shapes.REAL_SHAPES.get(family.alias) if family else None
     return None if real is None else (real.checkpoint,

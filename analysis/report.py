@@ -42,6 +42,7 @@ from moe_spec.analysis.sql import connect, views
 from moe_spec.catalog import Catalog, atomic, dataset_version, location, partition_value, schema
 from moe_spec.catalog.replay_metrics import gap_closed
 from moe_spec.errors import UserError, fail
+from moe_spec.policy import index
 from moe_spec.moe import shapes
 
 
@@ -199,14 +200,15 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
     if curves is not None:
         c = curves.filter((pl.col("model") == part) & (pl.col("bench") == bench))
         mid = sorted(set(c["budget"]))[len(set(c["budget"])) // 2] if c.height else -1
+        head = headline_ranking(set(c["ranking"]))
         pick = {r: c.filter((pl.col("ranking") == r) & (pl.col("budget") == mid)
                             & (pl.col("coverage") == "truncation"))["rse"]
-                for r in ("router", "oracle", "coact")}
+                for r in ("router", "oracle", head)}
         if all(v.len() for v in pick.values()) and pick["router"][0] > pick["oracle"][0]:
-            gap = gap_closed(pick["router"][0], pick["oracle"][0], pick["coact"][0])
-            out.append((f"router→oracle gap coact closes at one budget, B = {mid} (the sweep's "
-                        "middle; truncation, mean RSE: (router − coact) / (router − oracle), not "
-                        "averaged over budgets)", f"{gap:.0%}"))
+            gap = gap_closed(pick["router"][0], pick["oracle"][0], pick[head][0])
+            out.append((f"router→oracle gap {head} closes at one budget, B = {mid} (the sweep's "
+                        f"middle; truncation, mean RSE: (router − {head}) / (router − oracle), "
+                        "not averaged over budgets)", f"{gap:.0%}"))
     projection = headline_projection(con, model, bench, runs[0].manifest)
     if projection is not None:
         where, sp, top = projection
@@ -217,6 +219,14 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
         out.append((f"best projected speedup over AR on H100 ({where}) within the quality "
                     f"bound: {top['bound']}", value + (f"; {top['note']}" if top["note"] else "")))
     return out
+
+
+def headline_ranking(replayed: set[str]) -> str:
+    """The ranking the report's key numbers feature: the one :mod:`policy.index` recommends
+    (``RECOMMENDED``), else its choice without a surrogate, whichever was replayed first in that
+    order (the recommended one when neither was)."""
+    choices = (index.RECOMMENDED, index.RECOMMENDED_WITHOUT_SURROGATE)
+    return next((r for r in choices if r in replayed), index.RECOMMENDED)
 
 
 def headline_projection(con, model: str, bench: str, manifest: dict):

@@ -32,8 +32,7 @@ from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.moe.recorder import VerifyRecorder
 from moe_spec.policy import coverage, rankings
 from moe_spec.policy.budget import Budget
-from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
-from moe_spec.policy.index import surrogate_sums
+from moe_spec.policy.calibration import CalibrationStats, calibrate
 
 
 @dataclass
@@ -188,15 +187,7 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
                                             {(settings.bench, p.prompt_id) for p in prompts})
     except CatalogError as exc:
         raise CaptureError(str(exc)) from exc
-    stats = collect_runs(cal, lambda run: reader.tree_layers([run]), adapter,
-                         examples_for([settings.ranking]))
-    problem = empty_calibration(stats, cal)
-    if problem:
-        raise CaptureError(problem)
-    if surrogate_sums([settings.ranking]):  # token-aware: sketch
-        from moe_spec.policy.rankings.sketch import with_surrogate_sums
-        stats = with_surrogate_sums(stats, cal, adapter, lambda run: reader.tree_layers([run]))
-    return stats
+    return calibrate(cal, lambda run: reader.tree_layers([run]), adapter, [settings.ranking])
 
 
 _LOADED: dict[tuple, tuple] = {}  # the last (model, head) this process loaded, by what loaded it

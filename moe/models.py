@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from moe_spec.errors import UserError
+from moe_spec.moe import families
 from moe_spec.moe.families import REGISTRY
 
 if TYPE_CHECKING:
@@ -147,35 +148,20 @@ def read_config(model: str) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-# the config keys naming N routed experts, one per family (moe/families/), each once
-EXPERT_COUNT_KEYS = tuple(dict.fromkeys(f.experts_key for f in REGISTRY.values()))
-
-
-def _positive_int(value) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+EXPERT_COUNT_KEYS = families.EXPERT_COUNT_KEYS  # the config keys naming N, one per family
 
 
 def expert_shape(config: dict | None) -> tuple[int, int] | None:
     """(N routed experts, top-k) a model's ``config.json`` names (the keys differ per family:
-    moe/families/), or None where it names them not."""
-    if not config:
-        config = {}
-    config = config.get("text_config", config) if isinstance(config.get("text_config"),
-                                                             dict) else config
-    n = next((v for v in (_positive_int(config.get(key)) for key in EXPERT_COUNT_KEYS) if v),
-             None)
-    k = _positive_int(config.get("num_experts_per_tok"))
-    return (n, k) if n and k else None
+    :func:`moe.families.facts` reads them), or None where it names them not."""
+    found = families.facts(config if isinstance(config, dict) else None)
+    return (found.num_experts, found.top_k) if found.num_experts and found.top_k else None
 
 
 def max_positions(config: dict | None) -> int | None:
     """The longest sequence a model's ``config.json`` admits (``max_position_embeddings``), or
     None where it names none."""
-    if not config:
-        return None
-    config = config.get("text_config", config) if isinstance(config.get("text_config"),
-                                                             dict) else config
-    return _positive_int(config.get("max_position_embeddings"))
+    return families.facts(config if isinstance(config, dict) else None).max_positions
 
 
 def quiet_transformers() -> None:

@@ -31,8 +31,13 @@ from typing import Callable, Iterable, Protocol
 import numpy as np
 import torch
 
+from moe_spec.errors import UserError
 from moe_spec.policy import index
 from moe_spec.policy.greedy import oracle_order
+
+
+class CalibrationError(UserError, ValueError):
+    """A calibration that cannot be used (it learned nothing); the message is one line."""
 
 
 class ExpertModel(Protocol):
@@ -369,3 +374,23 @@ def collect_runs(runs: list, read: Callable[[object], Iterable], model: ExpertMo
         _COLLECTED[key] = CalibrationStats.merge(parts, max_examples)
     return _COLLECTED[key]
 
+
+
+def calibrate(runs: list, read: Callable[[object], Iterable], model: ExpertModel, rankings,
+              saved: Callable[[object], object] | None = None) -> CalibrationStats:
+    """The one calibration step, for replay and capture's online budget alike: the statistics
+    of the calibration ``runs`` (:func:`collect_runs`, with the examples the ``rankings`` ask
+    for), refused in one line when they learned nothing (:class:`CalibrationError`), then what
+    each input the rankings read asks of a calibration (:func:`policy.index.calibration_steps`:
+    the tree tokens' MoE inputs add the surrogate's sums), each step called as
+    ``step(stats, runs, model, read)`` and returning the statistics to use. A ranking with a new
+    input declares it in its line; no caller names a ranking."""
+    import importlib
+    stats = collect_runs(runs, read, model, examples_for(tuple(rankings)), saved=saved)
+    problem = empty_calibration(stats, runs)
+    if problem:
+        raise CalibrationError(problem)
+    for step in index.calibration_steps(rankings):
+        module, function = step.split(":")
+        stats = getattr(importlib.import_module(module), function)(stats, runs, model, read)
+    return stats

@@ -24,6 +24,35 @@ MEANS_VERSION = 2  # how calibration statistics become means (policy.calibration
 # calibrated result's key; 2: an expert calibration never selected gets its layer's mean energy
 
 
+class Input(NamedTuple):
+    """Something a ranking reads (its line's :attr:`Entry.inputs`), and what that asks of the
+    one calibration step (:func:`policy.calibration.calibrate`)."""
+
+    summary: str
+    calibration: str | None = None  # "module:function" ``(stats, runs, model, read) -> stats``:
+    # what a calibration for a ranking reading this input also collects (None: nothing more)
+
+
+# Everything a ranking may read. Router scores, calibration statistics and a fitted artifact
+# every line derives from its keyed facts (needs_calibration, uses_calibration, artifact); the
+# others a ranking declares in its line's ``inputs``. Callers ask :meth:`Entry.needs` (or the
+# class facts derived from it), never a ranking's name.
+INPUTS: dict[str, Input] = {
+    "router": Input("the tree tokens' router scores, weights and selected experts (every ranking)"),
+    "calibration": Input("calibration statistics: expert-output Gram, selection counts, "
+                         "per-prompt energy moments, examples (policy.calibration)"),
+    "artifact": Input("a model fitted on the calibration statistics, saved beside its results"),
+    "moe_inputs": Input("the tree tokens' MoE inputs h_t (RoutingBatch.hidden: open- and "
+                        "closed-loop replay and the online budget attach them to every batch); "
+                        "its calibration carries the surrogate's least-squares sums",
+                        calibration="moe_spec.policy.rankings.sketch:with_surrogate_sums"),
+    "executed_outputs": Input("the inner products of the outputs of the experts earlier passes "
+                              "executed (Ranking.observe_outputs; one state per budget)"),
+    "executed_output_vectors": Input("those executed outputs themselves, not only their inner "
+                                     "products (open-loop replay then gathers them)"),
+}
+
+
 class Entry(NamedTuple):
     module: str  # the module that registers the ranking, imported on first use
     runtime: bool  # usable inside a verification pass (needs router scores only)
@@ -41,10 +70,33 @@ class Entry(NamedTuple):
     skip_message: str | None = None  # why the CLI skips budgets; ``{limit}``: the class's limit
     overhead: Callable[[int, int], overheads.Overhead] | None = None  # (N, H) -> what it adds
     # to every verification pass (policy.overhead); None: nothing
-    needs_hidden: bool = False  # reads the tree tokens' MoE inputs h_t; its calibration then
-    # carries the surrogate's least-squares sums (surrogate_sums)
     token_aware_starts: bool = False  # starts from the token-aware rankings' shortlists where
     # the calibration carries those sums: its results are keyed by whether it did
+    inputs: tuple[str, ...] = ()  # what it reads beyond router scores, calibration and its
+    # artifact (names of INPUTS): "moe_inputs", "executed_outputs", ...
+
+    def needs(self) -> frozenset[str]:
+        """Every input (:data:`INPUTS`) the ranking reads: router scores, calibration where it
+        needs or uses one, its artifact, and what its line declares."""
+        return frozenset({"router", *self.inputs}
+                         | ({"calibration"} if self.needs_calibration or self.uses_calibration
+                            else set()) | ({"artifact"} if self.artifact else set()))
+
+    @property
+    def needs_hidden(self) -> bool:
+        """Reads the tree tokens' MoE inputs h_t; its calibration then carries the surrogate's
+        least-squares sums (:func:`surrogate_sums`)."""
+        return "moe_inputs" in self.inputs
+
+    @property
+    def observes_outputs(self) -> bool:
+        """Reads what earlier passes executed (``observe_outputs``)."""
+        return "executed_outputs" in self.inputs
+
+    @property
+    def observes_output_vectors(self) -> bool:
+        """... the executed outputs themselves, not only their inner products."""
+        return "executed_output_vectors" in self.inputs
 
 
 RANKINGS: dict[str, Entry] = {
@@ -70,12 +122,14 @@ RANKINGS: dict[str, Entry] = {
     "coact-online": Entry("moe_spec.policy.rankings.coact_online", True,
                           "coact with G refined from the outputs of experts the prompt's "
                           "earlier passes executed", version=3, needs_calibration=True,
-                          stateful=True, ablation_step=4),  # versions: coact's
+                          stateful=True, ablation_step=4,
+                          inputs=("executed_outputs",)),  # versions: coact's
     "coact-prior": Entry("moe_spec.policy.rankings.coact_prior", True,
                          "coact-online with each expert's calibration energy shrunk toward its "
                          "layer mean, the strength chosen per layer from the calibration's "
                          "prompt-to-prompt energy spread", version=3,
-                         needs_calibration=True, stateful=True),  # versions: coact's
+                         needs_calibration=True, stateful=True,
+                         inputs=("executed_outputs",)),  # versions: coact's
     "learned": Entry("moe_spec.policy.rankings.learned", True,
                      "gradient-boosted score per expert from router and calibration "
                      "features, trained to reproduce the oracle's order", version=4,
@@ -88,7 +142,7 @@ RANKINGS: dict[str, Entry] = {
                     "the oracle's search on expert outputs predicted from the tree tokens' MoE "
                     "inputs h_t by rank-r calibration surrogates (without surrogate or h_t: "
                     "coact-prior's shortlists, with a warning; bench/sketch_gap.py)",
-                    version=3, needs_calibration=True, artifact="sketch.npz", needs_hidden=True,
+                    version=3, needs_calibration=True, artifact="sketch.npz", inputs=("moe_inputs",),
                     overhead=lambda n, h: overheads.surrogate(n, h, overheads.SKETCH_RANK)),
     # 2: the surrogate's rank 16 -> 4 (policy.overhead.SKETCH_RANK: the same gap closed, a
     # quarter of the bytes); 3 (and sketch-post, sketch-gated 2): the oracle's search it runs,
@@ -97,15 +151,16 @@ RANKINGS: dict[str, Entry] = {
                          "sketch whose surrogates learn during the prompt: the posterior mean of "
                          "the calibration fit and each expert's last executed (h, E(h)) pairs",
                          version=2, needs_calibration=True, artifact="sketch.npz",
-                         stateful=True, needs_hidden=True,
-                         overhead=lambda n, h: overheads.posterior_surrogate(
-                             n, h, overheads.SKETCH_RANK, overheads.POSTERIOR_WINDOW)),
+                         stateful=True, overhead=lambda n, h: overheads.posterior_surrogate(
+                             n, h, overheads.SKETCH_RANK, overheads.POSTERIOR_WINDOW),
+                         inputs=("moe_inputs", "executed_outputs", "executed_output_vectors")),
     "sketch-gated": Entry("moe_spec.policy.rankings.sketch_gated", True,
                           "sketch on tree-layers whose MoE inputs lie near its calibration's "
                           "(novelty under the calibration's input covariance <= 3), "
                           "coact-prior's shortlists elsewhere", version=2,
-                          needs_calibration=True, stateful=True, needs_hidden=True,
-                          overhead=lambda n, h: overheads.gated_surrogate(n, h)),
+                          needs_calibration=True, stateful=True,
+                          overhead=lambda n, h: overheads.gated_surrogate(n, h),
+                          inputs=("moe_inputs", "executed_outputs")),
     "previous": Entry("moe_spec.policy.rankings.previous", True,
                       "experts loaded by the previous pass at the layer first, then router mass",
                       version=2, stateful=True),  # 2: under truncation, selected experts first
@@ -189,6 +244,15 @@ def surrogate_sums(rankings) -> bool:
     collected only then; a ranking with ``token_aware_starts`` (the oracle) starts from the
     token-aware rankings' shortlists only then, and its results' key says so."""
     return any(RANKINGS[r].needs_hidden for r in rankings if r in RANKINGS)
+
+
+def calibration_steps(rankings) -> list[str]:
+    """What a calibration for ``rankings`` collects beyond the statistics every calibration
+    has: the :attr:`Input.calibration` step of each input one of them reads, in
+    :data:`INPUTS`' order, each once (``module:function`` names, imported by
+    :func:`policy.calibration.calibrate`)."""
+    needed = set().union(*(RANKINGS[r].needs() for r in rankings if r in RANKINGS))
+    return [i.calibration for name, i in INPUTS.items() if name in needed and i.calibration]
 
 
 def ranking_names(*, runtime: bool | None = None) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_spec import console
@@ -159,7 +159,8 @@ def check_outputs(args) -> None:
 def preflight(args):
     """Everything that can be refused before torch loads: the traces, the runs and their roles,
     the calibration runs (found, calibration role, other prompts), the options. Returns the
-    catalog, the runs, the budgets (when the manifests name N) and the layers."""
+    catalog, the runs, the budgets (when the manifests name N), the layers and the calibration
+    runs (resolved here, once for the command)."""
     from moe_spec.catalog import Catalog
     from moe_spec.replay.plan import ReplayError, parse_budgets
     args.traces = location.from_args(args.traces, args.storage_options)
@@ -208,11 +209,11 @@ def preflight(args):
         if not args.allow_evaluation_calibration and any(r.role == "evaluation" for r in found):
             from moe_spec.policy.calibration import evaluation_calibration
             raise ReplayError(evaluation_calibration(found))
-        catalog.calibration_runs(args.calibration, runs[0].model,
-                                 set().union(*(r.prompt_keys() for r in runs)))
+    calibration = catalog.calibration_runs(args.calibration, runs[0].model, set().union(
+        *(r.prompt_keys() for r in runs))) if args.calibration else []
     n = runs[0].manifest.get("num_experts")
     budgets = parse_budgets(args.budget, n) if isinstance(n, int) else None
-    return catalog, runs, budgets, layers
+    return catalog, runs, budgets, layers, calibration
 
 
 # --- the summary -----------------------------------------------------------------------------
@@ -361,37 +362,44 @@ class Computed:
     loaded: object
 
 
-def compute(args, catalog, runs, layers, coverages) -> Computed:
+def compute(args, planned: Planned, coverages) -> Computed:
     """Load the model and execute the replay's plan (a write that fails is a one-line
-    :class:`UserError` naming where). The request was checked before (:func:`plan_request`);
-    only what the manifests could not tell is checked here, against the loaded model."""
+    :class:`UserError` naming where). The request was checked and planned before
+    (:func:`plan_request`), the calibration runs resolved; only what the manifests could not
+    tell is checked (and planned) here, against the loaded model."""
     console.threads.apply(args.threads)  # torch's pools
     from moe_spec.moe import models
     from moe_spec.moe.adapter import MoEAdapter
     from moe_spec.replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay
     models.quiet_transformers()
+    catalog, runs, layers = planned.catalog, planned.runs, planned.layers
     model = runs[0].model
     try:
         loaded = models.load(model, device=args.device, dtype=load_dtype(args.dtype, runs),
                              revision=runs[0].settings.get("revision"),
                              trust_remote_code=args.trust_remote_code)
         adapter = MoEAdapter(loaded.model)
-        budgets = parse_budgets(args.budget, adapter.num_experts)
-        check_request(args, budgets, coverages, adapter.top_k)
+        request = planned.request
+        if planned.made_for(adapter.num_experts, adapter.top_k):
+            budgets = planned.budgets
+        else:  # the manifests could not tell N and k (or disagree with the model)
+            budgets = parse_budgets(args.budget, adapter.num_experts)
+            check_request(args, budgets, coverages, adapter.top_k)
+            request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers,
+                                    args.mode, args.batch_size, args.batch_seed)
         for layer in layers or ():
             adapter.layer(layer)
         stats, cal = None, []
         if args.calibration:
             stats, cal = calibration_stats(catalog, args.calibration, model, runs, adapter,
                                            progress=not args.no_progress,
-                                           rankings_used=tuple(args.ranking))
-        request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers, args.mode,
-                                args.batch_size, args.batch_seed)
+                                           rankings_used=tuple(args.ranking),
+                                           resolved=planned.calibration)
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
                          device=loaded.device, progress=not args.no_progress,
                          max_batch=args.chunk_tree_layers, workers=args.workers,
                          ray_address=args.ray_address, dtype=load_dtype(args.dtype, runs),
-                         key_dtype=str(loaded.dtype))
+                         key_dtype=str(loaded.dtype), prepared=planned.plan)
     except OSError as exc:
         where = getattr(exc, "filename", None) or args.out or args.traces
         raise ReplayError(f"cannot write results to {where}: {exc.strerror or exc}; choose "
@@ -402,32 +410,46 @@ def compute(args, catalog, runs, layers, coverages) -> Computed:
 @dataclass
 class Planned:
     """What the command line asks, checked without the model: the runs, budgets (None until N
-    is known), layers, and the outcome when every cell is stored."""
+    is known), layers, the calibration runs (resolved once), N and k where the manifests name
+    them, the request and its plan (:func:`replay.plan.manifest_plan`, None until the model
+    tells what the manifests cannot), and the outcome when every cell is stored."""
 
     catalog: object
     runs: list
     budgets: list[int] | None
     layers: tuple[int, ...] | None
+    calibration: list = field(default_factory=list)
+    n: int | None = None
+    k: int | None = None
     request: object = None
+    plan: object = None
     outcome: object = None
+
+    def made_for(self, n: int, k: int) -> bool:
+        """Whether the budgets and request were parsed and checked for N = ``n``, top-``k``."""
+        return self.request is not None and (self.n, self.k) == (n, k)
 
 
 def plan_request(args, coverages: tuple[str, ...]) -> Planned:
-    """Every check that needs no model; where N and k are in the manifests and every cell is
+    """Every check that needs no model, and where N, k and the dtype follow from the manifests
+    the plan (once for the command: :func:`compute` executes this one); where every cell is
     stored already, the answer too (without the model or torch)."""
     from moe_spec.replay import plan
-    catalog, runs, budgets, layers = preflight(args)
-    k = runs[0].manifest.get("top_k")
+    catalog, runs, budgets, layers, calibration = preflight(args)
+    n, k = runs[0].manifest.get("num_experts"), runs[0].manifest.get("top_k")
     k = k if isinstance(k, int) else None
     check_request(args, budgets, coverages, k)
-    found = Planned(catalog, runs, budgets, layers)
+    found = Planned(catalog, runs, budgets, layers, calibration)
     if budgets is not None and k is not None:  # N and k from the manifests
+        found.n, found.k = n, k
         found.request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets),
                                            layers, args.mode, args.batch_size, args.batch_seed)
         dtype = key_dtype(args, runs)
         if dtype is not None:
-            found.outcome = plan.stored_outcome(catalog, runs, found.request, args.calibration,
-                                                args.out or args.traces, dtype)
+            found.plan = plan.manifest_plan(catalog, runs, found.request, calibration,
+                                            args.out or args.traces, dtype)
+            if found.plan is not None and found.plan.complete:
+                found.outcome = found.plan.stored()
     return found
 
 
@@ -440,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         planned = plan_request(args, coverages)
         done = Computed(planned.outcome, planned.request, planned.budgets, None) \
             if planned.outcome is not None else \
-            compute(args, planned.catalog, planned.runs, planned.layers, coverages)
+            compute(args, planned, coverages)
     except UserError as exc:
         return fail("replay", exc)
     frame = print_outcome(args, planned, done, coverages)

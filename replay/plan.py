@@ -5,9 +5,11 @@ loads (and, for a replay whose every cell is stored, all it needs).
         per run × ranking × coverage: its result unit, the budgets it evaluates (those the
         coverage accepts for top-k and the ranking can do for N), and what is stored: every
         cell, a stored calibrated variant that answers for it, or cells still missing
-    ReplayPlan.complete   → the answer without the model (:func:`stored_outcome`)
+    ReplayPlan.complete   → the answer without the model (:func:`manifest_plan`)
     otherwise             → :func:`replay.run.replay` executes the plan: locks the pending units
-                            and computes their missing blocks
+                            and computes their missing blocks (the same plan, when the loaded
+                            model has the N, k, layers and dtype it was made for: a command
+                            plans once)
 
 Importing this module imports neither torch nor the model code; :mod:`replay.run` re-exports
 its names. The facts results are keyed by (a ranking's version, whether it needs or uses
@@ -276,6 +278,13 @@ class ReplayPlan:
     out: Path  # where results are written
     runs: list[RunPlan]
     outcome: ReplayOutcome  # skipped and notes so far; units and reuse added when answered
+    made_for: tuple = ()  # (N, k, layers, dtype) it was planned for (:meth:`fits`)
+
+    def fits(self, n: int, k: int, layers: list[int], dtype: str) -> bool:
+        """Whether this plan answers for a model of N = ``n`` experts, top-``k``, MoE
+        ``layers`` loaded in ``dtype`` (the loaded model agrees with the manifests it was made
+        from): then executing it needs no second plan."""
+        return self.made_for == (n, k, list(layers), str(dtype).removeprefix("torch."))
 
     @property
     def complete(self) -> bool:
@@ -318,7 +327,8 @@ def plan(catalog: Catalog, runs: list[Run], request: ReplayRequest, calibration:
                 if (unit := plan_unit(catalog, out, run, mode, mode.cell_layers(run_layers),
                                       name, cov_name, request.budgets, calibration, n, k, dtype,
                                       outcome, sums)) is not None]))
-    return ReplayPlan(request, calibration, out, found, outcome)
+    return ReplayPlan(request, calibration, out, found, outcome,
+                      (n, k, list(layers), str(dtype).removeprefix("torch.")))
 
 
 def plan_unit(catalog: Catalog, out: Path, run: Run, mode: ReplayMode, cell_layers, name: str,
@@ -345,13 +355,14 @@ def plan_unit(catalog: Catalog, out: Path, run: Run, mode: ReplayMode, cell_laye
     return UnitPlan(name, cov_name, unit, budgets, missing=missing)
 
 
-def stored_outcome(catalog: Catalog, runs: list[Run], request: ReplayRequest,
-                   calibration: list[str], out: Path,
-                   dtype: str = "float32") -> ReplayOutcome | None:
-    """The outcome of ``request`` when every cell it asks for is stored already (complete
-    blocks of the current captures), found from the manifests alone (N, k and the MoE layers)
-    without the model, torch or writing anything; None when anything is missing or the
-    manifests cannot tell, and :func:`replay.run.replay` executes the plan."""
+def manifest_plan(catalog: Catalog, runs: list[Run], request: ReplayRequest,
+                  calibration: list[Run], out: Path, dtype: str = "float32") -> ReplayPlan | None:
+    """The plan of ``request`` from the manifests alone (N, k and the MoE layers), without the
+    model, torch or writing anything: complete (:attr:`ReplayPlan.complete`) when every cell it
+    asks for is stored already (complete blocks of the current captures), its answer then
+    :meth:`ReplayPlan.stored`; otherwise :func:`replay.run.replay` executes this same plan once
+    the model is loaded. None when the manifests cannot tell (then the loaded model plans).
+    ``calibration``: the calibration runs, resolved once by the caller."""
     manifest = runs[0].manifest
     try:
         n, k, moe = manifest["num_experts"], manifest["top_k"], list(manifest["moe_layers"])
@@ -361,7 +372,4 @@ def stored_outcome(catalog: Catalog, runs: list[Run], request: ReplayRequest,
     if not set(layers) <= set(moe) or any(r.manifest.get("moe_layers") != moe for r in runs) \
             or any(r.manifest.get("num_experts") != n for r in runs):
         return None  # said in one line once the model is loaded
-    cal = catalog.calibration_runs(calibration, runs[0].model, set().union(
-        *(r.prompt_keys() for r in runs))) if calibration else []
-    found = plan(catalog, runs, request, cal, out, n=n, k=k, layers=layers, dtype=dtype)
-    return found.stored() if found.complete else None
+    return plan(catalog, runs, request, calibration, out, n=n, k=k, layers=layers, dtype=dtype)

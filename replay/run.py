@@ -28,8 +28,8 @@ from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, reade
 from moe_spec.catalog.results import UnitResults
 from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 from moe_spec.moe.adapter import MoEAdapter
-from moe_spec.policy import coverage, index, rankings
-from moe_spec.policy.calibration import CalibrationStats, collect_runs, empty_calibration, examples_for
+from moe_spec.policy import coverage, rankings
+from moe_spec.policy.calibration import CalibrationStats, calibrate
 from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
 from moe_spec.replay.engine import OpenLoopEngine
 from moe_spec.replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, decided without torch)
@@ -46,8 +46,8 @@ from moe_spec.replay.plan import (  # noqa: F401 - (re-exported: what a replay a
     plan,
     run_layers_noted,
     storage_note,
+    manifest_plan,
     stored_layers,
-    stored_outcome,
     stored_variants,
     summary_frame,
     unit_key,
@@ -84,22 +84,18 @@ def saved_stats_path(catalog: Catalog, run: Run, weights: str):
 
 
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
-                      adapter: MoEAdapter, progress: bool, rankings_used: tuple[str, ...] = ()
-                      ) -> tuple[CalibrationStats, list[Run]]:
+                      adapter: MoEAdapter, progress: bool, rankings_used: tuple[str, ...] = (),
+                      resolved: list[Run] | None = None) -> tuple[CalibrationStats, list[Run]]:
     """Statistics from the named calibration runs (never sharing a prompt with ``evaluated``),
-    each run collected once per process (:func:`policy.calibration.collect_runs`)."""
-    cal = catalog.calibration_runs(names, model, set().union(*(r.prompt_keys() for r in evaluated)))
+    each run collected once per process (:func:`policy.calibration.collect_runs`); ``resolved``:
+    those runs, already found and checked by the caller (the CLI resolves them once)."""
+    cal = resolved if resolved is not None else catalog.calibration_runs(
+        names, model, set().union(*(r.prompt_keys() for r in evaluated)))
     read = lambda run: tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",  # noqa: E731
                             unit="tree-layer", disable=True if not progress else None)
     weights = expert_weights_digest(adapter)  # once for every calibration run
-    stats = collect_runs(cal, read, adapter, examples_for(rankings_used),
-                         saved=lambda run: saved_stats_path(catalog, run, weights))
-    problem = empty_calibration(stats, cal)
-    if problem:
-        raise ReplayError(problem)
-    if index.surrogate_sums(rankings_used):
-        from moe_spec.policy.rankings.sketch import with_surrogate_sums
-        stats = with_surrogate_sums(stats, cal, adapter, read)
+    stats = calibrate(cal, read, adapter, rankings_used,
+                      saved=lambda run: saved_stats_path(catalog, run, weights))
     return stats, cal
 
 
@@ -108,18 +104,23 @@ def replay(catalog: Catalog, runs: list[Run], adapter: MoEAdapter, request: Repl
            device: torch.device, progress: bool = True,
            max_batch: int | None = None, workers: int = 0,
            ray_address: str | None = None, dtype: str = "auto",
-           key_dtype: str = "float32") -> ReplayOutcome:
-    """Plan ``request`` (:func:`replay.plan.plan`, N, k and the layers from the loaded model) and
-    execute the plan: per run, lock its pending units and compute their missing blocks; with
-    ``workers`` or ``ray_address`` the prompts are spread over Ray actors
-    (:mod:`replay.distributed`), each loading the model once. ``key_dtype``: the dtype the model
-    is loaded in (part of the results' key)."""
+           key_dtype: str = "float32", prepared: ReplayPlan | None = None) -> ReplayOutcome:
+    """Execute the plan of ``request``: ``prepared`` (made before the model loaded, from the
+    manifests: :func:`replay.plan.manifest_plan`) where it fits the loaded model, else
+    :func:`replay.plan.plan` with N, k and the layers of the loaded model; per run, lock its
+    pending units and compute their missing blocks; with ``workers`` or ``ray_address`` the
+    prompts are spread over Ray actors (:mod:`replay.distributed`), each loading the model once.
+    ``key_dtype``: the dtype the model is loaded in (part of the results' key)."""
     mode = request.mode
     if mode.key() and (workers or ray_address):
         raise ReplayError(f"{mode.title()} runs in one process; drop --workers/--ray-address")
     layers = list(request.layers) if request.layers else [layer.index for layer in adapter]
-    planned = plan(catalog, runs, request, calibration, out, n=adapter.num_experts,
-                   k=adapter.top_k, layers=layers, dtype=key_dtype)
+    if prepared is not None and prepared.request == request and \
+            prepared.fits(adapter.num_experts, adapter.top_k, layers, key_dtype):
+        planned = prepared
+    else:
+        planned = plan(catalog, runs, request, calibration, out, n=adapter.num_experts,
+                       k=adapter.top_k, layers=layers, dtype=key_dtype)
     outcome = planned.outcome
     start = time.perf_counter()
     if workers or ray_address:
@@ -303,4 +304,4 @@ def actors_for(model: str, device: str, workers: int, ray_address: str | None,
 
 
 __all__ = ["CatalogError", "ReplayError", "ReplayRequest", "calibration_stats", "parse_budgets",
-           "replay", "stored_outcome", "summary_frame"]
+           "replay", "manifest_plan", "summary_frame"]

@@ -183,3 +183,49 @@ print("OK", len(families.REGISTRY), len(models.ALIASES), len(SPECS))
     assert done.returncode == 0, done.stderr[-3000:]
     n = len(REGISTRY) + 1
     assert done.stdout.split() == ["OK", str(n), str(2 * n), str(n)]
+
+
+# what a model config says about its experts and layers: read by moe.families.facts only
+MOE_CONFIG_KEYS = {"num_experts_per_tok", "first_k_dense_replace", "mlp_only_layers",
+                   "decoder_sparse_step", "n_shared_experts", "shared_expert_intermediate_size",
+                   "moe_intermediate_size", *models.EXPERT_COUNT_KEYS} - {"num_experts"}
+# (num_experts is also the workbench's own word: manifests, columns, the adapter's attribute)
+
+
+def test_no_code_outside_the_family_records_reads_a_moe_config_key():
+    """``Family.facts`` (``moe.families.facts``) is the one reader of a model config's experts,
+    top-k, dense layers, shared experts and expert widths: no project module outside
+    moe/families/ names one of those keys, as a string or an attribute."""
+    found = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            if path.parent == ROOT / "moe" / "families":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                key = node.value if isinstance(node, ast.Constant) else \
+                    node.attr if isinstance(node, ast.Attribute) else None
+                if key in MOE_CONFIG_KEYS:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {key}")
+    assert not found, found
+
+
+def test_facts_read_each_family_by_its_own_rule():
+    """A Qwen3-MoE config off its sparse step has dense layers (the cost model ignored the step),
+    DeepSeek-V3's first layers are dense beside its shared expert, and a config of no family is
+    read by the keys every family uses."""
+    qwen = dict(REGISTRY["qwen3_moe"].real_config, model_type="qwen3_moe", decoder_sparse_step=2,
+                num_hidden_layers=4)
+    found = families.facts(qwen)
+    assert found.moe_layers == (1, 3) and found.dense_layers == {0, 2}
+    assert shapes.REAL_SHAPES  # (the cost model's shape counts them)
+    from moe_spec.analysis.cost import ModelShape
+    assert ModelShape.from_config(qwen).dense_layers == 2
+    deepseek = families.facts(dict(REGISTRY["deepseek_v3"].real_config, model_type="deepseek_v3"))
+    assert deepseek.moe_layers[0] == 3 and deepseek.shared_experts == 1
+    assert deepseek.shared_inter == deepseek.expert_inter
+    other = families.facts({"model_type": "elsewhere", "num_local_experts": 16,
+                            "num_experts_per_tok": 2, "num_hidden_layers": 4,
+                            "first_k_dense_replace": 1, "text_config": None})
+    assert (other.num_experts, other.top_k, other.moe_layers) == (16, 2, (1, 2, 3))
+    assert models.expert_shape({"text_config": {"num_experts": 4, "num_experts_per_tok": 2}}) \
+        == (4, 2) and models.expert_shape({}) is None

@@ -147,3 +147,34 @@ def test_distributed_prompt_chunks_cover_every_prompt_once_in_order(prompts, act
     assert all(chunks)
     if len(prompts) >= 4 * actors:  # enough calls for every actor to balance the tail
         assert len(chunks) >= 4 * actors
+
+
+def test_a_replay_plans_checks_and_resolves_its_calibration_once(traces, tmp_path, monkeypatch):
+    """One command, one plan: the plan made from the manifests before the model loads is the
+    one executed; the request is parsed and checked once and the calibration runs resolved
+    once (were: plan twice, check_request and parse_budgets twice, calibration three times)."""
+    from moe_spec.catalog import Catalog
+    from moe_spec.replay import plan as plan_module
+    from moe_spec.replay import run as run_module
+    calls = {}
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    plan, parse_budgets = counted("plan", plan_module.plan), \
+        counted("parse_budgets", plan_module.parse_budgets)
+    for module in (plan_module, run_module):  # (replay.run re-exports them)
+        monkeypatch.setattr(module, "plan", plan)
+        monkeypatch.setattr(module, "parse_budgets", parse_budgets)
+    monkeypatch.setattr(cli, "check_request", counted("check_request", cli.check_request))
+    monkeypatch.setattr(Catalog, "calibration_runs",
+                        counted("calibration_runs", Catalog.calibration_runs))
+    assert cli.main(["--traces", str(traces), "--run", "eval", "--calibration", "cal",
+                     "--ranking", "router", "coact", "--budget", "16", "--layers", "0",
+                     "--coverage", "truncation", "--no-progress", "--threads", "1",
+                     "--out", str(tmp_path)]) == 0
+    assert set(results(tmp_path, "replay_open")["ranking"]) == {"router", "coact"}
+    assert calls == {"plan": 1, "parse_budgets": 1, "check_request": 1, "calibration_runs": 1}

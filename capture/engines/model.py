@@ -1,6 +1,7 @@
 """The model's facts routing is checked against, from its ``config.json`` alone (no weights):
 N routed experts, top-k, decoder layers, which of them have a sparse MoE block (the family's
-dense-layer rule, :mod:`moe.families`) and how many shared experts run beside the routed ones.
+dense-layer rule) and how many shared experts run beside the routed ones, as
+:func:`moe.families.facts` reads them.
 
 ``--model`` takes what ``capture`` takes (an alias, a hub id in the local cache, a folder with
 a ``config.json``); the config is read with ``transformers.AutoConfig`` (its defaults fill keys a
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from moe_spec.capture.engines.base import ModelFacts
 from moe_spec.errors import UserError
-from moe_spec.moe import models
+from moe_spec.moe import families, models
 
 
 MAX_LAYERS = 4096  # decoder layers (the layer column is int16; real models have < 200)
@@ -20,21 +21,6 @@ MAX_EXPERTS = 32767  # routed experts (ids are stored as int16)
 
 class ModelFactsError(UserError, ValueError):
     """A --model whose config does not say what routing needs; one line."""
-
-
-def _dense_layers(cfg, model_type: str) -> set[int]:
-    """The family's rule where the family is known (moe.families), else the config keys every
-    family uses (first_k_dense_replace, mlp_only_layers, decoder_sparse_step)."""
-    from moe_spec.moe.families import FAMILIES
-    spec = FAMILIES.get(model_type)
-    if spec is not None:
-        return set(spec.dense_layers(cfg))
-    layers = int(cfg.num_hidden_layers)
-    dense = set(range(min(int(getattr(cfg, "first_k_dense_replace", 0) or 0), layers)))
-    dense |= {int(i) for i in (getattr(cfg, "mlp_only_layers", None) or [])}
-    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
-    dense |= {i for i in range(layers) if (i + 1) % step != 0}
-    return dense
 
 
 def _check_size(model: str, name: str, value, high: int) -> None:
@@ -68,30 +54,25 @@ def model_facts(model: str) -> ModelFacts:
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     raw = models.read_config(model) or {}  # what config.json says wins over class defaults
     raw = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
-    config = {**cfg.to_dict(), **{k: v for k, v in raw.items() if v is not None}}
-    shape = models.expert_shape(config)
-    if shape is None:
+    merged = {**cfg.to_dict(), **{k: v for k, v in raw.items() if v is not None}}
+    layers = merged.get("num_hidden_layers")
+    if layers is None:
+        raise ModelFactsError(f"the config of {model!r} names no num_hidden_layers")
+    _check_size(model, "num_hidden_layers", layers, MAX_LAYERS)  # before a rule walks the layers
+    found = families.facts(merged)
+    if not (found.num_experts and found.top_k):
         raise ModelFactsError(f"the config of {model!r} names no routed experts and top-k "
                               f"(one of {', '.join(models.EXPERT_COUNT_KEYS)} and "
                               "num_experts_per_tok): not a MoE model")
-    model_type = str(getattr(cfg, "model_type", config.get("model_type", "")))
-    layers = getattr(cfg, "num_hidden_layers", None)
-    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
-        raise ModelFactsError(f"the config of {model!r} names no num_hidden_layers")
-    n, k = shape
-    for name, value, high in (("num_hidden_layers", layers, MAX_LAYERS),
-                              ("routed experts", n, MAX_EXPERTS), ("top-k", k, n)):
+    n, k = found.num_experts, found.top_k
+    for name, value, high in (("routed experts", n, MAX_EXPERTS), ("top-k", k, n)):
         _check_size(model, name, value, high)
-    moe = tuple(i for i in range(layers) if i not in _dense_layers(cfg, model_type))
-    if not moe:
+    if not found.moe_layers:
         raise ModelFactsError(f"the config of {model!r} has no MoE layer (every layer dense)")
-    shared = getattr(cfg, "n_shared_experts", None)
-    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared <= MAX_EXPERTS:
-        shared = 1 if (getattr(cfg, "shared_expert_intermediate_size", 0) or 0) > 0 else 0
-    return ModelFacts(name=source.name, location=source.location, model_type=model_type,
-                      num_experts=n, top_k=k, num_layers=layers, moe_layers=moe,
-                      shared_experts=int(shared),
-                      hidden_size=getattr(cfg, "hidden_size", None))
+    return ModelFacts(name=source.name, location=source.location, model_type=found.model_type,
+                      num_experts=n, top_k=k,
+                      num_layers=found.num_layers, moe_layers=found.moe_layers,
+                      shared_experts=found.shared_experts, hidden_size=found.hidden_size)
 
 
 def facts_of_run(manifest: dict) -> ModelFacts:

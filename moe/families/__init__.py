@@ -123,6 +123,94 @@ class TinyModel:
     router: dict | None = None
 
 
+def _int(value) -> int | None:
+    """A positive int a config states (never a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def config_view(config):
+    """A model config as attributes: a transformers config (its text config for a multimodal
+    one) as it is, a ``config.json`` dict (its ``text_config`` where it nests one) as a
+    namespace, None as an empty one."""
+    from types import SimpleNamespace
+    if config is None:
+        return SimpleNamespace()
+    if isinstance(config, dict):
+        inner = config.get("text_config")
+        return SimpleNamespace(**(inner if isinstance(inner, dict) else config))
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def any_family_dense_layers(config) -> set[int]:
+    """The dense layers of a config of no registered family, by the keys every family uses:
+    the first ``first_k_dense_replace``, those in ``mlp_only_layers``, those off the
+    ``decoder_sparse_step``."""
+    layers = int(config.num_hidden_layers)
+    dense = set(range(min(int(getattr(config, "first_k_dense_replace", 0) or 0), layers)))
+    dense |= {int(i) for i in (getattr(config, "mlp_only_layers", None) or [])}
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return dense | {i for i in range(layers) if (i + 1) % step != 0}
+
+
+@dataclass(frozen=True)
+class ConfigFacts:
+    """What the workbench reads of a model's config, read in one place (:meth:`Family.facts`,
+    :func:`facts`): N routed experts and top-k, the decoder layers and which are dense, the
+    always-on shared experts, and the widths the cost model needs. None where the config does
+    not say (``dense_layers`` empty when the depth is unknown)."""
+
+    model_type: str
+    num_experts: int | None  # N routed experts (the family's key: Family.experts_key)
+    top_k: int | None
+    num_layers: int | None
+    dense_layers: frozenset[int]  # decoder layers with a dense MLP, not experts
+    shared_experts: int  # always-on shared experts beside the routed ones (never in a budget)
+    hidden_size: int | None
+    expert_inter: int | None  # one routed expert's intermediate width
+    shared_inter: int  # the shared experts' intermediate width per MoE layer (0: none)
+    dense_inter: int | None  # a dense layer's MLP width
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    vocab: int | None
+    max_positions: int | None
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The decoder layers with a sparse MoE block."""
+        return tuple(i for i in range(self.num_layers or 0) if i not in self.dense_layers)
+
+
+def read_facts(config, experts_keys: tuple[str, ...],
+               dense_layers: Callable[[object], set[int]]) -> ConfigFacts:
+    """:class:`ConfigFacts` of ``config`` (see :func:`config_view`), N from the first of
+    ``experts_keys`` it states, the dense layers by ``dense_layers(config)``."""
+    cfg = config_view(config)
+    get = lambda key: getattr(cfg, key, None)  # noqa: E731
+    layers = _int(get("num_hidden_layers"))
+    n = next((v for v in map(_int, map(get, experts_keys)) if v), None)
+    hidden, heads = _int(get("hidden_size")), _int(get("num_attention_heads"))
+    inter = get("moe_intermediate_size") or get("intermediate_size")
+    shared = get("n_shared_experts")
+    if isinstance(shared, int):
+        shared_inter = (shared or 0) * (inter or 0)
+    else:  # one shared expert of its own width (Qwen2-MoE's layout)
+        shared_inter = int(get("shared_expert_intermediate_size") or 0)
+        shared = 1 if shared_inter > 0 else 0
+    try:  # (a family's rule may read a key a partial config.json leaves to the class default)
+        dense = frozenset(dense_layers(cfg)) if layers else frozenset()
+    except (AttributeError, TypeError):
+        dense = frozenset(any_family_dense_layers(cfg))
+    return ConfigFacts(
+        model_type=str(get("model_type") or ""), num_experts=n,
+        top_k=_int(get("num_experts_per_tok")), num_layers=layers, dense_layers=dense,
+        shared_experts=int(shared), hidden_size=hidden, expert_inter=inter,
+        shared_inter=shared_inter, dense_inter=get("intermediate_size"), heads=heads,
+        kv_heads=get("num_key_value_heads"),
+        head_dim=get("head_dim") or (hidden // heads if hidden and heads else None),
+        vocab=get("vocab_size"), max_positions=_int(get("max_position_embeddings")))
+
+
 @dataclass(frozen=True)
 class Family:
     """Everything about one model family, in one place (one module of ``moe/families/``)."""
@@ -143,6 +231,12 @@ class Family:
     @property
     def model_type(self) -> str:
         return self.routing.model_type
+
+    def facts(self, config) -> ConfigFacts:
+        """What ``config`` (a transformers config or a ``config.json`` dict) says, read by this
+        family's keys and dense-layer rule: the one reader of a model config."""
+        return read_facts(config, (self.experts_key, *EXPERT_COUNT_KEYS),
+                          self.routing.dense_layers)
 
 
 def discover(package: str = __name__) -> dict[str, Family]:
@@ -174,6 +268,18 @@ def discover(package: str = __name__) -> dict[str, Family]:
 REGISTRY: dict[str, Family] = discover()
 # model_type -> routing spec (derived)
 FAMILIES: dict[str, FamilySpec] = {t: f.routing for t, f in REGISTRY.items()}
+# the config keys naming N routed experts, one per family (derived)
+EXPERT_COUNT_KEYS: tuple[str, ...] = tuple(dict.fromkeys(f.experts_key for f in REGISTRY.values()))
+
+
+def facts(config) -> ConfigFacts:
+    """What a model's config says (:meth:`Family.facts` of its ``model_type``'s family; a
+    config of no registered family by the keys every family uses). Code outside the family
+    records reads a config only through this (``tests/test_family_recipe.py``)."""
+    family = REGISTRY.get(getattr(config_view(config), "model_type", None))
+    if family is not None:
+        return family.facts(config)
+    return read_facts(config, EXPERT_COUNT_KEYS, any_family_dense_layers)
 
 
 def lookup(model_type: str | None = None, name: str | None = None) -> Family | None:

@@ -47,12 +47,14 @@ class Ranking(ABC):
     uses_calibration: ClassVar[bool] = False  # fit() uses calibration when given (the oracle)
     artifact: ClassVar[str | None] = None  # file name of what fit() learns, saved by save()
     stateful: ClassVar[bool] = False  # uses observe(): orders depend on earlier passes
-    needs_hidden: ClassVar[bool] = False  # reads the tree tokens' MoE inputs (batch.hidden)
+    needs_hidden: ClassVar[bool] = False  # reads the tree tokens' MoE inputs (batch.hidden;
+    # its line's inputs hold "moe_inputs")
     token_aware_starts: ClassVar[bool] = False  # starts from the token-aware rankings where the
     # calibration carries the surrogate's sums (the oracle; policy.index.surrogate_sums)
-    observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget)
+    observes_outputs: ClassVar[bool] = False  # uses observe_outputs() (one state per budget;
+    # its line's inputs hold "executed_outputs")
     observes_output_vectors: ClassVar[bool] = False  # ... and needs the outputs themselves, not
-    # only their inner products (open-loop replay then gathers them)
+    # only their inner products (open-loop replay then gathers them; "executed_output_vectors")
     stateful_starts: tuple = ()  # rankings whose shortlists open-loop replay streams in order
     # and hands to shortlists(starts=...) (the oracle's stateful starts)
     selected_first: ClassVar[bool] = True  # under truncation, experts some tree token selected
@@ -200,7 +202,9 @@ REGISTRY = Registry()
 
 
 FACTS = ("runtime", "version", "needs_calibration", "uses_calibration", "artifact",
-         "stateful", "needs_hidden", "token_aware_starts")  # what a ranking's line in policy.index says
+         "stateful", "needs_hidden", "token_aware_starts", "observes_outputs",
+         "observes_output_vectors")  # what a ranking's line in policy.index says (the last
+# two, and needs_hidden, derived from the inputs it declares: policy.index.INPUTS)
 
 
 def register(cls: type[Ranking]) -> type[Ranking]:

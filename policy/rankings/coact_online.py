@@ -31,8 +31,7 @@ from moe_spec.policy.rankings.coact import Coact
 
 @register
 class CoactOnline(Coact):
-    name = "coact-online"
-    observes_outputs = True
+    name = "coact-online"  # (reads executed outputs: its policy.index line's inputs)
     prior: ClassVar[float] = 8.0  # κ: calibration pseudo-observations per pair
 
     def __init__(self):

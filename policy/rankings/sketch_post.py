@@ -32,9 +32,8 @@ from moe_spec.policy.surrogate import MOMENTS, PosteriorSurrogate
 
 @register
 class SketchPosterior(Sketch):
-    name = "sketch-post"
-    observes_outputs = True
-    observes_output_vectors = True  # learns from the executed outputs, not only their dots
+    name = "sketch-post"  # learns from the executed outputs themselves, not only their dots
+    # (its policy.index line's inputs)
     rank: ClassVar[int] = SKETCH_RANK
     window: ClassVar[int] = POSTERIOR_WINDOW  # w: executed pairs kept per expert
     kappa: ClassVar[float] = POSTERIOR_KAPPA  # κ: the calibration's weight in pseudo-tokens
