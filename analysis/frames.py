@@ -342,7 +342,8 @@ def frontier_markdown_rows(table: pl.DataFrame, with_model: bool = True) -> list
     for r in table.iter_rows(named=True):
         lo, hi = r["gain_low"], r["gain_high"]
         gain = f"{r['gain']:.2f}×" + (
-            " (no budget matches: B = N)" if r["captured_budget"] == r["num_experts"]
+            " (B = N: no budget both matches and is faster)"
+            if r["captured_budget"] == r["num_experts"]
             else " (exact under the cost model: τ not measured under the budget)"
             if r["tau_source"] != "closed-loop replay"
             else f" (95% CI {lo:.2f}–{hi:.2f}×)" if lo == lo and hi == hi

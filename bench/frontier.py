@@ -31,7 +31,7 @@ from cross_domain import add_table_options, block_markers, rewrite_readme  # noq
 from moe_spec.console import threads  # noqa: E402
 
 BLOCK = "frontier"
-VERSION = 1  # of the --output layout
+VERSION = 2  # of the --output layout (2: the rows' numbers, formatted by --render)
 
 
 def prepare(traces: Path, model: str, bench: str, prompts: int, new_tokens: int,
@@ -70,14 +70,15 @@ def measure(traces: Path, model: str, bench: str, cpu) -> dict:
     name, target = real if real else (f"captured shape ({model})", frames.model_shape(location))
     hardware = [*cost.PROFILES.values(), cpu]
     table = frames.frontier_table(con, model, bench, target, hardware, int(depth or 7))
-    return dict(model=model, bench=bench, target=name, trees=int(trees),
-                rows=frames.frontier_markdown_rows(table))
+    return dict(model=model, bench=bench, target=name, trees=int(trees), rows=table.to_dicts())
 
 
 def render(found: list[dict]) -> str:
     """The markdown block: what it measured, the rule, then one row per (model, ranking,
     coverage, hardware)."""
-    from moe_spec.analysis.frames import MATCHED_QUALITY
+    import polars as pl
+
+    from moe_spec.analysis.frames import MATCHED_QUALITY, frontier_markdown_rows
     for f in found:
         if f.get("version") != VERSION or f.get("tool") != "bench/frontier.py":
             raise SystemExit("frontier.py: --render: not an --output of this version")
@@ -94,7 +95,7 @@ def render(found: list[dict]) -> str:
     lines += ["", f"Rule: {MATCHED_QUALITY.replace(':func:', '').replace('`', '')}.", "",
               "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for f in found:
-        for r in f["rows"]:
+        for r in frontier_markdown_rows(pl.DataFrame(f["rows"])):
             lines.append("| " + " | ".join(str(r[h]) for h in head) + " |")
     return "\n".join(lines)
 
