@@ -49,6 +49,29 @@ PROFILES = {
 }
 
 
+THIS_CPU = "this CPU (measured)"
+
+
+def measure_cpu(megabytes: int = 64, size: int = 512, repeats: int = 3) -> Hardware:
+    """This machine's CPU as a roofline profile, measured (best of ``repeats``, well under a
+    second): bandwidth = bytes read + written by a copy of a ``megabytes`` float32 array / its
+    time; peak = 2·size³ / time of a float32 ``size``² matrix product (numpy's BLAS, on the
+    threads it is allowed). A measurement, not a datasheet: it varies with the load."""
+    import time
+    a = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    m = np.ones((size, size), dtype=np.float32)
+    copy = matmul = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        copy = min(copy, time.perf_counter() - t)
+        t = time.perf_counter()
+        m @ m
+        matmul = min(matmul, time.perf_counter() - t)
+    return Hardware(THIS_CPU, 2 * a.nbytes / copy, 2 * size ** 3 / matmul)
+
+
 def custom(bandwidth_tbs: float, peak_tflops: float) -> Hardware:
     return Hardware("custom", bandwidth_tbs * 1e12, peak_tflops * 1e12)
 

@@ -171,8 +171,9 @@ def batch_errors(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
 
 def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
                   projection: pl.DataFrame | None = None, projection_name: str = "") -> go.Figure:
-    """Measured speedup of EAGLE over autoregressive decoding vs b (``profile-batch``), without
-    and with each budget; beside it MoESD's fitted verification-only speedup and the roofline's
+    """Measured speedup of EAGLE over autoregressive decoding vs b (``profile-batch``, equal work:
+    :mod:`analysis.timing`), without and with each budget, each point with its 95% interval as
+    an error bar; beside it MoESD's fitted verification-only speedup and the roofline's
     projection for a real shape (dashed, same colour per budget)."""
     fig = go.Figure()
     budgets = list(dict.fromkeys(speed["budget"].to_list()))
@@ -181,11 +182,18 @@ def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
                          else pl.col("budget") == budget)
         color = COLORS[i % len(COLORS)]
         label = "no budget" if budget is None else f"B = {budget}"
+        low = g["speedup_low"] if "speedup_low" in g.columns else g["speedup"] * np.nan
+        high = g["speedup_high"] if "speedup_high" in g.columns else g["speedup"] * np.nan
         fig.add_scatter(x=g["batch_size"], y=g["speedup"], mode="lines+markers",
-                        name=f"measured, {label}", line=dict(color=color),
-                        customdata=np.c_[g["eagle_tokens_per_s"], g["ar_tokens_per_s"], g["tau"]],
-                        hovertemplate="b=%{x}: %{y:.2f}×<br>EAGLE %{customdata[0]:.1f} tok/s, "
-                                      "AR %{customdata[1]:.1f} tok/s, τ %{customdata[2]:.2f}"
+                        name=f"measured, {label} (95% CI bars)", line=dict(color=color),
+                        error_y=dict(type="data", symmetric=False,
+                                     array=(high - g["speedup"]).fill_nan(None).to_list(),
+                                     arrayminus=(g["speedup"] - low).fill_nan(None).to_list()),
+                        customdata=np.c_[g["eagle_tokens_per_s"], g["ar_tokens_per_s"], g["tau"],
+                                         low.to_numpy(), high.to_numpy()],
+                        hovertemplate="b=%{x}: %{y:.2f}× (95% CI %{customdata[3]:.2f}–"
+                                      "%{customdata[4]:.2f}×)<br>EAGLE %{customdata[0]:.1f} "
+                                      "tok/s, AR %{customdata[1]:.1f} tok/s, τ %{customdata[2]:.2f}"
                                       "<extra></extra>")
         if projection is not None and projection.height:
             p = projection.filter(pl.col("budget").is_null() if budget is None
@@ -200,8 +208,11 @@ def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
                         name=f"MoESD fit (verify only), rel. RMSE {fit['coef']['relative_rmse']:.0%}")
     fig.add_hline(y=1, line=dict(color="#999", width=1))
     _batch_axis(fig, speed["batch_size"])
-    fig.update_yaxes(title="speedup over autoregressive decoding (tokens/s ratio)")
-    fig = _style(fig, "Speculative decoding's speedup vs batch size (measured)", HEIGHT + 80)
+    fig.update_yaxes(title="speedup over autoregressive decoding (s/token ratio)")
+    equal = "equal_work" in speed.columns and bool(speed["equal_work"].all())
+    fig = _style(fig, "Speculative decoding's speedup vs batch size (measured on " + (
+        "equal work: every way decodes the same tokens, EOS ignored)" if equal else
+        "UNEQUAL work: the decodings produced different numbers of tokens)"), HEIGHT + 80)
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0),
                       margin=dict(t=60, b=170))  # many entries: below the plot, not on the title
     return fig
@@ -413,9 +424,16 @@ def speedup(frame: pl.DataFrame, title: str = "Projected speedup vs budget",
                         textfont=dict(size=10, color="#444"),
                         marker=dict(size=9, color=color, symbol=["circle" if o else "circle-open"
                                                                  for o in ok]),
+                        error_y=dict(type="data", symmetric=False,
+                                     array=(g["speedup_high"] - g["speedup"]).fill_nan(None)
+                                     .to_list(),
+                                     arrayminus=(g["speedup"] - g["speedup_low"]).fill_nan(None)
+                                     .to_list(), thickness=1)
+                        if "speedup_low" in g.columns else None,
                         customdata=np.c_[g["tau"], quality],
-                        hovertemplate="B = %{x}: %{y:.2f}×<br>τ %{customdata[0]:.2f}<br>"
-                                      "%{customdata[1]}<extra>" + hw[0] + "</extra>")
+                        hovertemplate="B = %{x}: %{y:.2f}× (bars: 95% CI from τ)<br>τ "
+                                      "%{customdata[0]:.2f}<br>%{customdata[1]}<extra>"
+                                      + hw[0] + "</extra>")
     fig.add_hline(y=1.0, line_dash="dash", line_color="gray", annotation_text="1× (no gain)",
                   annotation_position="bottom left")  # clear of the headline's label
     if best is not None:

@@ -93,18 +93,70 @@ PATH_BOUND = 0.9
 RSE_BOUND = 0.05
 
 
-def routing_statistics(con, model: str, bench: str, run: str | None = None) -> dict | None:
+def t_interval(mean: float, sd: float | None, n: int) -> tuple[float, float]:
+    """The 95% Student-t interval of a mean, ``mean ± t₀.₉₇₅,ₙ₋₁ · sd / √n`` (NaN with n < 2)."""
+    from scipy.stats import t
+    if mean is None or sd is None or n < 2 or not np.isfinite(sd):
+        return float("nan"), float("nan")
+    half = float(t.ppf(0.975, n - 1)) * sd / np.sqrt(n)
+    return mean - half, mean + half
+
+
+def replayed_rankings(con, model: str, bench: str) -> pl.DataFrame:
+    """(ranking, coverage, open, closed): every ranking and coverage replayed on a dataset, open
+    loop and closed loop, router first (the speedup page's and the frontier's choices)."""
+    part = partition_value(model)
+    present = views(con)
+    found: dict[tuple[str, str], dict] = {}
+    for table, loop in (("replay_open", "open"), ("replay_closed", "closed")):
+        if table not in present:
+            continue
+        for ranking, cover in con.execute(
+                f"SELECT DISTINCT ranking, coverage FROM {table} WHERE model = '{part}' "
+                f"AND bench = '{bench}'").fetchall():
+            found.setdefault((ranking, cover), dict(ranking=ranking, coverage=cover, open=False,
+                                                    closed=False))[loop] = True
+    rows = sorted(found.values(), key=lambda r: (r["ranking"] != "router", r["ranking"],
+                                                 r["coverage"] != "substitution"))
+    return pl.DataFrame(rows, schema=dict(ranking=pl.String, coverage=pl.String,
+                                          open=pl.Boolean, closed=pl.Boolean))
+
+
+def missing_replay(con, model: str, bench: str, ranking: str, coverage: str | None) -> str | None:
+    """What is missing to measure a budget's quality under ``ranking`` (and ``coverage``), in
+    words — "no replay at all of this dataset", "no router replay (replayed: oracle, coact)",
+    "no router replay with truncation coverage (…)" — or None when one exists."""
+    found = replayed_rankings(con, model, bench)
+    if found.is_empty():
+        return "no replay at all of this dataset"
+    mine = found.filter(pl.col("ranking") == ranking)
+    others = ", ".join(dict.fromkeys(found["ranking"].to_list()))
+    if mine.is_empty():
+        return f"no {ranking} replay (replayed: {others})"
+    if coverage and mine.filter(pl.col("coverage") == coverage).is_empty():
+        return (f"no {ranking} replay with {coverage} coverage (replayed: "
+                f"{', '.join(mine['coverage'].to_list())})")
+    return None
+
+
+def routing_statistics(con, model: str, bench: str, run: str | None = None,
+                       ranking: str = "router", coverage: str | None = None) -> dict | None:
     """What a capture says about routing, independent of the model's size: unique experts per
     layer per tree (as a share of N), tree size, prefix length, and τ under each budget from
-    closed-loop replay (router ranking, substitution) of the *same* trees, with the captured τ
-    of those trees for B = N. ``quality`` holds, per budget, what the budget costs: closed-loop
-    ``path_unchanged`` (share of trees whose accepted path survives) and ``kl`` (mean KL per
-    node), and open-loop ``rse`` (mean RSE of the router ranking, substitution where replayed,
-    else truncation); ``quality_source`` says which of them exist."""
+    closed-loop replay (``ranking``, substitution unless ``coverage``) of the *same* trees, with
+    the captured τ of those trees for B = N. ``quality`` holds, per budget, what the budget
+    costs: closed-loop ``path_unchanged`` (share of trees whose accepted path survives) and
+    ``kl`` (mean KL per node), and open-loop ``rse`` (mean RSE of ``ranking``, ``coverage``, or
+    substitution where replayed, else truncation); ``quality_source`` says which of them exist
+    and ``missing`` what is not there (:func:`missing_replay`). Intervals (95%, Student t over
+    trees, trees of a prompt taken as independent: optimistic): ``tau_ci`` of the unbudgeted τ,
+    ``taus_ci[B]`` of closed loop's τ(B), ``ratio_ci[B]`` of τ(B)/τ(N) from the per-tree
+    differences (paired: the same trees)."""
     part = partition_value(model)
     where = f"model = '{part}' AND bench = '{bench}'" + (f" AND run = '{run}'" if run else "")
     row = con.execute(f"""SELECT avg(accepted_length), avg(prefix_len), avg(list_avg(
-                          unique_experts)), any_value(nodes), count(*) FROM trees
+                          unique_experts)), any_value(nodes), count(*),
+                          stddev_samp(accepted_length) FROM trees
                           WHERE {where} AND budget IS NULL""").fetchall()[0]
     if row[0] is None:
         return None
@@ -114,28 +166,41 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None) -> d
         return None
     stats = dict(tau=row[0], prefix=row[1], unique=row[2], nodes=int(row[3]), trees=row[4],
                  num_experts=int(n), taus={}, tau_source="unbudgeted capture", quality={},
-                 quality_source=None)
+                 quality_source=None, ranking=ranking, coverage=coverage,
+                 tau_ci=t_interval(row[0], row[5], row[4]), taus_ci={}, ratio_ci={},
+                 missing=missing_replay(con, model, bench, ranking, coverage))
     present = views(con)
+    safe = ranking.replace("'", "''")
     if "replay_open" in present:
         rows = con.execute(f"""SELECT coverage, budget, avg(rse) FROM replay_open WHERE {where}
-                               AND ranking = 'router' GROUP BY ALL""").fetchall()
+                               AND ranking = '{safe}' GROUP BY ALL""").fetchall()
         by = {c: {int(b): r for cc, b, r in rows if cc == c} for c in {r[0] for r in rows}}
-        rse = by.get("substitution") or by.get("truncation") or {}
-        for b, r in rse.items():
+        rse = by.get(coverage) if coverage else (by.get("substitution") or by.get("truncation"))
+        for b, r in (rse or {}).items():
             stats["quality"][b] = dict(rse=r)
         if rse:
             stats["quality_source"] = "open-loop replay"
+            stats["coverage"] = coverage or ("substitution" if by.get("substitution")
+                                             else "truncation")
     if "replay_closed" in present:
+        cover = (stats["coverage"] or "substitution").replace("'", "''")
         rows = con.execute(f"""SELECT budget, avg(accepted_length), avg(captured_accepted_length),
-                               avg(path_unchanged::DOUBLE), avg(mean_kl)
-                               FROM replay_closed WHERE {where} AND ranking = 'router'
-                               AND coverage = 'substitution' GROUP BY budget""").fetchall()
+                               avg(path_unchanged::DOUBLE), avg(mean_kl),
+                               stddev_samp(accepted_length), count(*),
+                               avg(accepted_length - captured_accepted_length),
+                               stddev_samp(accepted_length - captured_accepted_length)
+                               FROM replay_closed WHERE {where} AND ranking = '{safe}'
+                               AND coverage = '{cover}' GROUP BY budget""").fetchall()
         if rows:
             stats["taus"] = {int(b): t for b, t, *_ in rows}
             stats["tau"] = float(np.mean([c for _, _, c, *_ in rows]))  # the same trees' τ
             stats["tau_source"] = "closed-loop replay"
-            for b, _, _, path, kl in rows:
+            stats["coverage"] = stats["coverage"] or "substitution"
+            for b, tau, captured, path, kl, sd, count, diff, diff_sd in rows:
                 stats["quality"].setdefault(int(b), {}).update(path_unchanged=path, kl=kl)
+                stats["taus_ci"][int(b)] = t_interval(tau, sd, count)
+                lo, hi = t_interval(diff, diff_sd, count)
+                stats["ratio_ci"][int(b)] = (1 + lo / captured, 1 + hi / captured)
             stats["quality_source"] = "closed-loop replay"
     return stats
 
@@ -162,6 +227,9 @@ def speedup_frame(stats: dict, target: cost.ModelShape, hardware: list[cost.Hard
     fewer experts than it routes to); where two captured budgets map to one B_t, the one whose
     share of N is nearest B_t / N_t stays. ``draft`` is the draft head's (hidden, intermediate,
     vocabulary); by default one decoder layer of the target's width with a 32k draft vocabulary.
+    ``speedup_low``/``speedup_high``: the 95% interval from τ's (speedup is linear in τ; the
+    cost model itself is taken as exact): closed loop's τ(B) where measured, else the
+    unbudgeted τ's (:func:`routing_statistics`).
     Each row says whether the verify pass is memory-bound (bandwidth matters) or
     compute-bound (it does not), what the budget costs in quality (``path_unchanged``, ``kl``,
     ``rse``; see :func:`routing_statistics`) and whether that is ``within_bound``
@@ -197,20 +265,106 @@ def speedup_frame(stats: dict, target: cost.ModelShape, hardware: list[cost.Hard
             _, mem, comp = cost.pass_time(target, hw, stats["nodes"], int(stats["prefix"]),
                                           loaded)
             q = dict(path_unchanged=1.0, kl=0.0, rse=0.0) if b == n_c else quality.get(b, {})
+            speed = cost.projected_speedup(target, hw, tau, loaded, stats["nodes"],
+                                           int(stats["prefix"]), t_draft, cal)
+            lo, hi = stats.get("taus_ci", {}).get(b) or stats.get("tau_ci") or (np.nan, np.nan)
             rows.append(dict(
+                ranking=stats.get("ranking", "router"), coverage=stats.get("coverage"),
+                missing=stats.get("missing"),
                 hardware="capturing device (calibrated)" if cal else hw.name,
                 budget=b_t, target_experts=n_t, target_top_k=k_t, captured_budget=b,
                 num_experts=n_c, budget_share=b / n_c, experts_loaded=loaded, tau=tau,
                 tau_source=stats["tau_source"] if b in stats["taus"] or b == n_c
                 else "unbudgeted capture",
                 path_unchanged=q.get("path_unchanged"), kl=q.get("kl"), rse=q.get("rse"),
-                speedup=cost.projected_speedup(target, hw, tau, loaded, stats["nodes"],
-                                               int(stats["prefix"]), t_draft, cal),
+                speedup=speed, speedup_low=speed * lo / tau, speedup_high=speed * hi / tau,
                 bound="memory" if mem >= comp else "compute"))
     for r in rows:
         r.update(quality=quality_text(r), within_bound=within_bound(r))
     return pl.DataFrame(rows, schema_overrides=dict(path_unchanged=pl.Float64, kl=pl.Float64,
-                                                    rse=pl.Float64, within_bound=pl.Boolean))
+                                                    rse=pl.Float64, within_bound=pl.Boolean,
+                                                    coverage=pl.String, missing=pl.String))
+
+
+MATCHED_QUALITY = (f"matched quality: the ranking's mean open-loop RSE at the budget ≤ "
+                   f"{RSE_BOUND:g} (one rule for every ranking; B = N, unbudgeted EAGLE, always "
+                   "matches); gain = projected throughput at the fastest such budget / at B = N "
+                   "on the same shape and hardware, with τ under the budget from closed loop "
+                   "where it replayed the ranking (accepted length, path and KL shown), else the "
+                   "unbudgeted τ")
+
+
+def frontier_table(con, model: str, bench: str, target: cost.ModelShape,
+                   hardware: list[cost.Hardware], depth: int = 7,
+                   rankings: pl.DataFrame | None = None) -> pl.DataFrame:
+    """MoE-Spec's headline per replayed ranking and coverage of a dataset: the throughput gain
+    over unbudgeted EAGLE at matched quality (:data:`MATCHED_QUALITY`) on ``target`` and each
+    profile of ``hardware``, from :func:`speedup_frame`. Throughput ∝ speedup
+    over AR on one shape and device, so gain = speedup(B*) / speedup(N). Interval (95%): from
+    τ(B*)/τ(N) on the same trees (closed loop, paired; :func:`routing_statistics`); with open
+    loop only τ is not measured under the budget, the unbudgeted τ cancels and the gain is the
+    cost model's (interval = the value). One row per (ranking, coverage, hardware)."""
+    rankings = replayed_rankings(con, model, bench) if rankings is None else rankings
+    rows = []
+    for r in rankings.iter_rows(named=True):
+        stats = routing_statistics(con, model, bench, ranking=r["ranking"],
+                                   coverage=r["coverage"])
+        if stats is None:
+            continue
+        frame = speedup_frame(stats, target, hardware, depth)
+        for hw in hardware:
+            mine = frame.filter(pl.col("hardware") == hw.name)
+            ok = mine.filter((pl.col("captured_budget") == pl.col("num_experts"))
+                             | (pl.col("rse") <= RSE_BOUND))
+            best = ok.sort(pl.col("speedup").round(3), "budget").row(-1, named=True)
+            plain = mine.filter(pl.col("captured_budget") == pl.col("num_experts")
+                                ).row(0, named=True)
+            gain = best["speedup"] / plain["speedup"]
+            lo, hi = stats["ratio_ci"].get(best["captured_budget"], (1.0, 1.0)) \
+                if best["captured_budget"] != best["num_experts"] else (1.0, 1.0)
+            ratio = best["tau"] / plain["tau"]
+            rows.append(dict(
+                model=model, bench=bench, ranking=r["ranking"], coverage=stats["coverage"],
+                quality_source=stats["quality_source"] or "none", hardware=hw.name,
+                budget=best["budget"], target_experts=best["target_experts"],
+                captured_budget=best["captured_budget"], num_experts=best["num_experts"],
+                quality=best["quality"], tau=best["tau"], tau_source=best["tau_source"],
+                gain=gain, gain_low=gain * lo / ratio, gain_high=gain * hi / ratio))
+    return pl.DataFrame(rows, schema_overrides=dict(coverage=pl.String))
+
+
+def frontier_markdown_rows(table: pl.DataFrame, with_model: bool = True) -> list[dict]:
+    """:func:`frontier_table` as shown (the Speedup page's table and bench/frontier.py's block):
+    one row per (model, benchmark, ranking, coverage, hardware), the gain always beside its
+    interval."""
+    rows = []
+    for r in table.iter_rows(named=True):
+        lo, hi = r["gain_low"], r["gain_high"]
+        gain = f"{r['gain']:.2f}×" + (
+            " (B = N: no budget both matches and is faster)"
+            if r["captured_budget"] == r["num_experts"]
+            else " (exact under the cost model: τ not measured under the budget)"
+            if r["tau_source"] != "closed-loop replay"
+            else f" (95% CI {lo:.2f}–{hi:.2f}×)" if lo == lo and hi == hi
+            else " (no interval: fewer than 2 trees)")
+        budget = ("none (B = N)" if r["captured_budget"] == r["num_experts"]
+                  else f"{r['budget']} of {r['target_experts']}")
+        rows.append({**({"model": r["model"], "bench": r["bench"]} if with_model else {}),
+                     "ranking": r["ranking"], "coverage": r["coverage"] or "",
+                     "quality from": r["quality_source"], "hardware": r["hardware"],
+                     "budget at matched quality": budget, "quality there": r["quality"],
+                     "τ there": f"{r['tau']:.2f} ({r['tau_source']})",
+                     "throughput gain over EAGLE": gain})
+    return rows
+
+
+def speedup_interval(row: dict) -> str:
+    """"95% CI 1.10–1.35×" of a projected speedup (τ's interval through the cost model), or
+    why there is none: no speedup is shown bare."""
+    lo, hi = row.get("speedup_low"), row.get("speedup_high")
+    if lo is None or hi is None or lo != lo or hi != hi:
+        return "no interval: fewer than 2 trees"
+    return f"95% CI {lo:.2f}–{hi:.2f}×"
 
 
 def quality_kind(frame: pl.DataFrame) -> str:
@@ -237,12 +391,21 @@ def within_bound(row: dict) -> bool | None:
     return None
 
 
-def bound_text(kind: str) -> str:
-    """The quality bound in words, for a frame's :func:`quality_kind`."""
+def bound_text(kind: str, missing: str | None = None, ranking: str = "router") -> str:
+    """The quality bound in words, for a frame's :func:`quality_kind`; with no quality, what is
+    missing (:func:`missing_replay`: "no router replay (replayed: oracle)", "no replay at
+    all of this dataset")."""
     return {"closed": f"closed-loop path unchanged ≥ {PATH_BOUND:.0%}",
-            "open": f"open-loop RSE ≤ {RSE_BOUND:g} (no closed-loop replay: τ under a budget "
-                    "is not measured; the unbudgeted τ is assumed)",
-            "none": "no replay: the quality of a budget is not measured"}[kind]
+            "open": f"open-loop RSE ≤ {RSE_BOUND:g} (no closed-loop replay of {ranking}: τ "
+                    "under a budget is not measured; the unbudgeted τ is assumed)",
+            "none": f"{missing or f'no {ranking} replay'}: the quality of a budget under "
+                    f"{ranking} is not measured"}[kind]
+
+
+def frame_bound_text(frame: pl.DataFrame) -> str:
+    """:func:`bound_text` for a speedup frame (its ranking and what it misses)."""
+    first = frame.row(0, named=True)
+    return bound_text(quality_kind(frame), first.get("missing"), first.get("ranking") or "router")
 
 
 def quality_text(row: dict) -> str:
@@ -276,7 +439,8 @@ def speedup_note(frame: pl.DataFrame, sep: str = "<br>") -> str:
     kind = quality_kind(frame)
     labels = {"closed": "labels: closed-loop path unchanged; ",
               "open": "labels: open-loop RSE; ", "none": ""}[kind]
-    return (f"{mapping_note(frame)}{sep}Quality bound: {bound_text(kind)}.{sep}Point {labels}"
+    return (f"{mapping_note(frame)}{sep}Quality bound: {frame_bound_text(frame)}.{sep}"
+            f"Point {labels}"
             "filled marker: within the bound; open marker: outside it or not measured.")
 
 
@@ -293,13 +457,14 @@ def headline(frame: pl.DataFrame, hardware: str | None = None) -> dict:
     # B = N is always within the bound; of equal speedups the larger budget (better quality)
     row = ok.sort(pl.col("speedup").round(3), "budget").row(-1, named=True)
     note = ""
+    bound = frame_bound_text(frame)
     if kind == "none":
-        note = "no replay, so only B = N (no budget) is measured"
+        note = f"{bound.split(':')[0]}, so only B = N (no budget) is measured"
     elif row["captured_budget"] == row["num_experts"]:
-        short = bound_text(kind).split(" (")[0]
+        short = bound.split(" (")[0]
         note = (f"the budgets that keep {short} are no faster than none" if ok.height > 1
                 else f"no budget keeps {short}")
-    return dict(row=row, bound=bound_text(kind), kind=kind, note=note)
+    return dict(row=row, bound=bound, kind=kind, note=note)
 
 
 # Every frame-valued analysis, by name, and the table it needs; the report and the app share it.
@@ -356,27 +521,14 @@ def routing_warnings(runs: pl.DataFrame) -> list[tuple[str, str]]:
 
 
 def batch_speedup(con) -> pl.DataFrame:
-    """``profile-batch``'s measured speedup per model, benchmark, profile run, b and budget (null:
-    none): ``speedup(b) = tokens/s(EAGLE, b) / tokens/s(AR, b)``, the same prompts decoded b at a
-    time both ways (prefill and drafting included), with τ and both speeds; each speed is the
-    median over the decoding's ``--repeats`` (files without a ``repeat`` column: one each) and
-    τ their mean."""
-    return con.sql("""
-        WITH d AS (
-          SELECT model, bench, run, mode, batch_size, budget,
-                 median(tokens_per_s) AS tokens_per_s, avg(tau) AS tau,
-                 any_value(num_experts) AS num_experts, any_value(top_k) AS top_k,
-                 any_value(device) AS device, count(*) AS repeats
-          FROM batch_profile GROUP BY ALL)
-        SELECT e.model, e.bench, e.run, e.batch_size, e.budget,
-               e.tokens_per_s AS eagle_tokens_per_s, a.tokens_per_s AS ar_tokens_per_s,
-               e.tokens_per_s / a.tokens_per_s AS speedup, e.tau, e.num_experts AS n,
-               e.top_k AS k, e.device, e.repeats
-        FROM d e JOIN d a
-          ON a.model = e.model AND a.bench = e.bench AND a.run = e.run
-         AND a.batch_size = e.batch_size AND a.mode = 'ar'
-        WHERE e.mode = 'eagle'
-        ORDER BY e.model, e.bench, e.run, e.budget NULLS FIRST, e.batch_size""").pl()
+    """``profile-batch``'s measured speedup per model, benchmark, profile run, measurement, b and
+    budget (null: none), by :func:`analysis.timing.speedups`: ``median(AR s/token) /
+    median(EAGLE s/token)`` over equal work (the same tokens every way), with its 95% interval,
+    EAGLE's seconds per token and per verification pass with theirs, τ, and whether the
+    decodings compared did equal work. Every measurement is a row set of its own;
+    :func:`analysis.timing.latest` is the default pick."""
+    from moe_spec.analysis import timing
+    return timing.speedups(con.sql("SELECT * FROM batch_profile").pl())
 
 
 def batch_pass_points(passes: pl.DataFrame) -> tuple[pl.DataFrame, int]:
@@ -401,15 +553,20 @@ def batch_fit(con, model: str, bench: str, run: str, speed: pl.DataFrame) -> dic
     ``left_out``: points with too few passes), and the verification-only speedup it predicts per
     b, ``τ(b) · T(b, 1) / T(b, M)``; None without passes."""
     from moe_spec.analysis import moesd
+    from moe_spec.analysis.timing import LEGACY
     columns = set(con.sql("DESCRIBE batch_profile_passes").pl()["column_name"].to_list())
     repeat = ", repeat" if "repeat" in columns else ""
+    mine = speed.filter((pl.col("model") == partition_value(model)) & (pl.col("bench") == bench)
+                        & (pl.col("run") == run) & pl.col("budget").is_null())
+    measured = mine["measurement"][0] if mine.height and "measurement" in mine.columns else None
+    one = "" if measured is None else (  # one measurement's passes: never several pooled
+        f" AND coalesce(measurement, '{LEGACY}') = '{measured}'" if "measurement" in columns
+        else f" AND '{LEGACY}' = '{measured}'")
     passes = con.sql(f"""
         SELECT mode, batch_size, budget{repeat}, pass_index, batch, gamma, verify_seconds
         FROM batch_profile_passes
         WHERE model = '{partition_value(model)}' AND bench = '{bench}' AND run = '{run}'
-          AND budget IS NULL""").pl()
-    mine = speed.filter((pl.col("model") == partition_value(model)) & (pl.col("bench") == bench)
-                        & (pl.col("run") == run) & pl.col("budget").is_null())
+          AND budget IS NULL{one}""").pl()
     if passes.is_empty() or not mine.height:
         return None
     points, dropped = batch_pass_points(passes)

@@ -36,6 +36,7 @@ from moe_spec.analysis.frames import (
     routing_statistics,
     selection_charges,
     speedup_frame,
+    speedup_interval,
     speedup_note,
 )
 from moe_spec.analysis.sql import connect, views
@@ -161,8 +162,9 @@ def batch_figures(con, frames: dict, model: str, bench: str, n: int) -> list:
     if speed is not None and speed.height:
         mine = speed.filter((pl.col("model") == part) & (pl.col("bench") == bench))
         if mine.height:
+            from moe_spec.analysis import timing
             run = mine["run"][-1]
-            mine = mine.filter(pl.col("run") == run)
+            mine = timing.latest(mine.filter(pl.col("run") == run))  # one measurement
             fit = batch_fit(con, model, bench, run, mine)
             name, target = next(iter(real_targets().items()))
             hw = "H100-SXM"
@@ -213,7 +215,8 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
     if projection is not None:
         where, sp, top = projection
         row = top["row"]
-        value = f"{row['speedup']:.2f}× at B = {row['budget']} of {row['target_experts']}"
+        value = (f"{row['speedup']:.2f}× ({speedup_interval(row)}) at B = {row['budget']} of "
+                 f"{row['target_experts']}")
         value += " (no budget)" if row["captured_budget"] == row["num_experts"] else \
             f" ({row['quality']})"
         out.append((f"best projected speedup over AR on H100 ({where}) within the quality "
@@ -265,12 +268,13 @@ def projection_section(con, model: str, bench: str, manifest: dict) -> dict:
     if projection is not None:
         where, sp, top = projection
         head = [f"B (of {sp['target_experts'][0]})", f"captured B (of {sp['num_experts'][0]})",
-                "τ", "τ from", "quality at this budget", "within bound", "speedup on H100"]
+                "τ", "τ from", "quality at this budget", "within bound",
+                "speedup on H100 (95% CI from τ)"]
         rows, bold = [], set()
         for i, r in enumerate(sp.sort("budget").iter_rows(named=True)):
             rows.append([r["budget"], r["captured_budget"], f"{r['tau']:.2f}", r["tau_source"],
                          r["quality"], {True: "yes", False: "no", None: "unknown"}[r["within_bound"]],
-                         f"{r['speedup']:.2f}×"])
+                         f"{r['speedup']:.2f}× ({speedup_interval(r)})"])
             if r["budget"] == top["row"]["budget"]:
                 bold.add(i)
         section["projection"] = dict(where=where, bound=top["bound"], note=mapping_note(sp),

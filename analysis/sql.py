@@ -37,7 +37,7 @@ from moe_spec.analysis import summaries
 from moe_spec.catalog import Catalog, CatalogError, location, partition_value, reader, schema
 from moe_spec.catalog.replay_metrics import BATCH_TABLE, OPEN_TABLE
 from moe_spec.catalog.results import RESULT_TABLES, complete_blocks
-from moe_spec.catalog.runs import WHOLE_PART
+from moe_spec.catalog.runs import PART_GLOB, WHOLE_PART
 from moe_spec.errors import UserError
 
 VIEWS = (*schema.TRACE_TABLES, schema.ROUTING_IDS, "runs", "quality", *RESULT_TABLES,
@@ -208,9 +208,9 @@ def _files(root: Path, runs: list, roles) -> tuple[dict[str, list[str]], list[di
     blocks = _result_blocks(root, runs)
     for b in blocks:
         files[b["table"]] += block_files(b["folder"], b.get("files"), root)
-    for table in schema.BATCH_PROFILE_TABLES:  # measurements, not runs: each written whole
+    for table in schema.BATCH_PROFILE_TABLES:  # measurements, not runs: one file each, all kept
         files[table] = sorted((location.root(root) / table).glob(f"model=*/bench=*/run=*/"
-                                                                  f"{WHOLE_PART}"))
+                                                                  f"{PART_GLOB}"))
     return {t: [location.display(p) for p in ps] for t, ps in files.items()}, blocks
 
 

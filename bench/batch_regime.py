@@ -69,7 +69,8 @@ def measured_speed(traces: Path, model: str, sizes: list[int], budget: int, prom
         "--batch-sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out",
         str(traces), "--no-progress", "--threads", str(threads)]) == 0
     con = connect(traces)
-    speed = frames.batch_speedup(con)
+    from moe_spec.analysis import timing
+    speed = timing.latest(frames.batch_speedup(con))  # this invocation's measurement
     speed = speed.filter(speed["model"] == model)
     fit = frames.batch_fit(con, model, "mbpp", speed["run"][0], speed)
     rows = {}
@@ -77,6 +78,7 @@ def measured_speed(traces: Path, model: str, sizes: list[int], budget: int, prom
         entry = rows.setdefault(r["batch_size"], dict(tau=r["tau"]))
         key = "speedup" if r["budget"] is None else "speedup_budget"
         entry[key] = r["speedup"]
+        entry[f"{key}_ci95"] = [r["speedup_low"], r["speedup_high"]]
         if r["budget"] is None:
             entry.update(ar_tokens_per_s=r["ar_tokens_per_s"],
                          eagle_tokens_per_s=r["eagle_tokens_per_s"])

@@ -59,6 +59,13 @@ def batch_profile_dir(root: Path, table: str, model: str, bench: str, run: str) 
         f"run={run}"
 
 
+def batch_part(measurement: str) -> str:
+    """The file of one ``profile-batch`` measurement in its run's folder."""
+    if not measurement or "/" in measurement or measurement.startswith((".", "_")):
+        raise ValueError(f"{measurement!r} is not a measurement id")
+    return f"part-{measurement}.parquet"
+
+
 # --- part files: the one place their names are built and parsed ------------------------------
 PART_GLOB = "part-*.parquet"  # every part of a table in one run folder
 WHOLE_PART = "part-0.parquet"  # a table written whole, in one file (runs, profile)

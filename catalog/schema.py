@@ -7,8 +7,8 @@ Layout (hive partitioning, readable by DuckDB, pyarrow and polars with no projec
     <root>/replay_open/model=…/bench=…/run=…/config=<unit>/block=<id>/part-<prompt>.parquet
     <root>/replay_open/model=…/bench=…/run=…/config=<unit>/_config.json   (and replay_closed alike)
     <root>/profile/model=<model>/device=<device type>/part-0.parquet   (profile-target's timings)
-    <root>/batch_profile/model=…/bench=…/run=batch-<hash>/part-0.parquet  (profile-batch; and
-    batch_profile_passes alike)
+    <root>/batch_profile/model=…/bench=…/run=batch-<hash>/part-<measurement>.parquet
+    (profile-batch, one file per measurement, never overwritten; batch_profile_passes alike)
 
 Partition columns (``model``, ``bench``, ``run``) are not stored in the files; readers get them
 from the paths. A prompt's files are written to ``.<name>.<random>.tmp`` and renamed;
@@ -188,9 +188,11 @@ PROFILE = pa.schema([
     pa.field("top_k", pa.int32()),  # k of the target
 ])
 
-# profile-batch's measurements (profiling/profile_batch.py): one row per decoding (mode, b, budget)
-# and one per verification pass, per run of the command (its settings' hash names it; a rerun
-# replaces its own points): batch_profile*/model=…/bench=…/run=batch-<hash>/part-0.parquet
+# profile-batch's measurements (profiling/profile_batch.py): one row per decoding (mode, b, budget,
+# repeat) and one per verification pass. The folder is named by the settings' hash, each
+# invocation is one measurement (its id and UTC time in the rows) in its own file, appended and
+# never overwritten: batch_profile*/model=…/bench=…/run=batch-<hash>/part-<measurement>.parquet
+# (files of round 4 and before: part-0.parquet, without the measurement columns)
 _DECODING = [
     pa.field("mode", pa.string()),  # ar | eagle
     pa.field("batch_size", pa.int32()),  # b, sequences decoded together
@@ -216,6 +218,15 @@ BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
         pa.field("latency_p50", pa.float64()),
         pa.field("latency_p90", pa.float64()),
         pa.field("latency_p99", pa.float64()),
+        # added in round 5 (issue 59; older files lack them): the measurement (one invocation)
+        # the row belongs to, when it started (UTC, ISO 8601), whether it finished every
+        # decoding, and the decoding's equal-work figures (analysis.timing): wall seconds per
+        # output token and the median pass seconds (draft + verify, warm-up pass left out)
+        pa.field("measurement", pa.string()),
+        pa.field("measured_at", pa.string()),
+        pa.field("complete", pa.bool_()),
+        pa.field("seconds_per_token", pa.float64()),
+        pa.field("pass_seconds", pa.float64()),
     ]),
     "batch_profile_passes": pa.schema(_DECODING + [
         pa.field("repeat", pa.int32()),  # round 4 (older files lack it): the decoding's repeat
@@ -224,6 +235,7 @@ BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
         pa.field("gamma", pa.int32()),  # tokens verified per sequence (1 for ar, M for eagle)
         pa.field("verify_seconds", pa.float64()),  # the target forward, device-synchronised
         pa.field("draft_seconds", pa.float64()),
+        pa.field("measurement", pa.string()),  # round 5 (older files lack it)
     ]),
 }
 

@@ -34,6 +34,7 @@ from moe_spec.catalog.runs import (
     PART_GLOB,
     WHOLE_PART,
     CatalogError,
+    batch_part,
     batch_profile_dir,
     commit_digest,
     part_name,
@@ -231,18 +232,20 @@ def write_profile(root: Path, model: str, device: str, points: pa.Table) -> Path
     return folder
 
 
-def write_batch_profile(root: Path, model: str, bench: str, run: str,
+def write_batch_profile(root: Path, model: str, bench: str, run: str, measurement: str,
                         tables: dict[str, pa.Table]) -> list[Path]:
-    """Store ``profile-batch``'s tables of one run, each replacing that run's previous points
-    atomically (a reader sees the old points or the new, never half); returns the folders."""
-    folders = []
+    """Store one ``profile-batch`` measurement's tables beside the run's earlier measurements:
+    ``part-<measurement>.parquet`` in the run's folder, rewritten atomically as the measurement
+    grows (a reader sees the old rows or the new, never half); earlier measurements' files are
+    never touched. Returns the files."""
+    written = []
     for table, data in tables.items():
-        folder = batch_profile_dir(root, table, model, bench, run)
+        path = batch_profile_dir(root, table, model, bench, run) / batch_part(measurement)
+        location.mkdir(path.parent)
         declared = schema.BATCH_PROFILE_TABLES[table]
-        with atomic.folder(folder) as tmp:
-            atomic.write_table(tmp / WHOLE_PART, data.select(declared.names).cast(declared))
-        folders.append(folder)
-    return folders
+        atomic.write_table(path, data.select(declared.names).cast(declared))
+        written.append(path)
+    return written
 
 
 def as_stored(obj):

@@ -10,27 +10,38 @@ batching (:class:`eagle.batched.BatchedDecoder`) three ways:
   the whole batch's b·M tree tokens capped at B (``--ranking``, ``--coverage``), applied inside
   the verification forward (MoE-Spec's online mode, :class:`policy.budget.Budget`).
 
-Each decoding gives tokens/s over the whole run (prefill and drafting included) and every
-verification pass's device-synchronised seconds with its b and γ:
+**Equal work** (:mod:`analysis.timing`, the one statement of the rule): every decoding decodes
+the same prompts to exactly ``--max-new-tokens`` new tokens each, end-of-sequence ignored, so
+AR, EAGLE and EAGLE under a budget produce the same tokens and are timed on the same work (a
+budget changes the text and the passes it takes, not the amount decoded). Each decoding gives
+seconds per token over the whole run (prefill and drafting included) and every verification
+pass's device-synchronised seconds with its b and γ:
 
-    speedup(b) = tokens/s(eagle, b) / tokens/s(ar, b)
+    speedup(b) = median(s/token of ar, b) / median(s/token of eagle, b)   (over repeats)
 
-Before timing, ``--warmup N`` (default 1) untimed rounds decode the first b₀ prompts (b₀ the
-first batch size) for 2 new tokens each way (ar and eagle), so start-up (allocation, lazy
-imports, kernel selection) is not charged to the first decoding; ``--repeats R`` (default 1)
-decodes every (mode, b, budget) R times (the speedup uses the median tokens/s). Each decoding's
+with a 95% percentile-bootstrap interval (:func:`analysis.timing.ratio_interval`), after the
+outlier rule on repeats (slower than median + 5·MAD: dropped, counted). Before timing,
+``--warmup N`` (default 1) untimed rounds decode the first b₀ prompts (b₀ the first batch size)
+for 2 new tokens each way (ar and eagle), so start-up (allocation, lazy imports, kernel
+selection) is not charged to the first decoding; ``--repeats R`` (default 3, at least 2 for an
+interval) decodes every (mode, b, budget) R times. Each decoding's
 per-pass latency (draft + verify seconds, its first pass left out as warm-up by
 :mod:`analysis.warmup`'s rule) is summarised as p50/p90/p99 (numpy's linear percentiles, as
 ``vllm bench serve`` and SGLang's ``bench_serving`` report them), in the table and the printout.
-The tables (and ``--output``) are rewritten atomically after every decoding, so a run that is
-stopped leaves the decodings it finished.
+Every invocation is one *measurement* (an id from its UTC start time, stored in every row) in a
+file of its own beside the earlier ones: nothing is overwritten, and readers pick one
+measurement by a stated rule (:func:`analysis.timing.latest`: the most recent complete one of
+the same settings), never pooling several. The measurement's file (and ``--output``) is
+rewritten atomically after every decoding, so a run that is stopped leaves the decodings it
+finished (``complete`` false).
 
 The passes are the points MoESD's pass-time model ``T(b, γ) ≈ c₀ + c₁·E(bγ) + c₂·bγ`` is fitted
 to (:func:`analysis.moesd.fit`, reported with its relative RMSE); ``analysis`` sets the measured
 curve beside that fit and beside the roofline projection for real shapes.
 
 Points are stored in the traces folder as the ``batch_profile`` and ``batch_profile_passes``
-tables (:mod:`catalog.schema`), one run per (model, bench, settings), and shown on the
+tables (:mod:`catalog.schema`), one run folder per (model, bench, settings), one file per
+measurement, and shown on the
 dashboard's *Batch regime* page and in the report.
 """
 
@@ -42,9 +53,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moe_spec import console
+from moe_spec.analysis.timing import DEFAULT_REPEATS
 from moe_spec.errors import UserError, fail
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)  # the default --limit (16) fills the largest
 
 
 @dataclass(frozen=True)
@@ -65,11 +77,12 @@ class ProfileBatchSettings:
     dtype: str = "auto"
     chat_template: bool = False
     warmup: int = 1  # untimed warm-up rounds before the first timed decoding
-    repeats: int = 1  # timed decodings per (mode, b, budget)
+    repeats: int = DEFAULT_REPEATS  # timed decodings per (mode, b, budget)
 
     def identity(self) -> dict:
-        """The settings that decide the numbers (device and dtype included: timings are)."""
-        return asdict(self)
+        """The settings that decide the numbers (device and dtype included: timings are), and
+        the timing method (measurements before equal work hash apart)."""
+        return {**asdict(self), "work": "equal: eos ignored"}
 
 
 @dataclass
@@ -109,7 +122,9 @@ class Decoding:
     def row(self) -> dict:
         return dict(mode=self.mode, batch_size=self.batch_size, budget=self.budget,
                     tokens=self.tokens, seconds=self.seconds, tokens_per_s=self.tokens_per_s,
-                    passes=len(self.passes), tau=self.tau, repeat=self.repeat, **self.latency)
+                    seconds_per_token=self.seconds / self.tokens if self.tokens
+                    else float("nan"), passes=len(self.passes), tau=self.tau,
+                    repeat=self.repeat, **self.latency)
 
     def label(self, repeats: bool = False) -> str:
         """"b=2 eagle B=16", with " #2" (the repeat) when ``repeats``."""
@@ -122,11 +137,12 @@ PERCENTILES = (50, 90, 99)
 
 
 def decode(decoder, prompts: list[list[int]], batch_size: int, max_new_tokens: int, *,
-           eos: set[int], autoregressive: bool = False, verify_context=None,
+           eos: set[int] = frozenset(), autoregressive: bool = False, verify_context=None,
            budget: int | None = None, on_pass=None) -> Decoding:
     """Decode every prompt ``batch_size`` at a time; tokens/s counts every output token of every
-    prompt over the wall time of the whole decoding. ``on_pass(n)`` is called after each
-    verification pass with the passes so far (progress)."""
+    prompt over the wall time of the whole decoding. With no ``eos`` (profile-batch's equal
+    work) every prompt decodes exactly ``max_new_tokens`` tokens. ``on_pass(n)`` is called
+    after each verification pass with the passes so far (progress)."""
     from moe_spec.eagle.batched import BatchedDecoder, BatchPass
 
     start = time.perf_counter()
@@ -165,7 +181,7 @@ def measure(settings: ProfileBatchSettings, loaded, head, prompts: list[list[int
 
     decoder = EagleDecoder(loaded.model, head)
     adapter = MoEAdapter(loaded.model)
-    eos = {loaded.tokenizer.eos_token_id} - {None}
+    eos: set[int] = set()  # equal work: end-of-sequence ignored (analysis.timing.METHOD)
     ranking = rankings.get(settings.ranking)().fit(None) if settings.budgets else None
     cover = coverage.get(settings.coverage)
     warm = settings.batch_sizes[0]  # start-up (allocations, lazy imports) off the clock
@@ -196,8 +212,8 @@ WARMUP_TOKENS = 2  # new tokens of a warm-up decoding
 
 # --- storage ------------------------------------------------------------------------------------
 def run_name(settings: ProfileBatchSettings) -> str:
-    """``batch-<hash>`` of the settings that decide the numbers: the same command overwrites
-    its own points, other settings are kept beside them."""
+    """``batch-<hash>`` of the settings that decide the numbers: the folder every measurement of
+    the same command is kept in (one file each), other settings beside it."""
     import hashlib
     import json
 
@@ -205,20 +221,34 @@ def run_name(settings: ProfileBatchSettings) -> str:
     return f"batch-{digest.hexdigest()[:8]}"
 
 
+def new_measurement() -> tuple[str, str]:
+    """(id, UTC start in ISO 8601) of a measurement: the id sorts by time and a random suffix
+    keeps two started in the same second apart."""
+    import datetime
+    import secrets
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return f"{now:%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}", now.isoformat(timespec="seconds")
+
+
 def tables(settings: ProfileBatchSettings, decodings: list[Decoding], *, num_experts: int,
-           top_k: int, device: str, threads: int) -> dict:
+           top_k: int, device: str, threads: int, measurement: tuple[str, str] = ("", ""),
+           complete: bool = True) -> dict:
     """The ``batch_profile`` (one row per decoding) and ``batch_profile_passes`` (one row per
-    verification pass) tables of a run (:data:`catalog.schema.BATCH_PROFILE_TABLES`)."""
+    verification pass) tables of one measurement (:data:`catalog.schema.BATCH_PROFILE_TABLES`),
+    every row naming it (``measurement`` = (id, UTC start))."""
     import pyarrow as pa
 
     from moe_spec.catalog import schema
 
     common = dict(num_experts=num_experts, top_k=top_k, device=device, threads=threads,
                   ranking=settings.ranking if settings.budgets else None,
-                  coverage=settings.coverage if settings.budgets else None)
+                  coverage=settings.coverage if settings.budgets else None,
+                  measurement=measurement[0] or None, measured_at=measurement[1] or None,
+                  complete=complete)
     rows = [{**d.row(), **common} for d in decodings]
     passes = [dict(mode=d.mode, batch_size=d.batch_size, budget=d.budget, repeat=d.repeat,
-                   pass_index=i, **p) for d in decodings for i, p in enumerate(d.passes)]
+                   pass_index=i, measurement=measurement[0] or None, **p)
+              for d in decodings for i, p in enumerate(d.passes)]
     return {name: pa.Table.from_pylist(data, schema=schema.BATCH_PROFILE_TABLES[name])
             for name, data in (("batch_profile", rows), ("batch_profile_passes", passes))}
 
@@ -227,8 +257,8 @@ def tables(settings: ProfileBatchSettings, decodings: list[Decoding], *, num_exp
 EXAMPLES = """
 profile-batch --model tiny-olmoe --batch-sizes 1,4,16 --limit 16
 profile-batch --model tiny-olmoe --budget 16,32 --threads 1      # with online budgets
-profile-batch --model tiny-olmoe --batch-sizes 1,2 --warmup 2 --repeats 3   # steadier timings
-profile-batch --model olmoe --device cuda --batch-sizes 1,2,4,8,16,32 --budget 32   # on a GPU
+profile-batch --model tiny-olmoe --batch-sizes 1,2 --warmup 2 --repeats 5   # narrower intervals
+profile-batch --model olmoe --device cuda --batch-sizes 1,2,4,8,16,32 --budget 32 --limit 32
 """
 
 
@@ -251,10 +281,13 @@ def parser():
     d = ProfileBatchSettings(model=models.DEFAULT_MODEL)
     p = console.ArgumentParser(
         prog="profile-batch", examples=EXAMPLES,
-        description="Measure tokens/s of autoregressive and of EAGLE decoding at each batch size "
-                    "b (real prompts, continuous batching), with and without an expert budget "
-                    "over the batch's union, and store the points and every verification pass's "
-                    "time (MoESD's cost model is fitted to them by report and the dashboard).")
+        description="Measure seconds per token of autoregressive and of EAGLE decoding at each "
+                    "batch size b (real prompts, continuous batching), with and without an expert "
+                    "budget over the batch's union, on equal work (every decoding decodes exactly "
+                    "--max-new-tokens tokens per prompt, end-of-sequence ignored), repeated, as a "
+                    "median with a 95% bootstrap interval; each invocation is stored as a new "
+                    "measurement beside the earlier ones, with every verification pass's time "
+                    "(MoESD's cost model is fitted to them by report and the dashboard).")
     p.add_argument("--model", default=d.model,
                    help=f"alias ({', '.join(models.ALIASES)}), hub id or local folder")
     p.add_argument("--draft", default=None, help="EAGLE head folder or hub id (default: the "
@@ -265,15 +298,19 @@ def parser():
                         "../shared/data/benchmarks)")
     p.add_argument("--offset", type=int, default=d.offset, help="first prompt")
     p.add_argument("--limit", type=int, default=d.limit,
-                   help="prompts decoded at every b (at least the largest b keeps the batch full)")
-    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+                   help="prompts decoded at every b (at least the largest b: a smaller --limit "
+                        "is refused)")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens,
+                   help="tokens every prompt decodes, in every configuration (end-of-sequence "
+                        "ignored: equal work)")
     p.add_argument("--batch-sizes", default=",".join(map(str, d.batch_sizes)),
                    help="batch sizes b, comma-separated")
     p.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
                    help=f"untimed warm-up rounds before timing (each decodes the first b prompts "
                         f"for {WARMUP_TOKENS} tokens, ar and eagle; 0: none)")
     p.add_argument("--repeats", type=int, default=d.repeats, metavar="R",
-                   help="timed decodings per (mode, b, budget); speedups use the median")
+                   help="timed decodings per (mode, b, budget); speedups: the median with a 95%% "
+                        "bootstrap interval over them (at least 2 for an interval)")
     p.add_argument("--budget", default="", help="expert budgets B over the batch's union, "
                                                 "comma-separated (none: no budgeted decoding)")
     p.add_argument("--ranking", default=d.ranking, choices=index.ranking_names(runtime=True),
@@ -315,6 +352,10 @@ def settings_from(args) -> ProfileBatchSettings:
     if max(batch_sizes) > MAX_BATCH or len(batch_sizes) > MAX_BATCH_SIZES:
         raise ValueError(f"--batch-sizes {args.batch_sizes!r}: give at most {MAX_BATCH_SIZES} "
                          f"batch sizes, each 1 to {MAX_BATCH}")
+    if args.limit < max(batch_sizes):  # a "b = 16" of 8 prompts would be b = 8
+        raise ValueError(f"--limit {args.limit} is smaller than the largest batch size "
+                         f"{max(batch_sizes)}: give --limit {max(batch_sizes)} or more, or "
+                         f"smaller --batch-sizes")
     if budgets and (max(budgets) > MAX_COUNT or len(budgets) > MAX_BATCH_SIZES):
         raise ValueError(f"--budget {args.budget!r}: give at most {MAX_BATCH_SIZES} budgets, "
                          f"each 1 to {MAX_COUNT}")
@@ -349,24 +390,25 @@ def check_model_limits(settings: ProfileBatchSettings) -> None:
 
 
 def summary_lines(decodings: list[Decoding]) -> list[str]:
-    """One line per b: AR and EAGLE tokens/s (median over repeats), the speedup, and the speedup
-    under each budget."""
-    import statistics
+    """One line per (b, budget): AR and EAGLE tokens/s (medians over repeats), τ, EAGLE's ms per
+    verification pass, and the speedup with its 95% interval (:func:`analysis.timing.speedups`;
+    equal work checked, not assumed)."""
+    import polars as pl
 
-    groups: dict = {}
-    for d in decodings:
-        groups.setdefault((d.mode, d.batch_size, d.budget), []).append(d)
-    speed = {key: statistics.median(d.tokens_per_s for d in ds) for key, ds in groups.items()}
-    tau = {key: statistics.fmean(d.tau for d in ds) for key, ds in groups.items()}
-    budgets = sorted({d.budget for d in decodings if d.budget is not None})
-    head = (f"{'b':>4} {'AR tok/s':>9} {'EAGLE tok/s':>11} {'tau':>5} {'speedup':>8}"
-            + "".join(f" {'B=' + str(b):>8}" for b in budgets))
+    from moe_spec.analysis import timing
+    speed = timing.speedups(pl.DataFrame([d.row() for d in decodings]))
+    head = (f"{'b':>4} {'budget':>6} {'AR tok/s':>9} {'EAGLE tok/s':>11} {'tau':>5} "
+            f"{'pass ms':>8}  speedup (95% CI)")
     lines = [head]
-    for b in sorted({d.batch_size for d in decodings}):
-        ar, eagle = speed[("ar", b, None)], speed[("eagle", b, None)]
-        lines.append(f"{b:>4} {ar:>9.1f} {eagle:>11.1f} {tau[('eagle', b, None)]:>5.2f} "
-                     f"{eagle / ar:>7.2f}x"
-                     + "".join(f" {speed[('eagle', b, B)] / ar:>7.2f}x" for B in budgets))
+    for r in speed.sort("batch_size", "budget", nulls_last=False).iter_rows(named=True):
+        budget = "none" if r["budget"] is None else str(r["budget"])
+        lines.append(f"{r['batch_size']:>4} {budget:>6} {r['ar_tokens_per_s']:>9.1f} "
+                     f"{r['eagle_tokens_per_s']:>11.1f} {r['tau']:>5.2f} "
+                     f"{r['pass_seconds'] * 1e3:>8.2f}  " + timing.with_interval(
+                         r["speedup"], r["speedup_low"], r["speedup_high"])
+                     + ("" if r["equal_work"] else "  (unequal work: tokens differ)")
+                     + (f"  ({r['dropped']} repeat(s) dropped as outliers)" if r["dropped"]
+                        else ""))
     return lines
 
 
@@ -454,17 +496,26 @@ def load_target(settings: ProfileBatchSettings):
 def saver(args, settings, loaded, adapter, threads, decodings: list[Decoding], runs: int):
     """``save(complete)``: the tables (and ``--output`` file) of the decodings so far,
     rewritten atomically, so a stopped run leaves every decoding it finished."""
+    from moe_spec.analysis import timing
     from moe_spec.catalog.writer import write_batch_profile
     name = run_name(settings)
+    measurement = new_measurement()
 
     def save(complete: bool) -> list:
         found = tables(settings, decodings, num_experts=adapter.num_experts,
-                       top_k=adapter.top_k, device=str(loaded.device), threads=threads)
-        folders = write_batch_profile(args.out, loaded.name, settings.bench, name, found)
+                       top_k=adapter.top_k, device=str(loaded.device), threads=threads,
+                       measurement=measurement, complete=complete)
+        folders = write_batch_profile(args.out, loaded.name, settings.bench, name,
+                                      measurement[0], found)
         if args.output is not None and (complete or str(args.output) != "-"):
+            import polars as pl
+            speed = timing.speedups(pl.from_arrow(found["batch_profile"]))
             console.write_json(args.output, {
-                "tool": "profile-batch", "run": name, "model": loaded.name, "threads": threads,
+                "tool": "profile-batch", "run": name, "measurement": measurement[0],
+                "measured_at": measurement[1], "model": loaded.name, "threads": threads,
                 "settings": settings.identity(), "complete": complete,
+                "work": timing.METHOD, "interval": timing.INTERVAL,
+                "speedups": speed.to_dicts() if speed.height else [],
                 "decodings": f"{len(decodings)} of {runs}", "warmup_rounds": settings.warmup,
                 "percentiles_of": "per-pass latency, draft + verify seconds (first pass of each "
                                   "decoding left out as warm-up)",
@@ -499,18 +550,20 @@ def measure_all(args, settings, loaded, head, ids, decodings: list[Decoding], ru
 
 def print_summary(args, settings, loaded, ids, decodings: list[Decoding], folders) -> None:
     """The compact summary: throughput and per-pass latency per decoding, where it is stored."""
+    from moe_spec.analysis import timing
     print(f"profile-batch {loaded.name}/{settings.bench}: {len(ids)} prompts x "
-          f"{settings.max_new_tokens} new tokens at each b (tokens/s over the whole decoding; "
-          f"{settings.warmup} warm-up round(s), {settings.repeats} repeat(s))")
+          f"{settings.max_new_tokens} new tokens at each b, every way ({timing.METHOD}; "
+          f"seconds per token over the whole decoding; {settings.warmup} warm-up round(s), "
+          f"{settings.repeats} repeat(s); interval: {timing.INTERVAL})")
     for line in summary_lines(decodings):
         print(line)
     print("per-pass latency (draft + verify; first pass of each decoding left out as warm-up):")
     for line in latency_lines(decodings):
         print(line)
-    print(f"stored: {', '.join(str(f) for f in folders)}")
+    print(f"stored as a new measurement: {', '.join(str(f) for f in folders)}")
     print("look at it:\n  " + console.commandline(
-        f"query --traces {args.out} \"SELECT batch_size, mode, budget, tokens_per_s, latency_p50, "
-        f"latency_p99 FROM batch_profile ORDER BY ALL\""))
+        f"query --traces {args.out} \"SELECT measurement, batch_size, mode, budget, repeat, "
+        f"seconds_per_token, latency_p50 FROM batch_profile ORDER BY ALL\""))
 
 
 if __name__ == "__main__":

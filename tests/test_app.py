@@ -166,7 +166,8 @@ def test_speedup_page_budgets_are_the_targets_and_start_at_the_headline(traces, 
     assert "closed-loop path unchanged ≥ 90%" in head
     assert f"at B = {slider.value} of 64" in head  # the slider starts at the headline budget
     assert any("Quality at B = " in c.value and "the bound" in c.value for c in at.caption)
-    table = at.dataframe[-1].value  # every budget's speedups with the quality it costs
+    table = next(d.value for d in at.dataframe  # every budget's speedups, the quality it costs
+                 if "quality at this budget" in d.value.columns)
     assert "quality at this budget" in table.columns and "within the bound" in table.columns
     mixtral = next(t for t in at.selectbox(key="speed_target").options if "Mixtral" in t)
     at.selectbox(key="speed_target").set_value(mixtral).run()
@@ -218,6 +219,24 @@ def test_speedup_page_warns_that_tau_comes_from_the_captured_model(traces, monke
     assert not any("carry over" in w.value for w in at.warning)
 
 
+def test_speedup_page_projects_every_replayed_ranking_with_intervals(traces, monkeypatch):
+    at = _speedup_page(traces, monkeypatch)
+    pick = at.selectbox(key="speed_ranking")
+    assert pick.value == "router" and {"router", "oracle", "sqmass"} <= set(pick.options)
+    router = chart_json(at)[0]
+    pick.set_value("oracle").run()
+    assert not at.exception and chart_json(at)[0] != router  # the oracle's own quality
+    assert not any("no replay" in m.value for m in at.markdown)
+    table = next(d.value for d in at.dataframe  # every (budget, hardware): a row each, none cut
+                 if "quality at this budget" in d.value.columns)
+    assert {"H200", "H100-SXM", "A100-80G"} <= set(table["hardware"])
+    assert table["speedup (95% CI)"].str.contains("95% CI|no interval").all()
+    frontier = next(d.value for d in at.dataframe if "throughput gain over EAGLE" in d.value.columns)
+    assert {"router", "oracle", "sqmass"} <= set(frontier["ranking"])
+    assert frontier["throughput gain over EAGLE"].str.contains(r"\(").all()
+    assert any("matched quality" in c.value for c in at.caption)
+
+
 def test_coactivation_masks_the_diagonal_and_defaults_to_lift(traces, monkeypatch):
     import json
     import math
@@ -259,12 +278,15 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     from moe_spec.profiling import profile_batch
     assert profile_batch.main(["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "3",
                                "--max-new-tokens", "4", "--batch-sizes", "1,2,3", "--budget",
-                               "16", "--out", str(tmp_path), "--no-progress"]) == 0
+                               "16", "--out", str(tmp_path), "--no-progress", "--repeats",
+                               "2"]) == 0
     at = goto(app_on(tmp_path, monkeypatch), "Batch regime")
-    assert any("speedup vs batch size (measured)" in spec for spec in chart_json(at))
+    assert any("speedup vs batch size (measured on equal work" in spec
+               for spec in chart_json(at))
     speed = at.dataframe[1].value
-    assert sorted(set(speed["b"])) == [1, 2, 3] and speed["budget B"].isna().sum() == 3
-    assert (speed["speedup"] > 0).all()
+    assert sorted(set(speed["b"])) == [1, 2, 3] and (speed["budget B"] == "none").sum() == 3
+    assert speed["speedup (95% CI)"].str.contains("95% CI|no interval").all()
+    assert (speed["equal work"] == "yes").all()
     assert any("replay --batch-size 4" in c.value for c in at.caption)  # not replayed yet
     from moe_spec.replay import cli as replay_cli
     for b in ("1", "2"):

@@ -63,14 +63,13 @@ def test_profile_batch_stores_every_decoding_and_the_report_draws_it(tmp_path):
                              "--out", str(out), "--no-progress"]) == 0
     args = ["--model", "tiny-olmoe", "--limit", "3", "--max-new-tokens", "6", "--batch-sizes",
             "1,2,3", "--budget", "12,24", "--out", str(out), "--no-progress", "--threads", "1",
-            "--output", str(tmp_path / "pb.json")]
+            "--repeats", "2", "--output", str(tmp_path / "pb.json")]
     assert profile_batch.main(args) == 0
     assert profile_batch.main(["--ranking", "coact", *args]) == 2  # needs calibration
     con = connect(out)
     rows = con.sql("SELECT mode, batch_size, budget, tokens, passes FROM batch_profile").pl()
-    assert rows.height == 3 * (2 + 2)  # (ar, eagle, eagle B=12, eagle B=24) at each b
-    plain = rows.filter(pl.col("budget").is_null())  # lossless: the same tokens every way
-    assert plain["tokens"].n_unique() == 1 and 3 <= plain["tokens"][0] <= 3 * 6
+    assert rows.height == 3 * (2 + 2) * 2  # (ar, eagle, eagle B=12, eagle B=24) at each b, ×2
+    assert rows["tokens"].to_list() == [3 * 6] * rows.height  # equal work, budgets included
     passes = con.sql("SELECT mode, gamma, batch FROM batch_profile_passes").pl()
     assert set(passes.filter(pl.col("mode") == "ar")["gamma"]) == {1}
     assert passes["batch"].max() == 3 and passes["batch"].min() >= 1
@@ -81,8 +80,135 @@ def test_profile_batch_stores_every_decoding_and_the_report_draws_it(tmp_path):
     # 3 prompts x 6 tokens: too few EAGLE passes at b = 2, 3 for the sample check (42.3)
     assert fit["predicted"].height == 3 if fit["refused"] is None else \
         fit["refused"].startswith("not fitted: only") and fit["predicted"].is_empty()
-    # the same command again replaces its own points (one run, not two)
+    # the same command again is a second measurement of the same run, kept beside the first
     assert profile_batch.main(args) == 0
-    assert connect(out).sql("SELECT count(DISTINCT run) FROM batch_profile").fetchall() == [(1,)]
+    assert connect(out).sql("SELECT count(DISTINCT run), count(DISTINCT measurement), count(*) "
+                            "FROM batch_profile").fetchall() == [(1, 2, 2 * rows.height)]
     html = report.write_report(out, tmp_path / "r")[0].read_text()
-    assert "speedup vs batch size (measured)" in html
+    assert "speedup vs batch size (measured on equal work" in html
+
+
+# --- issue 59.2: like-for-like timing ----------------------------------------------------------
+def _boom(*args, **kwargs):
+    raise AssertionError("work started before the options were checked")
+
+
+def test_limit_below_the_largest_batch_size_is_refused_before_any_work(monkeypatch, capsys):
+    from moe_spec.tasks import benchmarks
+    monkeypatch.setattr(benchmarks, "load", _boom)
+    monkeypatch.setattr(profile_batch, "load_target", _boom)
+    assert profile_batch.main(["--model", "tiny-olmoe", "--batch-sizes", "1,4,16", "--limit",
+                               "8", "--no-progress"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--limit 8" in lines[0] and "largest batch size 16" in lines[0]
+
+
+def test_the_readme_and_the_defaults_give_a_full_batch_at_every_b():
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = re.search(r"profile-batch (--model[^#\n]*)", readme).group(1).split()
+    for argv in (line, ["--model", "tiny-olmoe"]):
+        s = profile_batch.settings_from(profile_batch.parser().parse_args(argv))
+        assert s.limit >= max(s.batch_sizes) and s.repeats >= 3
+
+
+def _fake_measure(monkeypatch, settings):
+    """profile_batch.measure with the model stood in for: every decode call's arguments."""
+    from types import SimpleNamespace
+    calls = []
+
+    def decode(decoder, prompts, batch_size, max_new_tokens, *, eos=frozenset(),
+               autoregressive=False, verify_context=None, budget=None, on_pass=None):
+        calls.append(dict(eos=set(eos), max_new_tokens=max_new_tokens, b=batch_size))
+        return profile_batch.Decoding("ar" if autoregressive else "eagle", batch_size, budget,
+                                      len(prompts) * max_new_tokens, 1.0, [], 0, 0)
+    monkeypatch.setattr(profile_batch, "decode", decode)
+    monkeypatch.setattr("moe_spec.eagle.decoding.EagleDecoder", lambda *a: None)
+    monkeypatch.setattr("moe_spec.moe.adapter.MoEAdapter", lambda *a: None)
+    loaded = SimpleNamespace(model=None, tokenizer=SimpleNamespace(eos_token_id=2))
+    got = list(profile_batch.measure(settings, loaded, None, [[5], [6]]))
+    return got, calls
+
+
+def test_every_configuration_decodes_the_same_tokens_end_of_sequence_ignored(monkeypatch):
+    settings = profile_batch.ProfileBatchSettings(model="tiny-olmoe", limit=2,
+                                                  batch_sizes=(1, 2))
+    got, calls = _fake_measure(monkeypatch, settings)
+    assert all(c["eos"] == set() for c in calls)  # EOS never stops a decoding: equal work
+    timed = [c for c in calls if c["max_new_tokens"] == settings.max_new_tokens]
+    assert len(got) == len(timed) == 2 * 2 * 3  # (ar, eagle) × b × 3 repeats by default
+    assert {d.repeat for d in got} == {0, 1, 2}
+
+
+def _rows(spt: dict, tokens: dict | None = None, **extra) -> pl.DataFrame:
+    """batch_profile rows: {(mode, b, budget): [seconds per token of each repeat]}."""
+    rows = []
+    for (mode, b, budget), values in spt.items():
+        for r, v in enumerate(values):
+            n = (tokens or {}).get((mode, b, budget), 100)
+            rows.append(dict(mode=mode, batch_size=b, budget=budget, tokens=n, seconds=v * n,
+                             tau=1.0 if mode == "ar" else 3.0, repeat=r, latency_p50=v * 3,
+                             num_experts=64, top_k=8, device="cpu", **extra))
+    return pl.DataFrame(rows, schema_overrides=dict(budget=pl.Int64))
+
+
+def test_a_speedup_is_a_median_ratio_with_its_interval_on_equal_work():
+    from moe_spec.analysis import timing
+    speed = timing.speedups(_rows({("ar", 1, None): [1.0, 1.1, 0.9],
+                                   ("eagle", 1, None): [0.5, 0.55, 0.45],
+                                   ("eagle", 1, 16): [0.4, 0.42, 9.0]}))  # a stalled repeat
+    plain = speed.filter(pl.col("budget").is_null()).row(0, named=True)
+    assert plain["speedup"] == pytest.approx(2.0) and plain["equal_work"]
+    assert plain["speedup_low"] < plain["speedup"] < plain["speedup_high"]
+    budget = speed.filter(pl.col("budget") == 16).row(0, named=True)
+    assert budget["dropped"] == 1 and budget["repeats"] == 2  # the outlier rule, counted
+    assert budget["speedup"] == pytest.approx(1.0 / 0.41)
+    # a budget that decodes other tokens is flagged, not compared silently
+    unequal = timing.speedups(_rows({("ar", 1, None): [1.0, 1.0], ("eagle", 1, 16): [0.5, 0.6]},
+                                    tokens={("eagle", 1, 16): 75}))
+    assert not unequal["equal_work"][0]
+    one = timing.speedups(_rows({("ar", 1, None): [1.0], ("eagle", 1, None): [0.5]}))
+    r = one.row(0, named=True)
+    assert "no interval" in timing.with_interval(r["speedup"], r["speedup_low"],
+                                                 r["speedup_high"])
+
+
+def test_every_measurement_is_kept_and_readers_pick_one(tmp_path):
+    from moe_spec.analysis import timing
+    from moe_spec.catalog.writer import write_batch_profile
+    settings = profile_batch.ProfileBatchSettings(model="tiny-olmoe", limit=1, batch_sizes=(1,))
+    ids = [("20260101T000000Z-aaaaaa", "2026-01-01T00:00:00+00:00"),
+           ("20260102T000000Z-bbbbbb", "2026-01-02T00:00:00+00:00")]
+    for (mid, at), eagle in zip(ids, (0.5, 0.25)):
+        decodings = [profile_batch.Decoding("ar", 1, None, 10, 10.0, [], 10, 10),
+                     profile_batch.Decoding("eagle", 1, None, 10, 10 * eagle, [], 10, 4)]
+        found = profile_batch.tables(settings, decodings, num_experts=64, top_k=8, device="cpu",
+                                     threads=1, measurement=(mid, at))
+        write_batch_profile(tmp_path, "tiny-olmoe", "mbpp", "batch-x", mid, found)
+    con = connect(tmp_path)
+    rows = con.sql("SELECT measurement, count(*) AS n FROM batch_profile GROUP BY ALL").pl()
+    assert sorted(rows["measurement"]) == [i for i, _ in ids] and set(rows["n"]) == {2}
+    speed = frames.batch_speedup(con)
+    assert sorted(speed["speedup"].to_list()) == pytest.approx([2.0, 4.0])  # never averaged
+    assert timing.latest(speed)["speedup"].to_list() == pytest.approx([4.0])  # the latest
+
+
+def test_the_batch_regime_table_and_figure_show_every_speedup_with_its_interval():
+    from moe_spec.analysis import figures, timing
+    from moe_spec.app.screens.batch_regime import batch_speed_table
+    speed = timing.speedups(_rows({("ar", 1, None): [1.0, 1.1, 0.9],
+                                   ("eagle", 1, None): [0.5, 0.55, 0.45],
+                                   ("eagle", 1, 16): [0.4, 0.42, 0.41]}))
+    table = batch_speed_table(speed)
+    assert table["budget B"].to_list() == ["none", "16"]  # never "None"
+    assert all("95% CI" in s for s in table["speedup (95% CI)"])
+    fig = figures.batch_speedup(speed)
+    measured = [t for t in fig.data if t.name.startswith("measured")]
+    assert measured and all(t.error_y.array is not None for t in measured)
+    assert "equal work" in fig.layout.title.text
+    lines = profile_batch.summary_lines([
+        profile_batch.Decoding(m, 1, None, 10, s, [], 10, 10, repeat=r)
+        for m, ss in (("ar", (1.0, 1.1, 0.9)), ("eagle", (0.5, 0.6, 0.4)))
+        for r, s in enumerate(ss)])
+    assert "95% CI" in lines[1]

@@ -598,6 +598,7 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix", "docs/results.md"),
     ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix", "README.md"),
     ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated", "docs/results.md"),
+    ("frontier.py", "docs/results/frontier/*.json", None, "docs/results.md"),
 ])
 def test_committed_results_render_to_what_the_docs_show(script, files, block, page, tmp_path):
     """docs/results.md's generated blocks, and the README's table, are what their bench

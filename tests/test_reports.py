@@ -34,7 +34,7 @@ def test_report_writes_one_self_contained_html_per_dataset(tmp_path):
     assert "Projected speedup and quality" in html and "budgets below top-8 not shown" in html
     assert "experts of 8, top-2" in html  # Mixtral's own budget axis
     other = (tmp_path / "r" / "tiny-olmoe_gsm8k.html").read_text()
-    assert "no replay, so only B = N (no budget) is measured" in other
+    assert "no replay at all of this dataset, so only B = N (no budget) is measured" in other
     assert report.main(["--traces", str(tmp_path / "none"), "--out", str(tmp_path / "x")]) == 2
 
 

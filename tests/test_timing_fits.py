@@ -119,8 +119,9 @@ def _stored_profile(tmp_path, passes_per_b: dict[int, int]):
                            draft_seconds=1e-4) for _ in range(count)]
             decodings.append(pb.Decoding(mode, b, None, 64, 1.0 if mode == "ar" else 0.5,
                                          passes, count * 2, count))
-    tables = pb.tables(settings, decodings, num_experts=N, top_k=K, device="cpu", threads=1)
-    write_batch_profile(tmp_path, "tiny-olmoe", "mbpp", "batch-x", tables)
+    tables = pb.tables(settings, decodings, num_experts=N, top_k=K, device="cpu", threads=1,
+                       measurement=("m1", "2026-01-01T00:00:00+00:00"))
+    write_batch_profile(tmp_path, "tiny-olmoe", "mbpp", "batch-x", "m1", tables)
 
 
 def test_a_refused_batch_fit_is_not_drawn_and_the_report_says_why(tmp_path):
@@ -139,18 +140,23 @@ def test_a_refused_batch_fit_is_not_drawn_and_the_report_says_why(tmp_path):
 
 
 def test_an_old_profile_file_without_repeats_and_percentiles_still_reads(tmp_path):
-    """Files written before ``repeat`` and the latency percentiles: readers select by name."""
+    """Files written before ``repeat``, the latency percentiles and measurements (one
+    ``part-0.parquet`` per run): readers select by name."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from moe_spec.analysis.sql import connect
     from moe_spec.catalog import schema
     _stored_profile(tmp_path, {1: 12, 2: 12, 4: 12})
-    for table, drop in (("batch_profile", {"repeat", "latency_p50", "latency_p90", "latency_p99"}),
-                        ("batch_profile_passes", {"repeat"})):
+    new = {"measurement", "measured_at", "complete", "seconds_per_token"}
+    for table, drop in (("batch_profile", {"repeat", "latency_p50", "latency_p90", "latency_p99",
+                                           *new}),
+                        ("batch_profile_passes", {"repeat", "measurement"})):
         for part in (tmp_path / table).rglob("*.parquet"):
             old = pq.read_table(part)
-            pq.write_table(old.select([c for c in old.column_names if c not in drop]), part)
+            pq.write_table(old.select([c for c in old.column_names if c not in drop & set(
+                old.column_names)]), part.with_name("part-0.parquet"))
+            part.unlink()
         assert drop <= set(schema.BATCH_PROFILE_TABLES[table].names)
     con = connect(tmp_path)
     speed = frames.batch_speedup(con)
@@ -172,7 +178,7 @@ def test_profile_batch_warmup_and_repeats_are_checked(args, says):
                                                         "--repeats", "2"]))
     assert (settings.warmup, settings.repeats) == (3, 2)
     defaults = pb.settings_from(pb.parser().parse_args(["--model", "tiny-olmoe"]))
-    assert (defaults.warmup, defaults.repeats) == (1, 1)
+    assert (defaults.warmup, defaults.repeats) == (1, 3)  # issue 59: an interval by default
     assert pb.run_name(settings) != pb.run_name(defaults)  # they decide the numbers
 
 
@@ -228,7 +234,8 @@ def test_a_stopped_profile_batch_leaves_the_decodings_it_finished(tmp_path, monk
 
     monkeypatch.setattr(pb, "decode", decode)
     out = tmp_path / "t"
-    assert pb.main([*ARGS, "--out", str(out), "--output", str(tmp_path / "pb.json")]) == 130
+    assert pb.main([*ARGS, "--out", str(out), "--output", str(tmp_path / "pb.json"),
+                    "--repeats", "1"]) == 130
     assert "interrupted; kept the 1 finished decodings of 4" in capsys.readouterr().err
     con = connect(out)
     rows = con.sql("SELECT mode, batch_size, repeat FROM batch_profile").pl()

@@ -83,18 +83,33 @@ def _batch_errors(page: views.Page) -> None:
 
 
 def _batch_speed(page: views.Page) -> None:
-    """profile-batch's measured speedup vs b, with MoESD's fit and a roofline projection."""
+    """profile-batch's measured speedup vs b, one measurement at a time (equal work, a 95%
+    interval on every speedup), with MoESD's fit and a roofline projection."""
+    from moe_spec.analysis import timing
     every = data.frame("batch_speed", str(page.ds.root), page.ds.version, page.roles)
     speed = views.pick(every, page.model, page.bench) if every.height else every
     st.subheader("Speedup over autoregressive decoding vs b")
     if speed.height == 0:
         st.caption("Not measured for this dataset: `profile-batch --model … --bench … "
-                   "--batch-sizes 1,2,4,8,16 --budget 16` decodes the same prompts b at a time "
-                   "autoregressively and with EAGLE, with and without a budget.")
+                   "--batch-sizes 1,2,4,8,16 --limit 16 --budget 16` decodes the same prompts b "
+                   "at a time autoregressively and with EAGLE, with and without a budget.")
         return
     runs = speed["run"].unique(maintain_order=True).to_list()
-    run = runs[-1] if len(runs) == 1 else st.selectbox("profile run", runs, key="batch_run")
+    left, right = st.columns(2)
+    run = runs[-1] if len(runs) == 1 else left.selectbox("profile settings (run)", runs,
+                                                         key="batch_run")
     speed = speed.filter(pl.col("run") == run)
+    default = timing.latest(speed)["measurement"][0]
+    found = speed.select("measurement", "measured_at", "complete").unique().sort(
+        pl.col("measured_at").fill_null(""), "measurement")
+    ids = found["measurement"].to_list()
+    measurement = right.selectbox(
+        "measurement", ids, index=ids.index(default), key=f"batch_measurement:{run}",
+        format_func=lambda m: m + ("" if found.filter(pl.col("measurement") == m)["complete"]
+                                   .fill_null(True)[0] else " (interrupted)"),
+        help="every profile-batch invocation is kept as a measurement of its own; the default "
+             "is the most recent complete one; measurements are never pooled")
+    speed = speed.filter(pl.col("measurement") == measurement)
     with data.pristine(str(page.ds.root), None) as con:
         fit = batch_fit(con, page.model, page.bench, run, speed)
     targets = real_targets()
@@ -107,12 +122,11 @@ def _batch_speed(page: views.Page) -> None:
     shown = fit if fit and not fit["refused"] else None  # a refused fit is never drawn
     st.plotly_chart(figures.batch_speedup(speed, shown, projection, f"{shape_name} on {hw_name}"),
                     width="stretch")
-    st.dataframe(speed.select(
-        pl.col("batch_size").alias("b"), pl.col("budget").alias("budget B"),
-        pl.col("ar_tokens_per_s").round(1).alias("AR tok/s"),
-        pl.col("eagle_tokens_per_s").round(1).alias("EAGLE tok/s"),
-        pl.col("tau").round(2).alias("τ"), pl.col("speedup").round(2).alias("speedup")),
-        hide_index=True)
+    if not speed["equal_work"].all():
+        st.warning("Unequal work: in this measurement the decodings at one b produced different "
+                   "numbers of tokens (stored before profile-batch ignored end-of-sequence), so "
+                   "its speedups compare different work. Measure again with profile-batch.")
+    st.dataframe(batch_speed_table(speed), hide_index=True)
     if fit:
         from moe_spec.analysis import warmup
         c = fit["coef"]
@@ -125,10 +139,34 @@ def _batch_speed(page: views.Page) -> None:
                      f"points: T = {c['c0'] * 1e3:.2f} ms + {c['c1'] * 1e3:.3f} ms × E(bγ) + "
                      f"{c['c2'] * 1e3:.4f} ms × bγ, relative RMSE {c['relative_rmse']:.1%} "
                      f"({rule}{left}).")
-    st.caption(f"Measured on {speed['device'][0]}; tokens/s over each whole decoding (prefill and "
-               "drafting included). The fit and the roofline are verification-only (τ·T(b,1)/"
-               "T(b,M)); the roofline assumes MoESD's uniform routing for the experts a pass "
-               "loads, capped at the budget.")
+    st.caption(f"Measured on {speed['device'][0]}, {timing.METHOD} ({int(speed['tokens'][0])} "
+               f"tokens per decoding); seconds per token over each whole decoding (prefill and "
+               f"drafting included); {timing.INTERVAL}. The fit and the roofline are "
+               "verification-only (τ·T(b,1)/T(b,M)); the roofline assumes MoESD's uniform "
+               "routing for the experts a pass loads, capped at the budget.")
+
+
+def batch_speed_table(speed: pl.DataFrame) -> pl.DataFrame:
+    """The measured speedups as shown: a budget column in words ("none", never "None"), the
+    speedup always beside its 95% interval, EAGLE's ms per pass and per token with theirs."""
+    from moe_spec.analysis import timing
+
+    def ms(r, name):
+        return timing.with_interval(r[name] * 1e3, r[f"{name}_low"] * 1e3,
+                                    r[f"{name}_high"] * 1e3, unit=" ms")
+    rows = [{"b": r["batch_size"],
+             "budget B": "none" if r["budget"] is None else str(r["budget"]),
+             "AR tok/s": round(r["ar_tokens_per_s"], 1),
+             "EAGLE tok/s": round(r["eagle_tokens_per_s"], 1), "τ": round(r["tau"], 2),
+             "EAGLE ms per pass": ms(r, "pass_seconds"),
+             "EAGLE ms per token": ms(r, "seconds_per_token"),
+             "speedup (95% CI)": timing.with_interval(r["speedup"], r["speedup_low"],
+                                                      r["speedup_high"]),
+             "repeats kept": f"{r['repeats']} EAGLE, {r['ar_repeats']} AR"
+                             + (f" ({r['dropped']} dropped)" if r["dropped"] else ""),
+             "equal work": "yes" if r["equal_work"] else "no"}
+            for r in speed.sort("budget", "batch_size", nulls_last=False).iter_rows(named=True)]
+    return pl.DataFrame(rows)
 
 
 if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)

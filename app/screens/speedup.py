@@ -8,14 +8,18 @@ import streamlit as st
 
 from moe_spec.analysis import cost, figures
 from moe_spec.analysis.frames import (
+    MATCHED_QUALITY,
     calibration_frame,
     efficiency_frame,
     frontier_frame,
+    frontier_table,
     headline,
     model_shape,
     real_targets,
+    replayed_rankings,
     routing_statistics,
     speedup_frame,
+    speedup_interval,
     speedup_note,
 )
 from moe_spec.app import views
@@ -44,7 +48,8 @@ def draw() -> None:
         st.info("Needs a plain EAGLE capture (no budget) of this dataset.")
         return
     run = run.row(0, named=True)
-    stats = routing_statistics(page.con, model, bench)
+    ranking, coverage = _ranking(page)
+    stats = routing_statistics(page.con, model, bench, ranking=ranking, coverage=coverage)
     captured = model_shape(run["model_location"])
     if stats is None or captured is None:
         st.warning("The model's config could not be read for the cost model.")
@@ -63,8 +68,49 @@ def draw() -> None:
     _best(frame, top, stats, target_name, model, len(hardware),
           carried_over=not on_captured and target != captured)
     _at_budget(frame, top, target_name)
+    _frontier(page, target_name, target, hardware, run["depth"])
     quality_frontier(page.ds, page.roles, model, bench, target, hardware[0])
     _efficiency(page.ds.root, model)
+
+
+def _ranking(page: views.Page) -> tuple[str, str | None]:
+    """The ranking (and coverage) whose measured quality the projection uses: every one
+    replayed on this dataset, router first; router when nothing is replayed (the page then
+    says exactly what is missing)."""
+    found = replayed_rankings(page.con, page.model, page.bench)
+    if found.is_empty():
+        st.caption("Ranking: none replayed on this dataset (no replay at all): `replay --ranking "
+                   "router oracle coact-prior --calibration RUN --budget sweep` measures the "
+                   "quality of each budget.")
+        return "router", None
+    c1, c2 = st.columns(2)
+    names = list(dict.fromkeys(found["ranking"].to_list()))
+    ranking = c1.selectbox("Ranking (its measured quality under each budget)", names,
+                           key="speed_ranking",
+                           help="every ranking replayed on this dataset; the projection uses its "
+                                "open-loop RSE, and its closed-loop τ, path and KL where replayed")
+    covers = found.filter(pl.col("ranking") == ranking)["coverage"].to_list()
+    coverage = c2.selectbox("Coverage", covers, key=f"speed_coverage:{ranking}")
+    return ranking, coverage
+
+
+def _frontier(page: views.Page, target_name: str, target, hardware: list, depth: int) -> None:
+    """MoE-Spec's headline table for this dataset: every replayed ranking's throughput gain over
+    unbudgeted EAGLE at matched quality, on the target shape and each hardware profile."""
+    from moe_spec.analysis.frames import frontier_markdown_rows
+    st.subheader("Throughput gain over unbudgeted EAGLE at matched quality, per ranking")
+    table = frontier_table(page.con, page.model, page.bench, target, hardware, depth)
+    if table.is_empty():
+        st.caption("Appears once a ranking is replayed on this dataset (no replay at all): "
+                   "`replay --ranking router oracle coact-prior --calibration RUN --budget "
+                   "sweep`, and `replay --mode closed …` for τ under each budget.")
+        return
+    st.dataframe(pl.DataFrame(frontier_markdown_rows(table, with_model=False)),
+                 hide_index=True, width="stretch")
+    st.caption(f"On {target_name}. {MATCHED_QUALITY}. Interval: 95%, from τ(B)/τ(N) on the same "
+               "trees (closed loop); where only open loop exists τ is not measured under a "
+               "budget and the gain is the cost model's alone. `python bench/frontier.py` "
+               "writes this table for every dataset into docs/results.md.")
 
 
 def _target_and_hardware(targets: dict) -> tuple[str, list]:
@@ -76,9 +122,11 @@ def _target_and_hardware(targets: dict) -> tuple[str, list]:
                                         "under budget, τ and quality under budget) put on this "
                                         "model's widths and depth; budgets are mapped by share of N "
                                         "onto its own experts, never below its top-k")
-    names = c2.multiselect("Hardware", [*cost.PROFILES, "custom"],
+    names = c2.multiselect("Hardware", [*cost.PROFILES, cost.THIS_CPU, "custom"],
                            default=list(cost.PROFILES), key="speed_hw")
     hardware = [cost.PROFILES[h] for h in names if h in cost.PROFILES]
+    if cost.THIS_CPU in names:
+        hardware.append(_this_cpu())
     if "custom" in names:
         c3, c4 = st.columns(2)
         hardware.append(cost.custom(c3.number_input("bandwidth TB/s", 0.1, 20.0, 3.35,
@@ -86,6 +134,12 @@ def _target_and_hardware(targets: dict) -> tuple[str, list]:
                                     c4.number_input("peak TFLOP/s", 1.0, 5000.0, 989.0,
                                                     key="speed_tf")))
     return target_name, hardware
+
+
+@st.cache_resource
+def _this_cpu():
+    """This machine's CPU, measured once per session of the server (:func:`cost.measure_cpu`)."""
+    return cost.measure_cpu()
 
 
 def _calibration(page: views.Page, run: dict, hw, on_captured: bool):
@@ -136,8 +190,9 @@ def _best(frame: pl.DataFrame, top: dict, stats: dict, target_name: str, model: 
                    "target shape. A real model's draft acceptance and routing can differ; "
                    "capture the target model itself to measure them.")
     budgeted = best["captured_budget"] != best["num_experts"]
-    st.markdown(f"**Best projected speedup within the quality bound** ({top['bound']}) on "
-                f"{best['hardware']}: **{best['speedup']:.2f}×** at B = {best['budget']} of "
+    st.markdown(f"**Best projected speedup within the quality bound** ({top['bound']}; "
+                f"ranking {best['ranking']}) on {best['hardware']}: **{best['speedup']:.2f}×** "
+                f"({speedup_interval(best)}) at B = {best['budget']} of "
                 f"{n_t}" + (f" ({best['quality']})" if budgeted else " (no budget)")
                 + (f"; {top['note']}" if top["note"] else "") + ".")
     if set(frame["bound"]) == {"compute"}:
@@ -163,7 +218,7 @@ def _at_budget(frame: pl.DataFrame, top: dict, target_name: str) -> None:
         rows = [dict(rows[0], hardware=", ".join(r["hardware"] for r in rows))]
     for row in rows:
         st.metric(f"projected speedup at B={b} of {n_t} on {row['hardware']}",
-                  f"{row['speedup']:.2f}×",
+                  f"{row['speedup']:.2f}× ({speedup_interval(row)})",
                   help=f"τ = {row['tau']:.2f} from {row['tau_source']} (captured budget "
                        f"{row['captured_budget']} of {row['num_experts']}); "
                        f"{row['experts_loaded']:.1f} experts loaded per layer of the target; "
@@ -172,14 +227,19 @@ def _at_budget(frame: pl.DataFrame, top: dict, target_name: str) -> None:
     verdict = {True: "within", False: "outside", None: "not measured against"}[at["within_bound"]]
     st.caption(f"Quality at B = {b} of {n_t} (the capture's B = {at['captured_budget']} of "
                f"{at['num_experts']}): {at['quality']}; {verdict} the bound ({top['bound']}).")
-    table = frame.pivot(on="hardware", index=["budget", "captured_budget", "tau", "quality",
-                                              "within_bound"], values="speedup")
-    st.dataframe(table.rename({h: f"speedup on {h} (×)" for h in set(frame["hardware"])}
-                              | {"budget": f"B (of {n_t})",
-                                 "captured_budget": f"captured B (of {best['num_experts']})",
-                                 "tau": "τ", "quality": "quality at this budget",
-                                 "within_bound": "within the bound"}),
-                 hide_index=True)
+    # one row per (budget, hardware): never wider than the page, whatever the profiles chosen
+    st.dataframe(pl.DataFrame([{
+        f"B (of {n_t})": r["budget"], f"captured B (of {best['num_experts']})":
+        r["captured_budget"], "hardware": r["hardware"],
+        "speedup (95% CI)": f"{r['speedup']:.2f}× ({speedup_interval(r)})",
+        "τ": round(r["tau"], 2),
+        "quality at this budget": r["quality"],
+        "within the bound": {True: "yes", False: "no", None: "not measured"}[r["within_bound"]]}
+        for r in frame.sort("budget", "hardware").iter_rows(named=True)]),
+        hide_index=True, width="stretch")
+    st.caption("Intervals: 95% Student-t of τ over the replayed trees (closed loop's τ(B) where "
+               "replayed, else the unbudgeted τ), carried through the cost model, which is "
+               "taken as exact.")
 
 
 def _efficiency(root, model: str) -> None:
