@@ -32,7 +32,11 @@ next expert has the largest true gain (:func:`hindsight_budgets`). This marginal
 (Gross 1956; Fox 1966) minimises ``Σ_l e_l(B_l)`` subject to ``Σ_l B_l = T`` exactly when every
 curve is convex (Δ_l non-increasing in B: diminishing returns): then the greedy takes the T − L·B_min
 largest gains of all layers, and any allocation's gain is a sum of as many gains, each layer's
-a prefix of its own. With non-convex curves it is a heuristic (an exchange may pay after a dip).
+a prefix of its own. With non-convex curves it is a heuristic (a gain hidden behind a smaller
+one is never reached: under truncation an expert no tree token selected gains 0 and the next
+one more, so replayed curves are rarely convex), and the adaptive oracle is the exact
+minimum instead (:func:`best_budgets`: dynamic programming over the pass's layers, the
+multiple-choice knapsack, ``O(L·S·T)`` per pass).
 
 Torch only.
 """
@@ -114,6 +118,37 @@ def hindsight_budgets(gains: torch.Tensor, total: int, b_min: int) -> torch.Tens
         best = nxt.argmax(-1)
         taken[rows, best] += 1
     return (b_min + taken).reshape(*lead, layers)
+
+
+def best_budgets(curves: torch.Tensor, total: int, b_min: int) -> torch.Tensor:
+    """``B_l [..., L]`` minimising ``Σ_l e_l(B_l)`` subject to ``Σ_l B_l = total`` (clamped to
+    ``[L·b_min, L·B_max]``) for any curves ``[..., L, S + 1]``, exactly: after layer l,
+    ``cost_l(t) = min_j cost_{l−1}(t − j) + e_l(b_min + j)`` over the ``t`` experts above B_min
+    spent so far, then back from ``t = total − L·b_min`` (ties to the smaller B at the later
+    layer)."""
+    *lead, layers, width = curves.shape
+    flat = curves.reshape(-1, layers, width).double()
+    passes = flat.shape[0]
+    extra = min(max(total - layers * b_min, 0), layers * (width - 1))
+    cost = torch.full((passes, extra + 1), float("inf"), dtype=torch.float64,
+                      device=curves.device)
+    cost[:, 0] = 0.0
+    choice = torch.zeros(layers, passes, extra + 1, dtype=torch.long, device=curves.device)
+    for layer in range(layers):
+        new = torch.full_like(cost, float("inf"))
+        for j in range(min(width, extra + 1)):
+            cand = cost[:, : extra + 1 - j] + flat[:, layer, j, None]
+            better = cand < new[:, j:]
+            new[:, j:] = torch.where(better, cand, new[:, j:])
+            choice[layer, :, j:] = torch.where(better, j, choice[layer, :, j:])
+        cost = new
+    spent = torch.full((passes,), extra, dtype=torch.long, device=curves.device)
+    out = torch.empty(passes, layers, dtype=torch.long, device=curves.device)
+    for layer in reversed(range(layers)):
+        j = choice[layer].gather(1, spent[:, None])[:, 0]
+        out[:, layer] = b_min + j
+        spent = spent - j
+    return out.reshape(*lead, layers)
 
 
 def errors_at(curves: torch.Tensor, budgets: torch.Tensor, b_min: int) -> torch.Tensor:

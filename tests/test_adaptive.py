@@ -89,8 +89,9 @@ def test_calibrated_price_at_b_max_loads_every_expert_and_leaves_no_error():
     budgets = adaptive.price_budgets(gains, price, 1)
     assert bool((budgets == 6).all())
     assert float(adaptive.errors_at(curves, budgets, 1).abs().max()) == 0.0
-    hind = adaptive.hindsight_budgets(gains, 6 * 4, 1)
-    assert bool((hind == 6).all())
+    for hind in (adaptive.hindsight_budgets(gains, 6 * 4, 1),
+                 adaptive.best_budgets(curves, 6 * 4, 1)):
+        assert bool((hind == 6).all())
 
 
 def exhaustive(curves, total, b_min):
@@ -116,6 +117,20 @@ def test_adaptive_oracle_greedy_is_exact_on_convex_curves(seed, layers, steps, b
     assert got == pytest.approx(exhaustive(curves[0], total, b_min), abs=1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), layers=st.integers(1, 3), steps=st.integers(0, 4),
+       b_min=st.integers(0, 3), data=st.data())
+def test_exact_hindsight_equals_exhaustive_search_on_any_curves(seed, layers, steps, b_min, data):
+    g = torch.Generator().manual_seed(seed)
+    curves = torch.rand(2, layers, steps + 1, generator=g, dtype=torch.float64)  # not convex
+    total = data.draw(st.integers(b_min * layers, (b_min + steps) * layers))
+    budgets = adaptive.best_budgets(curves, total, b_min)
+    assert bool((budgets.sum(-1) == total).all()) and bool((budgets >= b_min).all())
+    for p in range(2):
+        got = float(adaptive.errors_at(curves[p], budgets[p], b_min).sum())
+        assert got == pytest.approx(exhaustive(curves[p], total, b_min), abs=1e-12)
+
+
 def test_adaptive_oracle_greedy_can_miss_on_a_non_convex_curve():
     """The optimality condition is needed: a curve whose second expert pays more than its first
     (no diminishing returns) hides its gain from the greedy."""
@@ -124,6 +139,7 @@ def test_adaptive_oracle_greedy_can_miss_on_a_non_convex_curve():
     got = float(adaptive.errors_at(curves, budgets, 0).sum())
     assert budgets.tolist() == [[0, 2]] and got == pytest.approx(1.2)
     assert exhaustive(curves[0], 2, 0) == pytest.approx(0.5)
+    assert adaptive.best_budgets(curves, 2, 0).tolist() == [[2, 0]]
 
 
 @settings(max_examples=30, deadline=None)
