@@ -3,8 +3,9 @@
 A verification pass runs its tree through the L MoE layers in order. A fixed budget loads B
 experts at every layer; an adaptive one gives tree-layer l its own ``B_l ∈ [B_min, B_max]``
 such that the mean over tree-layers is B̄ (the bytes of a memory-bound pass are the total, not
-each layer's share). Per tree-layer the ranking's shortlists are nested prefixes of its order
-(its shortlist at B, then at B + 1, ...), with error curve ``e_l(B)`` (RSE) and marginal gain
+each layer's share). Per tree-layer the ranking has a shortlist at every B (for most rankings
+the prefixes of one order: B + 1 adds its next expert), with error curve ``e_l(B)`` (RSE) and
+marginal gain
 
     Δ_l(B) = e_l(B) − e_l(B + 1)        the error loading the (B+1)-th expert removes
 
