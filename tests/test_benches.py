@@ -704,3 +704,22 @@ def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes(monkeypat
     assert cell["achieved"] == pytest.approx(float(loaded.mean()))
     assert abs(cell["calibration_mean"] - 4) < abs(cell["achieved"] - 4)
     assert not adaptive_budget.within(cell)
+
+
+def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole(monkeypatch):
+    """Replay rows become ``[passes, layers, budgets]`` in (prompt, step, layer, budget) order;
+    a missing row (a layer or budget not replayed) is refused, never misaligned."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import adaptive_budget
+    import polars as pl
+    rows = [dict(run="r", ranking="router", coverage="truncation", prompt_index=p, step=s,
+                 layer=layer, budget=b, rse=1.0 / b + layer + 10 * s + 100 * p,
+                 mass_excluded=0.5 / b)
+            for p in (1, 0) for s in (0, 1) for layer in (1, 0) for b in (3, 1, 2)]
+    df = pl.DataFrame(rows)
+    rse, mass, layers = adaptive_budget.curves(df, "r", "router", "truncation", 1, 3)
+    assert rse.shape == (4, 2, 3) and layers.tolist() == [0, 1]
+    assert rse[3, 1].tolist() == pytest.approx([1 / b + 1 + 10 + 100 for b in (1, 2, 3)])
+    assert mass[0, 0].tolist() == pytest.approx([0.5, 0.25, 0.5 / 3])
+    with pytest.raises(SystemExit, match="replay them again"):
+        adaptive_budget.curves(df.slice(1), "r", "router", "truncation", 1, 3)
