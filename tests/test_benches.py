@@ -95,6 +95,19 @@ def test_batch_ceiling_bench_sets_the_capture_beside_the_forward(tmp_path):
     assert all(r["forward"]["tokens_per_s"] > 0 for r in rows) and "ceiling ratio" in out
 
 
+def rendered_block(script: str, block: str, report, page: Path) -> str:
+    """``page`` (a block typed by hand between ``block``'s markers) after ``bench/<script>
+    --render REPORT --readme page``: the block rewritten, the text around it kept."""
+    (page.parent / "report.json").write_text(json.dumps(report))
+    marks = (f"<!-- {block}: begin (bench/{script} --readme; do not edit) -->",
+             f"<!-- {block}: end -->")
+    page.write_text(f"intro\n{marks[0]}\n| typed | by hand |\n{marks[1]}\noutro\n")
+    run(f"bench/{script}", "--render", str(page.parent / "report.json"), "--readme", str(page))
+    text = page.read_text()
+    assert "typed" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    return text
+
+
 BENCHES = ("gsm8k", "mbpp")
 
 
@@ -161,14 +174,8 @@ def test_cross_domain_bench_refuses_a_benchmark_too_short_before_capturing(tmp_p
 @smoke("cross_domain.py")
 def test_cross_domain_bench_writes_the_readme_table_from_its_output(cross_domain, tmp_path):
     _, found, _ = cross_domain
-    (tmp_path / "x.json").write_text(json.dumps(found))
     readme = tmp_path / "README.md"
-    marks = ("<!-- cross-domain matrix: begin (bench/cross_domain.py --readme; do not edit) -->",
-             "<!-- cross-domain matrix: end -->")
-    readme.write_text(f"intro\n{marks[0]}\n| typed | by hand |\n{marks[1]}\noutro\n")
-    run("bench/cross_domain.py", "--render", str(tmp_path / "x.json"), "--readme", str(readme))
-    text = readme.read_text()
-    assert "typed" not in text and text.startswith("intro\n") and text.endswith("outro\n")
+    text = rendered_block("cross_domain.py", "cross-domain matrix", found, readme)
     single, others = text.split("Calibrated on the other benchmarks together")
     rows = [line for line in single.splitlines() if line.startswith("| tiny-olmoe")]
     # two benchmarks: one off-diagonal cell each way × 4 budgets, per policy, for coact
@@ -189,7 +196,7 @@ def test_cross_domain_bench_writes_the_readme_table_from_its_output(cross_domain
     assert len(at_k) == 2 and rows[0].endswith(f"| {50 * (at_k[0] + at_k[1]):.0f}% |")
     readme.write_text("no markers\n")
     done = subprocess.run([sys.executable, "bench/cross_domain.py", "--render",
-                           str(tmp_path / "x.json"), "--readme", str(readme)], cwd=ROOT,
+                           str(tmp_path / "report.json"), "--readme", str(readme)], cwd=ROOT,
                           env=ENV, capture_output=True, text=True)
     assert done.returncode != 0 and readme.read_text() == "no markers\n"
     assert "no '<!-- cross-domain matrix: begin" in done.stderr
@@ -599,6 +606,7 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     ("cross_domain.py", "docs/results/matrix/*.json", "sketch matrix", "README.md"),
     ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated", "docs/results.md"),
     ("frontier.py", "docs/results/frontier/*.json", None, "docs/results.md"),
+    ("adaptive_budget.py", "docs/results/adaptive/*.json", "adaptive budgets", "docs/results.md"),
 ])
 def test_committed_results_render_to_what_the_docs_show(script, files, block, page, tmp_path):
     """docs/results.md's generated blocks, and the README's table, are what their bench
@@ -620,3 +628,99 @@ def test_sketch_render_refuses_another_bench_s_output():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "not an --output of this version" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def adaptive_budget(tmp_path_factory):
+    """One tiny adaptive-budget study (tiny-mixtral: N = 8, so B̄ reaches N): its result file."""
+    root = tmp_path_factory.mktemp("adaptive")
+    out = run("bench/adaptive_budget.py", "--traces", str(root / "traces"), "--models",
+              "tiny-mixtral", "--eval-prompts", "1", "--cal-prompts", "1", "--max-new-tokens",
+              "4", "--threads", "1", "--output", str(root / "a.json"))
+    return json.loads((root / "a.json").read_text()), out
+
+
+@smoke("adaptive_budget.py")
+def test_adaptive_budget_bench_bounds_every_cell_and_measures_the_achieved_mean(adaptive_budget):
+    found, out = adaptive_budget
+    model = found["models"]["tiny-mixtral"]
+    cells = model["cells"]
+    assert model["k"] == 2 and model["n"] == model["b_max"] == 8 and model["means"] == [2, 4, 6, 8]
+    assert {(c["coverage"], c["predictor"]) for c in cells} == {
+        (cov, p) for cov in ("truncation", "substitution") for p in ("mass", "calibrated")}
+    for c in cells:
+        # the exact adaptive oracle is a bound of every allocation at the same pass total
+        assert c["oracle_adaptive"] <= min(c["oracle_fixed"], c["hindsight"]) + 1e-12
+        assert c["oracle_adaptive"] <= c["oracle_adaptive_greedy"] + 1e-12
+        assert c["hindsight"] <= c["fixed"] + 1e-12 and c["oracle_fixed"] <= c["fixed"] + 1e-9
+        assert c["b_min"] <= c["p10"] <= c["achieved"] <= c["p90"] <= 8
+    full = [c for c in cells if c["mean_budget"] == 8]  # B̄ = N: every expert, no error
+    assert full and all(c["achieved"] == 8 and c["adaptive"] == c["fixed"] < 1e-9 for c in full)
+    # substitution needs B ≥ k: at a pass total of k·L hindsight has nothing to adapt
+    at_k = [c for c in cells if c["coverage"] == "substitution" and c["mean_budget"] == 2]
+    assert at_k and all(c["hindsight"] == pytest.approx(c["fixed"], rel=1e-12) and
+                        c["oracle_adaptive"] == pytest.approx(c["oracle_fixed"], rel=1e-12)
+                        for c in at_k)
+    assert "adaptive below fixed in" in out and "| tiny-mixtral | truncation |" in out
+
+
+@smoke("adaptive_budget.py")
+def test_adaptive_budget_bench_renders_its_block_and_refuses_other_files(adaptive_budget,
+                                                                          tmp_path):
+    found, out = adaptive_budget
+    text = rendered_block("adaptive_budget.py", "adaptive budgets", found, tmp_path / "r.md")
+    rows = [line for line in text.splitlines() if line.startswith("| tiny-mixtral |")]
+    assert len(rows) == len(found["models"]["tiny-mixtral"]["cells"]) and rows[0] in out
+    (tmp_path / "b.json").write_text(json.dumps({"tiny-mixtral": {}}))
+    done = subprocess.run([sys.executable, "bench/adaptive_budget.py", "--render",
+                           str(tmp_path / "b.json")], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "not an --output of this version" in done.stderr
+
+
+def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes(monkeypatch):
+    """The price is calibrated to B̄ on the calibration passes; on evaluation passes whose
+    router excludes more mass per expert the same price loads more, and the cell reports what it
+    loaded there, not B̄."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import adaptive_budget
+    import torch
+
+    from moe_spec.policy import adaptive
+    g = torch.Generator().manual_seed(0)
+    width, b_min = 9, 1
+
+    def run_curves(scale):
+        mass = torch.rand(6, 4, width, generator=g, dtype=torch.float64).sort(
+            -1, descending=True).values * scale
+        mass[..., -1] = 0
+        return mass * 0.5, mass, torch.arange(4)  # (rse, mass excluded, layers)
+
+    cal = {"router": run_curves(1.0)}
+    ev = {"router": run_curves(3.0)}
+    cal["oracle"], ev["oracle"] = cal["router"], ev["router"]
+    cell = adaptive_budget.evaluate(cal, ev, "router", [4], b_min, "mass", None)[0]
+    gains = adaptive.gains_of(ev["router"][1])
+    loaded = adaptive.price_budgets(gains, cell["price"], b_min).double()
+    assert cell["achieved"] == pytest.approx(float(loaded.mean()))
+    assert abs(cell["calibration_mean"] - 4) < abs(cell["achieved"] - 4)
+    assert not adaptive_budget.within(cell)
+
+
+def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole(monkeypatch):
+    """Replay rows become ``[passes, layers, budgets]`` in (prompt, step, layer, budget) order;
+    a missing row (a layer or budget not replayed) is refused, never misaligned."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import adaptive_budget
+    import polars as pl
+    rows = [dict(run="r", ranking="router", coverage="truncation", prompt_index=p, step=s,
+                 layer=layer, budget=b, rse=1.0 / b + layer + 10 * s + 100 * p,
+                 mass_excluded=0.5 / b)
+            for p in (1, 0) for s in (0, 1) for layer in (1, 0) for b in (3, 1, 2)]
+    df = pl.DataFrame(rows)
+    rse, mass, layers = adaptive_budget.curves(df, "r", "router", "truncation", 1, 3)
+    assert rse.shape == (4, 2, 3) and layers.tolist() == [0, 1]
+    assert rse[3, 1].tolist() == pytest.approx([1 / b + 1 + 10 + 100 for b in (1, 2, 3)])
+    assert mass[0, 0].tolist() == pytest.approx([0.5, 0.25, 0.5 / 3])
+    with pytest.raises(SystemExit, match="replay them again"):
+        adaptive_budget.curves(df.slice(1), "r", "router", "truncation", 1, 3)

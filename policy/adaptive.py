@@ -1,0 +1,221 @@
+"""Budgets that adapt per tree-layer within a verification pass, at a mean budget B̄ (issue 63).
+
+A verification pass runs its tree through the L MoE layers in order. A fixed budget loads B
+experts at every layer; an adaptive one gives tree-layer l its own ``B_l ∈ [B_min, B_max]``
+such that the mean over tree-layers is B̄ (the bytes of a memory-bound pass are the total, not
+each layer's share). Per tree-layer the ranking has a shortlist at every B (for most rankings
+the prefixes of one order: B + 1 adds its next expert), with error curve ``e_l(B)`` (RSE) and
+marginal gain
+
+    Δ_l(B) = e_l(B) − e_l(B + 1)        the error loading the (B+1)-th expert removes
+
+Curves are tensors ``[..., L, S + 1]`` over ``B = B_min .. B_max`` (``S = B_max − B_min``),
+gains ``[..., L, S]``; leading dimensions are passes.
+
+**Price rule** (runtime): layer l, before its experts load and without looking at later layers,
+keeps loading the ranking's next expert while its *predicted* gain exceeds a price λ:
+
+    B_l = B_min + #{leading j : Δ̂_l(B_min + j) > λ}
+
+with an optional hard cap C on a pass's total: ``B_l ← min(B_l, C − Σ_{m<l} B_m − B_min·(L−1−l))``
+(the layers still to come keep B_min). λ is calibrated offline (:func:`calibrate_price`) on
+calibration passes so that the mean B over their tree-layers is B̄; on other prompts the mean is
+B̄ only in expectation, so the achieved mean is measured, never assumed.
+
+Predicted gains Δ̂ (:data:`PREDICTORS`) use runtime-legal quantities only: the router's mass
+excluded by the ranking's shortlist at each B, ``m(B) = Σ_{i∉S_B} s_i / Σ_i s_i`` (known once
+the router has run, before any expert loads), and, for ``calibrated``, per-layer ratios learned
+on the calibration run.
+
+**Adaptive oracle** (hindsight over the pass, true gains): start every layer at B_min and hand
+out the pass's ``T − L·B_min`` further experts (T = B̄·L) one at a time, each to the layer whose
+next expert has the largest true gain (:func:`hindsight_budgets`). This marginal allocation
+(Gross 1956; Fox 1966) minimises ``Σ_l e_l(B_l)`` subject to ``Σ_l B_l = T`` exactly when every
+curve is convex (Δ_l non-increasing in B: diminishing returns): then the greedy takes the T − L·B_min
+largest gains of all layers, and any allocation's gain is a sum of as many gains, each layer's
+a prefix of its own. With non-convex curves it is a heuristic (a gain hidden behind a smaller
+one is never reached: under truncation an expert no tree token selected gains 0 and the next
+one more, so replayed curves are rarely convex), and the adaptive oracle is the exact
+minimum instead (:func:`best_budgets`: dynamic programming over the pass's layers, the
+multiple-choice knapsack, ``O(L·S·T)`` per pass).
+
+Torch only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+
+def gains_of(curves: torch.Tensor) -> torch.Tensor:
+    """``Δ [..., L, S]`` of error curves ``e [..., L, S + 1]``: ``e(B) − e(B + 1)``."""
+    return curves[..., :-1] - curves[..., 1:]
+
+
+def price_budgets(gains: torch.Tensor, price: float, b_min: int,
+                  cap: int | None = None) -> torch.Tensor:
+    """``B_l [..., L]`` (long) of the price rule for predicted gains ``[..., L, S]``: each layer
+    loads its next expert while the predicted gain exceeds ``price``, layers in order, under a
+    hard cap ``cap`` on each pass's total where given (later layers keep ``b_min``)."""
+    above = (gains > price).long()
+    budgets = b_min + above.cumprod(-1).sum(-1)  # the leading run of gains above the price
+    if cap is None:
+        return budgets
+    layers = budgets.shape[-1]
+    if cap < b_min * layers:
+        raise ValueError(f"a pass cap of {cap} experts is below B_min·L = {b_min * layers}")
+    out = torch.empty_like(budgets)
+    used = torch.zeros_like(budgets[..., 0])
+    for layer in range(layers):  # in order: no layer knows what later ones will ask
+        room = cap - used - b_min * (layers - 1 - layer)
+        out[..., layer] = torch.minimum(budgets[..., layer], room)
+        used = used + out[..., layer]
+    return out
+
+
+def calibrate_price(gains: torch.Tensor, target: float, b_min: int,
+                    cap: int | None = None) -> float:
+    """The price λ whose :func:`price_budgets` on calibration gains ``[..., L, S]`` give a mean B
+    over all tree-layers closest to ``target`` (B̄; ties to the higher price, the cheaper). The
+    mean is a non-increasing step function of λ that changes only at the gains' own values, so
+    the bisection runs over those (and −∞: every layer at B_max)."""
+    values = torch.unique(gains.double().flatten())
+    candidates = torch.cat([torch.tensor([float("-inf")], dtype=torch.float64), values])
+
+    def mean(i: int) -> float:
+        return float(price_budgets(gains, float(candidates[i]), b_min, cap).double().mean())
+
+    lo, hi = 0, len(candidates) - 1  # mean(lo) is the largest, mean(hi) the smallest
+    if mean(hi) >= target:
+        return float(candidates[hi])
+    if mean(lo) <= target:
+        return float(candidates[lo])
+    while hi - lo > 1:  # invariant: mean(lo) > target ≥ mean(hi)
+        mid = (lo + hi) // 2
+        if mean(mid) > target:
+            lo = mid
+        else:
+            hi = mid
+    closer = hi if abs(mean(hi) - target) <= abs(mean(lo) - target) else lo
+    return float(candidates[closer])
+
+
+def hindsight_budgets(gains: torch.Tensor, total: int, b_min: int) -> torch.Tensor:
+    """``B_l [..., L]`` of the adaptive oracle: every layer at ``b_min``, then each of the pass's
+    ``total − L·b_min`` further experts to the layer whose next one has the largest true gain
+    (ties to the earlier layer); ``total`` is clamped to ``[L·b_min, L·B_max]``. Exact for convex
+    curves (module docstring)."""
+    *lead, layers, steps = gains.shape
+    flat = gains.reshape(-1, layers, steps).double()
+    extra = min(max(total - layers * b_min, 0), layers * steps)
+    taken = torch.zeros(flat.shape[:2], dtype=torch.long, device=gains.device)
+    padded = torch.cat([flat, torch.full_like(flat[..., :1], float("-inf"))], -1)
+    rows = torch.arange(flat.shape[0], device=gains.device)
+    for _ in range(extra):
+        nxt = padded.gather(-1, taken[..., None])[..., 0]  # [P, L]: each layer's next gain
+        best = nxt.argmax(-1)
+        taken[rows, best] += 1
+    return (b_min + taken).reshape(*lead, layers)
+
+
+def best_budgets(curves: torch.Tensor, total: int, b_min: int) -> torch.Tensor:
+    """``B_l [..., L]`` minimising ``Σ_l e_l(B_l)`` subject to ``Σ_l B_l = total`` (clamped to
+    ``[L·b_min, L·B_max]``) for any curves ``[..., L, S + 1]``, exactly: after layer l,
+    ``cost_l(t) = min_j cost_{l−1}(t − j) + e_l(b_min + j)`` over the ``t`` experts above B_min
+    spent so far, then back from ``t = total − L·b_min`` (ties to the smaller B at the later
+    layer)."""
+    *lead, layers, width = curves.shape
+    flat = curves.reshape(-1, layers, width).double()
+    passes = flat.shape[0]
+    extra = min(max(total - layers * b_min, 0), layers * (width - 1))
+    cost = torch.full((passes, extra + 1), float("inf"), dtype=torch.float64,
+                      device=curves.device)
+    cost[:, 0] = 0.0
+    choice = torch.zeros(layers, passes, extra + 1, dtype=torch.long, device=curves.device)
+    for layer in range(layers):
+        new = torch.full_like(cost, float("inf"))
+        for j in range(min(width, extra + 1)):
+            cand = cost[:, : extra + 1 - j] + flat[:, layer, j, None]
+            better = cand < new[:, j:]
+            new[:, j:] = torch.where(better, cand, new[:, j:])
+            choice[layer, :, j:] = torch.where(better, j, choice[layer, :, j:])
+        cost = new
+    spent = torch.full((passes,), extra, dtype=torch.long, device=curves.device)
+    out = torch.empty(passes, layers, dtype=torch.long, device=curves.device)
+    for layer in reversed(range(layers)):
+        j = choice[layer].gather(1, spent[:, None])[:, 0]
+        out[:, layer] = b_min + j
+        spent = spent - j
+    return out.reshape(*lead, layers)
+
+
+def errors_at(curves: torch.Tensor, budgets: torch.Tensor, b_min: int) -> torch.Tensor:
+    """``e_l(B_l) [..., L]``: each tree-layer's error at its budget, from ``curves [..., L, S+1]``
+    over ``B = b_min ..``."""
+    return curves.gather(-1, (budgets - b_min)[..., None].long())[..., 0]
+
+
+class Predictor(ABC):
+    """Predicted gains ``Δ̂ [P, L, S]`` from the runtime-legal mass excluded ``m [P, L, S + 1]``
+    of the ranking's shortlists at ``B = B_min .. B_max`` (``layers [L]``: the MoE layer of each
+    column)."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+
+    def fit(self, mass: torch.Tensor, errors: torch.Tensor, layers: torch.Tensor) -> Predictor:
+        """Learn from calibration passes: ``mass`` and their true ``errors``, both
+        ``[P, L, S + 1]``."""
+        return self
+
+    @abstractmethod
+    def gains(self, mass: torch.Tensor, layers: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class MassGain(Predictor):
+    name = "mass"
+    summary = "router mass share of the ranking's next expert: Δ̂(B) = m(B) − m(B+1)"
+
+    def gains(self, mass, layers):
+        return gains_of(mass.double())
+
+
+class CalibratedMass(Predictor):
+    """``ê_l(B) = r_l(B) · m(B)`` with ``r_l(B) = Σ_cal e / Σ_cal m`` over the calibration's
+    tree-layers of MoE layer l at budget B (0 where the calibration excluded no mass), made
+    non-increasing in B (running minimum: loading more never predicts more error)."""
+
+    name = "calibrated"
+    summary = ("mass excluded scaled to error per layer and budget on the calibration run: "
+               "Δ̂(B) = ê(B) − ê(B+1), ê = r_l(B)·m(B)")
+    ratio: dict[int, torch.Tensor]
+
+    def fit(self, mass, errors, layers):
+        m = mass.double().sum(0)  # [L, S+1]
+        e = errors.double().sum(0)
+        r = torch.where(m > 0, e / m.clamp_min(1e-300), torch.zeros_like(m))
+        self.ratio = {int(layer): r[j] for j, layer in enumerate(layers.tolist())}
+        return self
+
+    def gains(self, mass, layers):
+        missing = sorted(set(layers.tolist()) - set(self.ratio))
+        if missing:
+            raise ValueError(f"the calibration has no tree-layer of layer(s) {missing}")
+        r = torch.stack([self.ratio[int(layer)] for layer in layers.tolist()])
+        predicted = torch.cummin(r * mass.double(), -1).values
+        return gains_of(predicted)
+
+
+PREDICTORS: dict[str, type[Predictor]] = {p.name: p for p in (MassGain, CalibratedMass)}
+
+
+def predictor(name: str) -> Predictor:
+    try:
+        return PREDICTORS[name]()
+    except KeyError:
+        raise ValueError(f"unknown gain predictor {name!r}; use one of "
+                         f"{', '.join(PREDICTORS)}") from None
