@@ -95,3 +95,91 @@ def test_a_chosen_variant_wins_its_curve_whole(folders):
     assert coact["budget"].to_list() == [16] * coact.height and coact.height
     # the other rankings keep their own (only) variant
     assert set(errors["ranking"]) == {"router", "oracle", "coact"}
+
+
+# --- the pages (Streamlit's AppTest, as tests/test_app.py drives them) ----------------------------
+@pytest.fixture(scope="module")
+def pages(folders, tmp_path_factory):
+    """The busy folder and, as after the design card's commands, another evaluation run of
+    another setting with more prompts and one replayed cell (the oracle at B = 24)."""
+    root = tmp_path_factory.mktemp("pages") / "t"
+    shutil.copytree(folders[0], root)
+    assert capture_cli.main([*CAP, "--bench", "mbpp", "--limit", "3", "--out", str(root),
+                             "--run", "more", "--max-new-tokens", "6"]) == 0
+    assert replay_cli.main(["--traces", str(root), "--no-progress", "--threads", "1", "--run",
+                            "more", "--ranking", "oracle", "--budget", "24"]) == 0
+    return root
+
+
+def replay_page(root, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+    app = str(Path(__file__).resolve().parent.parent / "app" / "main.py")
+    monkeypatch.setattr(sys, "argv", ["main.py", "--traces", str(root)])
+    at = AppTest.from_file(app, default_timeout=180)
+    at.run()
+    at.switch_page("screens/replay.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    return at
+
+
+def coact_budgets(at) -> list:
+    """The budgets of the coact lines of the error figure, per coverage panel."""
+    import base64
+    import json
+
+    import numpy as np
+
+    def values(v):  # plotly writes arrays as typed binary ({"dtype", "bdata"})
+        if isinstance(v, dict):
+            return np.frombuffer(base64.b64decode(v["bdata"]), dtype=v["dtype"]).tolist()
+        return list(v)
+
+    for chart in at.get("plotly_chart"):
+        spec = json.loads(chart.proto.spec)
+        if "Reconstruction error" in str(spec["layout"].get("title")):
+            return [[int(x) for x in values(t["x"])] for t in spec["data"]
+                    if t.get("name") == "coact"]
+    return []
+
+
+def test_the_replay_page_opens_on_results_draws_one_variant_and_offers_the_others(
+        pages, monkeypatch):
+    at = replay_page(pages, monkeypatch)
+    # the setting with results, not the one with most prompts (one oracle point)
+    assert "runs ev" in at.selectbox(key="replay_setting").value
+    assert coact_budgets(at) == [[8, 16, 24]] * 2  # both coverages: the cal sweep, whole
+    picker = at.multiselect(key="replay_variant")
+    gsm = [o for o in picker.options if "calibrated on cal-gsm8k" in o]  # labels, "… [hash]"
+    assert len(gsm) == 2 and picker.value == []  # one per coverage; none picked: the rule's
+    assert any("more than one stored variant" in c.value for c in at.caption)
+    picker.set_value([o.rsplit("[", 1)[1].rstrip("]") for o in gsm]).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert coact_budgets(at) == [[16, 32], [16, 32]]  # both coverages: that variant, whole
+
+
+def test_a_ranking_selection_of_another_setting_is_dropped(pages, monkeypatch):
+    at = replay_page(pages, monkeypatch)
+    at.multiselect(key="replay_rank").set_value(["coact"]).run()
+    other = next(o for o in at.selectbox(key="replay_setting").options if "runs more" in o)
+    at.selectbox(key="replay_setting").set_value(other).run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert at.multiselect(key="replay_rank").value == ["oracle"]  # its options, all of them
+
+
+def test_the_report_notes_the_variants_and_draws_the_one_picked(folders, tmp_path, capsys):
+    from helpers import one_line
+    busy, _ = folders
+    out = tmp_path / "rep"
+    assert report.main(["--traces", str(busy), "--out", str(out), "--threads", "1"]) == 0
+    page = (out / "tiny-olmoe_mbpp.html").read_text()
+    assert "Replay variants" in page and "Drawn: coact, substitution: calibrated on cal," in page
+    assert report.main(["--traces", str(busy), "--out", str(out), "--threads", "1",
+                        "--variant", "cal-gsm8k"]) == 0
+    page = (out / "tiny-olmoe_mbpp.html").read_text()
+    assert "Drawn: coact, substitution: calibrated on cal-gsm8k," in page
+    capsys.readouterr()
+    one_line(capsys, report.main(["--traces", str(busy), "--out", str(out), "--variant",
+                                  "nope"]), "--variant nope names no stored replay variant")
