@@ -1,5 +1,5 @@
 """``report``: one self-contained HTML file per dataset (model × benchmark) and capture setting
-with every figure, and ``index.html`` listing them.
+with every figure, and ``index.html`` listing them (where there are several).
 
     report --traces traces --out reports/
 
@@ -444,7 +444,8 @@ def report_names(out: Path, groups: dict[tuple[str, str], list[list]]) -> dict[s
 def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation",),
                  variants: tuple[str, ...] = ()) -> list[Path]:
     """One HTML file per dataset (model × benchmark) and capture setting of the complete runs in
-    ``roles`` (named by :func:`report_names`), and ``index.html`` listing them: key numbers,
+    ``roles`` (named by :func:`report_names`), and, where there are several, ``index.html``
+    listing them: key numbers,
     run settings, a table of contents, then every figure; replay results of the ``variants``
     picked, else the default rule's (:data:`analysis.sql.DEFAULT_VARIANT_RULE`)."""
     from moe_spec.analysis.compare import differing_keys, setting_words
@@ -495,8 +496,10 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
             written.append(path)
             index.append(dict(file=path.name, dataset=f"{model} / {bench}", setting=label,
                               runs=", ".join(r.name for r in mine)))
-    atomic.write_bytes(out / INDEX, template("index.html.j2").render(
-        reports=index, rule=DEFAULT_VARIANT_RULE, variants=", ".join(variants)).encode("utf-8"))
+    if len(index) > 1:  # several reports: a page that lists them
+        atomic.write_bytes(out / INDEX, template("index.html.j2").render(
+            reports=index, rule=DEFAULT_VARIANT_RULE, variants=", ".join(variants))
+            .encode("utf-8"))
     atomic.write_bytes(out / STAMP, json.dumps(dict(
         stamp=report_stamp(traces, roles, variants), names=names,
         reports=[p.name for p in written])).encode())
@@ -649,7 +652,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("report", exc)
     for path in written:
         print(f"wrote {path}")
-    print(f"wrote {args.out / INDEX} (every report, by dataset and setting)")
+    if len(written) > 1:
+        print(f"wrote {args.out / INDEX} (every report, by dataset and setting)")
     return 0
 
 

@@ -117,3 +117,14 @@ def test_one_budget_gets_an_integer_tick_and_no_axis_down_to_the_noise_floor():
     fig = figures.error_vs_budget(many, 64)
     assert fig.layout.xaxis.tickformat == "d"
     assert [s for s in fig.layout.shapes if s.y0 == figures.NOISE_FLOOR]
+
+
+def test_compare_keeps_a_colour_per_run_and_names_the_runs_it_leaves_out():
+    """Issue 59: a run keeps its colour in every figure of a comparison (its place among the
+    runs compared), and a figure without a line for a run says so."""
+    from moe_spec.analysis import compare
+    only_b = pl.DataFrame(dict(run=["b", "b"], budget=[8, 16], rse=[0.1, 0.05]))
+    fig = compare.lines(only_b, "budget", "rse", "t", "x", "y", runs=["a", "b"], why="no replay")
+    assert [t.line.color for t in fig.data] == [figures.COLORS[1]]
+    assert any("run a (no replay)" in a.text for a in fig.layout.annotations)
+    assert list(fig.layout.xaxis.tickvals) == [8, 16]  # integer budgets
