@@ -1,6 +1,6 @@
-"""analysis.figures: the co-activation heatmap masks never-seen pairs in their own colour and
-ticks every expert; the batch figures colour by ranking, dash by b, and explain a saturated
-MoESD line."""
+"""analysis.figures: the co-activation heatmap masks never-seen pairs in their own colour, ticks
+expert ids readably and leaves never-selected experts out; budget axes tick integers; the batch
+figures colour by ranking, dash by b, and explain a saturated MoESD line."""
 
 import numpy as np
 import polars as pl
