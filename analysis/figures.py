@@ -232,10 +232,17 @@ def coactivation(matrix: np.ndarray, order: np.ndarray | None, title: str,
     (diverging: red above independence, blue below); else the observed ``matrix``. A pair never
     selected together (observed = 0, so lift = 0 or undefined) is no point of the scale: it is
     drawn in its own grey (a scale-less trace, ``NEVER_SEEN``) and the diagonal in a dark grey
-    (another, ``SELF_PAIR``), each named in the legend. Every expert id is a tick on both axes
-    (the cells grow to at least 7 px with N, ticks shrink to fit). The hover gives observed and
-    lift."""
+    (another, ``SELF_PAIR``), each named in the legend. Experts never selected with any other
+    (an all-zero row: not routed to in this layer's sample) are left out and named under the
+    plot, never drawn as a grey band. Tick labels are at least 10 px: every id where the cells
+    (at least 7 px an expert) are that large, else every k-th id (the hover names every cell).
+    The hover gives observed and lift."""
     idx = np.arange(len(matrix)) if order is None else np.asarray(order)
+    full = np.array(matrix, dtype=float)
+    quiet = {i for i in range(len(full))
+             if not (np.nan_to_num(np.delete(full[i], i)) > 0).any()}
+    absent = sorted(int(i) for i in idx if int(i) in quiet)
+    idx = np.array([i for i in idx if int(i) not in quiet] or list(idx))
     pick = lambda a: np.array(a, dtype=float)[np.ix_(idx, idx)]  # noqa: E731
     observed = pick(matrix)
     labels = [str(i) for i in idx]
@@ -275,10 +282,12 @@ def coactivation(matrix: np.ndarray, order: np.ndarray | None, title: str,
                         ("diagonal: an expert with itself", SELF_PAIR)):
         fig.add_scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
                         marker=dict(symbol="square", size=12, color=color))
-    cell = max(560 / max(len(idx), 1), 7.0)  # px per expert: every id gets a tick
+    cell = max(560 / max(len(idx), 1), 7.0)  # px per expert
     side = int(round(cell * len(idx)))
-    font = int(np.clip(cell * 0.9, 6, 11))
-    ticks = dict(tickmode="array", tickvals=labels, ticktext=labels, tickfont=dict(size=font),
+    font = 11 if cell >= 11 else 10
+    step = max(1, int(np.ceil(font * 1.2 / cell)))  # every k-th id where the cells are small
+    shown = labels[::step]
+    ticks = dict(tickmode="array", tickvals=shown, ticktext=shown, tickfont=dict(size=font),
                  showgrid=False, zeroline=False)  # no grid lines across the masked cells
     fig.update_yaxes(autorange="reversed", title="expert", scaleanchor="x", constrain="domain",
                      **ticks)
@@ -286,7 +295,28 @@ def coactivation(matrix: np.ndarray, order: np.ndarray | None, title: str,
                      **ticks)
     fig = _style(fig, title, height=side + 200)
     fig.update_layout(width=side + 250, plot_bgcolor="white")
+    notes = []
+    if step > 1:
+        every = "every other" if step == 2 else f"every {step}th"
+        notes.append(f"{every} expert id labelled (the hover names each cell)")
+    if absent:
+        rows = [", ".join(map(str, absent[i:i + 16])) for i in range(0, min(len(absent), 48), 16)]
+        notes.append(f"{len(absent)} of {len(full)} experts never selected with another here, "
+                     "left out:<br>" + ",<br>".join(rows) + (" …" if len(absent) > 48 else ""))
+    if notes:
+        fig = _note(fig, ";<br>".join(notes) + ".")
     return fig
+
+
+def integer_axis(fig: go.Figure, values, **kw) -> None:
+    """An axis of integers (budgets, batch sizes) ticked at integers only: at the values drawn
+    where there are few, else integer-formatted ticks; never 23.5."""
+    values = sorted({int(v) for v in values if v is not None})
+    if 0 < len(values) <= 12:
+        fig.update_xaxes(tickmode="array", tickvals=values, ticktext=[str(v) for v in values],
+                         **kw)
+    else:
+        fig.update_xaxes(tickformat="d", **kw)
 
 
 def error_vs_budget(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
@@ -312,7 +342,9 @@ def error_vs_budget(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
                      col=1)
     fig.update_yaxes(type="log", exponentformat="power")
     fig.update_xaxes(title_text=f"budget B (experts of {n})" if n else "budget B")
-    fig.add_hline(y=NOISE_FLOOR, line_dash="dot", line_color="gray")
+    integer_axis(fig, curves["budget"])
+    if (curves["rse"] <= 10 * NOISE_FLOOR).any():  # the floor only where a value is near it
+        fig.add_hline(y=NOISE_FLOOR, line_dash="dot", line_color="gray")
     return _style(fig, "Reconstruction error (RSE) vs expert budget, mean and 95% interval")
 
 
@@ -340,6 +372,7 @@ def oracle_gap(gap: pl.DataFrame) -> go.Figure:
                     marker_pattern_shape=["/" if w == "below" else "" for w in where])
     fig.update_layout(barmode="group")
     fig.update_xaxes(title="router's budget B")
+    integer_axis(fig, gap["reference_budget"])
     fig.update_yaxes(tickformat=".0%", title="experts the oracle saves at the router's error")
     fig = _style(fig, "Oracle gap at matched error (experts the oracle saves at the router's "
                       "RSE)")
@@ -366,6 +399,7 @@ def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
         fig.add_hline(y=captured, line_dash="dash", line_color="black", row=1, col=col,
                       annotation_text=f"captured τ {captured:.2f}")
     fig.update_xaxes(title_text=f"budget B (experts of {n})" if n else "budget B")
+    integer_axis(fig, frame["budget"])
     fig.update_yaxes(title_text="accepted length τ under the budget (tokens per pass)", col=1)
     return _style(fig, "Closed-loop acceptance vs budget, mean and 95% interval over trees")
 

@@ -84,7 +84,7 @@ def _parser() -> console.ArgumentParser:
         description="Run SQL over every trace table (sequences, trees, nodes, routing, moe_io, "
                     "runs with its capture settings as columns, quality, summary_tree_layers, "
                     "summary_layers, batch_profile, batch_profile_passes) and replay result ("
-                    + ", ".join(RESULT_TABLES) + ": one variant per cell; <table>_all: every "
+                    + ", ".join(RESULT_TABLES) + ": one whole variant per curve; <table>_all: every "
                     "variant, and the variants view lists them) as named DuckDB views; hive "
                     "partitions (model, bench, run) and each run's role are columns. The views "
                     "read exactly the files runs and replays committed, verified. They hold "

@@ -1,6 +1,11 @@
-"""``report``: one self-contained HTML file per dataset (model × benchmark) with every figure.
+"""``report``: one self-contained HTML file per dataset (model × benchmark) and capture setting
+with every figure, and ``index.html`` listing them (where there are several).
 
     report --traces traces --out reports/
+
+File names are stable (:func:`report_names`): ``<model>_<bench>.html`` for a dataset's first
+setting, ``<model>_<bench>_<run>.html`` for another (after a run of it); names written once are
+kept in the folder's stamp, so adding a run or a setting never renames a report.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from moe_spec.analysis.frames import (
     speedup_interval,
     speedup_note,
 )
-from moe_spec.analysis.sql import connect, views
+from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE, connect, views
 from moe_spec.catalog import Catalog, atomic, dataset_version, location, partition_value, schema
 from moe_spec.catalog.replay_metrics import gap_closed
 from moe_spec.errors import UserError, fail
@@ -386,46 +391,95 @@ def figure_html(fig: go.Figure, include_plotlyjs: bool) -> Markup:
 STAMP = ".report-stamp.json"  # in --out: what the reports there were written from
 
 
-def report_stamp(traces: Path, roles: tuple[str, ...]) -> str:
-    """What a report depends on: the traces (:func:`catalog.dataset_version`), the roles and
-    the code that draws it (this package's sources)."""
-    h = hashlib.sha256(f"{dataset_version(traces)}:{','.join(roles)}".encode())
+def report_stamp(traces: Path, roles: tuple[str, ...], variants: tuple[str, ...] = ()) -> str:
+    """What a report depends on: the traces (:func:`catalog.dataset_version`), the roles, the
+    replay variants picked and the code that draws it (this package's sources)."""
+    h = hashlib.sha256(f"{dataset_version(traces)}:{','.join(roles)}:{','.join(variants)}"
+                       .encode())
     for source in sorted([*Path(__file__).parent.glob("*.py"), *TEMPLATES.glob("*.j2")]):
         h.update(source.read_bytes())
     return h.hexdigest()[:16]
 
 
-def unchanged(traces: Path, out: Path, roles: tuple[str, ...]) -> list[Path] | None:
-    """The reports in ``out`` if they were written from exactly these traces, roles and code
-    (nothing to do), else None."""
+def unchanged(traces: Path, out: Path, roles: tuple[str, ...], variants: tuple[str, ...] = ()
+              ) -> list[Path] | None:
+    """The reports in ``out`` if they were written from exactly these traces, roles, variants
+    and code (nothing to do), else None."""
     try:
         stamp = json.loads((out / STAMP).read_text())
     except (OSError, ValueError):
         return None
     paths = [out / name for name in stamp.get("reports", [])] if isinstance(stamp, dict) else []
-    if not paths or stamp.get("stamp") != report_stamp(traces, roles) \
+    if not paths or stamp.get("stamp") != report_stamp(traces, roles, variants) \
             or not all(p.is_file() for p in paths):
         return None
     return paths
 
 
-def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation",)) \
-        -> list[Path]:
-    """One HTML file per dataset (model × benchmark) of the complete runs in ``roles``: key
-    numbers, run settings, a table of contents, then every figure."""
+def setting_key(model: str, bench: str, runs: list) -> str:
+    """A setting's identity for its report's name: dataset and the capture setting (never the
+    runs in it, so adding a run to a setting keeps its name)."""
+    digest = hashlib.sha256(json.dumps(runs[0].setting, sort_keys=True, default=str).encode())
+    return f"{partition_value(model)}/{bench}/{digest.hexdigest()[:12]}"
+
+
+def report_names(out: Path, groups: dict[tuple[str, str], list[list]]) -> dict[str, str]:
+    """setting key (:func:`setting_key`) -> its report's file name, stable: a name written
+    before (kept in ``out``'s stamp) stays; a new setting gets ``<model>_<bench>.html`` when no
+    other setting of the dataset holds it, else ``<model>_<bench>_<run>.html`` after the first
+    (by name) of its runs. Adding a run or a setting never renames a report."""
+    try:
+        stamp = json.loads((out / STAMP).read_text())
+        known = dict(stamp.get("names") or {}) if isinstance(stamp, dict) else {}
+    except (OSError, ValueError):
+        known = {}
+    names = {}
+    for (model, bench), settings in groups.items():
+        for runs in settings:
+            key = setting_key(model, bench, runs)
+            if isinstance(known.get(key), str):
+                names[key] = known[key]
+    for (model, bench), settings in groups.items():
+        for runs in settings:  # most prompts first: the dataset's plain name, on a fresh --out
+            key = setting_key(model, bench, runs)
+            if key in names:
+                continue
+            taken = set(names.values()) | set(known.values())
+            base = f"{partition_value(model)}_{bench}"
+            name = f"{base}.html"
+            if name in taken:
+                name = f"{base}_{min(r.name for r in runs)}.html"
+            if name in taken:
+                name = f"{base}_{key.rsplit('/', 1)[1]}.html"
+            names[key] = name
+    return {**known, **names}
+
+
+def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation",),
+                 variants: tuple[str, ...] = ()) -> list[Path]:
+    """One HTML file per dataset (model × benchmark) and capture setting of the complete runs in
+    ``roles`` (named by :func:`report_names`), and, where there are several, ``index.html``
+    listing them: key numbers,
+    run settings, a table of contents, then every figure; replay results of the ``variants``
+    picked, else the default rule's (:data:`analysis.sql.DEFAULT_VARIANT_RULE`)."""
+    from moe_spec.analysis.compare import differing_keys, setting_words
     summaries.ensure(traces)  # routing summaries of new or changed runs, once
     if not {"trees", schema.ROUTING_IDS} & set(views(connect(traces, roles=roles))):
         raise FileNotFoundError(f"no complete {'/'.join(roles)} traces under {traces}; run "
                                 "`capture` (or `import-routing`) first")
-    written = []
+    written, index = [], []
     out.mkdir(parents=True, exist_ok=True)
     runs = Catalog(traces).runs(roles=roles, kinds=None)
     every_role = Catalog(traces).runs(roles=None, kinds=None)  # calibration runs too
-    for (model, bench), groups in setting_groups(runs).items():
-        for i, mine in enumerate(groups):  # one report per capture setting: never pooled
-            path = out / (f"{partition_value(model)}_{bench}.html" if len(groups) == 1 else
-                          f"{partition_value(model)}_{bench}_setting{i + 1}.html")
-            con = connect(traces, roles=roles, runs=tuple(r.name for r in mine))
+    groups = setting_groups(runs)
+    names = report_names(out, groups)
+    for (model, bench), settings in groups.items():
+        differ = differing_keys([g[0].setting for g in settings])
+        for mine in settings:  # one report per capture setting: never pooled
+            path = out / names[setting_key(model, bench, mine)]
+            label = setting_words(mine[0].setting, differ)
+            con = connect(traces, roles=roles, runs=tuple(r.name for r in mine),
+                          variants=variants)
             frames = all_frames(con)
             run = mine[0]
             listed = [r for r in every_role if r.model == model and r.bench == bench]
@@ -444,9 +498,9 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
                              ablation=ablation_table(frames, model, bench),
                              saved=experts_saved_table(frames, model, bench, run.manifest))
             html = template().render(
-                model=model if len(groups) == 1 else
-                f"{model} (setting {i + 1} of {len(groups)}: runs "
-                f"{', '.join(r.name for r in mine)})", bench=bench,
+                variants=variants_note(con, variants),
+                model=model if len(settings) == 1 else
+                f"{model} ({label}: runs {', '.join(r.name for r in mine)})", bench=bench,
                 numbers=numbers, routing_only=ids_part,
                 runs=settings_table(listed), **extra,
                 figures=[dict(title=f.layout.title.text or f"figure {i + 1}",
@@ -454,42 +508,91 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
                          for i, f in enumerate(figs)])
             atomic.write_bytes(path, html.encode("utf-8"))
             written.append(path)
+            index.append(dict(file=path.name, dataset=f"{model} / {bench}", setting=label,
+                              runs=", ".join(r.name for r in mine)))
+    if len(index) > 1:  # several reports: a page that lists them
+        atomic.write_bytes(out / INDEX, template("index.html.j2").render(
+            reports=index, rule=DEFAULT_VARIANT_RULE, variants=", ".join(variants))
+            .encode("utf-8"))
     atomic.write_bytes(out / STAMP, json.dumps(dict(
-        stamp=report_stamp(traces, roles), reports=[p.name for p in written])).encode())
+        stamp=report_stamp(traces, roles, variants), names=names,
+        reports=[p.name for p in written])).encode())
     return written
+
+
+INDEX = "index.html"  # in --out: every report written there, by dataset and setting
+
+
+def check_variants(traces: Path, chosen: tuple[str, ...]) -> None:
+    """Refuse, in one line, a ``--variant`` that names no stored replay variant (a calibration
+    run's name or a variant hash)."""
+    if not chosen:
+        return
+    con = connect(traces)
+    known: set[str] = set()
+    if "variants" in views(con):
+        for variant, calibration in con.execute(
+                "SELECT DISTINCT variant, calibration FROM variants").fetchall():
+            known |= {variant, calibration}
+    unknown = [c for c in chosen if c not in known]
+    if unknown:
+        raise UserError(f"--variant {unknown[0]} names no stored replay variant (a calibration "
+                        "run's name or a variant hash); `query \"SELECT * FROM variants\"` "
+                        "lists them")
+
+
+def variants_note(con, chosen: tuple[str, ...] = ()) -> str | None:
+    """Where a curve of these runs has more than one stored replay variant: which each curve
+    draws, and how to draw another (the report's note); None where every curve has one."""
+    from moe_spec.analysis.sql import several_variants, variant_label
+    rows = several_variants(con)
+    if not rows:
+        return None
+    curves = len({(r["table_name"], r["ranking"], r["coverage"], r["batch_size"]) for r in rows})
+    drawn = "; ".join(variant_label(r) for r in rows if r["shown_by_default"])
+    return (f"{curves} curve(s) have more than one stored variant ({len(rows)} in all); each "
+            f"draws one whole variant — {'the one picked (--variant), else ' if chosen else ''}"
+            f"{DEFAULT_VARIANT_RULE}. Drawn: {drawn}. `report --variant CAL_OR_HASH` draws "
+            "another; `query \"SELECT * FROM variants\"` lists them.")
 
 
 def setting_groups(runs: list) -> dict[tuple[str, str], list[list]]:
     """(model, bench) -> its runs grouped by capture setting (:attr:`catalog.Run.setting`), the
-    group with most prompts first: a report draws one group, never several pooled."""
+    group with most prompts first (then the one captured one sequence at a time): a report draws
+    one group, never several pooled."""
     grouped: dict[tuple[str, str], dict[str, list]] = {}
     for r in runs:
         key = json.dumps(r.setting, sort_keys=True, default=str)
         grouped.setdefault((r.model, r.bench), {}).setdefault(key, []).append(r)
-    return {k: sorted(g.values(), key=lambda rs: -sum(len(r.manifest.get("prompt_ids", []))
-                                                      for r in rs))
+    return {k: sorted(g.values(), key=lambda rs: (
+        -sum(len(r.manifest.get("prompt_ids", [])) for r in rs),
+        rs[0].setting.get("batch_size", 1) != 1))  # then the plain capture (b = 1)
             for k, g in grouped.items()}
 
 
 def write_comparison(traces: Path, out: Path, names: list[str],
-                     roles: tuple[str, ...] | None = None) -> Path:
+                     roles: tuple[str, ...] | None = None, variants: tuple[str, ...] = ()
+                     ) -> Path:
     """``report --compare``: the named runs side by side (:mod:`analysis.compare`): their
     settings diffed, key numbers, and the same figures with one line per run."""
     from moe_spec.analysis import compare
-    from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE
-    found = {r.name: r for r in Catalog(traces).runs(roles=roles, names=names)}
+    found = {r.name: r for r in Catalog(traces).runs(roles=roles, names=names, kinds=None)}
     missing = [n for n in names if n not in found]
     if missing:
         raise FileNotFoundError(f"no complete run {missing[0]} under {traces} to compare; "
                                 "`query \"SELECT run FROM runs\" --role all` lists them")
     runs = [found[n] for n in names]
     summaries.ensure(traces)
-    con = connect(traces, roles=roles, runs=tuple(names))
+    con = connect(traces, roles=roles, runs=tuple(names), variants=variants)
     diff = compare.settings_diff(runs)
     numbers = compare.key_numbers(con)
-    figs = compare.compare_figures(con)
+    figs = compare.compare_figures(con, runs=names) + compare.ids_figures(runs)
+    missing = compare.left_out(con, names, "router", "truncation")
+    rule = DEFAULT_VARIANT_RULE + (
+        f". Left out of the error figure: run(s) {', '.join(missing)} (no open-loop replay of "
+        "router, truncation)" if missing else "")
     html = template("compare.html.j2").render(
-        runs=names, rule=DEFAULT_VARIANT_RULE,
+        runs=names, rule=rule,
         diff=dict(head=diff.columns, rows=diff.rows()),
         numbers=dict(head=numbers.columns, rows=[[f"{v:.3f}" if isinstance(v, float) else v
                                                   for v in row] for row in numbers.rows()]),
@@ -512,6 +615,7 @@ def main(argv: list[str] | None = None) -> int:
                                    report --traces traces --out reports
                                    report --traces traces --role calibration
                                    report --traces traces --compare demo-eval other-run
+                                   report --traces traces --variant cal-gsm8k
                                    report --traces traces --threads 2""")
     p.add_argument("--traces", default="traces", help="traces root: a folder or "
                                                       "s3://bucket/prefix")
@@ -523,26 +627,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compare", nargs="+", default=None, metavar="RUN",
                    help="instead: one HTML putting these runs side by side (settings diffed, "
                         "key numbers, the same figures with a line per run)")
+    p.add_argument("--variant", nargs="+", default=[], metavar="CAL_OR_HASH",
+                   help="replay variants to draw instead of the default rule's, one per curve: "
+                        "a calibration run's name or a variant hash (`query \"SELECT * FROM "
+                        "variants\"` lists them; default: one whole variant per curve, the one "
+                        "covering the most layers and budgets)")
     p.add_argument("--force", action="store_true",
                    help="rewrite reports even when the traces and the report code are unchanged")
     console.threads.add_argument(p, what="DuckDB and the numeric libraries")
     args = p.parse_args(argv)
     console.threads.apply(args.threads, torch=False)
     roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
+    variants = tuple(args.variant)
     try:
         args.traces = location.from_args(args.traces, args.storage_options)
         atomic.check_outside(args.out, args.traces, "--out")
+        check_variants(args.traces, variants)
         if args.compare:
             if len(args.compare) < 2:
                 raise UserError("--compare needs two or more runs")
-            print(f"wrote {write_comparison(args.traces, args.out, args.compare, None)}")
+            print(f"wrote {write_comparison(args.traces, args.out, args.compare, None, variants)}")
             return 0
-        kept = None if args.force else unchanged(args.traces, args.out, roles)
+        kept = None if args.force else unchanged(args.traces, args.out, roles, variants)
         if kept is not None:
             for path in kept:
                 print(f"unchanged {path} (same traces and report code; --force rewrites)")
             return 0
-        written = write_report(args.traces, args.out, roles)
+        written = write_report(args.traces, args.out, roles, variants)
     except FileNotFoundError as exc:  # no traces to report on
         return fail("report", exc)
     except duckdb.Error as exc:
@@ -558,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail("report", exc)
     for path in written:
         print(f"wrote {path}")
+    if len(written) > 1:
+        print(f"wrote {args.out / INDEX} (every report, by dataset and setting)")
     return 0
 
 

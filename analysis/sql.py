@@ -119,10 +119,12 @@ VARIANT_FIELDS = [  # the columns that say which variant a replay result row is 
     ("token_aware_starts", pa.bool_()), ("batch_seed", pa.int64()), ("dtype", pa.string()),
     ("means_version", pa.int64()),
     ("committed_at", pa.string())]
-DEFAULT_VARIANT_RULE = ("one variant per cell (run, ranking, coverage, batch size, budget, "
-                        "layer): the calibrated one where there is one, then the one replayed "
-                        "in the run's captured dtype, the oracle's with the token-aware starts, "
-                        "batch seed 0, then the most recently computed")
+DEFAULT_VARIANT_RULE = ("one whole variant per curve (run, ranking, coverage, batch size): the "
+                        "one covering the most layers, then the most budgets at all of those "
+                        "layers, then the calibrated one, the one replayed in the run's captured "
+                        "dtype, the oracle's with the token-aware starts, batch seed 0, the most "
+                        "recently computed; a budget that variant lacks is a gap, never another "
+                        "variant's point")
 
 
 def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
@@ -137,30 +139,102 @@ def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
 
 
 def _preference(unit: dict, captured_dtype: str, committed_at: str | None) -> tuple:
-    """How a variant ranks for the default views (:data:`DEFAULT_VARIANT_RULE`): higher wins."""
+    """How a variant ranks after its coverage (:data:`DEFAULT_VARIANT_RULE`): higher wins."""
     return (bool(unit.get("calibration")), unit.get("dtype", "float32") == captured_dtype,
             bool(unit.get("token_aware_starts")),
             unit.get("batch_seed", 0) == 0, committed_at or "", json.dumps(unit, sort_keys=True))
 
 
-def default_cells(blocks: list[dict], dtypes: dict) -> list[dict]:
-    """Of every stored cell, the block of the variant the default views show
-    (:data:`DEFAULT_VARIANT_RULE`); ``dtypes``: (model, bench, run) -> captured dtype."""
-    best: dict[tuple, tuple] = {}
+def curve_of(block: dict) -> tuple:
+    """The curve a result block belongs to: (table, model, bench, run, ranking, coverage, batch
+    size). Every variant (``config``) of one curve is one experiment; a view draws one."""
+    unit = block["unit"] if isinstance(block.get("unit"), dict) else {}
+    return (block["table"], block["model"], block["bench"], block["run"], unit.get("ranking"),
+            unit.get("coverage"), unit.get("batch_size", 1))
+
+
+def selects(block: dict, chosen: tuple[str, ...]) -> bool:
+    """Whether a user's variant choice names this block's variant: its ``config`` hash (the
+    ``variant`` column) or its calibration runs (``calibration``, comma-joined names)."""
+    unit = block["unit"] if isinstance(block.get("unit"), dict) else {}
+    cal = ",".join(c[0] for c in unit.get("calibration") or [])
+    return block["config"] in chosen or (bool(cal) and cal in chosen)
+
+
+def variant_cells(blocks: list[dict]) -> tuple[list[int | None], list[int]]:
+    """(layers, budgets) of one variant's blocks: every layer any block covers (None: closed
+    loop), and the budgets stored at every one of those layers (a budget held at some layers
+    only is a gap: its mean would be over other layers)."""
+    layers = sorted({x for b in blocks for x in (b.get("layers") or [None])},
+                    key=lambda x: -1 if x is None else x)
+    held: dict[int, set] = {}
     for b in blocks:
-        unit = b["unit"] if isinstance(b.get("unit"), dict) else {}
-        group = (b["table"], b["model"], b["bench"], b["run"], unit.get("ranking"),
-                 unit.get("coverage"), unit.get("batch_size", 1))
-        pref = _preference(unit, dtypes.get((b["model"], b["bench"], b["run"]), "float32"),
-                           b.get("committed_at"))
-        for layer in (b.get("layers") or [None]):
-            for budget in b.get("budgets") or []:
-                key = (*group, budget, layer)
-                if key not in best or pref > best[key][0]:
-                    best[key] = (pref, b)
-    return [dict(table=key[0], model=b["model"], bench=b["bench"], run=b["run"],
-                 config=b["config"], block=b["block"], budget=key[-2],
-                 layer=-1 if key[-1] is None else key[-1]) for key, (_, b) in best.items()]
+        for budget in b.get("budgets") or []:
+            held.setdefault(budget, set()).update(b.get("layers") or [None])
+    return layers, sorted(budget for budget, at in held.items() if at >= set(layers))
+
+
+def default_cells(blocks: list[dict], dtypes: dict, chosen: tuple[str, ...] = ()) -> list[dict]:
+    """Of every stored cell, those of the one variant per curve (:func:`curve_of`) the default
+    views show (:data:`DEFAULT_VARIANT_RULE`): the whole variant, never a cell from another.
+    ``dtypes``: (model, bench, run) -> captured dtype; ``chosen``: variants a user picked
+    (:func:`selects`), which win their curve."""
+    curves: dict[tuple, dict[str, list[dict]]] = {}
+    for b in blocks:
+        curves.setdefault(curve_of(b), {}).setdefault(b["config"], []).append(b)
+    out = []
+    for variants in curves.values():
+        def rank(config: str) -> tuple:
+            mine = variants[config]
+            layers, budgets = variant_cells(mine)
+            unit = mine[0]["unit"] if isinstance(mine[0].get("unit"), dict) else {}
+            latest = max((b.get("committed_at") or "" for b in mine), default="")
+            captured = dtypes.get((mine[0]["model"], mine[0]["bench"], mine[0]["run"]), "float32")
+            return (selects(mine[0], chosen), len(layers), len(budgets),
+                    *_preference(unit, captured, latest))
+        best = variants[max(variants, key=rank)]
+        layers, budgets = variant_cells(best)
+        for b in best:
+            for layer in (b.get("layers") or [None]):
+                for budget in b.get("budgets") or []:
+                    if budget in budgets:
+                        out.append(dict(table=b["table"], model=b["model"], bench=b["bench"],
+                                        run=b["run"], config=b["config"], block=b["block"],
+                                        budget=budget, layer=-1 if layer is None else layer))
+    return out
+
+
+def variant_label(row: dict) -> str:
+    """A variant (a row of the ``variants`` view) in a few words: its curve, then what makes it
+    this variant (calibration, dtype, ranking version, mode, batch seed, when computed)."""
+    curve = f"{row['ranking']}, {row['coverage']}" + (
+        f", b = {row['batch_size']}" if (row.get("batch_size") or 1) > 1 else "")
+    what = [f"calibrated on {row['calibration']}" if row.get("calibration") else
+            "uncalibrated", str(row.get("dtype") or "float32")]
+    if (row.get("ranking_version") or 1) != 1:
+        what.append(f"v{row['ranking_version']}")
+    if row.get("batch_seed") not in (None, 0):
+        what.append(f"batch seed {row['batch_seed']}")
+    if row.get("token_aware_starts"):
+        what.append("token-aware starts")
+    when = str(row.get("committed_at") or "")[:16].replace("T", " ")
+    return f"{curve}: {', '.join(what)}" + (f" ({when})" if when else "") + \
+        f" [{row['variant']}]"
+
+
+def several_variants(con: duckdb.DuckDBPyConnection) -> list[dict]:
+    """The rows of the ``variants`` view whose curve has more than one variant (what a page's
+    variant selector offers), empty without replay results."""
+    if "variants" not in views(con):
+        return []
+    return con.sql("SELECT * FROM variants WHERE curve_variants > 1 ORDER BY table_name, "
+                   "ranking, coverage, batch_size, committed_at").pl().to_dicts()
+
+
+def results_per_run(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
+    """Run -> the replay result cells the default views draw of it (what a page prefers to
+    open on)."""
+    return dict(con.execute("SELECT run, count(*) FROM _default_cells GROUP BY run").fetchall())
 
 
 def _result_blocks(root: Path, runs: list) -> list[dict]:
@@ -222,17 +296,21 @@ def _scan(paths: list[str]) -> str:
 
 def connect(root: str | Path = "traces", database: str = ":memory:",
             roles: tuple[str, ...] | None = None,
-            runs: tuple[str, ...] | None = None) -> duckdb.DuckDBPyConnection:
+            runs: tuple[str, ...] | None = None,
+            variants: tuple[str, ...] = ()) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with a view for every table found under ``root``; ``roles`` limits
     every view to runs of those roles (default: all, with ``role`` as a column), ``runs`` to
-    the runs of those names (a page's chosen setting).
+    the runs of those names (a page's chosen setting), ``variants`` names the replay variants
+    a user picked (``config`` hashes or calibration run names, :func:`selects`): each wins its
+    curve in the default views, and every frame drawn from them follows.
 
     Views read exactly the files runs and replay blocks committed (:mod:`catalog.commit`),
     each verified first (content hash, cached per file version): anything else in the folders
     is ignored, and a committed file that changed is refused in one line naming it. Replay
     result tables come twice: ``replay_open_all`` (every variant, each row saying which:
     ranking version, calibration, mode, batch seed, dtype, …) and ``replay_open`` (one
-    variant per cell, :data:`DEFAULT_VARIANT_RULE`); the ``variants`` view lists them."""
+    variant per curve, :data:`DEFAULT_VARIANT_RULE`, the one owner of that rule: frames,
+    pages and reports read these views); the ``variants`` view lists them."""
     root = location.root(root)
     con = _open(root, database)
     names = list(runs) if runs is not None else None
@@ -240,7 +318,7 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
     files, blocks = _files(root, runs, roles)
     for name, table in (("_complete_runs", runs_table(runs, root)),
                         ("_blocks", _variants_table(blocks)),
-                        ("_default_cells", _default_cells_table(blocks, runs))):
+                        ("_default_cells", _default_cells_table(blocks, runs, tuple(variants)))):
         _create_table(con, name, table)  # tables, not registrations: cursors must see them too
     if runs or (root / "runs").is_dir():  # (a folder with no capture at all: no views)
         con.execute("CREATE VIEW runs AS SELECT * EXCLUDE (summarised) FROM _complete_runs")
@@ -286,23 +364,27 @@ def _variants_table(blocks: list[dict]) -> pa.Table:
                           *VARIANT_FIELDS]))
 
 
-def _default_cells_table(blocks: list[dict], runs: list) -> pa.Table:
-    """The blocks the default result views show, per cell (``_default_cells``)."""
+def _default_cells_table(blocks: list[dict], runs: list, chosen: tuple[str, ...] = ()
+                         ) -> pa.Table:
+    """The cells the default result views show (``_default_cells``): one variant per curve."""
     dtypes = {(partition_value(r.model), r.bench, r.name):
               str(r.manifest.get("dtype") or "float32").removeprefix("torch.") for r in runs}
-    return pa.Table.from_pylist(default_cells(blocks, dtypes), schema=pa.schema(
+    return pa.Table.from_pylist(default_cells(blocks, dtypes, chosen), schema=pa.schema(
         [(c, pa.string()) for c in ("table", "model", "bench", "run", "config", "block")]
         + [("budget", pa.int64()), ("layer", pa.int64())]))
 
 
 def _create_variants_view(con: duckdb.DuckDBPyConnection) -> None:
     """The ``variants`` view: each replay variant, its blocks, and whether the views show it."""
-    con.execute(f"""CREATE VIEW variants AS SELECT table_name, model, bench, run, ranking,
-        coverage, batch_size, {', '.join(c for c, _ in VARIANT_FIELDS)}, count(*) AS blocks,
+    columns = ", ".join(c for c, _ in VARIANT_FIELDS if c != "committed_at")
+    con.execute(f"""CREATE VIEW variants AS SELECT *, count(*) OVER (PARTITION BY table_name,
+        model, bench, run, ranking, coverage, batch_size) AS curve_variants FROM (
+        SELECT table_name, model, bench, run, ranking, coverage, batch_size, {columns},
+            max(committed_at) AS committed_at, count(*) AS blocks,
             bool_or(EXISTS (SELECT 1 FROM _default_cells d WHERE d.config = b.config
                             AND d.block = b.block AND d.run = b.run AND d."table" = b.table_name))
             AS shown_by_default
-            FROM _blocks b GROUP BY ALL ORDER BY ALL""")
+            FROM _blocks b GROUP BY ALL) ORDER BY ALL""")
 
 
 def _create_empty_views(con: duckdb.DuckDBPyConnection, root: Path,

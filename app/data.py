@@ -29,16 +29,17 @@ EVALUATION = ("evaluation",)
 
 
 def connection(root: str, version: str, roles: tuple[str, ...] | None = EVALUATION,
-               runs: tuple[str, ...] | None = None):
+               runs: tuple[str, ...] | None = None, variants: tuple[str, ...] = ()):
     """This session's connection with views over complete runs of ``roles`` (analysis pages:
     evaluation runs only, so calibration runs are never pooled into a figure; None: every
-    role), and of the ``runs`` named (a page's chosen setting; None: every run)."""
+    role), and of the ``runs`` named (a page's chosen setting; None: every run); ``variants``:
+    the replay variants the user picked (:func:`analysis.sql.connect`)."""
     store = st.session_state.setdefault("_connections", {})
-    key = (root, version, roles, runs)
+    key = (root, version, roles, runs, variants)
     if key not in store:
         for old in [k for k in store if k[:2] != key[:2]]:
             store.pop(old).close()  # the data changed: drop this session's old connections
-        store[key] = connect(root, roles=roles, runs=runs)
+        store[key] = connect(root, roles=roles, runs=runs, variants=variants)
     return store[key]
 
 
@@ -60,10 +61,12 @@ class Dataset:
         Streamlit runs sessions on; cursors are, and see the same views)."""
         return connection(str(self.root), self.version).cursor()
 
-    def con_for(self, roles: tuple[str, ...], runs: tuple[str, ...] | None = None):
-        """A cursor over complete runs of ``roles`` (and of the ``runs`` named)."""
+    def con_for(self, roles: tuple[str, ...], runs: tuple[str, ...] | None = None,
+                variants: tuple[str, ...] = ()):
+        """A cursor over complete runs of ``roles`` (and of the ``runs`` named; ``variants``:
+        the replay variants picked)."""
         roles = None if set(roles) >= {"evaluation", "calibration"} else tuple(roles)
-        return connection(str(self.root), self.version, roles, runs).cursor()
+        return connection(str(self.root), self.version, roles, runs, variants).cursor()
 
 
 def _storage(manifest: dict) -> str:
@@ -146,10 +149,11 @@ def current(root: Path) -> tuple[Dataset | None, str | None]:
 
 
 @contextmanager
-def pristine(root: str, roles: tuple[str, ...] | None, runs: tuple[str, ...] | None = None):
+def pristine(root: str, roles: tuple[str, ...] | None, runs: tuple[str, ...] | None = None,
+             variants: tuple[str, ...] = ()):
     """A fresh connection of its own, closed afterwards: what cached frames (shared by every
     visitor) are computed on, so nothing done on any session's connection can reach them."""
-    con = connect(root, roles=roles, runs=runs)
+    con = connect(root, roles=roles, runs=runs, variants=variants)
     try:
         yield con
     finally:
@@ -173,12 +177,13 @@ def overview(root: str, version: str) -> pl.DataFrame:
 
 @st.cache_data(show_spinner=False)
 def frame(name: str, root: str, version: str,
-          roles: tuple[str, ...] = EVALUATION, runs: tuple[str, ...] | None = None
-          ) -> pl.DataFrame:
+          roles: tuple[str, ...] = EVALUATION, runs: tuple[str, ...] | None = None,
+          variants: tuple[str, ...] = ()) -> pl.DataFrame:
     """One of :data:`analysis.frames.ANALYSES` (tails, coverage, growth, balance, errors,
-    closed) over runs of ``roles`` (and the ``runs`` named), cached per dataset version."""
+    closed) over runs of ``roles`` (and the ``runs`` named; replay results of the ``variants``
+    picked, else the default rule's), cached per dataset version."""
     roles_key = None if set(roles) >= {"evaluation", "calibration"} else tuple(roles)
-    with pristine(root, roles_key, runs) as con:  # never a session's connection (pristine)
+    with pristine(root, roles_key, runs, variants) as con:  # never a session's connection (pristine)
         needs = NEEDS.get(name, "routing")
         if needs not in views(con):
             return pl.DataFrame()

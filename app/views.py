@@ -15,6 +15,7 @@ import polars as pl
 import streamlit as st
 
 from moe_spec.analysis import figures
+from moe_spec.analysis.compare import differing_keys, is_import, setting_words
 from moe_spec.app import data
 from moe_spec.catalog import partition_value
 from moe_spec.catalog.schema import ROUTING_ONLY  # a run's kind when imported from a serving engine
@@ -60,12 +61,24 @@ def url_select(container, label: str, options: list, key: str, param: str, index
     return value
 
 
+def fresh_selection(key: str, options: list) -> None:
+    """Drop a widget's stale state: when its options changed since the last rerun (another
+    dataset, setting or variant), its kept selection starts over, never showing a choice the
+    page no longer offers."""
+    seen = f"{key}__options"
+    if st.session_state.get(seen) != [str(o) for o in options]:
+        st.session_state.pop(key, None)
+        st.session_state[seen] = [str(o) for o in options]
+
+
 def url_multiselect(label: str, options: list, key: str, param: str):
-    """A multiselect (all options by default) kept in the URL as ``?param=a,b``."""
+    """A multiselect (all options by default) kept in the URL as ``?param=a,b``; a selection
+    kept from other options is dropped (:func:`fresh_selection`)."""
     default = list(options)
+    fresh_selection(key, options)
     wanted = st.query_params.get(param)
     if key not in st.session_state and wanted is not None:
-        default = [o for o in options if str(o) in wanted.split(",")]
+        default = [o for o in options if str(o) in wanted.split(",")] or default
     value = st.multiselect(label, options, default=default, key=key)
     st.query_params[param] = ",".join(str(v) for v in value)
     return value
@@ -158,23 +171,23 @@ def datasets_in(frame: pl.DataFrame, ds: data.Dataset) -> set:
             if (partition_value(r["model"]), r["bench"]) in have}
 
 
-def setting_label(setting: dict, differ: list[str], most: int = 6) -> str:
-    """A setting in a few words: an imported run as ``routing-only (format)``, then the values
-    that differ from the other settings (unset ones left out), at most ``most`` of them."""
-    head = [f"routing-only ({setting.get('source_format') or 'imported'})"] \
-        if setting.get("kind") == "routing-only" else []
-    rest = [f"{k} {setting[k]}" for k in differ
-            if setting.get(k) is not None and k not in ("kind", "source_format")]
-    shown = head + rest[:most]
-    return ", ".join(shown + (["…"] if len(rest) > most else [])) or "capture"
+def setting_label(setting: dict, differ: list[str]) -> str:
+    """A setting in a few words (:func:`analysis.compare.setting_words`), an import with what
+    its batch pass is."""
+    words = setting_words(setting, differ)
+    if is_import(setting):
+        words += f", batch pass = {batch_passes(setting).split(':')[0]}"
+    return words
 
 
-def setting_picker(runs: pl.DataFrame, key: str, across: tuple[str, ...] = ()) -> pl.DataFrame:
+def setting_picker(runs: pl.DataFrame, key: str, across: tuple[str, ...] = (),
+                   results: dict[str, int] | None = None) -> pl.DataFrame:
     """The runs of one setting: runs of one model and benchmark whose capture settings (the
     prompt range aside) are equal are one experiment; runs that differ are never pooled. With
-    several settings a selector (in the URL) picks one, the one with most prompts first, and a
-    note says what the others are. ``across``: settings the page itself draws on an axis (the
-    batch page: ``batch_size``), which do not split the runs."""
+    several settings a selector (in the URL) picks one — the one with most of the page's
+    ``results`` (run -> cells drawn, where the page has some), then most prompts — and a note
+    says what the others are. ``across``: settings the page itself draws on an axis (the batch
+    page: ``batch_size``), which do not split the runs."""
     if runs.is_empty() or "setting" not in runs.columns:
         return runs
     runs = runs.with_columns(pl.col("setting").map_elements(
@@ -185,18 +198,22 @@ def setting_picker(runs: pl.DataFrame, key: str, across: tuple[str, ...] = ()) -
     if groups.height == 1:
         return runs.drop("_group")
     settings = [json.loads(s) for s in groups["_group"]]
-    differ = sorted({k for s in settings for k in s
-                     if any(s.get(k) != other.get(k) for other in settings)})
+    differ = differing_keys(settings)
     labels = [setting_label(s, differ) + f" — runs {', '.join(names)}"
               for s, names in zip(settings, groups["run"])]
-    first = max(range(groups.height),  # most prompts, then the plain capture (b = 1)
-                key=lambda i: (groups["prompts"][i] or 0, settings[i].get("batch_size") == 1))
+    cells = [sum((results or {}).get(r, 0) for r in names) for names in groups["run"]]
+    first = max(range(groups.height),  # the page's results, most prompts, the plain capture
+                key=lambda i: (cells[i], groups["prompts"][i] or 0,
+                               settings[i].get("batch_size") == 1))
+    fresh_selection(key, labels)
     label = url_select(st, "Setting (runs with other settings are never pooled)", labels, key,
                        "setting", index=first)
-    named = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8 else "")
-    st.caption(f"This dataset has {groups.height} capture settings (they differ in "
-               f"{named}); the page draws one at a time. The *Compare runs* page "
-               "sets them side by side.")
+    imports = sum(is_import(s) for s in settings)
+    named = ", ".join(differ) or "nothing but their kind"
+    st.caption(f"This dataset has {groups.height} capture settings (the captures differ in {named}"
+               + (f"; {imports} routing-only import(s)" if imports else "") +
+               "); the page draws one at a time. The *Compare runs* page sets them side by "
+               "side.")
     return runs.filter(pl.col("run").is_in(groups["run"][labels.index(label)])).drop("_group")
 
 
@@ -229,6 +246,35 @@ class Page(NamedTuple):
         if found.is_empty():
             return found
         return pick(found, self.model, self.bench)
+
+
+def variant_picker(ds: data.Dataset, roles: tuple[str, ...], names: tuple[str, ...],
+                   key: str) -> tuple[str, ...]:
+    """The replay variants the user picks for the page's runs (one per curve; none picked: the
+    default rule's, :data:`analysis.sql.DEFAULT_VARIANT_RULE`), offered whenever a curve has
+    more than one stored variant, with a note saying which each curve draws."""
+    from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE, several_variants, variant_label
+    rows = several_variants(ds.con_for(roles, names))
+    if not rows:
+        return ()
+    labels = {r["variant"]: variant_label(r) for r in rows}
+    options = list(labels)
+    fresh_selection(key, options)
+    wanted = [v for v in (st.query_params.get("variant") or "").split(",") if v in labels]
+    chosen = st.multiselect("Replay variant (one per curve; none picked: the default rule's)",
+                            options, default=wanted if key not in st.session_state else None,
+                            format_func=labels.get, key=key)
+    st.query_params["variant"] = ",".join(chosen)
+    chosen = tuple(chosen)
+    shown = [r for r in several_variants(ds.con_for(roles, names, chosen))
+             if r["shown_by_default"]]
+    curves = len({(r["table_name"], r["ranking"], r["coverage"], r["batch_size"]) for r in rows})
+    st.caption(f"{curves} curve(s) here have more than one stored variant ({len(rows)} in all); "
+               f"each curve draws one whole variant — the one picked above, else "
+               f"{DEFAULT_VARIANT_RULE}. Drawn now: "
+               + "; ".join(variant_label(r) for r in shown) + ". The SQL console's "
+               "`SELECT * FROM variants` lists them; `replay_open_all` holds their rows.")
+    return chosen
 
 
 def start_page(title: str, key: str, caption: str | None = None, prefer=None,

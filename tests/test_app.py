@@ -345,10 +345,18 @@ def test_overview_and_console_default_to_evaluation_runs(mixed, monkeypatch):
     tile = next(m for m in at.metric if m.label.startswith("unique experts"))
     assert tile.label == "unique experts / layer / tree (evaluation runs)"
     ev = connect(mixed, roles=("evaluation",)).execute(
-        "SELECT avg(list_avg(unique_experts)) FROM trees GROUP BY run").fetchall()
-    runs = at.dataframe[0].value
-    mean = runs.loc[runs["role"] == "evaluation", "unique_experts"].mean()
-    assert tile.value == f"{mean:.1f}" and len(ev) == 2
+        "SELECT run, avg(list_avg(unique_experts)), count(*) FROM trees GROUP BY run").fetchall()
+    # two datasets (mbpp, gsm8k) are two settings: the tiles never average them (issue 59),
+    # a row each says their numbers; the tree count leaves the calibration run out
+    assert tile.value == "—" and len(ev) == 2
+    trees = next(m for m in at.metric if m.label.startswith("verification trees"))
+    assert trees.label == "verification trees (evaluation runs)"
+    assert trees.value == str(sum(n for _, _, n in ev))
+    settings = at.dataframe[0].value.set_index("runs")
+    for run, unique, _ in ev:
+        assert abs(settings.loc[run, "unique_experts"] - unique) < 1e-9
+    runs = at.dataframe[1].value
+    assert set(runs["role"]) == {"evaluation", "calibration"}
     at = goto(at, "SQL console")
     roles = set(at.dataframe[0].value["role"])
     assert roles == {"evaluation"}
@@ -408,11 +416,27 @@ def test_pages_draw_one_setting_and_compare_sets_them_side_by_side(two_settings,
 
 
 def test_report_writes_one_file_per_setting_and_compares_runs(two_settings, tmp_path):
+    import shutil
+
     from moe_spec.analysis import report
     out = tmp_path / "rep"
     assert report.main(["--traces", str(two_settings), "--out", str(out), "--threads", "1"]) == 0
-    assert sorted(p.name for p in out.glob("*.html")) == [
-        "tiny-olmoe_mbpp_setting1.html", "tiny-olmoe_mbpp_setting2.html"]
+    first = sorted(p.name for p in out.glob("*.html"))
+    # stable names from the dataset and a run of the setting, and an index (issue 59)
+    assert first == ["index.html", "tiny-olmoe_mbpp.html", "tiny-olmoe_mbpp_short.html"], first
+    index = (out / "index.html").read_text()
+    assert "max_new_tokens 12" in index and "tiny-olmoe_mbpp_short.html" in index
+    runs_of = {p.name: "runs short" in p.read_text() for p in out.glob("tiny-olmoe_*.html")}
+    # another run, of a new setting with the most prompts: no existing report is renamed
+    copy = tmp_path / "more"
+    shutil.copytree(two_settings, copy)
+    assert capture_cli.main(["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "3",
+                             "--max-new-tokens", "6", "--no-progress", "--out", str(copy),
+                             "--run", "more", "--threads", "1"]) == 0
+    assert report.main(["--traces", str(copy), "--out", str(out), "--threads", "1"]) == 0
+    after = sorted(p.name for p in out.glob("*.html"))
+    assert set(first) < set(after) and "tiny-olmoe_mbpp_more.html" in after, after
+    assert {n: "runs short" in (out / n).read_text() for n in runs_of} == runs_of
     assert report.main(["--traces", str(two_settings), "--out", str(out), "--compare", "short",
                         "long", "--threads", "1"]) == 0
     page = (out / "compare_short_vs_long.html").read_text()
@@ -552,6 +576,28 @@ def imports(tmp_path_factory):
 
 
 ROUTING_PAGES = ("Heavy tails", "Coverage curves", "Activation growth", "Co-activation")
+
+
+def test_compare_sets_an_import_beside_the_capture_it_came_from(imports, monkeypatch, tmp_path):
+    """Issue 59: the import and its capture, ids-only figures side by side (identical lines:
+    the import was exported from the capture), in the app and in report --compare."""
+    import json
+
+    from moe_spec.analysis import report
+    at = goto(app_on(imports / "both", monkeypatch), "Compare runs")
+    assert set(at.multiselect(key="cmp_runs").value) == {"cap", "imp"}
+    specs = [json.loads(s) for s in chart_json(at)]
+    ids = [s for s in specs if "Ids only" in str(s["layout"]["title"])]
+    assert len(ids) == 2 and all({t["name"] for t in s["data"]} == {"run cap", "run imp"}
+                                 for s in ids)
+    for s in ids:  # the same ids: the same line
+        cap, imp = (t for t in s["data"])
+        assert cap["y"] == imp["y"]
+    out = tmp_path / "rep"
+    assert report.main(["--traces", str(imports / "both"), "--out", str(out), "--compare",
+                        "cap", "imp", "--threads", "1"]) == 0
+    page = (out / "compare_cap_vs_imp.html").read_text()
+    assert "Ids only" in page and "routing-only import" in page
 TREE_PAGES = ("Replay results", "Speedup projection", "Tree viewer", "Batch regime",
               "Compare runs")
 
@@ -606,7 +652,7 @@ def test_routing_pages_mark_the_imported_run(imports, monkeypatch, page):
         assert any(h.value.startswith("Truncation coverage") for h in at.subheader)
 
 
-@pytest.mark.parametrize("page", TREE_PAGES)
+@pytest.mark.parametrize("page", [p for p in TREE_PAGES if p != "Compare runs"])
 def test_tree_pages_leave_imported_runs_out(imports, monkeypatch, page):
     at = goto(app_on(imports / "both", monkeypatch), page)
     assert any("left out" in c.value and "imp" in c.value for c in at.caption), page

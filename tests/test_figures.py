@@ -1,6 +1,6 @@
-"""analysis.figures: the co-activation heatmap masks never-seen pairs in their own colour and
-ticks every expert; the batch figures colour by ranking, dash by b, and explain a saturated
-MoESD line."""
+"""analysis.figures: the co-activation heatmap masks never-seen pairs in their own colour, ticks
+expert ids readably and leaves never-selected experts out; budget axes tick integers; the batch
+figures colour by ranking, dash by b, and explain a saturated MoESD line."""
 
 import numpy as np
 import polars as pl
@@ -32,8 +32,12 @@ def test_never_seen_pairs_have_their_own_colour_not_the_bottom_of_the_scale(lift
     heat, mask = fig.data[0], fig.data[1]
     z = np.array(heat.z, dtype=float)
     never = np.array(mask.z, dtype=float)
-    assert np.isnan(z[:4, 8:12]).all() and np.isnan(z[5, :]).all()  # off the colour scale
-    assert (never[:4, 8:12] == 1).all() and (never[5, np.arange(16) != 5] == 1).all()
+    # expert 5, never selected, is left out and named, not a grey band (issue 59): 15 rows
+    assert z.shape == (15, 15) and "5" not in list(heat.x)
+    assert any("1 of 16 experts never selected" in a.text and "left out:<br>5." in a.text
+               for a in fig.layout.annotations)
+    assert np.isnan(z[:4, 7:11]).all()  # off the colour scale (ids 8-11 at 7-10 without 5)
+    assert (never[:4, 7:11] == 1).all()
     assert np.isfinite(z[0, 1]) and np.isnan(never[0, 1])  # a seen pair: the scale, no mask
     assert np.isnan(np.diag(z)).all() and np.isnan(np.diag(never)).all()
     assert mask.showscale is False and {c for _, c in mask.colorscale} == {figures.NEVER_SEEN}
@@ -45,13 +49,17 @@ def test_never_seen_pairs_have_their_own_colour_not_the_bottom_of_the_scale(lift
 
 
 @pytest.mark.parametrize("n", [16, 64, 128])
-def test_every_expert_id_is_a_tick_on_both_axes(n):
+def test_expert_ids_are_readable_ticks_on_both_axes(n):
     m = np.ones((n, n))
     order = np.random.default_rng(1).permutation(n)
     fig = figures.coactivation(m, order, "t")
+    cell = (fig.layout.width - 250) / n
     for axis in (fig.layout.xaxis, fig.layout.yaxis):
-        assert axis.tickmode == "array" and list(axis.tickvals) == [str(i) for i in order]
-        assert axis.tickfont.size >= 6
+        # readable labels (issue 59: ~5 px before): at least 10 px, every k-th id where the
+        # cells are smaller than a label, labels never overlapping
+        step = len(order) // len(axis.tickvals) if len(axis.tickvals) < n else 1
+        assert axis.tickmode == "array" and list(axis.tickvals) == [str(i) for i in order][::step]
+        assert axis.tickfont.size >= 10 and step * cell >= axis.tickfont.size
     assert fig.layout.width - 250 >= 7 * n - 1  # at least 7 px an expert
 
 
@@ -92,3 +100,31 @@ def test_an_unsaturated_moesd_line_has_no_saturation_note():
     uniform = next(t for t in fig.data if "MoESD" in t.name)
     assert "saturated" not in uniform.name and uniform.y[0] < 20
     assert not any("saturates" in (a.text or "") for a in fig.layout.annotations)
+
+
+# --- integer axes (issue 59) ----------------------------------------------------------------------
+def test_one_budget_gets_an_integer_tick_and_no_axis_down_to_the_noise_floor():
+    """After the design card's commands the Replay page drew one oracle point with x ticks at
+    23.5 and a log axis down to 1e-9 (the floor line): a budget axis is ticked at integers, and
+    the floor is drawn only where a value is near it."""
+    one = pl.DataFrame(dict(ranking=["oracle"], coverage=["truncation"], budget=[24],
+                            rse=[0.02], rse_lo=[0.015], rse_hi=[0.025]))
+    fig = figures.error_vs_budget(one, 64)
+    assert list(fig.layout.xaxis.tickvals) == [24]
+    assert not [s for s in fig.layout.shapes if s.y0 == figures.NOISE_FLOOR]
+    many = pl.DataFrame(dict(ranking=["r"] * 20, coverage=["truncation"] * 20,
+                             budget=list(range(1, 21)), rse=[1e-10] * 20))
+    fig = figures.error_vs_budget(many, 64)
+    assert fig.layout.xaxis.tickformat == "d"
+    assert [s for s in fig.layout.shapes if s.y0 == figures.NOISE_FLOOR]
+
+
+def test_compare_keeps_a_colour_per_run_and_names_the_runs_it_leaves_out():
+    """Issue 59: a run keeps its colour in every figure of a comparison (its place among the
+    runs compared), and a figure without a line for a run says so."""
+    from moe_spec.analysis import compare
+    only_b = pl.DataFrame(dict(run=["b", "b"], budget=[8, 16], rse=[0.1, 0.05]))
+    fig = compare.lines(only_b, "budget", "rse", "t", "x", "y", runs=["a", "b"], why="no replay")
+    assert [t.line.color for t in fig.data] == [figures.COLORS[1]]
+    assert any("run a (no replay)" in a.text for a in fig.layout.annotations)
+    assert list(fig.layout.xaxis.tickvals) == [8, 16]  # integer budgets

@@ -19,7 +19,7 @@ def test_report_writes_one_self_contained_html_per_dataset(tmp_path):
                        "--prefix", "8", "--repeats", "1", "--out", str(traces)]) == 0
     assert report.main(["--traces", str(traces), "--out", str(tmp_path / "r")]) == 0
     files = sorted(p.name for p in (tmp_path / "r").iterdir() if not p.name.startswith("."))
-    assert files == ["tiny-olmoe_gsm8k.html", "tiny-olmoe_mbpp.html"]
+    assert files == ["index.html", "tiny-olmoe_gsm8k.html", "tiny-olmoe_mbpp.html"]  # (issue 59)
     html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
     assert html.count('class="plotly-graph-div"') >= 11  # routing, replay, cost, eta figures
     assert "plotly.js" in html or "Plotly" in html[:200000]  # the library is inlined once

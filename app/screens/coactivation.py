@@ -52,13 +52,14 @@ def draw() -> None:
         st.caption("Lift: the pair's count over the count expected if each expert were picked "
                    "independently with its own measured frequency (1 = independent; red above, "
                    "blue below). Light grey: never seen together (no count, so no lift: not "
-                   "avoidance); whole light-grey rows and columns are experts never selected in "
-                   "this layer. Dark grey: the diagonal (an expert with itself), masked. Every "
-                   "expert id is ticked; zoom (drag a box) for a block.")
+                   "avoidance); experts never selected with another in this layer are left out "
+                   "(named under the plot). Dark grey: the diagonal (an expert with itself), "
+                   "masked. Ids too dense to read are ticked every k-th (the hover names every "
+                   "cell); zoom (drag a box) for a block.")
     else:
         st.caption("Light grey: never seen together (not the bottom of the scale); dark grey: the "
-                   "diagonal (an expert with itself), masked. Every expert id is ticked; zoom "
-                   "(drag a box) for a block.")
+                   "diagonal (an expert with itself), masked; experts never selected with "
+                   "another are left out (named under the plot). Zoom (drag a box) for a block.")
 
 
 if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)

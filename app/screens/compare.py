@@ -20,9 +20,9 @@ def draw() -> None:
     st.caption("How to read this: the runs you pick, side by side as experiment trackers show "
                "them: the capture settings in which they differ, their key numbers, and the same "
                "figures with one line per run on shared axes. Nothing is pooled across runs; "
-               "replay results show one variant per cell.")
+               "replay results show one whole variant per curve.")
     roles = views.role_choice("cmp")
-    runs = views.with_trees(views.role_runs(ds, roles))  # routing-only runs: no trees to compare
+    runs = views.role_runs(ds, roles)  # routing-only imports too: ids-only figures side by side
     names = runs["run"].to_list()
     if len(names) < 2:
         st.info("Compare needs two or more complete runs; capture another setting, e.g. "
@@ -42,9 +42,10 @@ def draw() -> None:
     if len(picked) < 2:
         st.info("Pick two or more runs.")
         return
-    found = {r.name: r for r in Catalog(ds.root).runs(names=picked, roles=None)}
+    found = {r.name: r for r in Catalog(ds.root).runs(names=picked, roles=None, kinds=None)}
     chosen = [found[n] for n in picked if n in found]
-    con = ds.con_for(roles, tuple(sorted(picked)))
+    variants = views.variant_picker(ds, roles, tuple(sorted(picked)), "cmp_variant")
+    con = ds.con_for(roles, tuple(sorted(picked)), variants)
     st.subheader("Settings that differ")
     diff = compare.settings_diff(chosen)
     if diff.height:
@@ -59,8 +60,18 @@ def draw() -> None:
     ranking = c1.selectbox("Ranking", rankings, index=rankings.index("router")
                            if "router" in rankings else 0, key="cmp_rank")
     cover = c2.selectbox("Coverage", ["truncation", "substitution"], key="cmp_cover")
-    for fig in compare.compare_figures(con, ranking, cover):
+    for fig in compare.compare_figures(con, ranking, cover, runs=picked):
         st.plotly_chart(fig, width="stretch")
+    ids_figs = compare.ids_figures(chosen)  # an import beside the capture it came from
+    if ids_figs:
+        st.subheader("Ids only: the runs' top-k expert ids side by side")
+        st.caption(compare.IDS_NOTE)
+        for fig in ids_figs:
+            st.plotly_chart(fig, width="stretch")
+    missing = compare.left_out(con, picked, ranking, cover)
+    if missing:
+        st.caption(f"Left out of the error figure: run(s) {', '.join(missing)} (no open-loop "
+                   f"replay of {ranking}, {cover}). Each run keeps its colour in every figure.")
     st.caption(f"Replay results: {DEFAULT_VARIANT_RULE}.")
 
 

@@ -6,6 +6,7 @@ import polars as pl
 import streamlit as st
 
 from moe_spec.analysis import figures, frames, replay_views
+from moe_spec.analysis.sql import results_per_run
 from moe_spec.app import data, views
 
 TITLE = "Replay results"
@@ -32,14 +33,15 @@ def draw() -> None:
     if picked is None:
         return
     runs = views.setting_picker(pool.filter(
-        (pl.col("model") == picked[0]) & (pl.col("bench") == picked[1])), "replay_setting")
+        (pl.col("model") == picked[0]) & (pl.col("bench") == picked[1])), "replay_setting",
+        results=results_per_run(ds.con_for(roles)))  # open on a setting with results
     names = tuple(sorted(runs["run"].to_list()))
     n = int(runs["num_experts"][0])
-    have = {name: data.frame(name, str(ds.root), ds.version, roles, names)
+    chosen = views.variant_picker(ds, roles, names, "replay_variant")
+    have = {name: data.frame(name, str(ds.root), ds.version, roles, names, chosen)
             for name in ("errors", "closed")}
     curves = views.pick(have["errors"], *picked) if have["errors"].height else have["errors"]
     cl = views.pick(have["closed"], *picked) if have["closed"].height else have["closed"]
-    _variants_note(ds.con_for(roles, names))
     if curves.is_empty() and cl.is_empty():
         st.info(f"No replay results for {picked[0]} / {picked[1]} yet. Produce them with\n\n"
                 f"`replay --traces {ds.root} --model {picked[0]} --bench {picked[1]} "
@@ -64,7 +66,7 @@ def draw() -> None:
     if cl.height:
         st.plotly_chart(figures.closed_loop(cl, n), width="stretch")
         st.dataframe(cl, hide_index=True)
-    saved = [data.frame(name, str(ds.root), ds.version, roles, names)
+    saved = [data.frame(name, str(ds.root), ds.version, roles, names, chosen)
              for name in ("saved_open", "saved_closed")]
     saved = [f for f in (views.pick(f, *picked) for f in saved if f.height) if f.height]
     if saved:
@@ -77,20 +79,6 @@ def draw() -> None:
         st.dataframe(table, hide_index=True,
                      column_config={c: st.column_config.NumberColumn(c, format="percent")
                                     for c in ("saved", "saved_lo", "saved_hi", *nets)})
-
-
-def _variants_note(con) -> None:
-    """Say when the replay tables hold more variants than the page draws (one per cell)."""
-    from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE
-    try:
-        hidden = con.execute("SELECT count(*) FROM variants WHERE NOT shown_by_default"
-                             ).fetchall()[0][0]
-    except Exception:  # noqa: BLE001 - no results, no variants view
-        return
-    if hidden:
-        st.caption(f"{hidden} other stored variant(s) of these results are not drawn; the page "
-                   f"shows {DEFAULT_VARIANT_RULE}. The SQL console's `SELECT * FROM variants` "
-                   "lists them; `replay_open_all` holds their rows.")
 
 
 if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)
