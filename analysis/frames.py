@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 
 from moe_spec.analysis import cost, replay_views, routing
-from moe_spec.analysis.sql import views
+from moe_spec.analysis.sql import matching, views
 from moe_spec.catalog import partition_value
 from moe_spec.catalog.runs import profile_parts
 from moe_spec.policy import index
@@ -103,14 +103,14 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None) -> d
     node), and open-loop ``rse`` (mean RSE of the router ranking, substitution where replayed,
     else truncation); ``quality_source`` says which of them exist."""
     part = partition_value(model)
-    where = f"model = '{part}' AND bench = '{bench}'" + (f" AND run = '{run}'" if run else "")
+    where, params = matching(dict(model=part, bench=bench, **({"run": run} if run else {})))
     row = con.execute(f"""SELECT avg(accepted_length), avg(prefix_len), avg(list_avg(
                           unique_experts)), any_value(nodes), count(*) FROM trees
-                          WHERE {where} AND budget IS NULL""").fetchall()[0]
+                          WHERE {where} AND budget IS NULL""", params).fetchall()[0]
     if row[0] is None:
         return None
-    n = con.execute(f"SELECT any_value(num_experts) FROM summary_layers WHERE {where}"
-                    ).fetchall()[0][0]
+    n = con.execute(f"SELECT any_value(num_experts) FROM summary_layers WHERE {where}",
+                    params).fetchall()[0][0]
     if n is None:
         return None
     stats = dict(tau=row[0], prefix=row[1], unique=row[2], nodes=int(row[3]), trees=row[4],
@@ -119,7 +119,7 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None) -> d
     present = views(con)
     if "replay_open" in present:
         rows = con.execute(f"""SELECT coverage, budget, avg(rse) FROM replay_open WHERE {where}
-                               AND ranking = 'router' GROUP BY ALL""").fetchall()
+                               AND ranking = 'router' GROUP BY ALL""", params).fetchall()
         by = {c: {int(b): r for cc, b, r in rows if cc == c} for c in {r[0] for r in rows}}
         rse = by.get("substitution") or by.get("truncation") or {}
         for b, r in rse.items():
@@ -130,7 +130,8 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None) -> d
         rows = con.execute(f"""SELECT budget, avg(accepted_length), avg(captured_accepted_length),
                                avg(path_unchanged::DOUBLE), avg(mean_kl)
                                FROM replay_closed WHERE {where} AND ranking = 'router'
-                               AND coverage = 'substitution' GROUP BY budget""").fetchall()
+                               AND coverage = 'substitution' GROUP BY budget""",
+                           params).fetchall()
         if rows:
             stats["taus"] = {int(b): t for b, t, *_ in rows}
             stats["tau"] = float(np.mean([c for _, _, c, *_ in rows]))  # the same trees' τ
@@ -407,8 +408,8 @@ def batch_fit(con, model: str, bench: str, run: str, speed: pl.DataFrame) -> dic
     passes = con.sql(f"""
         SELECT mode, batch_size, budget{repeat}, pass_index, batch, gamma, verify_seconds
         FROM batch_profile_passes
-        WHERE model = '{partition_value(model)}' AND bench = '{bench}' AND run = '{run}'
-          AND budget IS NULL""").pl()
+        WHERE model = ? AND bench = ? AND run = ?
+          AND budget IS NULL""", params=[partition_value(model), bench, run]).pl()
     mine = speed.filter((pl.col("model") == partition_value(model)) & (pl.col("bench") == bench)
                         & (pl.col("run") == run) & pl.col("budget").is_null())
     if passes.is_empty() or not mine.height:
@@ -453,10 +454,10 @@ def capture_batch_fit(con, model: str, bench: str) -> dict | None:
                  any_value({tokens}) AS tokens, any_value(t.verify_seconds) AS seconds,
                  any_value(r.num_experts) AS n, any_value(r.top_k) AS k
           FROM trees t JOIN runs r USING (model, bench, run)
-          WHERE t.budget IS NULL AND t.model = '{partition_value(model)}' AND t.bench = '{bench}'
+          WHERE t.budget IS NULL AND t.model = ? AND t.bench = ?
           GROUP BY ALL)
         SELECT *, row_number() OVER (PARTITION BY run ORDER BY pass, p, s) AS pass_order
-        FROM passes""").pl()
+        FROM passes""", params=[partition_value(model), bench]).pl()
     if t.is_empty():
         return None
     kept, dropped = warmup.drop(t, "seconds", ["run"], "pass_order")
@@ -548,7 +549,8 @@ def calibration_frame(con, model: str, bench: str, manifest: dict,
     t = con.sql(f"""SELECT t.run, {_pass_order(con)} AS pass_order,
                     t.verify_seconds AS measured, t.nodes, t.prefix_len,
                     list_avg(t.experts_loaded) AS experts_loaded FROM trees t
-                    WHERE t.model = '{partition_value(model)}' AND t.bench = '{bench}'""").pl()
+                    WHERE t.model = ? AND t.bench = ?""",
+                params=[partition_value(model), bench]).pl()
     if t.height == 0:
         return None
     shape = model_shape(manifest["model_location"])
@@ -588,20 +590,20 @@ def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,
     if "quality" not in views(con) or "trees" not in views(con):
         return None
     part = partition_value(model)
-    pairs = con.sql(f"""
+    pairs = con.sql("""
         SELECT q.run, any_value(q.twin_run) AS twin, avg(q.score) AS quality,
                avg(q.twin_score) AS twin_quality, avg(q.exact_match::DOUBLE) AS agreement,
                any_value(q.metric) AS metric
-        FROM quality q WHERE q.model = '{part}' AND q.bench = '{bench}'
-        AND q.twin_run IS NOT NULL GROUP BY q.run""").pl()
+        FROM quality q WHERE q.model = ? AND q.bench = ?
+        AND q.twin_run IS NOT NULL GROUP BY q.run""", params=[part, bench]).pl()
     if pairs.height == 0:
         return None
-    trees = con.sql(f"""
+    trees = con.sql("""
         SELECT run, any_value(budget) AS budget, any_value(ranking) AS ranking,
                any_value(coverage) AS coverage, avg(accepted_length) AS tau,
                avg(list_avg(experts_loaded)) AS loaded, avg(list_avg(unique_experts)) AS uniq,
                avg(prefix_len) AS prefix, any_value(nodes) AS nodes
-        FROM trees WHERE model = '{part}' AND bench = '{bench}' GROUP BY run""").pl()
+        FROM trees WHERE model = ? AND bench = ? GROUP BY run""", params=[part, bench]).pl()
     own = pairs.join(trees, on="run")
     twin = trees.select(pl.col("run").alias("twin"), pl.col("tau").alias("twin_tau"),
                         pl.col("uniq").alias("twin_uniq"))

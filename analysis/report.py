@@ -56,7 +56,7 @@ def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -
             figures.growth(pick("growth"), n)]
     for layer in (manifest["moe_layers"][0], manifest["moe_layers"][-1]):
         c = coactivation.coactivation(con, layer, n,
-                                      where=f"model = '{part}' AND bench = '{bench}'")
+                                      match=dict(model=part, bench=bench))
         figs.append(figures.coactivation(
             c.matrix, coactivation.cluster_order(c.matrix),
             f"Co-activation, layer {layer}: lift, all pairs, cluster order (concentration "
@@ -188,9 +188,9 @@ def batch_figures(con, frames: dict, model: str, bench: str, n: int) -> list:
 def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[tuple[str, str]]:
     """The figures a reader wants first: τ, unique experts, gap closed, projected speedup."""
     part = partition_value(model)
-    row = con.execute(f"""SELECT avg(accepted_length), avg(list_avg(unique_experts)),
-                          count(*), count(DISTINCT run) FROM trees WHERE model = '{part}'
-                          AND bench = '{bench}' AND budget IS NULL""").fetchall()[0]
+    row = con.execute("""SELECT avg(accepted_length), avg(list_avg(unique_experts)),
+                          count(*), count(DISTINCT run) FROM trees WHERE model = ?
+                          AND bench = ? AND budget IS NULL""", [part, bench]).fetchall()[0]
     n = runs[0].manifest["num_experts"]
     out = [("mean accepted length τ", f"{row[0]:.2f}" if row[0] else "—"),
            ("unique experts per layer per tree", f"{row[1]:.1f} of {n}" if row[1] else "—"),

@@ -368,6 +368,18 @@ def _create_views(con: duckdb.DuckDBPyConnection, name: str,
                                "recapture the affected run") from None
 
 
+def matching(match: dict | None, *conditions: str) -> tuple[str, list]:
+    """A WHERE condition for ``column = value`` pairs (and fixed ``conditions``), the values as
+    DuckDB parameters: names and partition values (a model folder may hold a quote) never become
+    SQL text. Columns are the caller's own names, never user input."""
+    match = match or {}
+    for column in match:
+        if not column.isidentifier():
+            raise ValueError(f"not a column name: {column!r}")
+    parts = [*conditions, *(f"{column} = ?" for column in match)]
+    return " AND ".join(parts) or "true", list(match.values())
+
+
 def hidden_variants(con: duckdb.DuckDBPyConnection, sql: str) -> list[str]:
     """Notes for a query that reads a default-variant view while other variants exist: which
     view holds them all, and the rule that picked."""
