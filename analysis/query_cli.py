@@ -30,6 +30,7 @@ from moe_spec.analysis.sql import (
     views,
 )
 from moe_spec.catalog import atomic, location
+from moe_spec.catalog.runs import add_legacy_argument, allow_legacy
 from moe_spec.errors import UserError, fail
 
 FORMATS = ("table", "csv", "json", "parquet")
@@ -106,6 +107,7 @@ def _parser() -> console.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=40, help="rows shown by --format table")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help=f"stop a query after this long (default ${TIMEOUT_ENV} or 120)")
+    add_legacy_argument(p)
     p.add_argument("--memory-limit", default=None, metavar="SIZE",
                    help=f"the query's memory limit, e.g. 2GB (default ${MEMORY_ENV} or 4GB): "
                         "DuckDB's own, and the query process's address space (this plus "
@@ -116,6 +118,7 @@ def _parser() -> console.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
     """Resolve ``--traces`` and check the limits, ``--max-rows`` and ``--out`` (UserError)."""
     args.traces = location.from_args(args.traces, args.storage_options)
+    allow_legacy(args)
     sql_limits(args.memory_limit, args.timeout)
     if args.memory_limit:
         import os

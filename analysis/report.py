@@ -40,6 +40,7 @@ from moe_spec.analysis.frames import (
 )
 from moe_spec.analysis.sql import connect, views
 from moe_spec.catalog import Catalog, atomic, dataset_version, location, partition_value, schema
+from moe_spec.catalog.runs import add_legacy_argument, allow_legacy
 from moe_spec.catalog.replay_metrics import gap_closed
 from moe_spec.errors import UserError, fail
 from moe_spec.moe import shapes
@@ -512,8 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true",
                    help="rewrite reports even when the traces and the report code are unchanged")
     console.threads.add_argument(p, what="DuckDB and the numeric libraries")
+    add_legacy_argument(p)
     args = p.parse_args(argv)
     console.threads.apply(args.threads, torch=False)
+    allow_legacy(args)
     roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
     try:
         args.traces = location.from_args(args.traces, args.storage_options)

@@ -194,10 +194,7 @@ def _files(root: Path, runs: list, roles) -> tuple[dict[str, list[str]], list[di
     """table -> the files its view reads (committed, verified), and the result blocks."""
     from moe_spec.catalog.results import block_files
     files: dict[str, list] = {name: [] for name in VIEWS}
-    legacy = [r.name for r in runs if r.committed is None]
-    if legacy:
-        warn(f"run(s) {', '.join(legacy[:5])} predate committed file lists (trace schema 5): "
-             "their folders are read as found; recapture them to protect their answers")
+    # (runs without a commit record are read only on --allow-legacy, warned: catalog.runs)
     for r in runs:
         for table in schema.run_tables(r.kind):
             paths = r.files(table)
