@@ -76,7 +76,7 @@ def topk_matrix(con: duckdb.DuckDBPyConnection, layer: int,
     """Top-k ids of every token in one layer as ``[M, k]`` (columnar, no Python rows), of the
     rows whose columns equal ``match`` (e.g. ``{"model": part, "bench": "mbpp"}``)."""
     cond, params = matching(match, f"layer = {int(layer)}")
-    arr = con.execute(f"SELECT topk_ids FROM routing WHERE {cond}", params).to_arrow_table()
+    arr = con.sql(f"SELECT topk_ids FROM routing WHERE {cond}", params=params).to_arrow_table()
     arr = arr.column(0)
     arr = arr.combine_chunks()
     flat = arr.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
