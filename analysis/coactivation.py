@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import duckdb
 import numpy as np
 
+from moe_spec.analysis.sql import matching
+
 
 @dataclass
 class Coactivation:
@@ -69,10 +71,13 @@ class Coactivation:
                 else "max pair count / uniform expectation")
 
 
-def topk_matrix(con: duckdb.DuckDBPyConnection, layer: int, where: str = "") -> np.ndarray:
-    """Top-k ids of every token in one layer as ``[M, k]`` (columnar, no Python rows)."""
-    cond = f"layer = {int(layer)}" + (f" AND ({where})" if where else "")
-    arr = con.sql(f"SELECT topk_ids FROM routing WHERE {cond}").to_arrow_table().column(0)
+def topk_matrix(con: duckdb.DuckDBPyConnection, layer: int,
+                match: dict | None = None) -> np.ndarray:
+    """Top-k ids of every token in one layer as ``[M, k]`` (columnar, no Python rows), of the
+    rows whose columns equal ``match`` (e.g. ``{"model": part, "bench": "mbpp"}``)."""
+    cond, params = matching(match, f"layer = {int(layer)}")
+    arr = con.sql(f"SELECT topk_ids FROM routing WHERE {cond}", params=params).to_arrow_table()
+    arr = arr.column(0)
     arr = arr.combine_chunks()
     flat = arr.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
     return flat.reshape(len(arr), -1)
@@ -112,8 +117,9 @@ def lift(counts: np.ndarray) -> np.ndarray:
 
 
 def coactivation(con: duckdb.DuckDBPyConnection, layer: int, num_experts: int,
-                 convention: str = "all_pairs", where: str = "") -> Coactivation:
-    """One layer's matrix in either convention, summed from the runs' stored pair counts
+                 convention: str = "all_pairs", match: dict | None = None) -> Coactivation:
+    """One layer's matrix in either convention over the runs whose columns equal ``match``
+    (bound as parameters), summed from the runs' stored pair counts
     (:mod:`analysis.summaries`; :func:`all_pairs` and :func:`adjacent_rank` on the raw top-k are
     the definitions they reproduce)."""
     if convention not in ("all_pairs", "adjacent"):
@@ -121,9 +127,9 @@ def coactivation(con: duckdb.DuckDBPyConnection, layer: int, num_experts: int,
     from moe_spec.analysis.routing import require_summaries
     require_summaries(con)
     column = "coact_all" if convention == "all_pairs" else "coact_adjacent"
-    cond = f"layer = {int(layer)}" + (f" AND ({where})" if where else "")
+    cond, params = matching(match, f"layer = {int(layer)}")
     rows = con.execute(f"SELECT {column}, tokens, selections FROM summary_layers "
-                       f"WHERE {cond}").fetchall()
+                       f"WHERE {cond}", params).fetchall()
     n = num_experts
     counts = np.zeros(n * n)
     tokens = selected = 0

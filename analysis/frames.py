@@ -15,7 +15,7 @@ import numpy as np
 import polars as pl
 
 from moe_spec.analysis import cost, replay_views, routing
-from moe_spec.analysis.sql import views
+from moe_spec.analysis.sql import matching, views
 from moe_spec.catalog import partition_value
 from moe_spec.catalog.runs import profile_parts
 from moe_spec.policy import index
@@ -112,8 +112,8 @@ def replayed_rankings(con, model: str, bench: str) -> pl.DataFrame:
         if table not in present:
             continue
         for ranking, cover in con.execute(
-                f"SELECT DISTINCT ranking, coverage FROM {table} WHERE model = '{part}' "
-                f"AND bench = '{bench}'").fetchall():
+                f"SELECT DISTINCT ranking, coverage FROM {table} WHERE model = ? AND bench = ?",
+                [part, bench]).fetchall():
             found.setdefault((ranking, cover), dict(ranking=ranking, coverage=cover, open=False,
                                                     closed=False))[loop] = True
     rows = sorted(found.values(), key=lambda r: (r["ranking"] != "router", r["ranking"],
@@ -153,15 +153,15 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None,
     ``taus_ci[B]`` of closed loop's τ(B), ``ratio_ci[B]`` of τ(B)/τ(N) from the per-tree
     differences (paired: the same trees)."""
     part = partition_value(model)
-    where = f"model = '{part}' AND bench = '{bench}'" + (f" AND run = '{run}'" if run else "")
+    where, params = matching(dict(model=part, bench=bench, **({"run": run} if run else {})))
     row = con.execute(f"""SELECT avg(accepted_length), avg(prefix_len), avg(list_avg(
                           unique_experts)), any_value(nodes), count(*),
                           stddev_samp(accepted_length) FROM trees
-                          WHERE {where} AND budget IS NULL""").fetchall()[0]
+                          WHERE {where} AND budget IS NULL""", params).fetchall()[0]
     if row[0] is None:
         return None
-    n = con.execute(f"SELECT any_value(num_experts) FROM summary_layers WHERE {where}"
-                    ).fetchall()[0][0]
+    n = con.execute(f"SELECT any_value(num_experts) FROM summary_layers WHERE {where}",
+                    params).fetchall()[0][0]
     if n is None:
         return None
     stats = dict(tau=row[0], prefix=row[1], unique=row[2], nodes=int(row[3]), trees=row[4],
@@ -170,10 +170,9 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None,
                  tau_ci=t_interval(row[0], row[5], row[4]), taus_ci={}, ratio_ci={},
                  missing=missing_replay(con, model, bench, ranking, coverage))
     present = views(con)
-    safe = ranking.replace("'", "''")
     if "replay_open" in present:
         rows = con.execute(f"""SELECT coverage, budget, avg(rse) FROM replay_open WHERE {where}
-                               AND ranking = '{safe}' GROUP BY ALL""").fetchall()
+                               AND ranking = ? GROUP BY ALL""", [*params, ranking]).fetchall()
         by = {c: {int(b): r for cc, b, r in rows if cc == c} for c in {r[0] for r in rows}}
         rse = by.get(coverage) if coverage else (by.get("substitution") or by.get("truncation"))
         for b, r in (rse or {}).items():
@@ -183,14 +182,15 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None,
             stats["coverage"] = coverage or ("substitution" if by.get("substitution")
                                              else "truncation")
     if "replay_closed" in present:
-        cover = (stats["coverage"] or "substitution").replace("'", "''")
+        cover = stats["coverage"] or "substitution"
         rows = con.execute(f"""SELECT budget, avg(accepted_length), avg(captured_accepted_length),
                                avg(path_unchanged::DOUBLE), avg(mean_kl),
                                stddev_samp(accepted_length), count(*),
                                avg(accepted_length - captured_accepted_length),
                                stddev_samp(accepted_length - captured_accepted_length)
-                               FROM replay_closed WHERE {where} AND ranking = '{safe}'
-                               AND coverage = '{cover}' GROUP BY budget""").fetchall()
+                               FROM replay_closed WHERE {where} AND ranking = ?
+                               AND coverage = ? GROUP BY budget""",
+                           [*params, ranking, cover]).fetchall()
         if rows:
             stats["taus"] = {int(b): t for b, t, *_ in rows}
             stats["tau"] = float(np.mean([c for _, _, c, *_ in rows]))  # the same trees' τ
@@ -560,13 +560,13 @@ def batch_fit(con, model: str, bench: str, run: str, speed: pl.DataFrame) -> dic
                         & (pl.col("run") == run) & pl.col("budget").is_null())
     measured = mine["measurement"][0] if mine.height and "measurement" in mine.columns else None
     one = "" if measured is None else (  # one measurement's passes: never several pooled
-        f" AND coalesce(measurement, '{LEGACY}') = '{measured}'" if "measurement" in columns
-        else f" AND '{LEGACY}' = '{measured}'")
+        " AND coalesce(measurement, ?) = ?" if "measurement" in columns else " AND ? = ?")
+    one_params = [] if measured is None else [LEGACY, measured]
     passes = con.sql(f"""
         SELECT mode, batch_size, budget{repeat}, pass_index, batch, gamma, verify_seconds
         FROM batch_profile_passes
-        WHERE model = '{partition_value(model)}' AND bench = '{bench}' AND run = '{run}'
-          AND budget IS NULL{one}""").pl()
+        WHERE model = ? AND bench = ? AND run = ?
+          AND budget IS NULL{one}""", params=[partition_value(model), bench, run, *one_params]).pl()
     if passes.is_empty() or not mine.height:
         return None
     points, dropped = batch_pass_points(passes)
@@ -609,10 +609,10 @@ def capture_batch_fit(con, model: str, bench: str) -> dict | None:
                  any_value({tokens}) AS tokens, any_value(t.verify_seconds) AS seconds,
                  any_value(r.num_experts) AS n, any_value(r.top_k) AS k
           FROM trees t JOIN runs r USING (model, bench, run)
-          WHERE t.budget IS NULL AND t.model = '{partition_value(model)}' AND t.bench = '{bench}'
+          WHERE t.budget IS NULL AND t.model = ? AND t.bench = ?
           GROUP BY ALL)
         SELECT *, row_number() OVER (PARTITION BY run ORDER BY pass, p, s) AS pass_order
-        FROM passes""").pl()
+        FROM passes""", params=[partition_value(model), bench]).pl()
     if t.is_empty():
         return None
     kept, dropped = warmup.drop(t, "seconds", ["run"], "pass_order")
@@ -704,7 +704,8 @@ def calibration_frame(con, model: str, bench: str, manifest: dict,
     t = con.sql(f"""SELECT t.run, {_pass_order(con)} AS pass_order,
                     t.verify_seconds AS measured, t.nodes, t.prefix_len,
                     list_avg(t.experts_loaded) AS experts_loaded FROM trees t
-                    WHERE t.model = '{partition_value(model)}' AND t.bench = '{bench}'""").pl()
+                    WHERE t.model = ? AND t.bench = ?""",
+                params=[partition_value(model), bench]).pl()
     if t.height == 0:
         return None
     shape = model_shape(manifest["model_location"])
@@ -744,20 +745,20 @@ def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,
     if "quality" not in views(con) or "trees" not in views(con):
         return None
     part = partition_value(model)
-    pairs = con.sql(f"""
+    pairs = con.sql("""
         SELECT q.run, any_value(q.twin_run) AS twin, avg(q.score) AS quality,
                avg(q.twin_score) AS twin_quality, avg(q.exact_match::DOUBLE) AS agreement,
                any_value(q.metric) AS metric
-        FROM quality q WHERE q.model = '{part}' AND q.bench = '{bench}'
-        AND q.twin_run IS NOT NULL GROUP BY q.run""").pl()
+        FROM quality q WHERE q.model = ? AND q.bench = ?
+        AND q.twin_run IS NOT NULL GROUP BY q.run""", params=[part, bench]).pl()
     if pairs.height == 0:
         return None
-    trees = con.sql(f"""
+    trees = con.sql("""
         SELECT run, any_value(budget) AS budget, any_value(ranking) AS ranking,
                any_value(coverage) AS coverage, avg(accepted_length) AS tau,
                avg(list_avg(experts_loaded)) AS loaded, avg(list_avg(unique_experts)) AS uniq,
                avg(prefix_len) AS prefix, any_value(nodes) AS nodes
-        FROM trees WHERE model = '{part}' AND bench = '{bench}' GROUP BY run""").pl()
+        FROM trees WHERE model = ? AND bench = ? GROUP BY run""", params=[part, bench]).pl()
     own = pairs.join(trees, on="run")
     twin = trees.select(pl.col("run").alias("twin"), pl.col("tau").alias("twin_tau"),
                         pl.col("uniq").alias("twin_uniq"))

@@ -30,9 +30,11 @@ from moe_spec.analysis.sql import (
     views,
 )
 from moe_spec.catalog import atomic, location
+from moe_spec.catalog.runs import add_legacy_argument, allow_legacy
 from moe_spec.errors import UserError, fail
 
 FORMATS = ("table", "csv", "json", "parquet")
+MAX_ROWS = 1_000_000  # rows --format table may show
 
 
 @console.pipes.quiet_broken_pipe
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.format == "parquet" and not args.out:
         return fail("query", "--format parquet needs --out FILE")
     try:
-        result = _run(con, args.sql, args.timeout)
+        result = _run(con, args.sql, args.timeout, args.memory_limit)
         if args.format == "parquet":
             _write_parquet(result, args.out)
             return 0
@@ -105,20 +107,25 @@ def _parser() -> console.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=40, help="rows shown by --format table")
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help=f"stop a query after this long (default ${TIMEOUT_ENV} or 120)")
+    add_legacy_argument(p)
     p.add_argument("--memory-limit", default=None, metavar="SIZE",
-                   help=f"DuckDB's memory limit, e.g. 2GB (default ${MEMORY_ENV} or 4GB)")
+                   help=f"the query's memory limit, e.g. 2GB (default ${MEMORY_ENV} or 4GB): "
+                        "DuckDB's own, and the query process's address space (this plus "
+                        "0.5 GiB) so no function can allocate past it")
     return p
 
 
 def _check_args(args: argparse.Namespace) -> None:
     """Resolve ``--traces`` and check the limits, ``--max-rows`` and ``--out`` (UserError)."""
     args.traces = location.from_args(args.traces, args.storage_options)
+    allow_legacy(args)
     sql_limits(args.memory_limit, args.timeout)
     if args.memory_limit:
         import os
         os.environ[MEMORY_ENV] = args.memory_limit  # the connection's limit
-    if args.max_rows < 1:
-        raise UserError(f"--max-rows {args.max_rows} must be at least 1")
+    if not 1 <= args.max_rows <= MAX_ROWS:
+        raise UserError(f"--max-rows must be between 1 and {MAX_ROWS:,}; "
+                        "write the whole result with --format parquet --out FILE")
     check_out(args.out, args.traces)
 
 
@@ -133,9 +140,11 @@ def _print_schema(con: duckdb.DuckDBPyConnection, names: list[str], role: str, t
         print(f"{name}: " + ", ".join(f"{c[0]} {c[1]}" for c in cols))
 
 
-def _run(con: duckdb.DuckDBPyConnection, sql: str, timeout: float | None) -> pa.Table:
-    """Run the user's query; notes on stderr for default-variant views that hide variants."""
-    result = run_query(con, sql, timeout=timeout)
+def _run(con: duckdb.DuckDBPyConnection, sql: str, timeout: float | None,
+         memory: str | None) -> pa.Table:
+    """Run the user's query (in a bounded child process, :func:`analysis.sql.run_query`);
+    notes on stderr for default-variant views that hide variants."""
+    result = run_query(con, sql, timeout=timeout, memory=memory)
     for note in hidden_variants(con, sql):
         print(f"note: {note}", file=sys.stderr)
     return result

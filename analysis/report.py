@@ -46,6 +46,7 @@ from moe_spec.analysis.frames import (
 )
 from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE, connect, views
 from moe_spec.catalog import Catalog, atomic, dataset_version, location, partition_value, schema
+from moe_spec.catalog.runs import add_legacy_argument, allow_legacy
 from moe_spec.catalog.replay_metrics import gap_closed
 from moe_spec.errors import UserError, fail
 from moe_spec.policy import index
@@ -63,7 +64,7 @@ def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -
             figures.growth(pick("growth"), n)]
     for layer in (manifest["moe_layers"][0], manifest["moe_layers"][-1]):
         c = coactivation.coactivation(con, layer, n,
-                                      where=f"model = '{part}' AND bench = '{bench}'")
+                                      match=dict(model=part, bench=bench))
         figs.append(figures.coactivation(
             c.matrix, coactivation.cluster_order(c.matrix),
             f"Co-activation, layer {layer}: lift, all pairs, cluster order (concentration "
@@ -196,9 +197,9 @@ def batch_figures(con, frames: dict, model: str, bench: str, n: int) -> list:
 def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[tuple[str, str]]:
     """The figures a reader wants first: τ, unique experts, gap closed, projected speedup."""
     part = partition_value(model)
-    row = con.execute(f"""SELECT avg(accepted_length), avg(list_avg(unique_experts)),
-                          count(*), count(DISTINCT run) FROM trees WHERE model = '{part}'
-                          AND bench = '{bench}' AND budget IS NULL""").fetchall()[0]
+    row = con.execute("""SELECT avg(accepted_length), avg(list_avg(unique_experts)),
+                          count(*), count(DISTINCT run) FROM trees WHERE model = ?
+                          AND bench = ? AND budget IS NULL""", [part, bench]).fetchall()[0]
     n = runs[0].manifest["num_experts"]
     out = [("mean accepted length τ", f"{row[0]:.2f}" if row[0] else "—"),
            ("unique experts per layer per tree", f"{row[1]:.1f} of {n}" if row[1] else "—"),
@@ -635,8 +636,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true",
                    help="rewrite reports even when the traces and the report code are unchanged")
     console.threads.add_argument(p, what="DuckDB and the numeric libraries")
+    add_legacy_argument(p)
     args = p.parse_args(argv)
     console.threads.apply(args.threads, torch=False)
+    allow_legacy(args)
     roles = ("evaluation", "calibration") if args.role == "all" else (args.role,)
     variants = tuple(args.variant)
     try:

@@ -24,7 +24,6 @@ the current capture of their run. Running captures and interrupted replays are l
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -33,7 +32,18 @@ import duckdb
 import pyarrow as pa
 
 from moe_spec import console
-from moe_spec.analysis import summaries
+from moe_spec.analysis import sql_child, summaries
+from moe_spec.analysis.sql_guard import (  # noqa: F401 - re-exported: sql's API
+    DECODERS,
+    MAX_VALUE,
+    MEMORY_ENV,
+    TIMEOUT_ENV,
+    QueryRefused,
+    QueryTimeout,
+    check_query,
+    confine,
+    sql_limits,
+)
 from moe_spec.catalog import Catalog, CatalogError, location, partition_value, reader, schema
 from moe_spec.catalog.replay_metrics import BATCH_TABLE, OPEN_TABLE
 from moe_spec.catalog.results import RESULT_TABLES, complete_blocks
@@ -259,10 +269,7 @@ def _files(root: Path, runs: list, roles) -> tuple[dict[str, list[str]], list[di
     """table -> the files its view reads (committed, verified), and the result blocks."""
     from moe_spec.catalog.results import block_files
     files: dict[str, list] = {name: [] for name in VIEWS}
-    legacy = [r.name for r in runs if r.committed is None]
-    if legacy:
-        warn(f"run(s) {', '.join(legacy[:5])} predate committed file lists (trace schema 5): "
-             "their folders are read as found; recapture them to protect their answers")
+    # (runs without a commit record are read only on --allow-legacy, warned: catalog.runs)
     for r in runs:
         for table in schema.run_tables(r.kind):
             paths = r.files(table)
@@ -441,6 +448,18 @@ def _create_views(con: duckdb.DuckDBPyConnection, name: str,
                                "recapture the affected run") from None
 
 
+def matching(match: dict | None, *conditions: str) -> tuple[str, list]:
+    """A WHERE condition for ``column = value`` pairs (and fixed ``conditions``), the values as
+    DuckDB parameters: names and partition values (a model folder may hold a quote) never become
+    SQL text. Columns are the caller's own names, never user input."""
+    match = match or {}
+    for column in match:
+        if not column.isidentifier():
+            raise ValueError(f"not a column name: {column!r}")
+    parts = [*conditions, *(f"{column} = ?" for column in match)]
+    return " AND ".join(parts) or "true", list(match.values())
+
+
 def hidden_variants(con: duckdb.DuckDBPyConnection, sql: str) -> list[str]:
     """Notes for a query that reads a default-variant view while other variants exist: which
     view holds them all, and the rule that picked."""
@@ -461,174 +480,55 @@ def hidden_variants(con: duckdb.DuckDBPyConnection, sql: str) -> list[str]:
     return notes
 
 
-# bounds on user SQL: DuckDB's memory limit (no spilling to disk: the spill folder would be
-# readable through the views' confinement), a statement timeout, and the size of one value
-MEMORY_ENV, TIMEOUT_ENV = "MOESPEC_SQL_MEMORY", "MOESPEC_SQL_TIMEOUT"
-DEFAULT_MEMORY, DEFAULT_TIMEOUT = "4GB", 120.0
-MAX_VALUE = 256 * 2**20  # bytes (or list elements) one value built by repeat/lpad/… may have
-# scalar functions whose result size the caller chooses: DuckDB allocates it outside its memory
-# limit and cannot interrupt it (repeat('x', 3000000000) took 6 GB), so each is wrapped by a
-# macro of the same name that refuses an oversized result before calling the built-in
-# (its parameters, the size of its result; the last parameter is the size argument, checked
-# before the built-in runs: a CASE around the call would evaluate the call anyway)
-_SIZED = {"repeat": ("s, n", "length(s) * n"), "lpad": ("s, n, c", "n"),
-          "rpad": ("s, n, c", "n"), "list_resize": ("l, n", "n"), "array_resize": ("l, n", "n")}
 
-
-# moe_io's vectors stored in bfloat16 are its 16-bit patterns (uint16, lossless); these macros
-# decode them in SQL exactly as catalog.reader.matrix does: bf16(bits) one value, bf16_list(l) a
-# vector (e.g. SELECT bf16_list(hidden) FROM moe_io; for runs stored in float16/32 the column is
-# already floats)
-_BITS = "b::INTEGER"
-DECODERS = {
-    "bf16(b)": (f"(CASE WHEN (({_BITS} >> 7) & 255) = 255 THEN (CASE WHEN ({_BITS} & 127) = 0 "
-                f"THEN (CASE WHEN {_BITS} >> 15 = 1 THEN '-inf' ELSE 'inf' END)::DOUBLE "
-                "ELSE 'nan'::DOUBLE END) "
-                f"ELSE (CASE WHEN {_BITS} >> 15 = 1 THEN -1.0 ELSE 1.0 END) * "
-                f"(CASE WHEN (({_BITS} >> 7) & 255) = 0 THEN (({_BITS} & 127)::DOUBLE / 128.0) "
-                f"* pow(2.0, -126) ELSE (1.0 + ({_BITS} & 127)::DOUBLE / 128.0) * "
-                f"pow(2.0, (({_BITS} >> 7) & 255) - 127) END) END)::FLOAT"),
-    "bf16_list(l)": "list_transform(l, lambda x: bf16(x))",
-}
-
-
-def sql_limits(memory: str | None = None, timeout: float | None = None) -> tuple[str, float]:
-    """(memory limit, timeout in s) for user SQL: the arguments, else ``$MOESPEC_SQL_MEMORY`` /
-    ``$MOESPEC_SQL_TIMEOUT``, else 4GB / 120 s."""
-    memory = memory or os.environ.get(MEMORY_ENV) or DEFAULT_MEMORY
-    if timeout is None:
-        try:
-            timeout = float(os.environ.get(TIMEOUT_ENV) or DEFAULT_TIMEOUT)
-        except ValueError:
-            raise QueryRefused(f"${TIMEOUT_ENV} must be a number of seconds") from None
-    if not (timeout > 0 and timeout < 1e6):
-        raise QueryRefused(f"a query timeout of {timeout} s is out of range (0 < s < 1e6)")
-    if not re.fullmatch(r"\s*\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*", memory,
-                        re.IGNORECASE):
-        raise QueryRefused(f"memory limit {memory!r} is not a size like 4GB or 512MB")
-    return memory.strip(), timeout
+_REMOTE: dict[str, object] = {}  # allowed prefix -> the remote root a connection reads
 
 
 def lock_down(con: duckdb.DuckDBPyConnection, root: Path, memory: str | None = None) -> None:
-    """Files under ``root`` only (checked: DuckDB adds its spill folder to the allowed
-    directories, so spilling is off), no network or extension installs, a memory limit, guards
-    on functions that build one huge value, configuration locked."""
-    folder = location.allowed_prefix(root).replace("'", "''")
-    con.execute("SET temp_directory = ''")  # no spill folder: nothing else readable
-    con.execute(f"SET memory_limit = '{sql_limits(memory)[0]}'")
-    con.execute(f"SET allowed_directories = ['{folder}']")
-    con.execute("SET enable_external_access = false")
-    con.execute("SET autoinstall_known_extensions = false")
-    con.execute("SET autoload_known_extensions = false")
-    for name, (params, size) in _SIZED.items():
-        guarded = (f"CASE WHEN {size} > {MAX_VALUE} THEN error('{name}: a value of more than "
-                   f"{MAX_VALUE} bytes or elements is refused here') ELSE n END")
-        args = params.split(", ")
-        args = ", ".join(guarded if a == "n" else a for a in args)
-        con.execute(f"CREATE OR REPLACE TEMP MACRO {name}({params}) AS "
-                    f"system.main.{name}({args})")
-    for name, body in DECODERS.items():
-        con.execute(f"CREATE OR REPLACE TEMP MACRO {name} AS {body}")
-    con.execute("SET lock_configuration = true")
+    """Confine ``con`` to ``root`` (:func:`analysis.sql_guard.confine`: files under it only, no
+    network, extension installs or spill folder, a memory limit, configuration locked), checked
+    afterwards: DuckDB must report the traces root as the one folder it may read."""
+    prefix = location.allowed_prefix(root)
+    if location.is_remote(root):
+        _REMOTE[prefix] = root
+    confine(con, prefix, memory)
     allowed = con.execute("SELECT current_setting('allowed_directories')").fetchall()[0][0]
-    if [a.rstrip("/") for a in allowed] != [location.allowed_prefix(root).rstrip("/")]:
+    if [a.rstrip("/") for a in allowed] != [prefix.rstrip("/")]:
         raise CatalogError(f"the SQL connection would read {allowed}, not the traces root alone; "
                            "this DuckDB version is not supported")
 
 
-QUERY_STATEMENTS = (duckdb.StatementType.SELECT, duckdb.StatementType.EXPLAIN)
+def _recipe(con: duckdb.DuckDBPyConnection) -> dict:
+    """What the child needs to rebuild ``con`` (a confined connection or a cursor of one): its
+    tables as Arrow IPC, its views' definitions in creation order, the folder it may read."""
+    allowed = con.execute("SELECT current_setting('allowed_directories')").fetchall()[0][0]
+    if len(allowed) != 1:
+        raise CatalogError("user SQL runs only on a connection confined to one traces root "
+                           "(analysis.sql.connect)")
+    tables = {}
+    for (name,) in con.execute("SELECT table_name FROM duckdb_tables() WHERE NOT temporary AND "
+                               "NOT internal ORDER BY table_oid").fetchall():
+        sink = pa.BufferOutputStream()
+        table = con.sql(f'SELECT * FROM "{name}"').to_arrow_table()
+        with pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+        tables[name] = sink.getvalue().to_pybytes()
+    views_sql = [sql for (sql,) in con.execute(
+        "SELECT sql FROM duckdb_views() WHERE NOT internal AND NOT temporary "
+        "ORDER BY view_oid").fetchall()]
+    return dict(prefix=allowed[0], root=_REMOTE.get(allowed[0]), tables=tables, views=views_sql)
 
 
-class QueryRefused(UserError, ValueError):
-    """SQL that is not a read-only query; the message is one line for the user."""
-
-
-class QueryTimeout(UserError, RuntimeError):
-    """A query that ran past its time or memory bound; the message is one line."""
-
-
-def _kind(statement) -> str:
-    """A statement's type name; DuckDB's parser knows types its Python enum does not
-    (``UPDATE EXTENSIONS``): those are named as unknown, never a traceback."""
-    try:
-        return statement.type.name
-    except ValueError:
-        return "an unknown statement type"
-
-
-def _reaches_system_catalog(sql: str) -> bool:
-    """Whether ``sql`` names DuckDB's ``system`` catalog (``system.main.repeat(…)`` would go
-    around the size guards). Bare, DuckDB's tokenizer calls ``system`` a keyword; quoted, an
-    identifier: both are checked."""
-    tokens = duckdb.tokenize(sql)
-    names = (duckdb.token_type.identifier, duckdb.token_type.keyword)
-    for (pos, kind), nxt in zip(tokens, tokens[1:] + [(len(sql), None)]):
-        if kind in names and sql[pos:nxt[0]].strip().strip('"').lower() \
-                == "system" and sql[nxt[0]:nxt[0] + 1] == ".":
-            return True
-    return False
-
-
-def check_query(con: duckdb.DuckDBPyConnection, sql: str) -> None:
-    """Refuse, in one line, anything but one read-only query."""
-    statements = con.extract_statements(sql)
-    if not statements:
-        raise QueryRefused("empty query; write a SELECT")
-    refused = [s for s in statements if _kind(s) not in ("SELECT", "EXPLAIN")
-               or (s.type == duckdb.StatementType.EXPLAIN and not _explains_a_query(con, s.query))]
-    if refused:
-        kind = _kind(refused[0])
-        if kind == "EXPLAIN":
-            kind = "EXPLAIN of anything but a SELECT (EXPLAIN ANALYZE runs its statement)"
-        raise QueryRefused(f"only read-only queries are allowed here (SELECT, WITH … SELECT, "
-                           f"EXPLAIN), not {kind}; the traces are read-only")
-    if len(statements) > 1:
-        raise QueryRefused("one query at a time, please (found "
-                           f"{len(statements)} statements)")
-    if _reaches_system_catalog(sql):
-        raise QueryRefused("queries may not name DuckDB's system catalog (system.…); call "
-                           "functions by their plain names")
-
-
-def run_query(con: duckdb.DuckDBPyConnection, sql: str, timeout: float | None = None) -> pa.Table:
-    """Run user SQL: queries only (``SELECT``, ``WITH … SELECT``, ``EXPLAIN``), never a statement
-    that writes a file, attaches a database, or changes views or settings; the result as an
-    Arrow table, interrupted after ``timeout`` s (:func:`sql_limits`) with one line."""
-    import threading
-    check_query(con, sql)
-    _, timeout = sql_limits(timeout=timeout)
-    timer = threading.Timer(timeout, con.interrupt)
-    timer.daemon = True
-    timer.start()
-    try:
-        return con.sql(sql).to_arrow_table()
-    except duckdb.InterruptException:
-        raise QueryTimeout(f"the query ran past its {timeout:g} s limit and was stopped; narrow "
-                           f"it, or raise the limit (--timeout or ${TIMEOUT_ENV})") from None
-    except duckdb.OutOfMemoryException:
-        raise QueryTimeout(f"the query needed more than its memory limit "
-                           f"({sql_limits()[0]}) and was stopped; narrow it, or raise the limit "
-                           f"(--memory-limit or ${MEMORY_ENV})") from None
-    finally:
-        timer.cancel()
-
-
-_EXPLAIN = re.compile(r"^\s*EXPLAIN(\s+ANALYZE)?\s+", re.IGNORECASE)
-
-
-def _explains_a_query(con: duckdb.DuckDBPyConnection, statement: str) -> bool:
-    """Whether an EXPLAIN statement explains a SELECT: the text after ``EXPLAIN [ANALYZE]`` must
-    parse, with DuckDB's own parser, as exactly one SELECT. ``EXPLAIN ANALYZE`` executes what
-    it explains (a COPY … TO, CREATE, INSERT or DELETE would run), and anything the prefix does
-    not match (comments, options) is refused rather than guessed at."""
-    match = _EXPLAIN.match(statement)
-    if not match:
-        return False
-    try:
-        inner = con.extract_statements(statement[match.end():])
-    except duckdb.Error:
-        return False
-    return len(inner) == 1 and inner[0].type == duckdb.StatementType.SELECT
+def run_query(con: duckdb.DuckDBPyConnection, sql: str, timeout: float | None = None,
+              memory: str | None = None) -> pa.Table:
+    """Run user SQL: queries only (``SELECT``, ``WITH … SELECT``, ``EXPLAIN``) calling allowed
+    functions, never a statement that writes a file, attaches a database, or changes views or
+    settings; in a child process under operating-system limits (:mod:`analysis.sql_child`):
+    the result as an Arrow table, or one line when it is refused or stopped at its memory or
+    time limit (:func:`sql_limits`)."""
+    memory, timeout = sql_limits(memory, timeout)
+    request = dict(_recipe(con), sql=sql)
+    return sql_child.run(request, memory, timeout, console.threads.current())
 
 
 def views(con: duckdb.DuckDBPyConnection) -> list[str]:

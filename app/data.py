@@ -1,8 +1,9 @@
 """Data access for the dashboard: a DuckDB connection per browser session, results cached per
 dataset version.
 
-The *version* of a traces folder is a digest of its manifests and Parquet files (names, sizes,
-modification times). Connections and frames are keyed by it, so a new capture or replay shows up
+The *version* of a traces folder is a digest of its manifests and Parquet files (names and file
+versions: size, modification and change times, inode; the key the readers' verification
+remembers a content hash under, :func:`catalog.dataset_version`). Connections and frames are keyed by it, so a new capture or replay shows up
 on the next interaction without restarting the app. Each session has its own read-only
 connection (:func:`analysis.sql.connect`), and SQL typed in the console runs through
 :func:`analysis.sql.run_query` (queries only): nothing one visitor types changes what another

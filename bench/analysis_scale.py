@@ -173,7 +173,7 @@ for name in ("tails", "coverage", "growth", "balance"):
     timed(name, lambda: frames.ANALYSES[name](con))
 for conv in ("all_pairs", "adjacent"):
     timed(f"coactivation ({conv})", lambda: coactivation.coactivation(
-        con, 3, 64, conv, "model = 'synthetic-olmoe' AND bench = 'mbpp'"))
+        con, 3, 64, conv, dict(model="synthetic-olmoe", bench="mbpp")))
 stats = timed("routing statistics", lambda: frames.routing_statistics(con, "synthetic-olmoe", "mbpp"))
 timed("speedup frame", lambda: frames.speedup_frame(stats, frames.real_targets()[
     "allenai/OLMoE-1B-7B-0924"], list(frames.cost.PROFILES.values())))

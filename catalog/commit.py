@@ -96,8 +96,7 @@ def _version_key(path, size: int) -> str | None:
             return None
         etag = info.get("ETag") or info.get("etag")
         return f"{path}|{size}|{etag}" if etag else None
-    st = os.stat(path)
-    return f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
+    return f"{os.path.abspath(path)}|{location.file_version(os.stat(path))}"
 
 
 def _cached(key: str | None) -> str | None:

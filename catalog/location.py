@@ -304,9 +304,54 @@ def iterdir(path) -> list:
     return list(path.iterdir())
 
 
+SMALL_FILE = 64 * 2**20  # bytes: the most a manifest or a result config may hold
+
+
+def read_small(path, limit: int = SMALL_FILE) -> bytes:
+    """The bytes of a manifest or config: only a regular file of at most ``limit`` bytes is
+    read (a FIFO, a device such as ``/dev/zero``, a folder or an oversized file raises
+    :class:`OSError` with a one-line reason, never hangs or fills memory)."""
+    import stat
+    if is_remote(path):
+        size = path.stat().st_size
+        if size > limit:
+            raise OSError(f"{size} bytes, more than the {limit} a manifest may hold")
+        return path.read_bytes()
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens without waiting for a writer
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO"
+                    if stat.S_ISFIFO(st.st_mode) else "a device or special file")
+            raise OSError(f"it is {kind}, not a regular file")
+        if st.st_size > limit:
+            raise OSError(f"{st.st_size} bytes, more than the {limit} a manifest may hold")
+        chunks, left = [], limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 2**20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        if left <= 0:
+            raise OSError(f"more than the {limit} bytes a manifest may hold")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def file_version(st: os.stat_result) -> str:
+    """What identifies one version of a local file's bytes without reading them: size,
+    modification and change times, inode. The change time cannot be set back by a user, so a
+    byte flipped in place with its modification time restored is a new version (the key under
+    which :mod:`catalog.commit` remembers a verified content hash, and what
+    :func:`catalog.dataset_version` digests)."""
+    return f"{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
+
+
 def listing(path) -> list[tuple[str, int, str]]:
-    """(relative name, size, version) of every file under ``path``: the version is the
-    modification time in ns locally, the ETag (or modification time) on an object store."""
+    """(relative name, size, version) of every file under ``path``: the version is
+    :func:`file_version` locally, the ETag (or modification time) on an object store."""
     found = []
     if is_remote(path):
         base = fs_path(path).rstrip("/") + "/"
@@ -321,7 +366,7 @@ def listing(path) -> list[tuple[str, int, str]]:
         for f in sorted(files):
             st_ = os.stat(os.path.join(dirpath, f))
             rel = os.path.relpath(os.path.join(dirpath, f), path)
-            found.append((rel, st_.st_size, str(st_.st_mtime_ns)))
+            found.append((rel, st_.st_size, file_version(st_)))
     return found
 
 

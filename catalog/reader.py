@@ -203,6 +203,48 @@ def manifest_mismatch(run: Run, arrays: dict, layers: np.ndarray) -> str | None:
     return None
 
 
+# the columns that name one row of a trace table: no two rows of a part share them
+ROW_KEYS = {"sequences": ("prompt_index",), "trees": ("prompt_index", "step"),
+            "nodes": ("prompt_index", "step", "node"),
+            "routing": ("prompt_index", "step", "layer", "node"),
+            "moe_io": ("prompt_index", "step", "layer", "node")}
+
+
+def check_part(run: Run, table: str, path) -> None:
+    """What replay checks of a part, for every reader (run when a committed file is first
+    verified, remembered with its content hash: :func:`catalog.commit.verify`): no duplicated
+    rows (:data:`ROW_KEYS`), and for ``routing`` its widths and layers against the manifest
+    (:func:`manifest_mismatch`) and finite, in-range numbers (:func:`check_values`); else
+    :class:`CatalogError` naming the file."""
+    keys = ROW_KEYS.get(table)
+    if keys is None:
+        return
+    wanted = list(keys) + (["router_probs", "topk_ids", "topk_weights"] if table == "routing"
+                           else [])
+    try:
+        t = location.read_table(path, columns=wanted)
+    except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
+        raise CatalogError(f"{path}: corrupt or unreadable {table} part "
+                           f"({_reason(exc, path)}); recapture the run") from None
+    if t.num_rows and t.group_by(list(keys)).aggregate([]).num_rows != t.num_rows:
+        raise CatalogError(f"{path}: duplicated rows (two rows share {', '.join(keys)}); the "
+                           "trace is corrupt, recapture the run")
+    if table != "routing" or not t.num_rows:
+        return
+    try:
+        arrays = dict(probs=matrix(t["router_probs"]), topk_ids=matrix(t["topk_ids"], np.int64),
+                      topk_weights=matrix(t["topk_weights"]))
+    except (ValueError, pa.ArrowInvalid) as exc:
+        raise CatalogError(f"{path}: corrupt vectors ({exc}); recapture the run") from None
+    problem = manifest_mismatch(run, arrays, t["layer"].to_numpy())
+    if problem:
+        raise CatalogError(f"{path}: {problem}; the manifest or the trace is damaged, "
+                           "recapture the run")
+    problem = check_values(arrays, t.column("router_probs").type.value_type)
+    if problem:
+        raise CatalogError(f"{path}: {problem}; the trace is corrupt, recapture the run")
+
+
 def _keys(table: pa.Table) -> np.ndarray:
     return table["step"].to_numpy().astype(np.int64) * 100_000 + table["layer"].to_numpy()
 

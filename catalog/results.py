@@ -30,8 +30,8 @@ from filelock import Timeout
 
 from moe_spec.catalog import atomic, commit, location, replay_metrics
 from moe_spec.catalog.names import check_name
-from moe_spec.catalog.runs import CatalogError, Run, run_dir
-from moe_spec.catalog.schema import RESULT_CONFIG
+from moe_spec.catalog.runs import CatalogError, Run, legacy, read_json_file, run_dir
+from moe_spec.catalog.schema import COMMITTED_VERSION, RESULT_CONFIG, SCHEMA_VERSION
 
 RESULT_TABLES = (replay_metrics.OPEN_TABLE, replay_metrics.CLOSED_TABLE,
                  replay_metrics.BATCH_TABLE, replay_metrics.CLOSED_BATCH_TABLE)
@@ -105,15 +105,17 @@ class UnitResults:
         path = self.folder / RESULT_CONFIG
         if not path.is_file():
             return None
+        fix = f"delete {self.folder} and replay again"
+        state = read_json_file(path, "replay result config", fix)
         try:
-            state = json.loads(path.read_text())
             blocks = [Block(**b) for b in state["blocks"]]
             for b in blocks:  # a block id becomes a folder name
                 check_name(b.id, "block id")
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
-                ValueError, RecursionError) as exc:
-            raise CatalogError(f"corrupt replay result config {path}; delete {self.folder} and "
-                               "replay again") from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CatalogError(f"corrupt replay result config {path}; {fix}") from exc
+        for b in blocks:
+            if b.status == "complete" and b.files is None:
+                uncommitted(state, b.as_dict(), path, fix)
         return dict(state, blocks=blocks)
 
     def blocks(self) -> list[Block]:
@@ -130,7 +132,7 @@ class UnitResults:
         location.mkdir(self.folder)
         atomic.write_json(self.folder / RESULT_CONFIG, dict(
             unit=self.unit, run=self.run.name, run_id=self.run.run_id, table=self.table,
-            blocks=[b.as_dict() for b in blocks]))
+            schema_version=SCHEMA_VERSION, blocks=[b.as_dict() for b in blocks]))
 
     def block_dir(self, block: Block) -> Path:
         return self.folder / f"block={block.id}"
@@ -220,9 +222,8 @@ class UnitResults:
             if path.parent == self.folder:
                 continue
             try:
-                other = json.loads(path.read_text())["unit"]
-            except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
-                    RecursionError):
+                other = read_json_file(path, "replay result config", "")["unit"]
+            except (CatalogError, KeyError, TypeError):
                 continue  # a torn or foreign config: reported when its own unit is read
             if not isinstance(other, dict) or other == self.unit or \
                     any(other.get(k) != self.unit.get(k) for k in identity):
@@ -276,6 +277,18 @@ def block_files(folder: Path, record: dict | None, root: Path) -> list[Path]:
     return paths
 
 
+def uncommitted(state: dict, block: dict, path, fix: str) -> None:
+    """A complete block without a file list: refused when its config's layout commits file
+    lists (``schema_version`` from :data:`schema.COMMITTED_VERSION`, or a ``committed_at``: its
+    list was deleted), else an older block read only on ``--allow-legacy``
+    (:func:`catalog.runs.legacy`)."""
+    version = state.get("schema_version", 0)
+    if (isinstance(version, int) and version >= COMMITTED_VERSION) or "committed_at" in block:
+        raise CatalogError(f"replay result config {path}: complete block {block.get('id')} of "
+                           "a layout that commits its files lists none (edited?); " + fix)
+    legacy(f"replay results {path.parent}", fix)
+
+
 def _record_ok(record) -> bool:
     return record is None or (isinstance(record, dict) and isinstance(record.get("parts"), list)
                               and all(isinstance(e, list) and len(e) == 4
@@ -292,12 +305,11 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
     rows, older = [], 0
     for path in sorted(location.root(root).glob(f"{table}/model=*/bench=*/run=*/config=*/{RESULT_CONFIG}")):
         try:
-            state = json.loads(path.read_text())
+            state = read_json_file(path, "replay result config", "")
             blocks = state["blocks"]
             if not isinstance(blocks, list):
                 raise TypeError("blocks is not a list")
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError,
-                RecursionError):
+        except (CatalogError, KeyError, TypeError):
             if skipped is not None:
                 skipped.append(f"corrupt replay result config {path}: its results are left out; "
                                f"delete {path.parent} and replay again")
@@ -309,6 +321,15 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
         for b in blocks:
             if isinstance(b, dict) and b.get("status") == "complete" \
                     and isinstance(b.get("id"), str):
+                if b.get("files") is None:
+                    try:
+                        uncommitted(state, b, path, f"delete {path.parent} and replay again")
+                    except CatalogError as exc:
+                        if "--allow-legacy" in str(exc):
+                            raise
+                        if skipped is not None:
+                            skipped.append(f"{exc}: its results are left out")
+                        continue
                 if not _record_ok(b.get("files")):
                     if skipped is not None:
                         skipped.append(f"replay result config {path} has a damaged file list: "

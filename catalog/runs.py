@@ -17,6 +17,8 @@ every read.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,13 +111,58 @@ def write_manifest(root: Path, manifest: dict) -> Path:
     return path
 
 
-def read_manifest(path: Path) -> dict:
-    """A run manifest, checked: valid JSON object, this tool's schema version, required keys."""
+LEGACY_ENV = "MOESPEC_ALLOW_LEGACY"  # "1": read complete runs (and replay blocks) committed
+# before file lists existed, as found, each named in a warning (query/report --allow-legacy)
+_WARNED: set[str] = set()
+
+
+def legacy(what: str, fix: str) -> None:
+    """``what`` (a run or replay result of a layout before committed file lists) may be read
+    only when ``$MOESPEC_ALLOW_LEGACY`` is 1 (``--allow-legacy``): then with a warning naming
+    it (once per process), else refused in one line."""
+    if os.environ.get(LEGACY_ENV) != "1":
+        raise CatalogError(f"{what} predates committed file lists, so its files cannot be "
+                           f"verified; {fix}, or read it as found with --allow-legacy "
+                           f"(${LEGACY_ENV}=1)")
+    if what not in _WARNED:
+        _WARNED.add(what)
+        print(f"warning: {what} predates committed file lists: its folders are read as found "
+              "(--allow-legacy); recapture it to protect its answers", file=sys.stderr)
+
+
+def add_legacy_argument(parser) -> None:
+    """``--allow-legacy``: what a reading command adds to read runs committed before file lists
+    (:func:`allow_legacy` applies it)."""
+    parser.add_argument("--allow-legacy", action="store_true",
+                        help="also read complete runs and replay results written before "
+                             "committed file lists (trace schema < 5), as found, each named in "
+                             f"a warning (default: refused; also ${LEGACY_ENV}=1)")
+
+
+def allow_legacy(args) -> None:
+    """Apply ``--allow-legacy`` to this process's readers."""
+    if getattr(args, "allow_legacy", False):
+        os.environ[LEGACY_ENV] = "1"
+
+
+def read_json_file(path, what: str, fix: str):
+    """A manifest or config as JSON, read only as a regular file of bounded size
+    (:func:`catalog.location.read_small`): anything else is one line naming it."""
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise CatalogError(f"corrupt manifest {path}; delete that run folder or recapture it") \
-            from None if isinstance(exc, RecursionError) else exc
+        return json.loads(location.read_small(path))
+    except OSError as exc:
+        raise CatalogError(f"{what} {path} cannot be read ({exc.strerror or exc}); {fix}") \
+            from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, ValueError):
+        raise CatalogError(f"corrupt {what} {path}; {fix}") from None
+
+
+def read_manifest(path: Path) -> dict:
+    """A run manifest, checked: a regular file of bounded size holding a JSON object, this
+    tool's schema version, required keys; a complete run of a committed schema
+    (:data:`schema.COMMITTED_VERSION`) holds its file list and digest, an older one is read
+    only on ``--allow-legacy`` (:func:`legacy`)."""
+    manifest = read_json_file(path, "manifest", "delete that run folder or recapture it")
     if not isinstance(manifest, dict):
         raise CatalogError(f"corrupt manifest {path} (not an object); recapture that run")
     version = manifest.get("schema_version")
@@ -132,6 +179,13 @@ def read_manifest(path: Path) -> dict:
     problem = manifest_problem(manifest) or commit_problem(manifest)
     if problem:
         raise CatalogError(f"manifest {path}: {problem}; fix that field or recapture the run")
+    if manifest["status"] == "complete" and manifest.get("files") is None:
+        if version >= schema.COMMITTED_VERSION or "commit_digest" in manifest:
+            raise CatalogError(f"manifest {path}: a complete run of trace schema {version} "
+                               "lists its committed files and their digest, this one does not "
+                               "(edited?); recapture the run")
+        legacy(f"run {manifest['run']} ({manifest['model']} / {manifest['bench']}, trace schema "
+               f"{version})", "recapture it")
     return manifest
 
 
@@ -154,6 +208,9 @@ def commit_problem(manifest: dict) -> str | None:
     files = manifest.get("files")
     if files is None:
         return None
+    if "commit_digest" not in manifest:
+        return "it lists committed files but no commit digest"
+
     def entry_ok(e) -> bool:
         return (isinstance(e, list) and len(e) == 4 and isinstance(e[0], str)
                 and (commit.prompt_of(e[0]) is not None or e[0] == WHOLE_PART)
@@ -320,6 +377,8 @@ class Run:
             except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
                 raise CatalogError(f"{path}: corrupt or unreadable {table} part "
                                    f"({columns.reason(exc, path)}); recapture the run") from None
+            from moe_spec.catalog import reader  # (reader reads runs: imported when used)
+            reader.check_part(self, table, path)  # its numbers against the manifest
         types = types if table in schema.ALL_TABLES else None
         paths = []
         for entry in entries:
@@ -508,10 +567,13 @@ class Catalog:
 
 
 def dataset_version(root: Path) -> str:
-    """A digest of a traces folder's manifests, result configs and Parquet files (names, sizes,
-    modification times): it changes whenever a capture, replay or summary writes, and only then.
-    The dashboard keys its caches by it and ``report`` skips a report whose traces did not
-    change."""
+    """A digest of a traces folder's manifests, result configs and Parquet files (names and
+    file versions, :func:`catalog.location.file_version`: the key under which readers remember
+    a verified content hash, so a byte flipped in place with its modification time restored
+    changes it): it changes whenever a capture, replay or summary writes, and only then. The
+    dashboard keys its held connections and caches by it and ``report`` skips a report whose
+    traces did not change; a changed version makes them read again through the readers'
+    verification."""
     import hashlib
     h = hashlib.sha256()
     for name, size, version in location.listing(location.root(root)):

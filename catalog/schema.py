@@ -31,6 +31,8 @@ SCHEMA_VERSION = 5  # 2: runs carry a role and a run_id; replay results are stor
 # 4: the per-node vectors of routing and moe_io hold non-null values (see :func:`vector`);
 # 5: a complete run's manifest lists its files (catalog.commit): readers read exactly those
 READABLE_VERSIONS = (2, 3, 4, 5)  # version 2 traces read as batch size 1 (their batch columns null)
+COMMITTED_VERSION = 5  # from this version on a complete run's manifest must hold its file list
+# and commit digest: without them it is refused, never read as found (catalog.runs.legacy)
 MANIFEST = "_manifest.json"  # per run, beside the runs table's part
 RESULT_CONFIG = "_config.json"  # per replay unit (ranking × coverage × calibration)
 ROLES = ("evaluation", "calibration")  # what a run is for; nothing pools them by accident

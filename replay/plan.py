@@ -19,12 +19,12 @@ calibration, the file it saves, the budgets it skips; a coverage's smallest budg
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from moe_spec.catalog import Catalog, Run, location
 from moe_spec.catalog.results import UnitResults
+from moe_spec.catalog.runs import CatalogError, read_json_file
 from moe_spec.errors import UserError
 from moe_spec.policy import index
 from moe_spec.replay import modes
@@ -144,8 +144,8 @@ def stored_variants(out: Path, table: str, run: Run) -> list[tuple[dict, "UnitRe
         f"run={run.name}"
     for path in sorted(folder.glob("config=*/_config.json")):
         try:
-            unit = json.loads(path.read_text())["unit"]
-        except (OSError, ValueError, KeyError, TypeError):
+            unit = read_json_file(path, "replay result config", "")["unit"]
+        except (CatalogError, KeyError, TypeError):
             continue
         if isinstance(unit, dict):
             found.append((unit, UnitResults(out, table, run, unit)))

@@ -149,3 +149,18 @@ def real_ids(tokenizer, n=40):
     from moe_spec.tasks import benchmarks
     text = benchmarks.load("mbpp", limit=1)[0].text
     return tokenizer(text, return_tensors="pt")["input_ids"][:, :n]
+
+
+def capture_model_folder(tmp_path: Path, name: str) -> None:
+    """A one-prompt capture into ``tmp_path/traces`` of a copy of tiny-olmoe in the local model
+    folder ``tmp_path/name`` (a hostile folder name, say); the working directory is
+    ``tmp_path``."""
+    import shutil
+
+    from moe_spec.capture import cli as capture_cli
+    from moe_spec.moe import models
+    os.chdir(tmp_path)
+    shutil.copytree(models.EMBEDDED_DIR / "tiny-olmoe", tmp_path / name)
+    assert capture_cli.main(["--model", name, "--draft", str(models.DRAFTS_DIR / "tiny-olmoe"),
+                             "--limit", "1", "--max-new-tokens", "8", "--out", "traces",
+                             "--no-progress", "--threads", "1"]) == 0

@@ -8,8 +8,8 @@ import pytest
 
 from moe_spec.analysis import coactivation, cost, moesd, replay_views, routing, summaries
 from moe_spec.analysis.sql import connect
-from moe_spec.catalog import schema
-from moe_spec.catalog.runs import write_manifest
+from moe_spec.catalog import commit, schema
+from moe_spec.catalog.runs import commit_digest, write_manifest
 
 N, K, M, LAYERS, TREES = 16, 4, 10, 2, 6
 
@@ -24,10 +24,14 @@ def write_routing(root, rows):
         (root / table / "model=m" / "bench=b" / "run=r").mkdir(parents=True)
         pq.write_table(schema.TABLES[table].empty_table(),
                        root / table / "model=m" / "bench=b" / "run=r" / "part-000000-0000.parquet")
-    write_manifest(root, dict(model="m", bench="b", run="r", status="complete",
-                              role="evaluation", settings=dict(total_tokens=M), num_experts=N,
-                              top_k=K, schema_version=schema.SCHEMA_VERSION, prompts_total=1,
-                              prompt_ids=["p0"]))
+    manifest = dict(model="m", bench="b", run="r", status="complete", role="evaluation",
+                    settings=dict(total_tokens=M), num_experts=N, top_k=K,
+                    schema_version=schema.SCHEMA_VERSION, prompts_total=0, prompt_ids=[])
+    manifest["files"] = {t: commit.table_record([root / t / "model=m" / "bench=b" / "run=r" /
+                                                 "part-000000-0000.parquet"])
+                         for t in ("routing", "sequences", "trees", "nodes")}
+    manifest["commit_digest"] = commit_digest(manifest)  # committed, as a capture commits
+    write_manifest(root, manifest)
     summaries.ensure(root, workers=1)
     return rows
 

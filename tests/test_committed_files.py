@@ -120,17 +120,23 @@ def test_manifest_facts_edited_after_commit_are_refused(pristine, tmp_path, fiel
                    "_manifest.json")
 
 
-def test_manifest_facts_are_checked_against_the_data(pristine, tmp_path):
-    """A run without a commit record (captured before trace schema 5) is read as found; its
-    manifest's N is still checked against its routing."""
+def test_manifest_facts_are_checked_against_the_data(pristine, tmp_path, monkeypatch):
+    """A run without a commit record (captured before trace schema 5) is read as found on
+    --allow-legacy only; its manifest's N is still checked against its routing."""
     traces = copy(pristine, tmp_path)
     path = first(traces, "runs/**/_manifest.json")
     manifest = json.loads(path.read_text())
     for key in ("files", "commit_digest"):
         manifest.pop(key)
-    path.write_text(json.dumps({**manifest, "num_experts": 4}))
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "4",
-                       "--no-progress", "--out", tmp_path / "res"), "num_experts 4")
+    path.write_text(json.dumps({**manifest, "num_experts": 4, "schema_version": 4}))
+    args = ("--traces", traces, "--ranking", "router", "--budget", "4", "--no-progress", "--out",
+            tmp_path / "res")
+    one_line_error(run("moe_spec.replay.cli", *args), "predates committed file lists",
+                   "--allow-legacy")
+    monkeypatch.setenv("MOESPEC_ALLOW_LEGACY", "1")
+    r = run("moe_spec.replay.cli", *args)
+    warning, error = r.stderr.strip().splitlines()  # the run named, then the refusal
+    assert r.returncode == 2 and "warning: run r " in warning and "num_experts 4" in error
 
 
 def test_query_out_inside_the_traces_is_refused(pristine, tmp_path):

@@ -1,11 +1,9 @@
 """``report`` on traces whose free-text fields are hostile: nothing from disk becomes markup."""
 
-import shutil
 from html.parser import HTMLParser
 
+from helpers import capture_model_folder
 from moe_spec.analysis import report
-from moe_spec.capture import cli as capture_cli
-from moe_spec.moe import models
 
 PAYLOAD = "</title><script>alert(document.domain)</script>"
 MODEL = f"m/{PAYLOAD}"  # a local model folder: ``m/<`` / ``title><script>…<`` / ``script>``
@@ -34,11 +32,8 @@ class _Page(HTMLParser):
 
 def test_a_hostile_model_name_and_labels_stay_text_in_the_report(tmp_path, monkeypatch):
     # a real capture of a model whose name (its folder, free text in the manifest) is a payload
-    monkeypatch.chdir(tmp_path)
-    shutil.copytree(models.EMBEDDED_DIR / "tiny-olmoe", tmp_path / MODEL)
-    assert capture_cli.main(["--model", MODEL, "--draft", str(models.DRAFTS_DIR / "tiny-olmoe"),
-                             "--limit", "1", "--max-new-tokens", "8", "--out", "traces",
-                             "--no-progress", "--threads", "1"]) == 0
+    monkeypatch.chdir(tmp_path)  # (restored afterwards)
+    capture_model_folder(tmp_path, MODEL)
     # other strings read from disk: a manifest's dtype (Runs table), a key-number label and
     # value, a figure's title, trace name and axis title
     monkeypatch.setattr(report, "_dtype", lambda value: PAYLOAD)

@@ -59,8 +59,8 @@ def test_every_routing_figure_equals_sql_over_routing(traces):
                        check_dtypes=False, abs_tol=1e-12)
     for model, n in (("tiny-olmoe", 64), ("tiny-mixtral", 8)):
         for conv in ("all_pairs", "adjacent"):
-            got = coactivation.coactivation(con, 1, n, conv, f"model = '{model}'")
-            topk = coactivation.topk_matrix(con, 1, f"model = '{model}'")
+            got = coactivation.coactivation(con, 1, n, conv, dict(model=model))
+            topk = coactivation.topk_matrix(con, 1, dict(model=model))
             exact = coactivation.all_pairs(topk, n) if conv == "all_pairs" else \
                 coactivation.adjacent_rank(topk, n)
             np.testing.assert_allclose(got.matrix, exact, atol=1e-12)

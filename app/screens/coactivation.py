@@ -36,9 +36,8 @@ def draw() -> None:
                            "expert's measured frequency would give (log scale, 1 = "
                            "independent); observed: the counts (or P(b|a)) themselves. The "
                            "diagonal (an expert with itself) is masked in both.")
-    where = f"model = '{partition_value(model)}' AND bench = '{bench}'"
     c = coactivation.coactivation(page.con, int(layer), run["num_experts"], convention,
-                                  where)
+                                  dict(model=partition_value(model), bench=bench))
     order = coactivation.cluster_order(c.matrix) if ordering == "cluster" else None
     st.metric(f"concentration ({convention.replace('_', ' ')}: {c.concentration_rule})",
               f"{c.concentration:.1f}×")

@@ -30,9 +30,9 @@ def draw() -> None:
     info = runs.filter(pl.col("run") == run).row(0, named=True)
     part = partition_value(model)
     con = page.con
-    steps = con.execute(f"""SELECT prompt_index, any_value(prompt_id), max(step) FROM trees
-                            WHERE run = '{run}' AND model = '{part}' AND bench = '{bench}'
-                            GROUP BY prompt_index ORDER BY 1""").fetchall()
+    steps = con.execute("""SELECT prompt_index, any_value(prompt_id), max(step) FROM trees
+                            WHERE run = ? AND model = ? AND bench = ?
+                            GROUP BY prompt_index ORDER BY 1""", [run, part, bench]).fetchall()
     labels = {p: f"{p} ({pid})" for p, pid, _ in steps}
     prompt = c2.selectbox("Prompt", list(labels), format_func=labels.get, key="tree_prompt")
     last = {p: s for p, _, s in steps}[prompt]
