@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from helpers import run
+from helpers import call
 from polars.testing import assert_frame_equal
 
 from moe_spec.capture import cli as capture_cli
@@ -41,7 +41,7 @@ def test_the_docs_have_queries_to_check():
 
 
 def replay(traces, *args):
-    r = run("moe_spec.replay.cli", "--traces", traces, "--no-progress", "--threads", "1", *args)
+    r = call("moe_spec.replay.cli", "--traces", traces, "--no-progress", "--threads", "1", *args)
     assert r.returncode == 0, r.stderr
     return r
 
