@@ -16,6 +16,17 @@ from moe_spec.moe import models  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# Session fixtures that capture or start a server: a test using one is end to end, marked
+# ``slow`` here, so ``scripts/test.sh --fast`` (``-m "not slow"``) never builds them.
+END_TO_END_FIXTURES = frozenset({"one_prompt", "replayed", "s3"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if END_TO_END_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", params=models.EMBEDDED)
 def embedded(request) -> models.LoadedModel:
     """Each embedded tiny model, loaded through the registry in fp32 on the CPU."""

@@ -13,6 +13,8 @@ from polars.testing import assert_frame_equal
 
 from moe_spec.capture import cli as capture_cli
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 ROOT = Path(__file__).resolve().parent.parent
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress",
        "--threads", "1"]

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 
 from moe_spec.capture import cli as capture_cli
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 
 @pytest.fixture(scope="module")
 def pristine(tmp_path_factory):
