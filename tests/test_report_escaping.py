@@ -3,6 +3,8 @@
 import shutil
 from html.parser import HTMLParser
 
+import pytest
+
 from moe_spec.analysis import report
 from moe_spec.capture import cli as capture_cli
 from moe_spec.moe import models
@@ -32,6 +34,7 @@ class _Page(HTMLParser):
         (self.scripts if self._script else self.text).append(data)
 
 
+@pytest.mark.slow  # captures
 def test_a_hostile_model_name_and_labels_stay_text_in_the_report(tmp_path, monkeypatch):
     # a real capture of a model whose name (its folder, free text in the manifest) is a payload
     monkeypatch.chdir(tmp_path)
