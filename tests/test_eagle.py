@@ -88,6 +88,7 @@ def test_cache_after_acceptance_equals_fresh_forward(pair):
 PROMPTS = [(b, i) for b in ("mbpp", "gsm8k", "humaneval") for i in range(7)]
 
 
+@pytest.mark.slow  # 21 prompts decoded twice per family
 def test_greedy_eagle_equals_transformers_generate(pair):
     loaded, head = pair
     dec = EagleDecoder(loaded.model, head)
