@@ -32,8 +32,9 @@ def call(module, *args, timeout=None):
     the command's entry point called in this process: no interpreter start, no torch import
     (seconds each). ``module`` as for :func:`run`: ``python -m module``'s ``main``, or
     ``module:function``. As in a fresh process, an exception the command lets through is exit
-    1 with its traceback on stderr, warnings are written to stderr, and what the command sets
-    for itself (environment variables, torch's threads, storage options) is undone after.
+    1 with its traceback on stderr, warnings are written to stderr (the view warnings said once
+    per process included), and what the command sets for itself (environment variables,
+    torch's threads, storage options) is undone after.
     Keep :func:`run` for what needs a fresh process: a closed pipe, start-up time, what a
     command imports. ``timeout``: :func:`run`'s, accepted and unused (nothing to kill)."""
     import contextlib
@@ -50,6 +51,9 @@ def call(module, *args, timeout=None):
     out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
                 for _ in range(2))
     saved = (dict(os.environ), torch.get_num_threads(), threads._applied, dict(location._options))
+    warned = _once_warned()  # said once per process: a fresh process says it again
+    said_before = set(warned)
+    warned.clear()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                 warnings.catch_warnings():
@@ -78,6 +82,9 @@ def call(module, *args, timeout=None):
         threads._applied = saved[2]
         location._options.clear()
         location._options.update(saved[3])
+        warned = _once_warned()
+        warned.clear()
+        warned.update(said_before)
     if code is None:
         code = 0
     elif not isinstance(code, int):  # sys.exit("text"): the text on stderr, exit 1
@@ -85,6 +92,12 @@ def call(module, *args, timeout=None):
         code = 1
     text = [s.buffer.getvalue().decode("utf-8", "replace") for s in (out, err)]
     return subprocess.CompletedProcess([module, *argv], code, *text)
+
+
+def _once_warned() -> set:
+    """The warnings analysis.sql has said in this process (it says each once per process)."""
+    from moe_spec.analysis import sql
+    return sql._WARNED
 
 
 def overlay_env(copy: Path) -> dict:
