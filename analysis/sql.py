@@ -48,7 +48,6 @@ from moe_spec.catalog import Catalog, CatalogError, location, partition_value, r
 from moe_spec.catalog.replay_metrics import BATCH_TABLE, OPEN_TABLE
 from moe_spec.catalog.results import RESULT_TABLES, complete_blocks
 from moe_spec.catalog.runs import PART_GLOB, WHOLE_PART
-from moe_spec.errors import UserError
 
 VIEWS = (*schema.TRACE_TABLES, schema.ROUTING_IDS, "runs", "quality", *RESULT_TABLES,
          *summaries.TABLES, *schema.BATCH_PROFILE_TABLES)

@@ -16,6 +16,17 @@ from moe_spec.moe import models  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+# Session fixtures that capture or start a server: a test using one is end to end, marked
+# ``slow`` here, so ``scripts/test.sh --fast`` (``-m "not slow"``) never builds them.
+END_TO_END_FIXTURES = frozenset({"one_prompt", "replayed", "s3"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if END_TO_END_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session", params=models.EMBEDDED)
 def embedded(request) -> models.LoadedModel:
     """Each embedded tiny model, loaded through the registry in fp32 on the CPU."""
@@ -99,15 +110,15 @@ def replayed(tmp_path_factory):
     """(traces, the CSV answer of ``helpers.QUERY``): two prompts (run ``r``) with router replay
     results beside them, computed once for the session; copy the traces before changing them
     (``helpers.copy_of``)."""
-    from helpers import CAP, QUERY, run
+    from helpers import CAP, QUERY, call
 
     from moe_spec.capture import cli as capture_cli
     traces = tmp_path_factory.mktemp("replayed") / "traces"
     assert capture_cli.main([*CAP, "--limit", "2", "--out", str(traces), "--run", "r"]) == 0
-    r = run("moe_spec.replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
-            "16", "--no-progress")
+    r = call("moe_spec.replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
+             "16", "--no-progress")
     assert r.returncode == 0, r.stderr
-    q = run("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
+    q = call("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
     assert q.returncode == 0
     return traces, q.stdout
 

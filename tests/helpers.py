@@ -27,6 +27,79 @@ def run(module, *args, timeout=300):
                           text=True, timeout=timeout)
 
 
+def call(module, *args, timeout=None):
+    """What :func:`run` answers (a finished ``CompletedProcess``: returncode, stdout, stderr), from
+    the command's entry point called in this process: no interpreter start, no torch import
+    (seconds each). ``module`` as for :func:`run`: ``python -m module``'s ``main``, or
+    ``module:function``. As in a fresh process, an exception the command lets through is exit
+    1 with its traceback on stderr, warnings are written to stderr (the view warnings said once
+    per process included), and what the command sets for itself (environment variables,
+    torch's threads, storage options) is undone after.
+    Keep :func:`run` for what needs a fresh process: a closed pipe, start-up time, what a
+    command imports. ``timeout``: :func:`run`'s, accepted and unused (nothing to kill)."""
+    import contextlib
+    import importlib
+    import io
+    import traceback
+    import warnings
+
+    from moe_spec.catalog import location
+    from moe_spec.console import threads
+    mod, _, func = module.partition(":")
+    main = getattr(importlib.import_module(mod), func or "main")
+    argv = list(map(str, args))
+    out, err = (io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+                for _ in range(2))
+    saved = (dict(os.environ), torch.get_num_threads(), threads._applied, dict(location._options))
+    warned = _once_warned()  # said once per process: a fresh process says it again
+    said_before = set(warned)
+    warned.clear()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings():
+            warnings.resetwarnings()  # Python's defaults, shown on stderr (not pytest's record)
+            for action, category in (("ignore", DeprecationWarning),
+                                     ("ignore", PendingDeprecationWarning),
+                                     ("ignore", ImportWarning), ("ignore", ResourceWarning)):
+                warnings.simplefilter(action, category)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, \
+                line=None: sys.stderr.write(warnings.formatwarning(message, category, filename,
+                                                                   lineno, line))
+            try:
+                code = main(argv)
+            except SystemExit as stop:
+                code = stop.code
+            except BaseException:  # what the interpreter prints for an uncaught exception
+                if sys.exc_info()[0] is KeyboardInterrupt:
+                    raise
+                traceback.print_exc()
+                code = 1
+            sys.stdout.flush()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved[0])
+        torch.set_num_threads(saved[1])
+        threads._applied = saved[2]
+        location._options.clear()
+        location._options.update(saved[3])
+        warned = _once_warned()
+        warned.clear()
+        warned.update(said_before)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("text"): the text on stderr, exit 1
+        err.write(f"{code}\n")
+        code = 1
+    text = [s.buffer.getvalue().decode("utf-8", "replace") for s in (out, err)]
+    return subprocess.CompletedProcess([module, *argv], code, *text)
+
+
+def _once_warned() -> set:
+    """The warnings analysis.sql has said in this process (it says each once per process)."""
+    from moe_spec.analysis import sql
+    return sql._WARNED
+
+
 def overlay_env(copy: Path) -> dict:
     """An environment whose ``moe_spec`` takes its packages from ``copy`` first and the working
     tree after (the mapping pyproject's package-dir makes on install): a recipe test's modified

@@ -13,6 +13,8 @@ from moe_spec.app.screens import PAGES
 from moe_spec.capture import cli as capture_cli
 from moe_spec.replay import cli as replay_cli
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 ROOT = Path(__file__).resolve().parent.parent
 APP = str(ROOT / "app" / "main.py")
 CAP = ["--model", "tiny-olmoe", "--max-new-tokens", "10", "--no-progress"]

@@ -36,6 +36,7 @@ def test_a_batch_pass_reads_weights_once_and_computes_every_sequence():
     assert speedup(16) > speedup(4) > speedup(1) and speedup(16) > speedup(256) > speedup(1024)
 
 
+@pytest.mark.slow  # a fresh process
 @pytest.mark.parametrize("args, says", [
     (["--batch-sizes", "0,2"], "--batch-sizes '0,2'"),
     (["--batch-sizes", "2,2"], "distinct"),

@@ -8,6 +8,8 @@ from moe_spec.eagle.decoding import EagleDecoder
 from moe_spec.moe import models
 from moe_spec.tasks import benchmarks
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 
 @pytest.fixture(scope="module", params=models.EMBEDDED)
 def pair(request):

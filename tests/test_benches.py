@@ -593,6 +593,7 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     assert "token-layers/s" in out and not (tmp_path / "w" / "sglang.jsonl").exists()
 
 
+@pytest.mark.slow  # a bench process per page block
 @pytest.mark.parametrize("script, files, block, page", [
     ("sketch_gap.py", "docs/results/sketch/*.json", None, "docs/results.md"),
     ("closed_loop.py", "docs/results/sketch-closed/*.json", "sketch closed loop", "docs/results.md"),
@@ -622,6 +623,7 @@ def test_committed_results_render_to_what_the_docs_show(script, files, block, pa
     assert copy.read_text() == doc
 
 
+@pytest.mark.slow  # a bench process
 def test_sketch_render_refuses_another_bench_s_output():
     done = subprocess.run([sys.executable, "bench/sketch_gap.py", "--render",
                            "docs/results/sketch-closed/tiny-olmoe.json"], cwd=ROOT, env=ENV,

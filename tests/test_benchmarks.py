@@ -5,7 +5,7 @@ import os
 import shutil
 
 import pytest
-from helpers import CAP, one_line_error, run
+from helpers import CAP, call, one_line_error
 
 from moe_spec.tasks import benchmarks
 
@@ -61,7 +61,7 @@ def test_bad_benchmark_files_are_one_line_naming_the_file(replayed, tmp_path, co
     shutil.copytree(BENCHMARKS, bench, ignore=shutil.ignore_patterns("*.gz"))
     target = bench / "mbpp" / "mbpp.jsonl"
     target.write_bytes(content if isinstance(content, bytes) else content.encode())
-    one_line_error(run("moe_spec.capture.cli", *CAP, "--limit", "1", "--out", tmp_path / "x",
-                       "--benchmarks", bench), "mbpp.jsonl", *words)
-    one_line_error(run("moe_spec.analysis.evaluate_cli", "--traces", replayed[0], "--benchmarks", bench),
+    one_line_error(call("moe_spec.capture.cli", *CAP, "--limit", "1", "--out", tmp_path / "x",
+                        "--benchmarks", bench), "mbpp.jsonl", *words)
+    one_line_error(call("moe_spec.analysis.evaluate_cli", "--traces", replayed[0], "--benchmarks", bench),
                    "mbpp.jsonl", *words)

@@ -21,9 +21,10 @@ from moe_spec.replay import cli as replay_cli
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER),
-                                reason="needs chromium and chromedriver (apt-get install "
-                                       "chromium chromium-driver; .ci/run does)")
+pytestmark = [pytest.mark.slow,  # scripts/test.sh --fast leaves it out
+              pytest.mark.skipif(not (CHROMIUM and DRIVER),
+                                 reason="needs chromium and chromedriver (apt-get install "
+                                        "chromium chromium-driver; .ci/run does)")]
 
 
 def free_port() -> int:

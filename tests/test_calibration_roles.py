@@ -7,6 +7,8 @@ import pytest
 from moe_spec.capture import cli as capture_cli
 from moe_spec.replay import cli as replay_cli
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress",
        "--threads", "1"]
 

@@ -13,19 +13,21 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import torch
+from helpers import call
 
 from moe_spec.capture import cli
 from moe_spec.catalog import schema
 from moe_spec.moe import models
 from moe_spec.moe.adapter import MoEAdapter
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds"}
 BASE = ["--limit", "2", "--max-new-tokens", "12", "--no-progress"]
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "moe_spec.capture.cli", *args], capture_output=True,
-                          text=True, timeout=600)
+    return call("moe_spec.capture.cli", *args)
 
 
 def table(root, name):

@@ -44,6 +44,7 @@ def test_declared_choices_are_enforced_by_the_parser():
     assert "coact" in next(a for a in cli.parser()._actions if a.dest == "ranking").choices
 
 
+@pytest.mark.slow  # a fresh process
 def test_building_the_parser_imports_no_torch():
     code = ("import sys; from moe_spec.capture import cli; cli.parser().format_help(); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")

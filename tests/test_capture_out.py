@@ -12,6 +12,8 @@ from helpers import one_line
 from moe_spec.capture import cli as capture_cli
 from moe_spec.catalog import location
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 
 @pytest.mark.parametrize("kind", ["file", "fifo", "device", "dangling", "under-a-file"])
 def test_capture_refuses_an_out_that_is_not_a_folder_before_the_model_loads(kind, tmp_path,

@@ -15,6 +15,8 @@ from moe_spec.catalog import Catalog, InvalidName, check_name
 from moe_spec.catalog.results import UnitResults
 from moe_spec.replay import cli as replay_cli
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress"]
 
 

@@ -33,6 +33,7 @@ def test_scripts_table_is_pyprojects():
     assert table["project"]["scripts"] == SCRIPTS
 
 
+@pytest.mark.slow  # a fresh process
 def test_help_imports_neither_torch_nor_transformers():
     """--help must appear at once: no command imports torch or transformers to print it."""
     probe = "\n".join([
@@ -91,6 +92,7 @@ def test_config_keys_mirror_flags_and_flags_win(tmp_path):
     assert args.calibration == ["a", "b"]
 
 
+@pytest.mark.slow  # captures and replays
 def test_capture_and_replay_write_json_summaries_from_a_config(tmp_path):
     traces = tmp_path / "t"
     cfg = tmp_path / "capture.toml"

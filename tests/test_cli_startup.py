@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import run_env
 
+pytestmark = pytest.mark.slow  # fresh processes; scripts/test.sh --fast leaves it out
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(os.path.abspath(sys.executable)).parent
 

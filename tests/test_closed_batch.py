@@ -22,6 +22,8 @@ from moe_spec.policy import coverage, rankings
 from moe_spec.replay import closed_loop, modes, virtual_batch
 from moe_spec.replay.closed_loop import ClosedTask
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "16", "--no-progress",
        "--threads", "1"]
 

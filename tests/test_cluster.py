@@ -19,6 +19,8 @@ from moe_spec.capture import cli as capture_cli
 from moe_spec.catalog import location, run_dir, schema
 from moe_spec.replay import cli as replay_cli
 
+pytestmark = pytest.mark.slow  # Ray, S3 servers; scripts/test.sh --fast leaves it out
+
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "3", "--max-new-tokens", "8",

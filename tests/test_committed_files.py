@@ -7,9 +7,8 @@ import shutil
 
 import pyarrow.parquet as pq
 import pytest
-from helpers import CAP, one_line_error, run
+from helpers import call, one_line_error, run
 
-from moe_spec.capture import cli as capture_cli
 
 COUNTS = ("SELECT (SELECT count(*) FROM trees) AS trees, (SELECT count(*) FROM routing) AS "
           "routing, (SELECT round(sum(list_sum(router_probs)), 3) FROM routing) AS mass, "
@@ -17,14 +16,11 @@ COUNTS = ("SELECT (SELECT count(*) FROM trees) AS trees, (SELECT count(*) FROM r
 
 
 @pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    """A small capture with its replay results inside the traces, and what query answers."""
-    traces = tmp_path_factory.mktemp("committed") / "traces"
-    assert capture_cli.main([*CAP, "--limit", "2", "--out", str(traces), "--run", "r"]) == 0
-    r = run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
-            "--no-progress")
-    assert r.returncode == 0, r.stderr
-    q = run("moe_spec.analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
+def pristine(replayed):
+    """A small capture with its replay results inside the traces (the session's, read-only:
+    :func:`copy` it to change it), and what query answers."""
+    traces = replayed[0]
+    q = call("moe_spec.analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
     assert q.returncode == 0, q.stderr
     return traces, q.stdout
 
@@ -36,7 +32,7 @@ def copy(pristine, tmp_path):
 
 
 def counts(traces):
-    return run("moe_spec.analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
+    return call("moe_spec.analysis.query_cli", COUNTS, "--traces", traces, "--format", "csv")
 
 
 def first(traces, pattern):
@@ -89,8 +85,8 @@ def test_a_changed_committed_part_is_named_in_one_line(pristine, tmp_path, damag
             data[i] ^= 0x01
         part.write_bytes(bytes(data))
     one_line_error(counts(traces), part.name)
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
-                       "--no-progress"), part.name)
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+                        "--no-progress"), part.name)
 
 
 def test_a_symlinked_run_folder_is_refused(pristine, tmp_path):
@@ -114,9 +110,9 @@ def test_manifest_facts_edited_after_commit_are_refused(pristine, tmp_path, fiel
     traces = copy(pristine, tmp_path)
     edit_manifest(traces, **fields)
     one_line_error(counts(traces), "_manifest.json", "edited after the run was committed")
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
-                       "--no-progress"), "_manifest.json")
-    one_line_error(run("moe_spec.analysis.report", "--traces", traces, "--out", tmp_path / "rep"),
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+                        "--no-progress"), "_manifest.json")
+    one_line_error(call("moe_spec.analysis.report", "--traces", traces, "--out", tmp_path / "rep"),
                    "_manifest.json")
 
 
@@ -144,8 +140,8 @@ def test_query_out_inside_the_traces_is_refused(pristine, tmp_path):
     target = first(traces, "trees/**/part-000000-0000.parquet")
     before = target.read_bytes()
     for out in (target, target.parent / "part-000001-0000.parquet", traces / "x.csv"):
-        one_line_error(run("moe_spec.analysis.query_cli", "SELECT * FROM trees", "--traces", traces,
-                           "--format", "parquet", "--out", out), "inside the traces folder")
+        one_line_error(call("moe_spec.analysis.query_cli", "SELECT * FROM trees", "--traces", traces,
+                            "--format", "parquet", "--out", out), "inside the traces folder")
     assert target.read_bytes() == before
     assert counts(traces).stdout == pristine[1]
 
@@ -175,15 +171,15 @@ def test_a_run_whose_manifest_was_deleted_is_refused_not_skipped(pristine, tmp_p
     """Hypothesis found it: with the manifest gone, query answered 0 trees with exit 0."""
     traces = copy(pristine, tmp_path)
     first(traces, "runs/**/_manifest.json").unlink()
-    for r in (counts(traces), run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router",
-                                  "--budget", "8", "--no-progress")):
+    for r in (counts(traces), call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router",
+                                   "--budget", "8", "--no-progress")):
         one_line_error(r, "no _manifest.json", "recapture")
     lock = first(traces, "runs/**/part-0.parquet").parent / ".lock"
     for part in traces.glob("*/model=*/bench=*/run=r/*.parquet"):
         part.unlink()  # a run being started: its folders, a lock, no parts and no manifest yet
     lock.write_text("")
-    r = run("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM trees", "--traces", traces,
-            "--format", "csv")
+    r = call("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM trees", "--traces", traces,
+             "--format", "csv")
     assert r.returncode == 0 and r.stdout.split() == ["n", "0"], r.stderr
 
 
@@ -198,8 +194,8 @@ def test_pathological_manifests_are_one_line(pristine, tmp_path, content):
         content = json.dumps({**manifest, **json.loads(content)})
     path.write_text(content)
     one_line_error(counts(traces), "_manifest.json")
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
-                       "--no-progress"), "_manifest.json")
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "8",
+                        "--no-progress"), "_manifest.json")
 
 
 @pytest.mark.parametrize("sql", ["UPDATE EXTENSIONS", "SELECT 1; UPDATE EXTENSIONS",
@@ -209,7 +205,7 @@ def test_pathological_manifests_are_one_line(pristine, tmp_path, content):
 def test_unknown_statements_are_refused_by_name(pristine, sql):
     """Refused before anything runs: the system catalog (bare, DuckDB tokenizes it as a keyword)
     would go around repeat's size guard and build a 3 GB string."""
-    one_line_error(run("moe_spec.analysis.query_cli", sql, "--traces", pristine[0]), "query: error:",
+    one_line_error(call("moe_spec.analysis.query_cli", sql, "--traces", pristine[0]), "query: error:",
                    *(["system catalog"] if "system" in sql.lower() else []))
 
 
@@ -237,8 +233,8 @@ def test_user_sql_cannot_read_the_spill_folder(pristine, tmp_path, monkeypatch):
     assert [a.rstrip("/") for a in con.execute(
         "SELECT current_setting('allowed_directories')").fetchall()[0][0]] == \
         [str(pristine[0].resolve())]
-    r = run("moe_spec.analysis.query_cli", f"SELECT * FROM read_csv('{secret}')", "--traces",
-            pristine[0])
+    r = call("moe_spec.analysis.query_cli", f"SELECT * FROM read_csv('{secret}')", "--traces",
+             pristine[0])
     assert r.returncode == 2 and "42" not in r.stdout, r.stdout
 
 

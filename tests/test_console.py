@@ -122,6 +122,7 @@ def test_query_into_head_ends_quietly(one_prompt, tmp_path):
     assert done.stdout.startswith("usage: replay") and done.stderr == ""
 
 
+@pytest.mark.slow  # fresh processes: a closed pipe
 @pytest.mark.parametrize("printer", ["print", "rich.console.Console().print"])
 def test_plain_and_rich_output_into_head_exit_141(tmp_path, printer):
     module = printer.rsplit(".", 2)[0] if "." in printer else "sys"
@@ -174,6 +175,7 @@ def test_commands_are_named_so_that_they_run(monkeypatch, tmp_path, capsys):
         commands.command.cache_clear()
 
 
+@pytest.mark.slow  # fresh processes
 def test_help_and_error_hints_use_the_working_path(tmp_path):
     env = dict(run_env(tmp_path), PATH="/usr/bin:/bin")
     done = subprocess.run([str(BIN / "capture"), "--help"], capture_output=True, text=True,

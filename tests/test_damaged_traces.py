@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import recommit
-from helpers import QUERY, copy_of, one_line_error, run
+from helpers import QUERY, call, copy_of, one_line_error
 
 from moe_spec.tasks import benchmarks
 
@@ -44,7 +44,7 @@ def test_a_manifest_run_name_never_becomes_a_path_outside_the_traces(replayed, t
     for module, args in (("moe_spec.analysis.evaluate_cli", ["--benchmarks", BENCHMARKS]),
                          ("moe_spec.replay.cli", ["--no-progress"]),
                          ("moe_spec.analysis.query_cli", [QUERY])):
-        one_line_error(run(module, "--traces", traces, *args), "run 'base/../",
+        one_line_error(call(module, "--traces", traces, *args), "run 'base/../",
                        "_manifest.json")
     assert sorted(p.name for p in outside.iterdir()) == \
         sorted(p.name for p in traces.glob("sequences/**/part-*.parquet"))
@@ -55,7 +55,7 @@ def test_a_manifest_run_name_never_becomes_a_path_outside_the_traces(replayed, t
 def test_manifest_names_get_the_command_lines_check(replayed, tmp_path, field, value):
     traces = copy_of(replayed[0], tmp_path)
     edit_manifest(traces, **{field: value})
-    one_line_error(run("moe_spec.analysis.query_cli", QUERY, "--traces", traces), f"{field} {value!r}")
+    one_line_error(call("moe_spec.analysis.query_cli", QUERY, "--traces", traces), f"{field} {value!r}")
 
 
 def test_a_replay_block_id_never_becomes_a_path(replayed, tmp_path):
@@ -64,8 +64,8 @@ def test_a_replay_block_id_never_becomes_a_path(replayed, tmp_path):
         state = json.loads(config.read_text())
         state["blocks"][0]["id"] = "../../../../../../escaped"
         config.write_text(json.dumps(state))
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
-                       "--no-progress"), "corrupt replay result config")
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+                        "--no-progress"), "corrupt replay result config")
 
 
 # --- no silent partial answers --------------------------------------------------------------------
@@ -74,8 +74,8 @@ def test_views_say_which_replay_results_they_leave_out(replayed, tmp_path, conte
     traces = copy_of(replayed[0], tmp_path)
     config = sorted(traces.glob("replay_open/**/_config.json"))[0]
     config.write_text(content)
-    r = run("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM replay_open", "--traces", traces,
-            "--format", "csv")
+    r = call("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM replay_open", "--traces", traces,
+             "--format", "csv")
     assert r.returncode == 0
     assert "warning:" in r.stderr and str(config) in r.stderr and "replay again" in r.stderr
 
@@ -84,8 +84,8 @@ def test_a_deleted_moe_io_part_is_refused_by_query_as_by_replay(replayed, tmp_pa
     traces = copy_of(replayed[0], tmp_path)
     part = sorted(traces.glob("moe_io/**/part-000001-*.parquet"))[0]
     part.unlink()
-    one_line_error(run("moe_spec.analysis.query_cli", QUERY, "--traces", traces), part.name, "recapture")
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--no-progress"),
+    one_line_error(call("moe_spec.analysis.query_cli", QUERY, "--traces", traces), part.name, "recapture")
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--no-progress"),
                    part.name)
 
 
@@ -99,17 +99,17 @@ def test_a_repeated_expert_in_one_topk_row_is_refused(replayed, tmp_path):
                      pa.array(ids, t.schema.field("topk_ids").type))
     pq.write_table(t, part)
     recommit(traces)  # as if captured so: the values themselves are checked
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
-                       "--no-progress", "--out", tmp_path / "results"), "repeats an expert",
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+                        "--no-progress", "--out", tmp_path / "results"), "repeats an expert",
                    part.name)
 
 
 def test_a_bogus_role_is_one_line_everywhere(replayed, tmp_path):
     traces = copy_of(replayed[0], tmp_path)
     edit_manifest(traces, role="bogus")
-    one_line_error(run("moe_spec.analysis.report", "--traces", traces, "--out", tmp_path / "rep"),
+    one_line_error(call("moe_spec.analysis.report", "--traces", traces, "--out", tmp_path / "rep"),
                    "role 'bogus'")
-    one_line_error(run("moe_spec.analysis.query_cli", QUERY, "--traces", traces), "role 'bogus'")
+    one_line_error(call("moe_spec.analysis.query_cli", QUERY, "--traces", traces), "role 'bogus'")
 
 
 def test_a_retyped_column_is_refused_naming_the_file(replayed, tmp_path):
@@ -120,8 +120,8 @@ def test_a_retyped_column_is_refused_naming_the_file(replayed, tmp_path):
     t = t.set_column(i, "prefix_len", pa.array([str(v) for v in t["prefix_len"].to_pylist()]))
     pq.write_table(t, part)
     recommit(traces)  # as if captured so: the types themselves are checked
-    one_line_error(run("moe_spec.analysis.query_cli", "SELECT max(prefix_len) FROM trees", "--traces",
-                       traces), part.name, "prefix_len")
+    one_line_error(call("moe_spec.analysis.query_cli", "SELECT max(prefix_len) FROM trees", "--traces",
+                        traces), part.name, "prefix_len")
 
 
 # --- a damaged summary does not take query down ---------------------------------------------------
@@ -131,7 +131,7 @@ def test_a_damaged_summary_leaves_query_working(replayed, tmp_path):
     summaries.ensure(traces, workers=1)
     part = sorted(traces.glob("summaries/summary_layers/**/part-0.parquet"))[0]
     part.write_bytes(part.read_bytes()[:100])
-    r = run("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
+    r = call("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
     assert r.returncode == 0 and r.stdout == replayed[1], r.stderr
     assert "summary_layers" in r.stderr and "warning:" in r.stderr
 
@@ -142,7 +142,7 @@ def test_a_damaged_summary_leaves_query_working(replayed, tmp_path):
 def test_manifest_field_types_are_checked_at_read(replayed, tmp_path, field, value):
     traces = copy_of(replayed[0], tmp_path)
     edit_manifest(traces, **{field: value})
-    one_line_error(run("moe_spec.analysis.report", "--traces", traces, "--out", tmp_path / "rep"), field,
+    one_line_error(call("moe_spec.analysis.report", "--traces", traces, "--out", tmp_path / "rep"), field,
                    "_manifest.json")
     from moe_spec.catalog import Catalog, CatalogError
     with pytest.raises(CatalogError, match=field):  # what the app's tree viewer reads through
@@ -156,8 +156,8 @@ def test_a_corrupt_parquet_page_is_named_by_query(replayed, tmp_path):
     data = bytearray(part.read_bytes())
     data[4:44] = b"\xff" * 40  # the first page header, past the magic bytes
     part.write_bytes(bytes(data))
-    one_line_error(run("moe_spec.analysis.query_cli", "SELECT * FROM trees", "--traces", traces,
-                       "--format", "json"), part.name, "recapture")
+    one_line_error(call("moe_spec.analysis.query_cli", "SELECT * FROM trees", "--traces", traces,
+                        "--format", "json"), part.name, "recapture")
 
 
 def test_a_full_disk_names_the_quality_file(replayed, tmp_path, monkeypatch):

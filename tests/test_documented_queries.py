@@ -8,10 +8,12 @@ from pathlib import Path
 
 import polars as pl
 import pytest
-from helpers import run
+from helpers import call
 from polars.testing import assert_frame_equal
 
 from moe_spec.capture import cli as capture_cli
+
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
 
 ROOT = Path(__file__).resolve().parent.parent
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "8", "--no-progress",
@@ -41,7 +43,7 @@ def test_the_docs_have_queries_to_check():
 
 
 def replay(traces, *args):
-    r = run("moe_spec.replay.cli", "--traces", traces, "--no-progress", "--threads", "1", *args)
+    r = call("moe_spec.replay.cli", "--traces", traces, "--no-progress", "--threads", "1", *args)
     assert r.returncode == 0, r.stderr
     return r
 

@@ -88,6 +88,7 @@ def test_cache_after_acceptance_equals_fresh_forward(pair):
 PROMPTS = [(b, i) for b in ("mbpp", "gsm8k", "humaneval") for i in range(7)]
 
 
+@pytest.mark.slow  # 21 prompts decoded twice per family
 def test_greedy_eagle_equals_transformers_generate(pair):
     loaded, head = pair
     dec = EagleDecoder(loaded.model, head)
@@ -146,6 +147,7 @@ def _chi2_ok(counts: dict, expected: dict, n: int) -> bool:
     return stat < chi2.ppf(0.999, max(dof, 1))
 
 
+@pytest.mark.slow  # a chi-square over many draws: a minute of CPU
 def test_rejection_sampling_preserves_target_distribution_exactly_on_a_synthetic_tree():
     """root → children {0, 1, 2}; node of token 0 has children {1, 3}. Target distributions per
     node are fixed; emitted (x1, x2) must follow p_root(x1)·p_{x1}(x2) (x2 only when x1 is a
@@ -176,6 +178,7 @@ def test_rejection_sampling_preserves_target_distribution_exactly_on_a_synthetic
     assert _chi2_ok(counts, expected, n)
 
 
+@pytest.mark.slow  # many draws: a minute of CPU
 def test_wrong_residual_would_fail_the_synthetic_check():
     """The check has power: the true law passes, a residual-free sampler's law is rejected."""
     tree = DraftTree(tokens=torch.tensor([4, 0, 1]), parents=torch.tensor([-1, 0, 0]),
@@ -197,6 +200,7 @@ def test_wrong_residual_would_fail_the_synthetic_check():
     assert not _chi2_ok(counts, wrong, n)
 
 
+@pytest.mark.slow  # many sampled decodes
 def test_speculative_sampling_end_to_end_matches_plain_sampling():
     """tiny-mixtral, T=1 with top-k 3: the joint law of the first two generated tokens (the
     second one comes through tree acceptance) equals the target's, over 300 seeds."""

@@ -12,6 +12,8 @@ from moe_spec.capture import cli as capture_cli
 from moe_spec.tasks import benchmarks, scoring
 from moe_spec.tasks.sandbox import run_python
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 
 def prompt(bench, i=0):
     return benchmarks.load(bench, offset=i, limit=1)[0]

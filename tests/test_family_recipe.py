@@ -124,6 +124,7 @@ def test_families_are_found_in_order_and_a_module_that_is_no_family_is_refused(t
         families.discover("somefamilies")
 
 
+@pytest.mark.slow  # a fresh process
 def test_a_record_is_plain_data():
     """The moe layer stays free of torch and transformers: a record names its transformers
     classes by ``model_type`` only, and importing the registry (what every --help reads) loads
@@ -138,6 +139,7 @@ def test_a_record_is_plain_data():
         assert f.tiny.router is None or isinstance(f.tiny.router, dict)
 
 
+@pytest.mark.slow  # a fresh process on a modified copy
 def test_adding_a_family_is_adding_its_module(tmp_path):
     """The recipe of docs/architecture.md: a copy of moe/ with one new module in moe/families/
     has the family in the routing lookup, the aliases, the embedded models, the real shapes,

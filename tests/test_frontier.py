@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import polars as pl
 import pytest
 
 from moe_spec.analysis import cost, frames

@@ -26,6 +26,8 @@ from moe_spec.policy.rankings.base import by_squared_mass
 from moe_spec.policy.routing import RoutingRule
 from moe_spec.replay import cli as replay_cli
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 CAP = ["--bench", "mbpp", "--max-new-tokens", "10", "--no-progress"]
 
 

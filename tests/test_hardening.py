@@ -13,11 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import recommit
-from helpers import CAP, QUERY, one_line_error, run
+from helpers import CAP, QUERY, call, one_line_error
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from moe_spec.capture import cli as capture_cli
+
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +28,10 @@ def pristine(tmp_path_factory):
     root = tmp_path_factory.mktemp("pristine")
     traces = root / "traces"
     assert capture_cli.main([*CAP, "--limit", "2", "--out", str(traces), "--run", "r"]) == 0
-    r = run("moe_spec.replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
-            "16", "--no-progress", "--out", root / "results")
+    r = call("moe_spec.replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
+             "16", "--no-progress", "--out", root / "results")
     assert r.returncode == 0, r.stderr
-    q = run("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
+    q = call("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
     assert q.returncode == 0
     return traces, results_of(root / "results"), q.stdout
 
@@ -52,10 +54,10 @@ def test_absurd_values_in_a_trace_are_caught_naming_the_file(pristine, tmp_path)
     t = t.set_column(t.schema.get_field_index("hidden"), "hidden",
                      _lists(bfloat16_bits(hidden), pa.uint16()))
     pq.write_table(t, part)
-    r = run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
+    r = call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
     one_line_error(r, part.name, "commit record")  # the file is not the one captured
     recommit(traces)  # and as if a capture had written these values: its values are checked
-    r = run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
+    r = call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
     one_line_error(r, part.name, "non-finite or out-of-range")
 
 
@@ -72,10 +74,10 @@ def test_absurd_values_in_a_trace_are_caught_naming_the_file(pristine, tmp_path)
 ])
 def test_query_refuses_anything_but_a_read_only_query(pristine, sql, words):
     traces = pristine[0]
-    r = run("moe_spec.analysis.query_cli", sql.replace("TRACES", str(traces)), "--traces", traces)
+    r = call("moe_spec.analysis.query_cli", sql.replace("TRACES", str(traces)), "--traces", traces)
     one_line_error(r, *words)
     assert not (traces / "inside.csv").exists()
-    assert run("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv").stdout == \
+    assert call("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv").stdout == \
         pristine[2]
 
 
@@ -152,10 +154,10 @@ def test_the_app_refuses_traces_that_are_not_a_folder(launched, capsys, tmp_path
 def test_training_refuses_a_non_empty_folder_without_force(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "keep.txt").write_text("precious")
-    r = run("moe_spec.training.cli:train_tiny", "--model", "tiny-olmoe", "--out", tmp_path / "model")
+    r = call("moe_spec.training.cli:train_tiny", "--model", "tiny-olmoe", "--out", tmp_path / "model")
     one_line_error(r, "exists and is not empty", "--force")
     assert (tmp_path / "model" / "keep.txt").read_text() == "precious"
-    r = run("moe_spec.training.cli:train_tiny", "--model", "tiny-olmoe")  # the shipped model's folder
+    r = call("moe_spec.training.cli:train_tiny", "--model", "tiny-olmoe")  # the shipped model's folder
     one_line_error(r, "exists and is not empty")
 
 
@@ -166,11 +168,11 @@ def test_results_follow_the_runs_prompts(pristine, tmp_path):
     seq = traces / "sequences" / "model=tiny-olmoe" / "bench=mbpp" / "run=r"
     moved = tmp_path / "seq"
     shutil.move(seq, moved)
-    r = run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
+    r = call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--no-progress")
     one_line_error(r, "sequences", "part-000000-0000.parquet is missing")
     shutil.move(moved, seq)
-    r = run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
-            "--no-progress")
+    r = call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+             "--no-progress")
     assert r.returncode == 0 and "reused" not in r.stderr
     assert results_of(traces).equals(pristine[1])
 
@@ -182,18 +184,18 @@ def test_running_captures_and_interrupted_replays_are_not_shown(pristine, tmp_pa
     manifest_path = next(traces.glob("runs/**/_manifest.json"))
     manifest = json.loads(manifest_path.read_text())
     manifest_path.write_text(json.dumps({**manifest, "status": "running"}))
-    r = run("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM trees", "--traces", traces,
-            "--format", "csv")
+    r = call("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM trees", "--traces", traces,
+             "--format", "csv")
     assert r.returncode == 0 and r.stdout.splitlines()[1] == "0"  # the running run is excluded
     manifest_path.write_text(json.dumps(manifest))
-    assert run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
-               "--no-progress").returncode == 0
+    assert call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+                "--no-progress").returncode == 0
     for config in traces.glob("replay_open/**/_config.json"):
         state = json.loads(config.read_text())
         state["blocks"][0]["status"] = "running"  # as if killed mid-sweep
         config.write_text(json.dumps(state))
-    q = run("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM replay_open", "--traces", traces,
-            "--format", "csv")
+    q = call("moe_spec.analysis.query_cli", "SELECT count(*) AS n FROM replay_open", "--traces", traces,
+             "--format", "csv")
     assert q.returncode != 0 or q.stdout.splitlines()[1] == "0"
 
 
@@ -216,25 +218,25 @@ def test_bad_options_are_one_line(pristine, module, args, words):
     traces = pristine[0]
     extra = {"moe_spec.capture.cli": [*CAP[:4], "--out", traces.parent / "x"],
              "moe_spec.replay.cli": ["--traces", traces, "--no-progress"]}.get(module, [])
-    one_line_error(run(module, *extra, *args, timeout=120), *words)
+    one_line_error(call(module, *extra, *args, timeout=120), *words)
 
 
 def test_unwritable_outputs_are_one_line(pristine, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     traces = pristine[0]
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "24",
-                       "--out", blocker / "out", "--no-progress"), "cannot write")
-    one_line_error(run("moe_spec.analysis.report", "--traces", traces, "--out", blocker / "r"),
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "24",
+                        "--out", blocker / "out", "--no-progress"), "cannot write")
+    one_line_error(call("moe_spec.analysis.report", "--traces", traces, "--out", blocker / "r"),
                    "cannot write")
-    one_line_error(run("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--out",
-                       blocker / "q.csv", "--format", "csv"), "cannot write")
+    one_line_error(call("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--out",
+                        blocker / "q.csv", "--format", "csv"), "cannot write")
 
 
 def test_a_traces_path_with_an_apostrophe_works(pristine, tmp_path):
     odd = tmp_path / "it's traces"
     shutil.copytree(pristine[0], odd)
-    r = run("moe_spec.analysis.query_cli", QUERY, "--traces", odd, "--format", "csv")
+    r = call("moe_spec.analysis.query_cli", QUERY, "--traces", odd, "--format", "csv")
     assert r.returncode == 0 and r.stdout == pristine[2]
 
 
@@ -243,18 +245,18 @@ def test_broken_manifests_are_one_line(pristine, tmp_path, content):
     traces = tmp_path / "t"
     shutil.copytree(pristine[0], traces)
     next(traces.glob("runs/**/_manifest.json")).write_text(content)
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--no-progress"), "_manifest.json")
-    one_line_error(run("moe_spec.analysis.query_cli", QUERY, "--traces", traces), "_manifest.json")
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--no-progress"), "_manifest.json")
+    one_line_error(call("moe_spec.analysis.query_cli", QUERY, "--traces", traces), "_manifest.json")
 
 
 def test_a_torn_result_config_is_one_line(pristine, tmp_path):
     traces = tmp_path / "t"
     shutil.copytree(pristine[0], traces)
-    assert run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
-               "--no-progress").returncode == 0
+    assert call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+                "--no-progress").returncode == 0
     next(traces.glob("replay_open/**/_config.json")).write_text('{"blocks": [')
-    one_line_error(run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
-                       "--no-progress"), "corrupt replay result config")
+    one_line_error(call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+                        "--no-progress"), "corrupt replay result config")
 
 
 # --- the corruption property ---------------------------------------------------------------------
@@ -296,20 +298,20 @@ def test_any_corruption_gives_the_exact_result_or_one_line(pristine, tmp_path_fa
     traces = root / "traces"
     shutil.copytree(traces_src, traces)
     what = corrupt(traces, kind, pick, random.Random(seed))
-    r = run("moe_spec.replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
-            "16", "--no-progress", "--out", root / "results")
+    r = call("moe_spec.replay.cli", "--traces", traces, "--run", "r", "--ranking", "router", "--budget",
+             "16", "--no-progress", "--out", root / "results")
     if r.returncode == 0:
         got = results_of(root / "results")
         assert got.equals(expected), what  # exit 0 means the exact result
         assert np.isfinite(got[["rse", "token_error"]].to_numpy()).all(), what
     else:
         one_line_error(r)
-    q = run("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
+    q = call("moe_spec.analysis.query_cli", QUERY, "--traces", traces, "--format", "csv")
     if q.returncode == 0:
         assert q.stdout == query_out, what
     else:
         one_line_error(q)
-    rep = run("moe_spec.analysis.report", "--traces", traces, "--out", root / "report")
+    rep = call("moe_spec.analysis.report", "--traces", traces, "--out", root / "report")
     if rep.returncode == 0:
         html = next((root / "report").glob("*.html")).read_text()
         assert "NaN" not in html.split("<script")[0], what

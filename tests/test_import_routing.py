@@ -310,7 +310,7 @@ def test_sglang_start_len_is_a_request_option_never_read_from_meta_info(tmp_path
     path = write_lines(tmp_path / "s.jsonl", [record])
     refused(capsys, tmp_path, "sglang", path, "--prompt-start 3")
     for option in ("3", "auto"):
-        s = import_routing.import_routing(
+        import_routing.import_routing(
             FORMATS["sglang"], path, f, tmp_path / "t", "b", f"s{option}", progress=False,
             options=ReadOptions(prompt_start=int(option) if option.isdigit() else option))
         got = next(tokens.requests(the_run(tmp_path / "t", f"s{option}")))

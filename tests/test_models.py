@@ -1,11 +1,10 @@
 """Model registry: aliases, hub ids, local folders, offline failures, device and dtype."""
 
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from helpers import call
 
 from moe_spec.moe import models
 
@@ -75,8 +74,7 @@ def test_embedded_models_load_with_their_tokenizers(embedded):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "moe_spec.profiling.inspect_model", *args],
-                          capture_output=True, text=True, timeout=120)
+    return call("moe_spec.profiling.inspect_model", *args)
 
 
 def test_cli_bad_model_is_one_line_and_nonzero():

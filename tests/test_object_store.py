@@ -19,6 +19,8 @@ from moe_spec.capture import cli as capture_cli
 from moe_spec.catalog import location, schema
 from moe_spec.replay import cli as replay_cli
 
+pytestmark = pytest.mark.slow  # Ray, S3 servers; scripts/test.sh --fast leaves it out
+
 pytest.importorskip("moto.server", reason="moto[server] is a dev dependency")
 
 TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds"}

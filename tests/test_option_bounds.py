@@ -7,7 +7,7 @@ import os
 
 import pytest
 from helpers import CAP_ONE as CAP
-from helpers import exit_code, one_line, one_line_error, run
+from helpers import call, exit_code, one_line, one_line_error
 
 from moe_spec.capture import cli as capture_cli
 
@@ -112,14 +112,14 @@ def test_capture_checks_budget_and_calibration_before_the_model_loads(args, word
 def test_numeric_options_are_bounded(replayed, tmp_path, module, args, words):
     extra = {"moe_spec.capture.cli": [*CAP[:4], "--out", tmp_path / "x"],
              "moe_spec.replay.cli": ["--traces", replayed[0], "--no-progress"]}[module]
-    one_line_error(run(module, *extra, *args, timeout=120), *words)
+    one_line_error(call(module, *extra, *args, timeout=120), *words)
 
 
 def test_a_config_file_cannot_ask_for_absurd_numbers(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text("max_new_tokens = 99999999999999999999\n")
-    one_line_error(run("moe_spec.capture.cli", *CAP[:4], "--config", config, "--out", tmp_path / "x",
-                       timeout=120), "--max-new-tokens", "out of range")
+    one_line_error(call("moe_spec.capture.cli", *CAP[:4], "--config", config, "--out", tmp_path / "x",
+                        timeout=120), "--max-new-tokens", "out of range")
 
 
 def test_workers_are_capped_at_the_prompts_and_cpus(capsys):

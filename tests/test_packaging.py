@@ -10,6 +10,7 @@ import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import pytest
 from test_layering import NAMESPACE, PACKAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,7 @@ def build_isolation() -> list[str]:
     return ["--no-build-isolation"] if recent else []
 
 
+@pytest.mark.slow  # builds the wheel
 def test_the_wheel_holds_one_top_level_package_with_every_module(tmp_path):
     """Built from a copy of what the wheel reads (setuptools leaves build/ where it builds)."""
     source = tmp_path / "source"

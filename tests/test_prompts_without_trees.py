@@ -12,6 +12,8 @@ from moe_spec.catalog import Catalog, reader
 from moe_spec.eagle.decoding import EagleDecoder
 from moe_spec.replay import cli as replay_cli
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress",
        "--threads", "1"]
 FIRST_TOKEN_EOS = {1, 2}  # prompts (seed = --seed 0 + prompt index) whose every token is EOS

@@ -21,6 +21,7 @@ def test_every_embedded_model_has_a_training_spec_and_record():
         assert rec["training"]["seconds"] > 0 and rec["training"]["tokens"] > 0
 
 
+@pytest.mark.slow  # held-out loss and routing per family: about 40 s of CPU each
 def test_recorded_quality_is_what_the_model_measures(embedded):
     rec = record_of(embedded.name)
     now = quality.measure(embedded.model, embedded.tokenizer)

@@ -8,6 +8,8 @@ from moe_spec.analysis import query_cli
 from moe_spec.analysis.sql import connect, views
 from moe_spec.capture import cli as capture_cli
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):

@@ -1,17 +1,17 @@
 """replay end to end through the real CLI on captured tiny-olmoe trees."""
 
-import subprocess
-import sys
-
 import duckdb
 import polars as pl
 import pyarrow.parquet as pq
 import pytest
+from helpers import call
 from hypothesis import given
 from hypothesis import strategies as st
 
 from moe_spec.capture import cli as capture_cli
 from moe_spec.replay import cli
+
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
 
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress"]
 
@@ -26,8 +26,7 @@ def traces(tmp_path_factory):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "moe_spec.replay.cli", *args], capture_output=True,
-                          text=True, timeout=600)
+    return call("moe_spec.replay.cli", *args)
 
 
 def results(root, table):

@@ -2,7 +2,9 @@
 
 from html.parser import HTMLParser
 
+import pytest
 from helpers import capture_model_folder
+
 from moe_spec.analysis import report
 
 PAYLOAD = "</title><script>alert(document.domain)</script>"
@@ -30,6 +32,7 @@ class _Page(HTMLParser):
         (self.scripts if self._script else self.text).append(data)
 
 
+@pytest.mark.slow  # captures
 def test_a_hostile_model_name_and_labels_stay_text_in_the_report(tmp_path, monkeypatch):
     # a real capture of a model whose name (its folder, free text in the manifest) is a payload
     monkeypatch.chdir(tmp_path)  # (restored afterwards)

@@ -1,11 +1,14 @@
 """report and profile-target through their real entry points."""
 
 import polars as pl
+import pytest
 
 from moe_spec.analysis import report
 from moe_spec.capture import cli as capture_cli
 from moe_spec.profiling import profile_target
 from moe_spec.replay import cli as replay_cli
+
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
 
 
 def test_report_writes_one_self_contained_html_per_dataset(tmp_path):

@@ -5,13 +5,15 @@ record says what the old tiny-deepseek-v3's did (1.76× uniform top-k mass, entr
 
 import json
 import shutil
-import subprocess
 import sys
 
 import pytest
+from helpers import call
 from streamlit.testing.v1 import AppTest
 
 from moe_spec.moe import models
+
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
 
 
 def record(topk_mass: float, entropy: float, n: int = 64, k: int = 8) -> dict:
@@ -44,12 +46,9 @@ def test_the_rule_and_the_embedded_models():
 @pytest.mark.parametrize("warns", [True, False])
 def test_inspect_model_says_it(near_uniform, warns):
     model = str(near_uniform) if warns else "tiny-olmoe"
-    done = subprocess.run([sys.executable, "-m", "moe_spec.profiling.inspect_model", "--model", model],
-                          capture_output=True, text=True)
+    done = call("moe_spec.profiling.inspect_model", "--model", model)
     assert done.returncode == 0 and ("warning: routing is near-uniform" in done.stdout) == warns
-    done = subprocess.run([sys.executable, "-m", "moe_spec.profiling.inspect_model", "--model", model,
-                           "--json"],
-                          capture_output=True, text=True)
+    done = call("moe_spec.profiling.inspect_model", "--model", model, "--json")
     assert (json.loads(done.stdout)["routing_warning"] is not None) == warns
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from helpers import QUERY, copy_of, exit_code, one_line, one_line_error, run
+from helpers import QUERY, call, copy_of, exit_code, one_line, one_line_error, run
 
 from moe_spec.capture.background import WriterFailed
 from moe_spec.capture.run import write_errors
@@ -40,7 +40,7 @@ def test_query_never_replaces_a_fifo_or_a_symlink(replayed, tmp_path):
 
 
 def test_query_out_dash_is_stdout(replayed, tmp_path):
-    r = run("moe_spec.analysis.query_cli", QUERY, "--traces", replayed[0], "--format", "csv", "--out", "-")
+    r = call("moe_spec.analysis.query_cli", QUERY, "--traces", replayed[0], "--format", "csv", "--out", "-")
     assert r.returncode == 0 and r.stdout.strip() == replayed[1].strip()
     assert not (replayed[0].parent / "-").exists() and not (tmp_path / "-").exists()
 
@@ -51,14 +51,14 @@ def test_replay_and_evaluate_outputs_refuse_links_and_folders(replayed, tmp_path
     target.write_text("precious")
     link = tmp_path / "summary.json"
     link.symlink_to(target)
-    r = run("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
-            "--no-progress", "--output", link)
+    r = call("moe_spec.replay.cli", "--traces", traces, "--ranking", "router", "--budget", "16",
+             "--no-progress", "--output", link)
     one_line_error(r, "symbolic link")
     assert target.read_text() == "precious" and link.is_symlink()
     folder = tmp_path / "a-folder"
     folder.mkdir()
-    r = run("moe_spec.analysis.evaluate_cli", "--traces", traces, "--benchmarks", BENCHMARKS, "--output",
-            folder)
+    r = call("moe_spec.analysis.evaluate_cli", "--traces", traces, "--benchmarks", BENCHMARKS, "--output",
+             folder)
     one_line_error(r, "a folder")
     assert not [p for p in tmp_path.rglob("*.tmp")]
 
@@ -67,8 +67,8 @@ def test_train_tiny_refuses_a_symlink_out_before_training(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
     start = time.monotonic()
-    r = run("moe_spec.training.cli:train_tiny", "--model", "tiny-olmoe", "--out", tmp_path / "link",
-            "--force", "--steps", "2000", timeout=120)
+    r = call("moe_spec.training.cli:train_tiny", "--model", "tiny-olmoe", "--out", tmp_path / "link",
+             "--force", "--steps", "2000", timeout=120)
     one_line_error(r, "symbolic link")
     assert time.monotonic() - start < 60 and (tmp_path / "link").is_symlink()
 

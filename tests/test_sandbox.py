@@ -273,6 +273,7 @@ def test_twenty_setsid_children_do_not_break_a_later_program():
     assert survivors(later) == []
 
 
+@pytest.mark.slow  # kills a harness process
 def test_the_sandbox_dies_at_its_limit_even_if_the_harness_is_killed(tmp_path):
     mark = marker()
     script = tmp_path / "harness.py"
@@ -407,6 +408,7 @@ def hostile_run(tmp_path_factory):
     return traces
 
 
+@pytest.mark.slow  # captures
 def test_evaluate_scores_an_early_exit_zero(hostile_run, tmp_path):
     from moe_spec.analysis import evaluate_cli
     out = tmp_path / "q.json"
@@ -418,6 +420,7 @@ def test_evaluate_scores_an_early_exit_zero(hostile_run, tmp_path):
     assert scores == [(0.0, "failed"), (1.0, "passed")], rows
 
 
+@pytest.mark.slow  # captures
 def test_evaluate_without_a_sandbox_is_one_line(hostile_run, monkeypatch, capsys):
     from moe_spec.analysis import evaluate_cli
     monkeypatch.setattr(sandbox, "SYSTEM_PATH", "/nonexistent")

@@ -254,17 +254,17 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     the calibration run and hands every batch its MoE inputs, open and closed loop: no
     fallback warning (sketch-gated's sketch included), and the saved artifact is a surrogate
     (not coact-prior's record)."""
-    from helpers import run
+    from helpers import call
     cap = ["--model", "tiny-olmoe", "--limit", "1", "--max-new-tokens", "8", "--no-progress",
            "--threads", "1", "--out", tmp_path]
-    assert run("moe_spec.capture.cli", *cap, "--bench", "mbpp", "--run", "ev").returncode == 0
-    assert run("moe_spec.capture.cli", *cap, "--bench", "gsm8k", "--run", "cal", "--role",
-               "calibration").returncode == 0
+    assert call("moe_spec.capture.cli", *cap, "--bench", "mbpp", "--run", "ev").returncode == 0
+    assert call("moe_spec.capture.cli", *cap, "--bench", "gsm8k", "--run", "cal", "--role",
+                "calibration").returncode == 0
     for mode, budgets, extra in (("open", "8,16,24,32", ["oracle"]), ("closed", "8", [])):
-        r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
-                "--ranking", "sketch", "sketch-post", "sketch-gated", "router", *extra,
-                "--coverage", "substitution", "--budget",
-                budgets, "--mode", mode, "--no-progress", "--threads", "1")
+        r = call("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
+                 "--ranking", "sketch", "sketch-post", "sketch-gated", "router", *extra,
+                 "--coverage", "substitution", "--budget",
+                 budgets, "--mode", mode, "--no-progress", "--threads", "1")
         assert r.returncode == 0, r.stderr
         assert "coact-prior's shortlists" not in r.stderr, r.stderr
         assert "sketch-post" in r.stdout and "sketch-gated" in r.stdout, r.stdout  # replayed
@@ -272,9 +272,9 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
         if mode == "open":  # the summary says how much of it the surrogate ranked
             assert "sketch: its surrogate ranked every tree-layer" in r.stdout, r.stdout
             assert "sketch-gated: its surrogate ranked" in r.stdout, r.stdout
-    q = run("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
-            "SELECT ranking, avg(surrogate_ranked::INT) AS share, count(*) AS n FROM replay_open "
-            "GROUP BY ALL ORDER BY ALL")
+    q = call("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
+             "SELECT ranking, avg(surrogate_ranked::INT) AS share, count(*) AS n FROM replay_open "
+             "GROUP BY ALL ORDER BY ALL")
     share = {line.split(",")[0]: float(line.split(",")[1])
              for line in q.stdout.strip().splitlines()[1:]}
     assert share["sketch"] == share["sketch-post"] == 1 and share["router"] == 0, q.stdout
@@ -282,22 +282,22 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     # the oracle replayed without a token-aware ranking starts without them: another variant
     # (computed, not answered by the stronger one), named so; the default view and an
     # uncalibrated request take the token-aware one
-    r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
-            "--ranking", "oracle", "--coverage", "substitution", "--budget", "8", "--no-progress",
-            "--threads", "1")
+    r = call("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--calibration", "cal",
+             "--ranking", "oracle", "--coverage", "substitution", "--budget", "8", "--no-progress",
+             "--threads", "1")
     assert r.returncode == 0 and "reused" not in r.stdout.lower(), r.stdout + r.stderr
-    r = run("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--ranking", "oracle",
-            "--coverage", "substitution", "--budget", "8", "--no-progress", "--threads", "1")
+    r = call("moe_spec.replay.cli", "--traces", tmp_path, "--run", "ev", "--ranking", "oracle",
+             "--coverage", "substitution", "--budget", "8", "--no-progress", "--threads", "1")
     assert r.returncode == 0 and "with the token-aware starts" in r.stderr + r.stdout, r.stderr
-    q = run("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
-            "SELECT token_aware_starts, count(DISTINCT config) AS n, sum(rse) AS s FROM "
-            "replay_open_all WHERE ranking = 'oracle' AND budget = 8 GROUP BY ALL ORDER BY 1")
+    q = call("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
+             "SELECT token_aware_starts, count(DISTINCT config) AS n, sum(rse) AS s FROM "
+             "replay_open_all WHERE ranking = 'oracle' AND budget = 8 GROUP BY ALL ORDER BY 1")
     assert q.returncode == 0, q.stderr
     rows = [line.split(",") for line in q.stdout.strip().splitlines()[1:]]
     assert [(a, n) for a, n, _ in rows] == [("false", "1"), ("true", "1")], q.stdout
     assert float(rows[1][2]) <= float(rows[0][2]) + 1e-9, rows  # more starts: never worse
-    q = run("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
-            "SELECT DISTINCT token_aware_starts FROM replay_open WHERE ranking = 'oracle'")
+    q = call("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
+             "SELECT DISTINCT token_aware_starts FROM replay_open WHERE ranking = 'oracle'")
     assert q.stdout.split() == ["token_aware_starts", "true"], q.stdout + q.stderr
     saved = list((tmp_path / "replay_open").rglob("sketch*"))
     assert saved and all(b"fallback" not in p.read_bytes()[:4096] for p in saved), saved

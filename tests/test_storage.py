@@ -54,6 +54,7 @@ def test_seeded_fraction_of_passes_is_deterministic_and_about_right():
                     for p in range(40) for s in range(50)]
 
 
+@pytest.mark.slow  # captures
 def test_partial_storage_is_recorded_complete_where_it_must_be_and_replay_says_so(tmp_path,
                                                                                  capsys):
     assert capture_cli.main([*CAP, "--limit", "2", "--out", str(tmp_path), "--run", "p",
@@ -77,6 +78,7 @@ def test_partial_storage_is_recorded_complete_where_it_must_be_and_replay_says_s
     assert set(res["step"].to_pylist()) == set(io["step"].to_pylist())
 
 
+@pytest.mark.slow  # captures
 def test_bf16_end_to_end_is_lossless_and_exact_at_full_budget(tmp_path):
     """A bf16 model captured in bf16: the stored inputs decode to exactly the model's bf16
     values, replay recomputes in fp32 and passes its check, and B = N reproduces the gold."""
@@ -97,6 +99,7 @@ def test_bf16_end_to_end_is_lossless_and_exact_at_full_budget(tmp_path):
     assert res[res.budget == 16].rse.min() > 0
 
 
+@pytest.mark.slow  # captures
 def test_a_corrupt_recomputed_run_is_caught_by_the_stored_norms(tmp_path):
     assert capture_cli.main([*CAP, "--limit", "1", "--out", str(tmp_path), "--run", "c"]) == 0
     part = next((tmp_path / "moe_io").rglob("*.parquet"))
@@ -158,6 +161,7 @@ def test_capture_and_replay_at_olmoe_width(tmp_path):
     assert res[res.budget == 64].rse.max() < 1e-10 and res[res.budget == 8].rse.min() > 0
 
 
+@pytest.mark.slow  # a fresh process
 def test_gpu_check_skips_cleanly_without_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: scripts/gpu-check.sh runs for real there")

@@ -16,6 +16,8 @@ from moe_spec.analysis.sql import connect
 from moe_spec.capture import cli as capture_cli
 from moe_spec.catalog import Catalog, CatalogError
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 CAP = ["--max-new-tokens", "10", "--no-progress"]
 
 

@@ -8,6 +8,8 @@ from hypothesis import strategies as st
 from moe_spec.catalog.reader import PromptTreeLayers
 from moe_spec.replay import virtual_batch
 
+pytestmark = pytest.mark.slow  # end to end (captures); scripts/test.sh --fast leaves it out
+
 
 def data(prompt: int, steps: int, layers=(0, 1), n=4, k=2, m=3, seed=0) -> PromptTreeLayers:
     rng = np.random.default_rng([seed, prompt])

@@ -51,6 +51,7 @@ def test_an_unreachable_ray_address_fails_fast(replayed, tmp_path):
     assert time.monotonic() - start < 110
 
 
+@pytest.mark.slow  # a fresh process and Ray
 def test_capture_refuses_a_ray_address_that_is_not_ray(web_server, tmp_path):
     r = run("moe_spec.capture.cli", *CAP, "--out", tmp_path / "t", "--ray-address", web_server,
             timeout=90)  # it retried for ever
@@ -63,6 +64,7 @@ def test_capture_refuses_an_unreachable_ray_address_before_the_model_loads(tmp_p
     one_line(capsys, code, "127.0.0.1:1", "--ray-address")
 
 
+@pytest.mark.slow  # a fresh process and Ray
 def test_joining_a_cluster_that_is_not_ray_answers_in_one_line(web_server):
     """What replay (and capture's workers) call to join: a handshake with a deadline."""
     pytest.importorskip("ray")

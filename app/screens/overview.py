@@ -75,8 +75,8 @@ def per_setting(runs: pl.DataFrame, frame: pl.DataFrame) -> pl.DataFrame:
         pl.col("model").map_elements(partition_value, return_dtype=pl.String).alias("_part"))
     both = frame.join(keyed.drop("model").rename({"_part": "model"}), on=["model", "bench", "run"])
     rows = []
-    for (model, bench), data in both.group_by(["model", "bench"], maintain_order=True):
-        settings = {s: json.loads(s) for s in data["setting"].unique(maintain_order=True)}
+    for (model, bench), dataset in both.group_by(["model", "bench"], maintain_order=True):
+        settings = {s: json.loads(s) for s in dataset["setting"].unique(maintain_order=True)}
         differ = differing_keys(list(settings.values()))
         for setting, mine in data.group_by("setting", maintain_order=True):
             w = mine["trees"].cast(pl.Float64)
