@@ -78,7 +78,7 @@ def per_setting(runs: pl.DataFrame, frame: pl.DataFrame) -> pl.DataFrame:
     for (model, bench), dataset in both.group_by(["model", "bench"], maintain_order=True):
         settings = {s: json.loads(s) for s in dataset["setting"].unique(maintain_order=True)}
         differ = differing_keys(list(settings.values()))
-        for setting, mine in data.group_by("setting", maintain_order=True):
+        for setting, mine in dataset.group_by("setting", maintain_order=True):
             w = mine["trees"].cast(pl.Float64)
             rows.append(dict(dataset=f"{model} / {bench}",
                              setting=views.setting_label(settings[setting[0]], differ),
