@@ -63,8 +63,8 @@ def measure(traces: Path, model: str, bench: str, cpu) -> dict:
     part = partition_value(model)
     location, trees, settings = con.execute(
         "SELECT any_value(r.model_location), count(*), any_value(r.settings) FROM trees t "
-        f"JOIN runs r USING (model, bench, run) WHERE t.model = '{part}' AND t.bench = '{bench}' "
-        "AND t.budget IS NULL AND r.role = 'evaluation'").fetchall()[0]
+        "JOIN runs r USING (model, bench, run) WHERE t.model = ? AND t.bench = ? "
+        "AND t.budget IS NULL AND r.role = 'evaluation'", [part, bench]).fetchall()[0]
     depth = json.loads(settings or "{}").get("depth") or 7  # the draft's depth
     real = frames.real_target(dict(model_location=location, model=model), model)
     name, target = real if real else (f"captured shape ({model})", frames.model_shape(location))

@@ -27,6 +27,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture(autouse=True)
+def _no_legacy_reads(monkeypatch):
+    """Every test starts without ``$MOESPEC_ALLOW_LEGACY`` and leaves none behind: an in-process
+    ``query``/``report --allow-legacy`` sets it for its process (so that the SQL child reads
+    what its parent may), which would let every later test's commands read unverified runs."""
+    from moe_spec.catalog.runs import LEGACY_ENV
+    monkeypatch.setenv(LEGACY_ENV, "0")  # records the value to restore (delenv of an unset
+    monkeypatch.delenv(LEGACY_ENV)  # variable records nothing, and the test's setting would stay)
+
+
 @pytest.fixture(scope="session", params=models.EMBEDDED)
 def embedded(request) -> models.LoadedModel:
     """Each embedded tiny model, loaded through the registry in fp32 on the CPU."""

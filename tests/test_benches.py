@@ -632,6 +632,22 @@ def test_sketch_render_refuses_another_bench_s_output():
     assert "Traceback" not in done.stderr
 
 
+@smoke("frontier.py")
+def test_frontier_bench_gives_every_ranking_a_row_per_hardware(tmp_path):
+    """The frontier at its smallest: one prompt, router and oracle open loop, router closed loop
+    at one budget; every (ranking, coverage) replayed has a row on every hardware profile."""
+    out = tmp_path / "f.json"
+    run("bench/frontier.py", "--traces", str(tmp_path / "t"), "--prompts", "1",
+        "--max-new-tokens", "4", "--rankings", "router", "oracle", "--closed-rankings", "router",
+        "--closed-budgets", "8", "--threads", "1", "--output", str(out))
+    found = json.loads(out.read_text())
+    assert found["tool"] == "bench/frontier.py" and found["trees"] > 0
+    rows = {(r["ranking"], r["coverage"], r["hardware"]) for r in found["rows"]}
+    assert {r for r, _, _ in rows} == {"router", "oracle"}
+    hardware = {h for _, _, h in rows}
+    assert len(hardware) >= 4 and len(rows) == len({(r, c) for r, c, _ in rows}) * len(hardware)
+
+
 @pytest.fixture(scope="module")
 def adaptive_budget(tmp_path_factory):
     """One tiny adaptive-budget study (tiny-mixtral: N = 8, so B̄ reaches N): its result file."""

@@ -183,3 +183,31 @@ def test_the_report_notes_the_variants_and_draws_the_one_picked(folders, tmp_pat
     capsys.readouterr()
     one_line(capsys, report.main(["--traces", str(busy), "--out", str(out), "--variant",
                                   "nope"]), "--variant nope names no stored replay variant")
+
+
+def test_the_speedup_projection_reads_one_variant_per_ranking(folders, tmp_path):
+    """The projection's measured quality is one whole variant of the ranking: the default
+    rule's (the cal sweep, B = 8, 16, 24) or the one picked (cal-gsm8k: B = 16, 32), never
+    budgets of both."""
+    from moe_spec.analysis import summaries
+    busy = tmp_path / "t"
+    shutil.copytree(folders[0], busy)
+    summaries.ensure(busy, workers=1)  # the routing summaries the projection reads
+    default = frames.routing_statistics(con(busy), "tiny-olmoe", "mbpp", ranking="coact",
+                                        coverage="substitution")
+    picked = frames.routing_statistics(con(busy, variants=("cal-gsm8k",)), "tiny-olmoe", "mbpp",
+                                       ranking="coact", coverage="substitution")
+    assert sorted(default["quality"]) == [8, 16, 24]
+    assert sorted(picked["quality"]) == [16, 32]
+
+
+def test_the_speedup_page_offers_the_variants(pages, monkeypatch):
+    at = replay_page(pages, monkeypatch)
+    at.switch_page("screens/speedup.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    setting = at.selectbox(key="speed_setting")
+    setting.set_value(next(o for o in setting.options if "runs ev" in o)).run()
+    assert not at.exception, [e.message for e in at.exception]
+    picker = at.multiselect(key="speed_variant")
+    assert any("calibrated on cal-gsm8k" in o for o in picker.options)
+    assert any("more than one stored variant" in c.value for c in at.caption)

@@ -48,8 +48,11 @@ def draw() -> None:
         st.info("Needs a plain EAGLE capture (no budget) of this dataset.")
         return
     run = run.row(0, named=True)
-    ranking, coverage = _ranking(page)
-    stats = routing_statistics(page.con, model, bench, ranking=ranking, coverage=coverage)
+    # one replay variant per curve, as on the Replay page: the one picked, else the default rule's
+    chosen = views.variant_picker(page.ds, page.roles, page.names, "speed_variant")
+    con = page.ds.con_for(page.roles, page.names, chosen)
+    ranking, coverage = _ranking(page, con)
+    stats = routing_statistics(con, model, bench, ranking=ranking, coverage=coverage)
     captured = model_shape(run["model_location"])
     if stats is None or captured is None:
         st.warning("The model's config could not be read for the cost model.")
@@ -68,16 +71,16 @@ def draw() -> None:
     _best(frame, top, stats, target_name, model, len(hardware),
           carried_over=not on_captured and target != captured)
     _at_budget(frame, top, target_name)
-    _frontier(page, target_name, target, hardware, run["depth"])
+    _frontier(page, con, target_name, target, hardware, run["depth"])
     quality_frontier(page.ds, page.roles, model, bench, target, hardware[0])
     _efficiency(page.ds.root, model)
 
 
-def _ranking(page: views.Page) -> tuple[str, str | None]:
+def _ranking(page: views.Page, con) -> tuple[str, str | None]:
     """The ranking (and coverage) whose measured quality the projection uses: every one
     replayed on this dataset, router first; router when nothing is replayed (the page then
     says exactly what is missing)."""
-    found = replayed_rankings(page.con, page.model, page.bench)
+    found = replayed_rankings(con, page.model, page.bench)
     if found.is_empty():
         st.caption("Ranking: none replayed on this dataset (no replay at all): `replay --ranking "
                    "router oracle coact-prior --calibration RUN --budget sweep` measures the "
@@ -94,12 +97,13 @@ def _ranking(page: views.Page) -> tuple[str, str | None]:
     return ranking, coverage
 
 
-def _frontier(page: views.Page, target_name: str, target, hardware: list, depth: int) -> None:
+def _frontier(page: views.Page, con, target_name: str, target, hardware: list,
+              depth: int) -> None:
     """MoE-Spec's headline table for this dataset: every replayed ranking's throughput gain over
     unbudgeted EAGLE at matched quality, on the target shape and each hardware profile."""
     from moe_spec.analysis.frames import frontier_markdown_rows
     st.subheader("Throughput gain over unbudgeted EAGLE at matched quality, per ranking")
-    table = frontier_table(page.con, page.model, page.bench, target, hardware, depth)
+    table = frontier_table(con, page.model, page.bench, target, hardware, depth)
     if table.is_empty():
         st.caption("Appears once a ranking is replayed on this dataset (no replay at all): "
                    "`replay --ranking router oracle coact-prior --calibration RUN --budget "
