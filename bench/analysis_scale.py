@@ -131,7 +131,8 @@ def write_prompt(args) -> int:
         "output_token_ids": pa.array([list(range(int(accepted.sum())))], pa.list_(pa.int32())),
         "steps": pa.array([steps], pa.int32()),
         "mean_accepted_length": pa.array([float(accepted.mean())]),
-        "wall_seconds": pa.array([1.0]), "stop_reason": pa.array(["length"])},
+        "wall_seconds": pa.array([1.0]), "stop_reason": pa.array(["length"]),
+        "prompt_tokens": pa.array([None], pa.int32())},  # a capture: its prompt ids say it
         schema=schema.TABLES["sequences"]))
     return rows // M
 
