@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from moe_spec.catalog import columns, commit, location, schema
+from moe_spec.catalog import columns, commit, location, parts, schema
 from moe_spec.catalog.names import InvalidName, check_name, partition_value
 from moe_spec.errors import UserError
 
@@ -377,8 +377,10 @@ class Run:
             except (pa.ArrowException, OSError, ValueError, KeyError) as exc:
                 raise CatalogError(f"{path}: corrupt or unreadable {table} part "
                                    f"({columns.reason(exc, path)}); recapture the run") from None
-            from moe_spec.catalog import reader  # (reader reads runs: imported when used)
-            reader.check_part(self, table, path)  # its numbers against the manifest
+            try:
+                parts.check_part(self.manifest, table, path)  # its numbers against the manifest
+            except parts.PartError as exc:
+                raise CatalogError(str(exc)) from None
         types = types if table in schema.ALL_TABLES else None
         paths = []
         for entry in entries:
