@@ -49,8 +49,9 @@ def test_two_workers_write_the_single_process_tables_and_resume_across_counts(tm
 
 
 def test_replay_with_two_workers_equals_single_process(tmp_path):
-    assert capture_cli.main([*CAP, "--limit", "3", "--out", str(tmp_path), "--run", "e"]) == 0
-    args = ["--traces", str(tmp_path), "--ranking", "router", "previous", "oracle", "--budget",
+    traces = tmp_path / "t"  # results go beside it (--out inside a traces root is refused)
+    assert capture_cli.main([*CAP, "--limit", "3", "--out", str(traces), "--run", "e"]) == 0
+    args = ["--traces", str(traces), "--ranking", "router", "previous", "oracle", "--budget",
             "16,32", "--no-progress"]
     assert replay_cli.main([*args, "--out", str(tmp_path / "a")]) == 0
     assert replay_cli.main([*args, "--out", str(tmp_path / "b"), "--workers", "2"]) == 0
@@ -61,7 +62,7 @@ def test_replay_with_two_workers_equals_single_process(tmp_path):
     assert a.height == b.height > 0
     assert a.drop("rse", "token_error").equals(b.drop("rse", "token_error"))
     assert (a["rse"] - b["rse"]).abs().max() < 1e-12
-    closed = ["--traces", str(tmp_path), "--mode", "closed", "--ranking", "router", "--budget",
+    closed = ["--traces", str(traces), "--mode", "closed", "--ranking", "router", "--budget",
               "16", "--coverage", "substitution", "--no-progress"]
     assert replay_cli.main([*closed, "--out", str(tmp_path / "c")]) == 0
     assert replay_cli.main([*closed, "--out", str(tmp_path / "d"), "--workers", "2"]) == 0
