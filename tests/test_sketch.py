@@ -305,8 +305,9 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
     # (10.7 experts a layer at r = 4: over a third of any budget up to 32) and at OLMoE's real
     # shape (a tenth of one)
     from moe_spec.analysis import report
-    assert report.main(["--traces", str(tmp_path), "--out", str(tmp_path / "r")]) == 0
-    html = (tmp_path / "r" / "tiny-olmoe_mbpp.html").read_text()
+    out = tmp_path.parent / f"{tmp_path.name}-report"  # beside the traces, never inside them
+    assert report.main(["--traces", str(tmp_path), "--out", str(out)]) == 0
+    html = (out / "tiny-olmoe_mbpp.html").read_text()
     table = html.split("Experts saved at matched quality vs router</h2>")[1].split("</table>")[0]
     assert "net, captured shape" in table and "net, allenai/OLMoE-1B-7B-0924 shape" in table
     row = next(r for r in table.split("<tr>") if "<td>open</td>" in r and "<td>sketch</td>" in r)
