@@ -37,12 +37,12 @@ QUERIES = ("SELECT count(*), avg(accepted_length) FROM trees",
 THREADS = 1
 
 
-def query_seconds(root: Path, sql: str, cache: Path) -> float:
+def query_seconds(root: Path, sql: str, cache: Path, *options: str) -> float:
     env = dict(os.environ, MOESPEC_VERIFY_CACHE=str(cache), HF_HUB_OFFLINE="1",
                OMP_NUM_THREADS=str(THREADS), MOESPEC_THREADS=str(THREADS))
     start = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "moe_spec.analysis.query_cli", sql, "--traces", str(root),
-                        "--format", "csv"], capture_output=True, text=True,
+                        "--format", "csv", *options], capture_output=True, text=True,
                        env=env)
     seconds = time.perf_counter() - start
     if r.returncode:
@@ -83,7 +83,7 @@ def main() -> None:
             cache = tmp / "cache.sqlite"
             cold = query_seconds(root, sql, cache)  # hashes every file once
             warm = min(query_seconds(root, sql, cache) for _ in range(args.repeats))
-            old = min(query_seconds(legacy, sql, tmp / "unused.sqlite")
+            old = min(query_seconds(legacy, sql, tmp / "unused.sqlite", "--allow-legacy")
                       for _ in range(args.repeats))
             found[sql] = dict(as_found_s=old, cold_s=cold, warm_s=warm,
                               warm_ratio=warm / old, cold_ratio=cold / old)

@@ -162,6 +162,6 @@ def test_replay_loads_the_model_in_the_dtype_it_was_captured_in(tmp_path):
     for option, expected, budget in ((None, "bfloat16", "16"), ("float32", "float32", "24")):
         extra = [] if option is None else ["--dtype", option]  # (a new budget: computed)
         assert replay_cli.main(["--traces", str(tmp_path), "--ranking", "router", "--budget",
-                                budget, "--no-progress", "--output", str(tmp_path / "r.json"),
-                                *extra]) == 0
-        assert json.loads((tmp_path / "r.json").read_text())["model_dtype"] == expected
+                                budget, "--no-progress", "--output", str(tmp_path.parent / "r.json"),
+                                *extra]) == 0  # (--output inside the traces root is refused)
+        assert json.loads((tmp_path.parent / "r.json").read_text())["model_dtype"] == expected
