@@ -13,7 +13,10 @@ import torch  # noqa: E402
 from moe_spec.catalog import location  # noqa: E402
 from moe_spec.moe import models  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# the cores shared among pytest-xdist's workers (scripts/test.sh runs two): threads that spin
+# against another worker's slow every test down
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 
 # Session fixtures that capture or start a server: a test using one is end to end, marked

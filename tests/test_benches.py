@@ -332,6 +332,7 @@ def test_eagle_vs_ar_bench_compares_both_decoders(tmp_path):
 
 
 @smoke("scale_out.py")
+@pytest.mark.ray
 def test_scale_out_bench_gets_the_same_tables_from_two_workers(tmp_path):
     pytest.importorskip("ray")
     run("bench/scale_out.py", "--prompts", "2", "--max-new-tokens", "4", "--out",
@@ -399,6 +400,7 @@ def test_object_store_bench_measures_both_sides_and_compares_the_tables(tmp_path
 
 
 @smoke("multi_node.py")
+@pytest.mark.ray
 def test_cluster_bench_gets_the_single_process_tables_on_two_nodes(tmp_path):
     pytest.importorskip("ray")
     pytest.importorskip("moto.server")

@@ -10,6 +10,8 @@ driver's queue hands every idle actor a prompt, so both nodes work (checked belo
 actor table)."""
 
 import os
+import shutil
+import tempfile
 
 import duckdb
 import pytest
@@ -19,7 +21,7 @@ from moe_spec.capture import cli as capture_cli
 from moe_spec.catalog import location, run_dir, schema
 from moe_spec.replay import cli as replay_cli
 
-pytestmark = pytest.mark.slow  # Ray, S3 servers; scripts/test.sh --fast leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # Ray, S3 servers; scripts/test.sh --fast leaves it out
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
@@ -61,12 +63,15 @@ def cluster(s3, tmp_path_factory):
             env.delenv(name)
         c = Cluster(initialize_head=True, head_node_args=dict(
             num_cpus=1, resources={"head": 1}, include_dashboard=False))
-        c.add_node(num_cpus=1, resources={"second": 1},
-                   temp_dir=str(tmp_path_factory.mktemp("second-node")))
+        # a short temp dir: Ray's socket paths under it must stay within AF_UNIX's 107 bytes,
+        # which pytest's own (under pytest-xdist: .../popen-gw1/...) can pass
+        second = tempfile.mkdtemp(prefix="rn-")
+        c.add_node(num_cpus=1, resources={"second": 1}, temp_dir=second)
         c.wait_for_nodes()
     yield c.address
     ray.shutdown()
     c.shutdown()
+    shutil.rmtree(second, ignore_errors=True)
 
 
 def nodes_of(actor_class: str) -> set[str]:

@@ -11,7 +11,7 @@ import pytest
 from moe_spec.capture import cli as capture_cli
 from moe_spec.replay import cli as replay_cli
 
-pytestmark = pytest.mark.slow  # Ray, S3 servers; scripts/test.sh --fast leaves it out
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # Ray, S3 servers; scripts/test.sh --fast leaves it out
 
 ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
 CAP = ["--model", "tiny-olmoe", "--bench", "mbpp", "--max-new-tokens", "10", "--no-progress",

@@ -17,6 +17,8 @@ from helpers import copy_of, one_line, one_line_error, run
 from moe_spec.capture import cli as capture_cli
 from moe_spec.catalog import location
 
+pytestmark = pytest.mark.ray  # joins (or fails to join) Ray clusters: run beside no other
+
 
 @pytest.fixture
 def web_server(tmp_path):
