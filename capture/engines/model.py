@@ -52,13 +52,10 @@ def model_facts(model: str) -> ModelFacts:
         raise ModelFactsError(f"cannot read the config of {model!r} ({source.location}): "
                               f"{first[:160]}{hint}") from None
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    raw = models.read_config(model) or {}  # what config.json says wins over class defaults
-    raw = raw.get("text_config", raw) if isinstance(raw.get("text_config"), dict) else raw
-    merged = {**cfg.to_dict(), **{k: v for k, v in raw.items() if v is not None}}
-    layers = merged.get("num_hidden_layers")
-    if layers is None:
+    # what config.json says (read once, its size checked above) wins over class defaults
+    merged = {**cfg.to_dict(), **{k: v for k, v in early.items() if v is not None}}
+    if merged.get("num_hidden_layers") is None:
         raise ModelFactsError(f"the config of {model!r} names no num_hidden_layers")
-    _check_size(model, "num_hidden_layers", layers, MAX_LAYERS)  # before a rule walks the layers
     found = families.facts(merged)
     if not (found.num_experts and found.top_k):
         raise ModelFactsError(f"the config of {model!r} names no routed experts and top-k "
