@@ -40,13 +40,10 @@ from pathlib import Path
 import polars as pl
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cross_domain import add_table_options, block_markers, rewrite_readme  # noqa: E402
-from pipeline import capture, loaded_model, replay_runs, results_frame  # noqa: E402
-
-from moe_spec.console import threads  # noqa: E402
-from moe_spec.policy import adaptive, index  # noqa: E402
+from moe_spec.analysis.results_doc import add_table_options, write_block_or_exit
+from moe_spec.bench.pipeline import capture, loaded_model, replay_runs, results_frame
+from moe_spec.console import threads
+from moe_spec.policy import adaptive, index
 
 VERSION = 1  # of the --output layout
 MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
@@ -282,8 +279,7 @@ def main(argv: list[str] | None = None) -> None:
             args.output.write_text(json.dumps(dict(version=VERSION, models=report), indent=1))
     table = markdown(report)
     print(table)
-    for readme in args.readme:
-        rewrite_readme(readme, table, *block_markers(args.block, "adaptive_budget.py"))
+    for readme in write_block_or_exit(args.readme, table, args.block, "adaptive_budget.py"):
         print(f"wrote the table into {readme}")
 
 

@@ -36,10 +36,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from moe_spec.catalog import schema  # noqa: E402
-from moe_spec.catalog.writer import RunWriter, list_column  # noqa: E402
+from moe_spec.catalog import schema
+from moe_spec.catalog.writer import RunWriter, list_column
 
 N, K, LAYERS, M = 64, 8, 16, 63
 MODEL, BENCH, RUN = "synthetic-olmoe", "mbpp", "scale"

@@ -24,15 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import pipeline  # noqa: E402
+from moe_spec.bench import pipeline
 
 TREE_TOKENS = 64  # tokens per sequence of the ceiling's forward (the default EAGLE tree's size)
 

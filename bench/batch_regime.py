@@ -23,14 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import pipeline  # noqa: E402
+from moe_spec.bench import pipeline
 
 RANKINGS = ("router", "coact")
 

@@ -35,26 +35,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cross_domain import (  # noqa: E402
-    add_table_options,
-    block_markers,
-    mean_rse,
-    model_budgets,
-    rewrite_readme,
-)
-from pipeline import capture, replay_runs, results_frame, run_names  # noqa: E402
-
-from moe_spec.analysis import power  # noqa: E402
-from moe_spec.catalog import Catalog, reader  # noqa: E402
-from moe_spec.console import threads  # noqa: E402
+from moe_spec.analysis import power
+from moe_spec.analysis.results_doc import add_table_options, write_block_or_exit
+from moe_spec.bench.cross_domain import mean_rse, model_budgets
+from moe_spec.bench.pipeline import capture, replay_runs, results_frame, run_names
+from moe_spec.catalog import Catalog, reader
+from moe_spec.console import threads
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 ORDER = ("router", "sqmass", "coact", "coact-online", "coact-prior", "learned", "sketch")  # columns
@@ -284,8 +275,7 @@ def write_tables(closed: list[dict], online: list[dict], readmes: list[Path],
         table += ("\n\nTrees needed to resolve a 0.1-token difference in accepted length from "
                   "router (paired, α = 0.05, power 0.8; bench/closed_loop.py, analysis/power.py):"
                   f"\n\n{power_markdown(closed)}")
-    for readme in readmes:
-        rewrite_readme(readme, table, *block_markers(block, "closed_loop.py"))
+    write_block_or_exit(readmes, table, block, "closed_loop.py")
     return table
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-from pipeline import capture, replay_runs, results_frame
 
 from moe_spec.analysis.replay_views import budget_at
+from moe_spec.bench.pipeline import capture, replay_runs, results_frame
 
 
 def main() -> None:

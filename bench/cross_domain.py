@@ -38,27 +38,14 @@ from pathlib import Path
 
 import polars as pl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline import capture, loaded_model, replay_runs, results_frame  # noqa: E402
-
-from moe_spec.catalog.replay_metrics import gap_closed  # noqa: E402
-from moe_spec.console import threads  # noqa: E402
+from moe_spec.analysis.results_doc import add_table_options, write_block_or_exit
+from moe_spec.bench.pipeline import capture, loaded_model, replay_runs, results_frame
+from moe_spec.catalog.replay_metrics import gap_closed
+from moe_spec.console import threads
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 BUDGETS = (8, 16, 24, 32)  # k = 8, N ≥ 64 (tiny-olmoe, tiny-qwen3-moe): budgets_for(8, 64)
 MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
-
-
-def block_markers(block: str, script: str = "cross_domain.py") -> tuple[str, str]:
-    """The marker lines of a results block named ``block`` (``--block``) that bench ``script``
-    writes: the README's ``cross-domain matrix``, or another study's own table in
-    docs/results.md."""
-    return (f"<!-- {block}: begin (bench/{script} --readme; do not edit) -->",
-            f"<!-- {block}: end -->")
-
-
-README_BEGIN, README_END = block_markers("cross-domain matrix")
 
 
 def budgets_for(k: int, n: int) -> tuple[int, ...]:
@@ -269,34 +256,6 @@ def markdown_table(report: dict, kind: str) -> str:
     return "\n".join(lines)
 
 
-def add_table_options(p: argparse.ArgumentParser, block: str) -> None:
-    """``--render`` (earlier ``--output`` files, nothing computed), ``--readme`` (files whose
-    block between its marker lines is rewritten from the results) and ``--block`` (that block's
-    name, ``block`` by default: :func:`block_markers`)."""
-    p.add_argument("--render", type=Path, nargs="+", default=None,
-                   help="compute nothing: read these JSON files (earlier --output, e.g. one per "
-                        "model) and print the table, for --readme")
-    p.add_argument("--readme", type=Path, nargs="+", default=[],
-                   help="rewrite these files' --block block from the results (README.md, "
-                        "docs/results.md)")
-    p.add_argument("--block", default=block,
-                   help=f"the name in the marker lines of the block --readme rewrites (default "
-                        f"{block!r}; another name writes a second block, e.g. one study's subset)")
-
-
-def rewrite_readme(readme: Path, table: str, begin: str = README_BEGIN,
-                   end: str = README_END) -> None:
-    """Replace what lies between a README's ``begin`` and ``end`` marker lines by ``table``;
-    refuse when the markers are missing (a table typed by hand is never silently kept)."""
-    text = readme.read_text()
-    if begin not in text or end not in text:
-        raise SystemExit(f"{Path(sys.argv[0]).name}: {readme} has no '{begin}' … '{end}' "
-                         "block; add both marker lines where the table belongs")
-    head, rest = text.split(begin, 1)
-    tail = rest.split(end, 1)[1]
-    readme.write_text(f"{head}{begin}\n{table}\n{end}{tail}")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--traces", type=Path, default=Path("traces-xdomain"))
@@ -353,8 +312,7 @@ def main() -> None:
             args.output.write_text(json.dumps(report, indent=1, default=str))
     table = markdown(report)
     print("\n" + table)
-    for readme in args.readme:
-        rewrite_readme(readme, table, *block_markers(args.block))
+    for readme in write_block_or_exit(args.readme, table, args.block, "cross_domain.py"):
         print(f"wrote the table into {readme}")
 
 

@@ -19,23 +19,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import polars as pl
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from pipeline import results_frame  # noqa: E402
-
-from moe_spec.catalog import Catalog  # noqa: E402
-from moe_spec.catalog.replay_metrics import gap_closed  # noqa: E402
-from moe_spec.moe import models  # noqa: E402
-from moe_spec.moe.adapter import MoEAdapter  # noqa: E402
-from moe_spec.policy.calibration import CalibrationStats  # noqa: E402
-from moe_spec.replay.run import ReplayRequest, calibration_stats, replay  # noqa: E402
+from moe_spec.bench.pipeline import results_frame
+from moe_spec.catalog import Catalog
+from moe_spec.catalog.replay_metrics import gap_closed
+from moe_spec.moe import models
+from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy.calibration import CalibrationStats
+from moe_spec.replay.run import ReplayRequest, calibration_stats, replay
 
 BENCHES = ("mbpp", "humaneval", "gsm8k", "math500", "cnndm", "specbench")
 BUDGETS = (8, 16, 24, 32)

@@ -21,14 +21,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cross_domain import add_table_options, block_markers, rewrite_readme  # noqa: E402
-
-from moe_spec.console import threads  # noqa: E402
+from moe_spec.analysis.results_doc import add_table_options, write_block_or_exit
+from moe_spec.console import threads
 
 BLOCK = "frontier"
 VERSION = 2  # of the --output layout (2: the rows' numbers, formatted by --render)
@@ -114,12 +110,10 @@ def main() -> None:
     add_table_options(p, BLOCK)
     threads.add_argument(p)
     args = p.parse_args()
-    begin, end = block_markers(args.block, "frontier.py")
     if args.render:
         table = render([json.loads(path.read_text()) for path in args.render])
         print(table)
-        for readme in args.readme:
-            rewrite_readme(readme, table, begin, end)
+        for readme in write_block_or_exit(args.readme, table, args.block, "frontier.py"):
             print(f"wrote the table into {readme}")
         return
     nthreads = threads.apply(args.threads)

@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 SHAPE = "olmoe"
 SHARD_BYTES = 2 * 2**30
@@ -157,9 +156,7 @@ def one_layer_projection(folder: Path, traces: Path, common: list[str], env: dic
     measured per-layer bytes."""
     import pyarrow.parquet as pq
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from capture_overhead import projected  # the one projection, not a copy
-
+    from moe_spec.bench.capture_overhead import projected  # the one projection, not a copy
     from moe_spec.moe import shapes
     one = folder / "one-layer"
     head = one / "draft"
@@ -203,7 +200,6 @@ def app_pages(traces: Path, env: dict) -> dict:
     page's seconds and the process's peak RSS."""
     code = f"""
 import json, resource, sys, time
-sys.path.insert(0, {str(ROOT)!r})
 sys.argv = ["main.py", "--traces", {str(traces)!r}]
 from streamlit.testing.v1 import AppTest
 from moe_spec.app.screens import PAGES

@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import object_store, pipeline  # noqa: E402
-from moe_spec import console  # noqa: E402
-from moe_spec.capture.run import CaptureSettings, capture_run  # noqa: E402
-from moe_spec.catalog import Catalog, location, schema  # noqa: E402
-from moe_spec.replay.run import ReplayRequest, parse_budgets, replay  # noqa: E402
+from moe_spec import console
+from moe_spec.bench import object_store, pipeline
+from moe_spec.capture.run import CaptureSettings, capture_run
+from moe_spec.catalog import Catalog, location, schema
+from moe_spec.replay.run import ReplayRequest, parse_budgets, replay
 
 RUN = "r"
 

@@ -25,10 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import pipeline  # noqa: E402
-from moe_spec.catalog import location, run_dir, schema  # noqa: E402
+from moe_spec.bench import pipeline
+from moe_spec.catalog import location, run_dir, schema
 
 TIMINGS = {"draft_seconds", "verify_seconds", "wall_seconds", "seconds"}
 

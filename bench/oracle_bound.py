@@ -20,8 +20,8 @@ from pathlib import Path
 
 import polars as pl
 import torch
-from pipeline import capture, replay_runs, results_frame
 
+from moe_spec.bench.pipeline import capture, replay_runs, results_frame
 from moe_spec.moe.models import EMBEDDED
 from moe_spec.policy import index
 

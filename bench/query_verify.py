@@ -27,8 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from analysis_scale import write_synthetic  # noqa: E402 - bench/ module
+from moe_spec.bench.analysis_scale import write_synthetic
 
 QUERIES = ("SELECT count(*), avg(accepted_length) FROM trees",
            "SELECT layer, count(*) FROM routing GROUP BY layer ORDER BY layer")

@@ -165,7 +165,7 @@ def rss(args) -> dict:
         root = Path(tempfile.mkdtemp(prefix="replay-rss-"))
         per_prompt = min(50, trees)  # 50 trees a prompt (fewer trees: one prompt)
         try:
-            code = ("import sys; sys.path.insert(0, 'bench'); from synthetic import write_run; "
+            code = ("from moe_spec.bench.synthetic import write_run; "
                     "from moe_spec.moe import models; from pathlib import Path; "
                     "m = models.load('tiny-olmoe', device='cpu').model; "
                     f"write_run(Path('{root}'), 'tiny-olmoe', m, prompts={trees // per_prompt}, "
@@ -194,8 +194,7 @@ def rss(args) -> dict:
 
 
 def width(args) -> dict:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from synthetic import write_run
+    from moe_spec.bench.synthetic import write_run
     torch.set_num_threads(args.threads)
     found = {}
     for name in ("tiny-olmoe", args.shape):

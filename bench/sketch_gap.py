@@ -50,17 +50,14 @@ import numpy as np
 import torch
 from scipy.stats import spearmanr
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cross_domain import add_table_options, block_markers, rewrite_readme  # noqa: E402
-from pipeline import capture, loaded_model  # noqa: E402
-
-from moe_spec.catalog import Catalog, reader  # noqa: E402
-from moe_spec.policy import coverage as coverages  # noqa: E402
-from moe_spec.policy import rankings  # noqa: E402
-from moe_spec.policy.overhead import surrogate_cost  # noqa: E402
-from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs  # noqa: E402
-from moe_spec.policy.surrogate import (  # noqa: E402
+from moe_spec.analysis.results_doc import add_table_options, write_block_or_exit
+from moe_spec.bench.pipeline import capture, loaded_model
+from moe_spec.catalog import Catalog, reader
+from moe_spec.policy import coverage as coverages
+from moe_spec.policy import rankings
+from moe_spec.policy.overhead import surrogate_cost
+from moe_spec.policy.rankings.sketch import Sketch, attach_moments, with_inputs
+from moe_spec.policy.surrogate import (
     MOMENTS,
     GradientSurrogate,
     InputGate,
@@ -70,9 +67,9 @@ from moe_spec.policy.surrogate import (  # noqa: E402
     Surrogate,
     predicted_outputs,
 )
-from moe_spec.replay import open_loop  # noqa: E402
-from moe_spec.replay.run import calibration_stats  # noqa: E402
-from moe_spec.replay.virtual_batch import PromptSource  # noqa: E402
+from moe_spec.replay import open_loop
+from moe_spec.replay.run import calibration_stats
+from moe_spec.replay.virtual_batch import PromptSource
 
 
 def real_shape(model: str) -> tuple[str, int, int, int] | None:
@@ -364,8 +361,7 @@ def main() -> None:
                          "bench/sketch_gap.py; rerun the bench for it")
         table = markdown([rep for _, rep in found])
         print(table)
-        for readme in args.readme:
-            rewrite_readme(readme, table, *block_markers(args.block, "sketch_gap.py"))
+        for readme in write_block_or_exit(args.readme, table, args.block, "sketch_gap.py"):
             print(f"wrote the tables into {readme}")
         return
     torch.set_num_threads(args.threads)

@@ -151,8 +151,7 @@ def test_cross_domain_bench_captures_only_when_asked(tmp_path):
 
 
 @smoke("cross_domain.py")
-def test_cross_domain_bench_refuses_a_benchmark_too_short_before_capturing(tmp_path, monkeypatch,
-                                                                           capsys):
+def test_cross_domain_bench_refuses_a_benchmark_too_short_before_capturing(tmp_path, capsys):
     """CNN/DM holds 80 prompts: 80 evaluation ones leave no calibration run (one line, exit 2,
     nothing captured); 70 leave it 10, not --cal-prompts' 24, and it says so."""
     args = ["bench/cross_domain.py", "--traces", str(tmp_path), "--models", "tiny-mixtral",
@@ -161,8 +160,7 @@ def test_cross_domain_bench_refuses_a_benchmark_too_short_before_capturing(tmp_p
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "cnndm holds 80 prompts" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr and not any(tmp_path.iterdir())
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import cross_domain
+    from moe_spec.bench import cross_domain
     refused = []
     cross_domain.check_prompts(SimpleNamespace(error=refused.append),
                                SimpleNamespace(benches=["cnndm"], eval_prompts=70, cal_prompts=24))
@@ -414,10 +412,9 @@ def test_cluster_bench_gets_the_single_process_tables_on_two_nodes(tmp_path):
 
 
 FROZEN_STREAM = """
-import json, sys
-sys.path.insert(0, "bench")
-import sketch_gap as sg
-from pipeline import loaded_model
+import json
+from moe_spec.bench import sketch_gap as sg
+from moe_spec.bench.pipeline import loaded_model
 from moe_spec.catalog import Catalog, reader
 from moe_spec.policy import coverage
 from moe_spec.policy.surrogate import InputMoments, Surrogate
@@ -442,10 +439,9 @@ print(json.dumps(out))
 """
 
 REPLAYED = """
-import json, sys
-sys.path.insert(0, "bench")
+import json
 import polars as pl
-from pipeline import replay_runs
+from moe_spec.bench.pipeline import replay_runs
 root = "{root}"
 out = dict()
 for label, rankings, cal in (("base", ("router", "oracle"), ()),
@@ -698,14 +694,13 @@ def test_adaptive_budget_bench_renders_its_block_and_refuses_other_files(adaptiv
     assert done.returncode != 0 and "not an --output of this version" in done.stderr
 
 
-def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes(monkeypatch):
+def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes():
     """The price is calibrated to B̄ on the calibration passes; on evaluation passes whose
     router excludes more mass per expert the same price loads more, and the cell reports what it
     loaded there, not B̄."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import adaptive_budget
     import torch
 
+    from moe_spec.bench import adaptive_budget
     from moe_spec.policy import adaptive
     g = torch.Generator().manual_seed(0)
     width, b_min = 9, 1
@@ -727,12 +722,12 @@ def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes(monkeypat
     assert not adaptive_budget.within(cell)
 
 
-def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole(monkeypatch):
+def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole():
     """Replay rows become ``[passes, layers, budgets]`` in (prompt, step, layer, budget) order;
     a missing row (a layer or budget not replayed) is refused, never misaligned."""
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    import adaptive_budget
     import polars as pl
+
+    from moe_spec.bench import adaptive_budget
     rows = [dict(run="r", ranking="router", coverage="truncation", prompt_index=p, step=s,
                  layer=layer, budget=b, rse=1.0 / b + layer + 10 * s + 100 * p,
                  mass_excluded=0.5 / b)

@@ -106,8 +106,7 @@ def _render(files, *extra):
 
 
 def test_the_frontier_block_is_rendered_from_the_bench_output(others, tmp_path):
-    sys.path.insert(0, str(ROOT / "bench"))
-    import frontier
+    from moe_spec.bench import frontier
     cpu = cost.Hardware(cost.THIS_CPU, 1e10, 1e11)
     found = dict(tool="bench/frontier.py", version=frontier.VERSION, prompts=1,
                  max_new_tokens=8, date="2026-12-04", cpu=dict(bandwidth=1e10, peak_flops=1e11),

@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "moe_spec"  # the one top-level package the wheel installs (pyproject's package-dir)
 PACKAGES = ("errors", "catalog", "policy", "tasks", "console", "cluster", "moe", "eagle", "capture",
-            "replay", "analysis", "app", "training", "profiling")
+            "replay", "analysis", "app", "training", "profiling", "bench")
 # package -> project packages it may import besides ``errors`` (anything else is a layering
 # violation); ``errors`` (the user errors' base class and the CLIs' error line) imports nothing
 ALLOWED = {
@@ -31,6 +31,8 @@ ALLOWED = {
     # measuring a model (inspect-model, profile-target, profile-batch): capture's prompt encoding,
     # analysis's fits of what it measured
     "profiling": {"catalog", "policy", "moe", "eagle", "tasks", "console", "capture", "analysis"},
+    # the benches (python bench/<script>.py): the top, over every package; none imports them
+    "bench": set(PACKAGES) - {"bench"},
 }
 ALLOWED = {p: allowed | {"errors"} if p != "errors" else allowed for p, allowed in ALLOWED.items()}
 
@@ -196,3 +198,63 @@ def test_every_project_import_names_the_namespace():
                 and node.module else []
             found += [f"{rel}:{node.lineno} {n}" for n in names if n.split(".")[0] in PACKAGES]
     assert not found, found
+
+
+PATH_EDITS = ("sys.path.insert(", "sys.path.append(", "sys.path.extend(", "site.addsitedir(")
+
+
+def path_edits(path: Path) -> list[str]:
+    """The ``sys.path`` edits of a module: a call on ``sys.path`` that changes it, an assignment
+    to it, ``site.addsitedir``, the same in code it hands a child process (a string), and
+    pytest's ``monkeypatch.syspath_prepend`` of anything but a test's temporary folder (a
+    throwaway module a registry imports by name, undone after the test)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        text = ast.unparse(node) if isinstance(node, (ast.Call, ast.Assign, ast.AugAssign)) else ""
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = ast.unparse(node.func.value)
+            edits = (owner == "sys.path" and node.func.attr in ("insert", "append", "extend",
+                                                               "remove", "clear", "pop")) or \
+                (owner == "site" and node.func.attr == "addsitedir") or \
+                (node.func.attr == "syspath_prepend" and not all(
+                    name.id.startswith("tmp") for arg in node.args for name in ast.walk(arg)
+                    if isinstance(name, ast.Name) and name.id not in ("str", "Path")))
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            edits = any(ast.unparse(t).startswith("sys.path") for t in targets)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            edits, text = any(edit in node.value for edit in PATH_EDITS), "(in a string)"
+        else:
+            edits = False
+        if edits:
+            found.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:"
+                         f"{node.lineno} {text[:80]}")
+    return found
+
+
+def test_no_module_edits_sys_path():
+    """Benches, tests and packages import the project through the one installed namespace
+    (``moe_spec.bench.pipeline``, never ``sys.path.insert(0, "bench"); import pipeline``): a
+    path edit makes a second copy of a module importable under a bare name (two registries)
+    and hides a package a bench shadows."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0].startswith(".") or "site-packages" in rel.parts or \
+                rel.parts[0] == "build" or path == Path(__file__).resolve():  # (its examples)
+            continue
+        found += path_edits(path)
+    assert not found, found
+
+
+def test_the_path_edit_checker_catches_each_kind(tmp_path):
+    """The test can fail: each kind of edit is found, a temporary folder's prepend is not."""
+    bad = tmp_path / "bad.py"
+    bad.write_text('import sys, site\nsys.path.insert(0, "bench")\nsys.path.append(ROOT)\n'
+                   'sys.path[:0] = ["x"]\nsys.path = []\nsite.addsitedir("x")\n'
+                   'CODE = "import sys; sys.path.insert(0, \'bench\'); import pipeline"\n'
+                   'def test(monkeypatch, tmp_path):\n'
+                   '    monkeypatch.syspath_prepend(str(ROOT / "bench"))\n'
+                   '    monkeypatch.syspath_prepend(str(tmp_path))\n'
+                   '    sys.path.index("x")\n')
+    assert sorted(int(f.split(":")[1].split()[0]) for f in path_edits(bad)) == [2, 3, 4, 5, 6, 7, 9]
