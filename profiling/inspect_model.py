@@ -19,7 +19,7 @@ from rich.table import Table
 
 from moe_spec import console
 from moe_spec.errors import UserError, fail
-from moe_spec.moe import models
+from moe_spec.moe import families, models
 from moe_spec.tasks import benchmarks
 
 if TYPE_CHECKING:  # torch and the adapter load after the options are read: --help is instant
@@ -96,7 +96,6 @@ def overhead_text(name: str, cost: dict) -> str:
 
 
 def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
-    cfg = loaded.model.config
     total, active = parameter_counts(loaded.model, adapter)
     t = Table(title=f"{loaded.name}  ({loaded.source.location})", show_header=False)
     t.add_column(style="bold")
@@ -106,7 +105,7 @@ def summary_table(loaded: models.LoadedModel, adapter: MoEAdapter) -> Table:
         ("device / dtype", f"{loaded.device} / {str(loaded.dtype).removeprefix('torch.')}"),
         ("parameters", f"{total / 1e6:.2f} M total, {active / 1e6:.2f} M active per token"),
         ("decoder layers", f"{adapter.num_decoder_layers} (MoE: {len(adapter)})"),
-        ("hidden size", str(cfg.hidden_size)),
+        ("hidden size", str(families.facts(loaded.model.config).hidden_size)),
         ("experts N / top-k", f"{adapter.num_experts} / {adapter.top_k}"),
         ("routing", describe_rule(adapter)),
         ("vocabulary", f"{len(loaded.tokenizer)} tokens"),

@@ -45,8 +45,9 @@ def _time_forward(model, batch, gamma, prefix, repeats, vocab, seed) -> float:
 
 
 def profile(model, batches, gammas, prefix: int, repeats: int) -> pl.DataFrame:
-    rows = [dict(batch=b, gamma=g, seconds=time_forward(model, b, g, prefix, repeats,
-                                                        model.config.vocab_size))
+    from moe_spec.moe import families
+    vocab = families.facts(model.config).vocab  # the token ids a random prompt draws from
+    rows = [dict(batch=b, gamma=g, seconds=time_forward(model, b, g, prefix, repeats, vocab))
             for b in batches for g in gammas]
     return pl.DataFrame(rows)
 

@@ -231,3 +231,53 @@ def test_facts_read_each_family_by_its_own_rule():
     assert (other.num_experts, other.top_k, other.moe_layers) == (16, 2, (1, 2, 3))
     assert models.expert_shape({"text_config": {"num_experts": 4, "num_experts_per_tok": 2}}) \
         == (4, 2) and models.expert_shape({}) is None
+
+
+# a model's widths, depth, vocabulary and positions: ConfigFacts' other fields, read through
+# ``families.facts`` as well wherever these folders read a model's config (loaded or stored)
+WIDTH_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"}
+# folders that read model configs only through facts. Training *creates* configs (the tiny
+# models' keyword arguments, train-draft's head): a keyword argument is not a read. Not yet
+# here: moe/adapter.py, eagle/ (the draft head checked against its target's config), capture/
+# (target.py, engines/model.py's size check before facts) and analysis/catalog, whose manifests
+# and columns name hidden_size too.
+WIDTH_SCANNED = ("errors", "policy", "tasks", "console", "cluster", "replay", "app", "training",
+                 "profiling")
+
+
+def config_reads(path: Path, keys: set[str]) -> list[str]:
+    """Where ``path`` reads one of ``keys`` off a config: an attribute of a name or attribute
+    ending in ``config``/``cfg`` (``model.config.vocab_size``, ``cfg.hidden_size``) or the key
+    as a string (``config.get("vocab_size")``, ``getattr(cfg, "head_dim")``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in keys:
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            read = name.lower().endswith(("config", "cfg"))
+        else:
+            read = isinstance(node, ast.Constant) and node.value in keys
+        if read:
+            found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_scanned_folder_reads_a_model_width_but_through_facts():
+    """profile-target's vocabulary, inspect-model's hidden size, the real-width head's width and
+    train-draft's vocabulary come from ``families.facts`` (they read ``config.vocab_size`` and
+    ``config.hidden_size`` directly before)."""
+    found = [hit for package in WIDTH_SCANNED for path in sorted((ROOT / package).rglob("*.py"))
+             for hit in config_reads(path, WIDTH_KEYS)]
+    assert not found, found
+
+
+def test_the_width_scan_finds_a_direct_read_and_passes_facts_and_created_configs(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("vocab = model.config.vocab_size\nh = cfg.hidden_size\n"
+                      "v = config.get('vocab_size') if config else None\n"
+                      "facts = families.facts(model.config)\nok = facts.hidden_size\n"
+                      "made = dict(hidden_size=128, num_hidden_layers=8)\n"
+                      "shape = surrogate.hidden_size\n")
+    found = sorted(hit.split()[0] for hit in config_reads(module, WIDTH_KEYS))
+    assert found == ["m.py:1", "m.py:2", "m.py:3"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moe_spec import console
 from moe_spec.errors import UserError, fail
-from moe_spec.moe import models
+from moe_spec.moe import families, models
 from moe_spec.tasks import benchmarks
 
 TINY_EXAMPLES = """
@@ -133,7 +133,7 @@ def train_draft(argv: list[str] | None = None) -> int:
         source = models.check_available(args.model)
         config = models.read_config(args.model)
         positions = models.max_positions(config) or DEFAULT_POSITIONS
-        vocab = config.get("vocab_size") if config else None
+        vocab = families.facts(config).vocab
         vocab = vocab if isinstance(vocab, int) and vocab > 0 else 1_000_000
         check_numbers(p, args, dict(seq_len=(1, positions), new_tokens=(1, positions),
                                     draft_vocab=(1, vocab)))

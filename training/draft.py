@@ -31,7 +31,7 @@ from tqdm import tqdm
 from moe_spec.catalog import atomic
 from moe_spec.eagle.draft_head import Eagle3Draft, load_draft, new_eagle3
 from moe_spec.eagle.verify import FeatureTap
-from moe_spec.moe import models
+from moe_spec.moe import families, models
 from moe_spec.tasks import benchmarks
 from moe_spec.training import corpus
 from moe_spec.training.tiny_moe import MIXTURE, sample_batch, token_streams
@@ -102,7 +102,6 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
     target, tok = loaded.model, loaded.tokenizer
     for p in target.parameters():
         p.requires_grad_(False)
-    tcfg = target.config
     prompts = [p.text for name in ("mbpp", "gsm8k")
                for p in benchmarks.load_train(name, root=benchmarks_root)]
     prompts = prompts[:374 + 1000]
@@ -110,7 +109,8 @@ def train(target_name: str, *, steps: int, batch: int, seq: int, lr: float, seed
     response_stream = np.asarray([t for r in responses for t in (*r, tok.eos_token_id)], np.int32)
     docs = corpus.load_corpus(benchmarks_root)
     streams = token_streams(tok, {s: corpus.split(d)[0] for s, d in docs.items()})
-    used = draft_vocabulary([response_stream, *streams.values()], tcfg.vocab_size, draft_vocab)
+    used = draft_vocabulary([response_stream, *streams.values()],
+                            families.facts(target.config).vocab, draft_vocab)
 
     head = new_eagle3(target, intermediate_size=intermediate, draft_vocab_size=draft_vocab)
     cfg = head.config

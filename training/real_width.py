@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from moe_spec.eagle.draft_head import new_eagle3
-from moe_spec.moe import models, shapes
+from moe_spec.moe import families, models, shapes
 
 
 def real_width_pair(name: str, out: Path, *, layers: int = 2, seed: int = 0) -> tuple[Path, Path]:
@@ -23,8 +23,8 @@ def real_width_pair(name: str, out: Path, *, layers: int = 2, seed: int = 0) -> 
     loaded = models.load(str(model_dir), device="cpu", dtype="float32")
     torch.manual_seed(seed + 1)
     taps = [min(i, layers - 1) for i in (0, layers // 2, layers - 1)]
-    head = new_eagle3(loaded.model, intermediate_size=loaded.model.config.hidden_size * 2,
-                      feature_layers=taps)
+    hidden = families.facts(loaded.model.config).hidden_size
+    head = new_eagle3(loaded.model, intermediate_size=hidden * 2, feature_layers=taps)
     draft_dir = out / f"{name}-{layers}l-eagle3"
     head.save_pretrained(draft_dir)
     return model_dir, draft_dir
