@@ -30,7 +30,12 @@ number.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # the frames' type only: polars loads where a function builds one
+    import polars as pl
 
 CONFIDENCE = 0.95
 RESAMPLES = 2000

@@ -70,7 +70,7 @@ def test_the_default_view_draws_one_variant_per_curve(folders):
 def test_frames_and_the_report_tables_are_the_single_variant_ones(folders, name):
     busy, single = folders
     got, want = (frames.ANALYSES[name](con(f)) for f in (busy, single))
-    assert_frame_equal(got, want, check_exact=False, rtol=1e-9)
+    assert_frame_equal(got, want, check_exact=False, rel_tol=1e-9)
     fb, fs = ({name: frames.ANALYSES[name](con(f))} for f in (busy, single))
     if name == "saved_open":
         assert report.experts_saved_table(fb, "tiny-olmoe", "mbpp") == \
