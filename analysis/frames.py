@@ -16,7 +16,7 @@ import polars as pl
 
 from moe_spec.analysis import cost, replay_views, routing
 from moe_spec.analysis.sql import matching, views
-from moe_spec.catalog import partition_value
+from moe_spec.catalog import partition_value, replay_metrics
 from moe_spec.catalog.runs import profile_parts
 from moe_spec.policy import index
 
@@ -643,24 +643,26 @@ def batch_projection(speed: pl.DataFrame, shape: cost.ModelShape, hw: cost.Hardw
                                           projected=pl.Float64))
 
 
+# every replay table's frame, under the name its record gives it (catalog.replay_metrics):
+# its curves (replay_views.curves), unless a function of its own draws it
+REPLAY_FRAMES = {t.frame: t.name for t in replay_metrics.TABLES.values() if t.frame}
+_OWN_DRAWING = {"batch_errors": replay_views.batch_error_vs_budget}  # b = 1 from replay_open too
 ANALYSES = {
     "tails": routing.heavy_tails_by_layer,
     "coverage": routing.coverage_curve,
     "growth": routing.activation_growth,
     "balance": routing.load_balance,
-    "errors": replay_views.error_vs_budget,
-    "closed": replay_views.closed_loop,
+    **{name: _OWN_DRAWING.get(name) or functools.partial(replay_views.curves, table=table)
+       for name, table in REPLAY_FRAMES.items()},
     "batch": batch_regime,
     "batch_speed": batch_speedup,
-    "batch_errors": replay_views.batch_error_vs_budget,
     "saved_open": replay_views.experts_saved_open,
     "saved_closed": replay_views.experts_saved_closed,
 }
 NEEDS = {"tails": "summary_layers", "coverage": "summary_layers", "growth": "summary_layers",
          "balance": "summary_layers",  # routing summaries: captures' and routing-only runs'
-         "errors": "replay_open", "closed": "replay_closed", "batch": "trees",
-         "batch_speed": "batch_profile", "batch_errors": "replay_batch",
-         "saved_open": "replay_open", "saved_closed": "replay_closed"}
+         **REPLAY_FRAMES, "batch": "trees", "batch_speed": "batch_profile",
+         "saved_open": replay_metrics.OPEN_TABLE, "saved_closed": replay_metrics.CLOSED_TABLE}
 
 
 def all_frames(con) -> dict[str, pl.DataFrame]:

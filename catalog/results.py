@@ -33,8 +33,7 @@ from moe_spec.catalog.names import check_name
 from moe_spec.catalog.runs import CatalogError, Run, legacy, read_json_file, run_dir
 from moe_spec.catalog.schema import COMMITTED_VERSION, RESULT_CONFIG, SCHEMA_VERSION
 
-RESULT_TABLES = (replay_metrics.OPEN_TABLE, replay_metrics.CLOSED_TABLE,
-                 replay_metrics.BATCH_TABLE, replay_metrics.CLOSED_BATCH_TABLE)
+RESULT_TABLES = tuple(replay_metrics.TABLES)  # every declared replay table (its record there)
 
 
 def layout_key(table: str, unit: dict) -> dict:
