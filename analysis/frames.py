@@ -534,14 +534,14 @@ def batch_speedup(con) -> pl.DataFrame:
 def batch_pass_points(passes: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     """The warm-up rule (:func:`analysis.warmup.drop`) per decoding — (mode, batch_size, budget,
     repeat where stored) — on ``profile-batch`` passes, then one point per measured (sequences,
-    γ): (batch, gamma, seconds = median kept verify seconds, passes = kept passes); and the
-    passes the rule dropped."""
+    γ): (batch_size = the pass's sequences, gamma, seconds = median kept verify seconds, passes
+    = kept passes); and the passes the rule dropped."""
     from moe_spec.analysis import warmup
     decoding = [c for c in ("mode", "batch_size", "budget", "repeat") if c in passes.columns]
     kept, dropped = warmup.drop(passes, "verify_seconds", decoding, "pass_index")
-    points = kept.group_by("batch", "gamma").agg(
+    points = kept.group_by(pl.col("pass_sequences").alias("batch_size"), "gamma").agg(
         seconds=pl.col("verify_seconds").median(), passes=pl.len().cast(pl.Int64)
-    ).sort("batch", "gamma")
+    ).sort("batch_size", "gamma")
     return points, dropped
 
 
@@ -563,7 +563,7 @@ def batch_fit(con, model: str, bench: str, run: str, speed: pl.DataFrame) -> dic
         " AND coalesce(measurement, ?) = ?" if "measurement" in columns else " AND ? = ?")
     one_params = [] if measured is None else [LEGACY, measured]
     passes = con.sql(f"""
-        SELECT mode, batch_size, budget{repeat}, pass_index, batch, gamma, verify_seconds
+        SELECT mode, batch_size, budget{repeat}, pass_index, pass_sequences, gamma, verify_seconds
         FROM batch_profile_passes
         WHERE model = ? AND bench = ? AND run = ?
           AND budget IS NULL{one}""", params=[partition_value(model), bench, run, *one_params]).pl()
@@ -618,7 +618,7 @@ def capture_batch_fit(con, model: str, bench: str) -> dict | None:
     kept, dropped = warmup.drop(t, "seconds", ["run"], "pass_order")
     points = kept.group_by("b").agg(
         gamma=pl.col("tokens").mean() / pl.col("b").first(), seconds=pl.col("seconds").median(),
-        passes=pl.len().cast(pl.Int64)).rename({"b": "batch"}).sort("batch")
+        passes=pl.len().cast(pl.Int64)).rename({"b": "batch_size"}).sort("batch_size")
     coef = moesd.fit(points, int(t["n"][0]), int(t["k"][0]))
     return dict(coef=coef, points=points, dropped=dropped)
 
@@ -724,12 +724,15 @@ def efficiency_frame(root: Path | None, model: str) -> pl.DataFrame | None:
     parts = profile_parts(root, model)
     if not parts:
         return None
+    from moe_spec.catalog import schema
     from moe_spec.catalog.location import read_frame
     points = read_frame([parts[-1]])
+    points = points.rename(schema.renamed(schema.PROFILE_TABLE, points.columns))  # older files
     n, k = int(points["num_experts"][0]), int(points["top_k"][0])
-    eff = moesd.efficiency(points.select("batch", "gamma", "seconds"))
+    eff = moesd.efficiency(points.select("batch_size", "gamma", "seconds"))
     coef = moesd.fit(points, n, k)
-    return eff.with_columns(regime=pl.Series(moesd.regime(eff["batch"] * eff["gamma"], n, k, coef)))
+    return eff.with_columns(regime=pl.Series(moesd.regime(eff["batch_size"] * eff["gamma"], n, k,
+                                                          coef)))
 
 
 def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,

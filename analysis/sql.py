@@ -333,9 +333,34 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
     _create_empty_views(con, root, files)
     for name in VIEWS:
         if name != "runs" and files.get(name):
-            _create_views(con, name, _view_bodies(name, _scan(files[name])))
+            _create_views(con, name, _view_bodies(name, _current_names(con, name,
+                                                                      _scan(files[name]))))
     lock_down(con, root)
     return con
+
+
+def _current_names(con: duckdb.DuckDBPyConnection, name: str, scan: str) -> str:
+    """``scan`` with the columns files of an older layout name otherwise under their current
+    names (:data:`catalog.schema.RENAMED`: old and new files read as one column)."""
+    renames = schema.RENAMED.get(name)
+    if not renames:
+        return scan
+    try:
+        columns = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {scan}").fetchall()}
+    except duckdb.Error:
+        return scan  # unreadable: the view's creation says so (_create_views)
+    old = {o: n for o, n in renames.items() if o in columns}
+    if not old:
+        return scan
+    both = {o: n for o, n in old.items() if n in columns}
+    only = {o: n for o, n in old.items() if n not in columns}
+    select = "*"
+    if both:
+        select += (f" EXCLUDE ({', '.join(both)}) REPLACE ("
+                   + ", ".join(f"coalesce({n}, {o}) AS {n}" for o, n in both.items()) + ")")
+    if only:
+        select += " RENAME (" + ", ".join(f"{o} AS {n}" for o, n in only.items()) + ")"
+    return f"(SELECT {select} FROM {scan})"
 
 
 def _open(root: Path, database: str) -> duckdb.DuckDBPyConnection:

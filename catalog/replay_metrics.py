@@ -21,7 +21,7 @@ a mode in ``replay/modes.py`` naming it).
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -81,12 +81,15 @@ class ReplayTable:
     name: str  # the folder under --out, and the SQL views <name> and <name>_all
     metrics: tuple[Metric, ...]
     per_layer: bool  # one row per tree-layer (cells: layer × budget), else per tree (budget)
-    layouts: tuple[str, ...]  # :func:`metrics_fingerprint` of each layout version 1, 2, … (never edited:
-    # a change of the metric columns appends the new version's)
+    layouts: tuple[str, ...]  # :func:`metrics_fingerprint` of each layout version 1, 2, … (never
+    # edited: a change of its columns appends the new version's; a change of key columns alone
+    # appends the same fingerprint again)
     loop: str  # "open" (one MoE layer on captured inputs) or "closed" (a re-verified tree)
     counted: str  # what a row is, counted per cell by its curves frame (tree_layers, trees, …)
     columns: tuple[pa.Field, ...] = ()  # its own key columns, after the replay key's first ones
     frame: str | None = None  # its curves frame's name in analysis.frames.ANALYSES (None: none)
+    reads: dict = field(default_factory=dict)  # older layout versions readers still read: version
+    # → its key columns' renames (old name → current), applied by every reader (schema.RENAMED)
 
     @property
     def layout(self) -> int:
@@ -158,13 +161,14 @@ BATCH = register(ReplayTable(
 # closed loop over (virtual) batches: a pass's trees re-verified together under one shortlist
 # per layer; the closed-loop metrics per tree (experts_loaded: the pass's, shared by its trees),
 # with the tree's own prompt and step and the pass that verified it (replay/closed_loop.py)
+# (layout 2: the batch's number is batch_index, was batch; layout 1 results read renamed)
 CLOSED_BATCH = register(ReplayTable(
-    "replay_closed_batch", CLOSED_METRICS, per_layer=False, layouts=CLOSED_LAYOUTS,
+    "replay_closed_batch", CLOSED_METRICS, per_layer=False, layouts=CLOSED_LAYOUTS * 2,
     loop="closed", counted="trees", columns=(
         _BATCH_SIZE,
-        pa.field("batch", pa.int32()),  # the (virtual) batch: its number
+        pa.field("batch_index", pa.int32()),  # the (virtual) batch: its number
         pa.field("batch_pass", pa.int32()),  # the pass (virtual: the step)
-        _TREES)))
+        _TREES), reads={1: {"batch": "batch_index"}}))
 
 OPEN_TABLE, CLOSED_TABLE = OPEN.name, CLOSED.name
 BATCH_TABLE, CLOSED_BATCH_TABLE = BATCH.name, CLOSED_BATCH.name

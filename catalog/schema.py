@@ -182,7 +182,7 @@ COMPLETION_TABLE = "sequences"
 # profile/model=…/device=<cpu|cuda|…>/part-0.parquet; a new profile replaces the old one
 PROFILE_TABLE = "profile"
 PROFILE = pa.schema([
-    pa.field("batch", pa.int64()),  # b, sequences per pass
+    pa.field("batch_size", pa.int64()),  # b, sequences per pass (files before round 5: batch)
     pa.field("gamma", pa.int64()),  # γ, tokens per sequence after the cached prefix
     pa.field("seconds", pa.float64()),  # T(b, γ), median of the timed repeats
     pa.field("prefix", pa.int32()),  # cached tokens before the pass
@@ -233,7 +233,8 @@ BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
     "batch_profile_passes": pa.schema(_DECODING + [
         pa.field("repeat", pa.int32()),  # round 4 (older files lack it): the decoding's repeat
         pa.field("pass_index", pa.int32()),
-        pa.field("batch", pa.int32()),  # sequences in this pass (≤ b as the queue drains)
+        pa.field("pass_sequences", pa.int32()),  # sequences in this pass (≤ b as the queue
+        # drains; files before round 5: batch)
         pa.field("gamma", pa.int32()),  # tokens verified per sequence (1 for ar, M for eagle)
         pa.field("verify_seconds", pa.float64()),  # the target forward, device-synchronised
         pa.field("draft_seconds", pa.float64()),
@@ -266,6 +267,27 @@ def replay_schema(table: replay_metrics.ReplayTable) -> pa.Schema:
 # declared in catalog/replay_metrics.py (TABLES)
 REPLAY_TABLES: dict[str, pa.Schema] = {
     name: replay_schema(table) for name, table in replay_metrics.TABLES.items()}
+
+# Columns files of an older layout name otherwise, per table (old name → current one): every
+# reader renames them (:func:`renamed`, and the SQL views), so older files read as the current
+# layout. One word per meaning: ``batch_size`` is b (sequences verified together), a pass's
+# own count of sequences is ``pass_sequences``, a (virtual) batch's number ``batch_index``.
+RENAMED: dict[str, dict[str, str]] = {
+    PROFILE_TABLE: {"batch": "batch_size"},
+    "batch_profile_passes": {"batch": "pass_sequences"},
+    **{t.name: {old: new for renames in t.reads.values() for old, new in renames.items()}
+       for t in replay_metrics.TABLES.values() if t.reads},
+}
+
+
+def renamed(table: str, columns) -> dict[str, str]:
+    """Of ``columns`` (a file's or frame's), those an older layout of ``table`` named otherwise
+    and whose current name is not among them: old → current name (:data:`RENAMED`), for
+    ``rename``."""
+    have = set(columns)
+    return {old: new for old, new in RENAMED.get(table, {}).items()
+            if old in have and new not in have}
+
 
 RUNS_SCHEMA = pa.schema([
     pa.field("role", pa.string()),  # evaluation | calibration

@@ -46,9 +46,10 @@ class Task:
     rows: dict[int, list[dict]] = field(default_factory=dict)  # prompt -> column blocks
 
 
-def batch_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
-    """Tree-layers per batch so that ``E [T, M, N, H]`` (fp32 and its fp64 copy) and the Gram
-    ``q [T, M, N, N]`` (fp64) together stay near ``budget_bytes``."""
+def chunk_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
+    """Tree-layers per compute chunk (scored together, one call per MoE layer) so that
+    ``E [T, M, N, H]`` (fp32 and its fp64 copy) and the Gram ``q [T, M, N, N]`` (fp64) together
+    stay near ``budget_bytes``."""
     per_tree_layer = m * n * (12 * h + 8 * n + 16)
     return max(1, min(1024, budget_bytes // per_tree_layer))
 
@@ -142,7 +143,7 @@ class OpenLoopEngine:
                 rows = data.select(layers)
                 left[prompt] += len(rows)
                 if size is None and rows:
-                    size = self.max_batch or batch_size(int(np.diff(data.bounds).max()),
+                    size = self.max_batch or chunk_size(int(np.diff(data.bounds).max()),
                                                         data.probs.shape[1], data.hidden.shape[1])
                 while rows:
                     room = size - sum(len(s.rows) for s in pending)
