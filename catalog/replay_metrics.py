@@ -76,7 +76,8 @@ class ReplayTable:
     Its stored schema is the replay key (``catalog.schema.REPLAY_KEY``: prompt, step; then
     ``layer`` where ``per_layer``; then :attr:`columns`; then ranking, coverage, budget) followed
     by :attr:`metrics`. A result unit's key carries the current layout version (the number of
-    :attr:`layouts`), so results of an older layout are recomputed, never read with NULLs."""
+    :attr:`layouts`), so results of an older layout are recomputed, never read with NULLs
+    (those of a layout :attr:`reads` names are read meanwhile, their renamed columns renamed)."""
 
     name: str  # the folder under --out, and the SQL views <name> and <name>_all
     metrics: tuple[Metric, ...]
