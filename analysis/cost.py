@@ -126,9 +126,9 @@ class ModelShape:
     def attention_params(self) -> int:
         return self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
 
-    def layer_terms(self, tokens: int, prefix: int, experts_loaded: float, batch: int = 1,
+    def layer_terms(self, tokens: int, prefix: int, experts_loaded: float, batch_size: int = 1,
                     overhead: Overhead = NONE):
-        """(bytes, flops) of one MoE decoder layer for ``batch`` sequences of ``tokens`` new
+        """(bytes, flops) of one MoE decoder layer for ``batch_size`` sequences of ``tokens`` new
         tokens each after ``prefix`` cached ones: attention, router, the ``experts_loaded``
         routed experts' weights (the union over the batch: read once), the always-on shared
         experts and the selection's ``overhead`` (its bytes once, its FLOPs per token); each
@@ -136,39 +136,40 @@ class ModelShape:
         always = (self.attention_params + self.num_experts * self.hidden + 2 * self.hidden
                   + 3 * self.hidden * self.shared_inter)
         kv = 2 * prefix * self.kv_heads * self.head_dim * self.bytes_per_param
-        bytes_ = (always * self.bytes_per_param + experts_loaded * self.expert_bytes + batch * kv
-                  + overhead.bytes_per_layer)
-        flops = batch * (2 * tokens * self.attention_params
-                         + 4 * tokens * (prefix + tokens) * self.hidden
-                         + 2 * tokens * 3 * self.hidden * (self.top_k * self.expert_inter
-                                                           + self.shared_inter)
-                         + tokens * overhead.flops_per_token)
+        bytes_ = (always * self.bytes_per_param + experts_loaded * self.expert_bytes
+                  + batch_size * kv + overhead.bytes_per_layer)
+        flops = batch_size * (2 * tokens * self.attention_params
+                              + 4 * tokens * (prefix + tokens) * self.hidden
+                              + 2 * tokens * 3 * self.hidden * (self.top_k * self.expert_inter
+                                                                + self.shared_inter)
+                              + tokens * overhead.flops_per_token)
         return bytes_, flops
 
-    def dense_layer_terms(self, tokens: int, prefix: int, batch: int = 1):
+    def dense_layer_terms(self, tokens: int, prefix: int, batch_size: int = 1):
         """(bytes, flops) of one dense decoder layer (attention and a dense MLP)."""
         kv = 2 * prefix * self.kv_heads * self.head_dim * self.bytes_per_param
         params = self.attention_params + 3 * self.hidden * self.dense_inter + 2 * self.hidden
-        flops = batch * (2 * tokens * self.attention_params
-                         + 4 * tokens * (prefix + tokens) * self.hidden
-                         + 2 * tokens * 3 * self.hidden * self.dense_inter)
-        return params * self.bytes_per_param + batch * kv, flops
+        flops = batch_size * (2 * tokens * self.attention_params
+                              + 4 * tokens * (prefix + tokens) * self.hidden
+                              + 2 * tokens * 3 * self.hidden * self.dense_inter)
+        return params * self.bytes_per_param + batch_size * kv, flops
 
-    def head_terms(self, tokens: int, batch: int = 1):
+    def head_terms(self, tokens: int, batch_size: int = 1):
         return (2 * self.vocab * self.hidden * self.bytes_per_param,
-                2 * batch * tokens * self.vocab * self.hidden)
+                2 * batch_size * tokens * self.vocab * self.hidden)
 
 
 def pass_time(shape: ModelShape, hw: Hardware, tokens: int, prefix: int,
-              experts_loaded: float, batch: int = 1, overhead: Overhead = NONE
+              experts_loaded: float, batch_size: int = 1, overhead: Overhead = NONE
               ) -> tuple[float, float, float]:
-    """(roofline time, memory-only time, compute-only time) of one forward of ``batch``
+    """(roofline time, memory-only time, compute-only time) of one forward of ``batch_size``
     sequences with ``tokens`` new tokens each, seconds; ``overhead``: the selection's, on every
     MoE layer (:meth:`ModelShape.overhead`)."""
     moe_layers = shape.layers - shape.dense_layers
-    terms = [(moe_layers, *shape.layer_terms(tokens, prefix, experts_loaded, batch, overhead)),
-             (shape.dense_layers, *shape.dense_layer_terms(tokens, prefix, batch)),
-             (1, *shape.head_terms(tokens, batch))]
+    terms = [(moe_layers, *shape.layer_terms(tokens, prefix, experts_loaded, batch_size,
+                                             overhead)),
+             (shape.dense_layers, *shape.dense_layer_terms(tokens, prefix, batch_size)),
+             (1, *shape.head_terms(tokens, batch_size))]
     mem = sum(n * b / hw.bandwidth for n, b, _ in terms)
     comp = sum(n * f / hw.peak_flops for n, _, f in terms)
     roof = sum(n * max(b / hw.bandwidth, f / hw.peak_flops) for n, b, f in terms)
@@ -190,7 +191,7 @@ def projected_speedup(shape: ModelShape, hw: Hardware, tau: float, experts_loade
         draft_seconds + seconds(tree_tokens, experts_loaded, overhead))
 
 
-def projected_batch_speedup(shape: ModelShape, hw: Hardware, batch: int, tau: float,
+def projected_batch_speedup(shape: ModelShape, hw: Hardware, batch_size: int, tau: float,
                             tree_tokens: int, prefix: int, experts_verify: float,
                             experts_ar: float, overhead: Overhead = NONE) -> float:
     """Verification-only speedup of speculative over autoregressive decoding at batch size b:
@@ -201,8 +202,8 @@ def projected_batch_speedup(shape: ModelShape, hw: Hardware, batch: int, tau: fl
     pass loads per layer: the union over its b·1 (AR) or b·M (tree) tokens, at most a budget.
     Draft time is left out (it grows with b like the AR pass it replaces a share of). The
     selection's ``overhead`` is charged to the verification pass."""
-    return tau * pass_time(shape, hw, 1, prefix, experts_ar, batch)[0] / \
-        pass_time(shape, hw, tree_tokens, prefix, experts_verify, batch, overhead)[0]
+    return tau * pass_time(shape, hw, 1, prefix, experts_ar, batch_size)[0] / \
+        pass_time(shape, hw, tree_tokens, prefix, experts_verify, batch_size, overhead)[0]
 
 
 # A calibration is usable only when the fit explains the timings: R² ≥ MIN_R2, relative RMSE ≤

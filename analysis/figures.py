@@ -487,8 +487,8 @@ def speedup(frame: pl.DataFrame, title: str = "Projected speedup vs budget",
 
 def efficiency(frame: pl.DataFrame) -> go.Figure:
     fig = go.Figure()
-    for i, (batch, g) in enumerate(frame.sort("gamma").group_by(["batch"], maintain_order=True)):
-        fig.add_scatter(x=g["gamma"], y=g["eta"], mode="lines+markers", name=f"batch {batch[0]}",
+    for i, (b, g) in enumerate(frame.sort("gamma").group_by(["batch_size"], maintain_order=True)):
+        fig.add_scatter(x=g["gamma"], y=g["eta"], mode="lines+markers", name=f"b = {b[0]}",
                         line=dict(color=COLORS[i % len(COLORS)]),
                         text=g["regime"] if "regime" in g.columns else None)
     fig.update_xaxes(title="tokens per sequence γ (log)", type="log")

@@ -16,7 +16,7 @@ import polars as pl
 
 from moe_spec.analysis import cost, replay_views, routing
 from moe_spec.analysis.sql import matching, views
-from moe_spec.catalog import partition_value
+from moe_spec.catalog import partition_value, replay_metrics
 from moe_spec.catalog.runs import profile_parts
 from moe_spec.policy import index
 
@@ -534,14 +534,14 @@ def batch_speedup(con) -> pl.DataFrame:
 def batch_pass_points(passes: pl.DataFrame) -> tuple[pl.DataFrame, int]:
     """The warm-up rule (:func:`analysis.warmup.drop`) per decoding — (mode, batch_size, budget,
     repeat where stored) — on ``profile-batch`` passes, then one point per measured (sequences,
-    γ): (batch, gamma, seconds = median kept verify seconds, passes = kept passes); and the
-    passes the rule dropped."""
+    γ): (batch_size = the pass's sequences, gamma, seconds = median kept verify seconds, passes
+    = kept passes); and the passes the rule dropped."""
     from moe_spec.analysis import warmup
     decoding = [c for c in ("mode", "batch_size", "budget", "repeat") if c in passes.columns]
     kept, dropped = warmup.drop(passes, "verify_seconds", decoding, "pass_index")
-    points = kept.group_by("batch", "gamma").agg(
+    points = kept.group_by(pl.col("pass_sequences").alias("batch_size"), "gamma").agg(
         seconds=pl.col("verify_seconds").median(), passes=pl.len().cast(pl.Int64)
-    ).sort("batch", "gamma")
+    ).sort("batch_size", "gamma")
     return points, dropped
 
 
@@ -563,7 +563,7 @@ def batch_fit(con, model: str, bench: str, run: str, speed: pl.DataFrame) -> dic
         " AND coalesce(measurement, ?) = ?" if "measurement" in columns else " AND ? = ?")
     one_params = [] if measured is None else [LEGACY, measured]
     passes = con.sql(f"""
-        SELECT mode, batch_size, budget{repeat}, pass_index, batch, gamma, verify_seconds
+        SELECT mode, batch_size, budget{repeat}, pass_index, pass_sequences, gamma, verify_seconds
         FROM batch_profile_passes
         WHERE model = ? AND bench = ? AND run = ?
           AND budget IS NULL{one}""", params=[partition_value(model), bench, run, *one_params]).pl()
@@ -618,7 +618,7 @@ def capture_batch_fit(con, model: str, bench: str) -> dict | None:
     kept, dropped = warmup.drop(t, "seconds", ["run"], "pass_order")
     points = kept.group_by("b").agg(
         gamma=pl.col("tokens").mean() / pl.col("b").first(), seconds=pl.col("seconds").median(),
-        passes=pl.len().cast(pl.Int64)).rename({"b": "batch"}).sort("batch")
+        passes=pl.len().cast(pl.Int64)).rename({"b": "batch_size"}).sort("batch_size")
     coef = moesd.fit(points, int(t["n"][0]), int(t["k"][0]))
     return dict(coef=coef, points=points, dropped=dropped)
 
@@ -643,24 +643,26 @@ def batch_projection(speed: pl.DataFrame, shape: cost.ModelShape, hw: cost.Hardw
                                           projected=pl.Float64))
 
 
+# every replay table's frame, under the name its record gives it (catalog.replay_metrics):
+# its curves (replay_views.curves), unless a function of its own draws it
+REPLAY_FRAMES = {t.frame: t.name for t in replay_metrics.TABLES.values() if t.frame}
+_OWN_DRAWING = {"batch_errors": replay_views.batch_error_vs_budget}  # b = 1 from replay_open too
 ANALYSES = {
     "tails": routing.heavy_tails_by_layer,
     "coverage": routing.coverage_curve,
     "growth": routing.activation_growth,
     "balance": routing.load_balance,
-    "errors": replay_views.error_vs_budget,
-    "closed": replay_views.closed_loop,
+    **{name: _OWN_DRAWING.get(name) or functools.partial(replay_views.curves, table=table)
+       for name, table in REPLAY_FRAMES.items()},
     "batch": batch_regime,
     "batch_speed": batch_speedup,
-    "batch_errors": replay_views.batch_error_vs_budget,
     "saved_open": replay_views.experts_saved_open,
     "saved_closed": replay_views.experts_saved_closed,
 }
 NEEDS = {"tails": "summary_layers", "coverage": "summary_layers", "growth": "summary_layers",
          "balance": "summary_layers",  # routing summaries: captures' and routing-only runs'
-         "errors": "replay_open", "closed": "replay_closed", "batch": "trees",
-         "batch_speed": "batch_profile", "batch_errors": "replay_batch",
-         "saved_open": "replay_open", "saved_closed": "replay_closed"}
+         **REPLAY_FRAMES, "batch": "trees", "batch_speed": "batch_profile",
+         "saved_open": replay_metrics.OPEN_TABLE, "saved_closed": replay_metrics.CLOSED_TABLE}
 
 
 def all_frames(con) -> dict[str, pl.DataFrame]:
@@ -722,12 +724,15 @@ def efficiency_frame(root: Path | None, model: str) -> pl.DataFrame | None:
     parts = profile_parts(root, model)
     if not parts:
         return None
+    from moe_spec.catalog import schema
     from moe_spec.catalog.location import read_frame
     points = read_frame([parts[-1]])
+    points = points.rename(schema.renamed(schema.PROFILE_TABLE, points.columns))  # older files
     n, k = int(points["num_experts"][0]), int(points["top_k"][0])
-    eff = moesd.efficiency(points.select("batch", "gamma", "seconds"))
+    eff = moesd.efficiency(points.select("batch_size", "gamma", "seconds"))
     coef = moesd.fit(points, n, k)
-    return eff.with_columns(regime=pl.Series(moesd.regime(eff["batch"] * eff["gamma"], n, k, coef)))
+    return eff.with_columns(regime=pl.Series(moesd.regime(eff["batch_size"] * eff["gamma"], n, k,
+                                                          coef)))
 
 
 def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,

@@ -22,22 +22,22 @@ from moe_spec.analysis.routing import moesd_uniform
 
 def efficiency(points: pl.DataFrame) -> pl.DataFrame:
     """``η(b, γ) = T(b, 1) / T(b, γ)`` for every measured point (γ = 1 must be measured)."""
-    t1 = points.filter(pl.col("gamma") == 1).select("batch", pl.col("seconds").alias("t1"))
-    return points.join(t1, on="batch").with_columns(eta=pl.col("t1") / pl.col("seconds"))
+    t1 = points.filter(pl.col("gamma") == 1).select("batch_size", pl.col("seconds").alias("t1"))
+    return points.join(t1, on="batch_size").with_columns(eta=pl.col("t1") / pl.col("seconds"))
 
 
 def fit(points: pl.DataFrame, n: int, k: int) -> dict:
     """``T(b, γ) ≈ c₀ + c₁·E(bγ) + c₂·bγ`` with c ≥ 0 under the soft-L1 loss
-    (:func:`analysis.warmup.nonneg_fit`) to ``points`` (batch, gamma, seconds), subject to the
+    (:func:`analysis.warmup.nonneg_fit`) to ``points`` (batch_size, gamma, seconds), subject to the
     sample check (:func:`analysis.warmup.check`): with a ``passes`` column (kept passes behind
     each point's seconds) a point with fewer than 5 is left out (``left_out``), and fewer than
     3 + 2 points left refuse the fit (``refused``: "not fitted: only 1 pass at b = 2 (need 5)";
     c₀, c₁, c₂ and the relative RMSE are then NaN). ``relative_rmse = √mean(r²) / mean(T)`` over
     the points fitted (``points``)."""
     from moe_spec.analysis import warmup
-    single = points.group_by("batch").agg(pl.col("gamma").n_unique() == 1)["gamma"].all()
+    single = points.group_by("batch_size").agg(pl.col("gamma").n_unique() == 1)["gamma"].all()
     labels = [f"b = {b:g}" if single else f"b = {b:g}, γ = {g:g}"
-              for b, g in zip(points["batch"], points["gamma"])]
+              for b, g in zip(points["batch_size"], points["gamma"])]
     passes = points["passes"] if "passes" in points.columns else [warmup.MIN_PASSES] * points.height
     sample = warmup.check(passes, labels, 3)
     out = dict(points=len(sample.used), left_out=sample.left_out, refused=sample.refused)
@@ -45,7 +45,7 @@ def fit(points: pl.DataFrame, n: int, k: int) -> dict:
         nan = float("nan")
         return dict(c0=nan, c1=nan, c2=nan, relative_rmse=nan, **out)
     points = points.select(pl.all().gather(sample.used))
-    tokens = (points["batch"] * points["gamma"]).to_numpy().astype(float)
+    tokens = (points["batch_size"] * points["gamma"]).to_numpy().astype(float)
     e = moesd_uniform(n, k, tokens)
     a = np.c_[np.ones_like(tokens), e, tokens]
     y = points["seconds"].to_numpy()

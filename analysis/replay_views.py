@@ -28,18 +28,27 @@ import numpy as np
 import polars as pl
 
 from moe_spec.catalog import replay_metrics
-from moe_spec.catalog.replay_metrics import BATCH_TABLE, CLOSED_TABLE, OPEN_TABLE
+from moe_spec.catalog.replay_metrics import BATCH_TABLE, CLOSED_TABLE, OPEN_TABLE, TABLES
 from moe_spec.policy import index  # torch-free: the rankings' table (tests/test_layering.py)
 
 
-def error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
-    """Per ranking × coverage × budget: the open-loop metrics' means as declared in
-    :mod:`catalog.replay_metrics` (RSE with its interval), and the tree-layers counted."""
+def curves(con: duckdb.DuckDBPyConnection, table: str, by: str = "model, bench"
+           ) -> pl.DataFrame:
+    """Per ranking × coverage × budget of a replay table's default view: its metrics' means as
+    its record declares them (:mod:`catalog.replay_metrics`: intervals where a metric asks),
+    and the rows counted (the record's ``counted``: tree-layers, trees, …)."""
+    record = TABLES[table]
     return con.sql(f"""
-        SELECT {by}, ranking, coverage, budget, {replay_metrics.view_select(OPEN_TABLE)},
-               count(*) AS tree_layers
-        FROM {OPEN_TABLE} GROUP BY ALL ORDER BY ALL
+        SELECT {by}, ranking, coverage, budget, {replay_metrics.view_select(table)},
+               count(*) AS {record.counted}
+        FROM {record.name} GROUP BY ALL ORDER BY ALL
     """).pl()
+
+
+def error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
+    """Per ranking × coverage × budget: the open-loop metrics' means (RSE with its interval),
+    and the tree-layers counted (:func:`curves` of ``replay_open``)."""
+    return curves(con, OPEN_TABLE, by)
 
 
 def batch_error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench"
@@ -130,13 +139,9 @@ def ablation(curves: pl.DataFrame) -> pl.DataFrame:
 
 
 def closed_loop(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
-    """Per ranking × coverage × budget: the closed-loop metrics' means as declared in
-    :mod:`catalog.replay_metrics` (τ with its interval), and the trees counted."""
-    return con.sql(f"""
-        SELECT {by}, ranking, coverage, budget, {replay_metrics.view_select(CLOSED_TABLE)},
-               count(*) AS trees
-        FROM {CLOSED_TABLE} GROUP BY ALL ORDER BY ALL
-    """).pl()
+    """Per ranking × coverage × budget: the closed-loop metrics' means (τ with its interval),
+    and the trees counted (:func:`curves` of ``replay_closed``)."""
+    return curves(con, CLOSED_TABLE, by)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,7 +153,6 @@ MATCHED_METRICS: dict[str, dict[str, bool]] = {
     OPEN_TABLE: {"rse": False},
     CLOSED_TABLE: {"tau": True, "kl": False},
 }
-LOOPS = {OPEN_TABLE: "open", CLOSED_TABLE: "closed"}
 BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED = 200, 0
 PROMPT = ("run", "prompt_index")  # one bootstrap unit: a prompt of a run
 SWEEP = np.array(["inside", "below", "beyond"])  # codes of :func:`budgets_needed`
@@ -329,7 +333,7 @@ def experts_saved(con: duckdb.DuckDBPyConnection, table: str = OPEN_TABLE,
         for m in metrics for c in [_metric_column(table, m).name])
     totals = con.sql(f"""SELECT model, bench, run, prompt_index, ranking, coverage, budget, {sums}
                          FROM {table} GROUP BY ALL""").pl()
-    return experts_saved_frame(totals, metrics, LOOPS[table], resamples=resamples, seed=seed)
+    return experts_saved_frame(totals, metrics, TABLES[table].loop, resamples=resamples, seed=seed)
 
 
 def experts_saved_open(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:

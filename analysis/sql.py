@@ -45,7 +45,7 @@ from moe_spec.analysis.sql_guard import (  # noqa: F401 - re-exported: sql's API
     sql_limits,
 )
 from moe_spec.catalog import Catalog, CatalogError, location, partition_value, reader, schema
-from moe_spec.catalog.replay_metrics import BATCH_TABLE, OPEN_TABLE
+from moe_spec.catalog.replay_metrics import TABLES as REPLAY_TABLES
 from moe_spec.catalog.results import RESULT_TABLES, complete_blocks
 from moe_spec.catalog.runs import PART_GLOB, WHOLE_PART
 
@@ -333,9 +333,34 @@ def connect(root: str | Path = "traces", database: str = ":memory:",
     _create_empty_views(con, root, files)
     for name in VIEWS:
         if name != "runs" and files.get(name):
-            _create_views(con, name, _view_bodies(name, _scan(files[name])))
+            _create_views(con, name, _view_bodies(name, _current_names(con, name,
+                                                                      _scan(files[name]))))
     lock_down(con, root)
     return con
+
+
+def _current_names(con: duckdb.DuckDBPyConnection, name: str, scan: str) -> str:
+    """``scan`` with the columns files of an older layout name otherwise under their current
+    names (:data:`catalog.schema.RENAMED`: old and new files read as one column)."""
+    renames = schema.RENAMED.get(name)
+    if not renames:
+        return scan
+    try:
+        columns = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {scan}").fetchall()}
+    except duckdb.Error:
+        return scan  # unreadable: the view's creation says so (_create_views)
+    old = {o: n for o, n in renames.items() if o in columns}
+    if not old:
+        return scan
+    both = {o: n for o, n in old.items() if n in columns}
+    only = {o: n for o, n in old.items() if n not in columns}
+    select = "*"
+    if both:
+        select += (f" EXCLUDE ({', '.join(both)}) REPLACE ("
+                   + ", ".join(f"coalesce({n}, {o}) AS {n}" for o, n in both.items()) + ")")
+    if only:
+        select += " RENAME (" + ", ".join(f"{o} AS {n}" for o, n in only.items()) + ")"
+    return f"(SELECT {select} FROM {scan})"
 
 
 def _open(root: Path, database: str) -> duckdb.DuckDBPyConnection:
@@ -406,18 +431,20 @@ def _create_empty_views(con: duckdb.DuckDBPyConnection, root: Path,
 
 
 def _result_views(name: str, scan: str) -> list[tuple[str, str]]:
-    """A replay result table's two views: ``<name>_all`` (every variant, each row saying which)
-    and ``<name>`` (the default variant of each cell)."""
-    per_layer = name in (OPEN_TABLE, BATCH_TABLE)
+    """A replay result table's two views (its record's, :mod:`catalog.replay_metrics`):
+    ``<name>_all`` (every variant, each row saying which) and ``<name>`` (the default variant
+    of each cell: a cell is layer × budget for a table of tree-layers, else budget)."""
+    table = REPLAY_TABLES[name]
+    default_view, all_view = table.views
     variant_select = ", ".join(f"v.{c}" for c, _ in VARIANT_FIELDS if c != "variant")
     body = (f"SELECT t.*, {variant_select} FROM {scan} t JOIN _blocks v "
             "USING (model, bench, run, config, block)")
-    cell = "t.budget = d.budget" + (" AND t.layer = d.layer" if per_layer else "")
-    default = (f"SELECT t.* FROM {name}_all t SEMI JOIN (SELECT * FROM _default_cells "
+    cell = "t.budget = d.budget" + (" AND t.layer = d.layer" if table.per_layer else "")
+    default = (f"SELECT t.* FROM {all_view} t SEMI JOIN (SELECT * FROM _default_cells "
                f"WHERE \"table\" = '{name}') d ON t.model = d.model AND t.bench = d.bench "
                f"AND t.run = d.run AND t.config = d.config AND t.block = d.block AND "
                f"{cell}")
-    return [(f"{name}_all", body), (name, default)]
+    return [(all_view, body), (default_view, default)]
 
 
 def _view_bodies(name: str, scan: str) -> list[tuple[str, str]]:

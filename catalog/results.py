@@ -33,8 +33,7 @@ from moe_spec.catalog.names import check_name
 from moe_spec.catalog.runs import CatalogError, Run, legacy, read_json_file, run_dir
 from moe_spec.catalog.schema import COMMITTED_VERSION, RESULT_CONFIG, SCHEMA_VERSION
 
-RESULT_TABLES = (replay_metrics.OPEN_TABLE, replay_metrics.CLOSED_TABLE,
-                 replay_metrics.BATCH_TABLE, replay_metrics.CLOSED_BATCH_TABLE)
+RESULT_TABLES = tuple(replay_metrics.TABLES)  # every declared replay table (its record there)
 
 
 def layout_key(table: str, unit: dict) -> dict:
@@ -50,6 +49,15 @@ def layout_key(table: str, unit: dict) -> dict:
 def current_layout(table: str, unit: dict) -> bool:
     """Whether a stored unit's results have the table's current metric layout."""
     return unit.get("layout", 1) == replay_metrics.LAYOUT_VERSION[table]
+
+
+def readable_layout(table: str, unit: dict) -> bool:
+    """Whether readers read a stored unit's results: the current layout, or an older one its
+    record still reads (``ReplayTable.reads``: key columns renamed since, which every reader
+    renames back, :data:`catalog.schema.RENAMED`). A new replay recomputes such a unit under
+    the current layout all the same (its key differs) and then drops it."""
+    return current_layout(table, unit) or \
+        unit.get("layout", 1) in replay_metrics.TABLES[table].reads
 
 
 def digest(obj) -> str:
@@ -300,7 +308,7 @@ def _record_ok(record) -> bool:
 def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) -> list[dict]:
     """(model, bench, run, config, block) of every complete block under ``root``: what readers
     may treat as final (an interrupted sweep's blocks are left out, and so are blocks of an older
-    metric layout: :func:`current_layout`). A torn or foreign config is left out too, with one
+    metric layout: :func:`readable_layout`). A torn or foreign config is left out too, with one
     line saying so appended to ``skipped``, and so is the number of units of an older layout."""
     rows, older = [], 0
     for path in sorted(location.root(root).glob(f"{table}/model=*/bench=*/run=*/config=*/{RESULT_CONFIG}")):
@@ -314,7 +322,7 @@ def complete_blocks(root: Path, table: str, skipped: list[str] | None = None) ->
                 skipped.append(f"corrupt replay result config {path}: its results are left out; "
                                f"delete {path.parent} and replay again")
             continue
-        if isinstance(state.get("unit"), dict) and not current_layout(table, state["unit"]):
+        if isinstance(state.get("unit"), dict) and not readable_layout(table, state["unit"]):
             older += 1  # recomputed by the next replay, which deletes it (drop_superseded)
             continue
         parts = {p.split("=", 1)[0]: p.split("=", 1)[1] for p in path.parent.parts[-4:]}

@@ -182,7 +182,7 @@ COMPLETION_TABLE = "sequences"
 # profile/model=…/device=<cpu|cuda|…>/part-0.parquet; a new profile replaces the old one
 PROFILE_TABLE = "profile"
 PROFILE = pa.schema([
-    pa.field("batch", pa.int64()),  # b, sequences per pass
+    pa.field("batch_size", pa.int64()),  # b, sequences per pass (files before round 5: batch)
     pa.field("gamma", pa.int64()),  # γ, tokens per sequence after the cached prefix
     pa.field("seconds", pa.float64()),  # T(b, γ), median of the timed repeats
     pa.field("prefix", pa.int32()),  # cached tokens before the pass
@@ -233,7 +233,8 @@ BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
     "batch_profile_passes": pa.schema(_DECODING + [
         pa.field("repeat", pa.int32()),  # round 4 (older files lack it): the decoding's repeat
         pa.field("pass_index", pa.int32()),
-        pa.field("batch", pa.int32()),  # sequences in this pass (≤ b as the queue drains)
+        pa.field("pass_sequences", pa.int32()),  # sequences in this pass (≤ b as the queue
+        # drains; files before round 5: batch)
         pa.field("gamma", pa.int32()),  # tokens verified per sequence (1 for ar, M for eagle)
         pa.field("verify_seconds", pa.float64()),  # the target forward, device-synchronised
         pa.field("draft_seconds", pa.float64()),
@@ -246,36 +247,47 @@ BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
 # percentiles use the same count)
 WARMUP_PASSES = 1
 
-_REPLAY_KEY = _KEY + _STEP + [pa.field("ranking", pa.string()), pa.field("coverage", pa.string()),
-                              pa.field("budget", pa.int16())]
+# The key of every replay result row, declared once (a new key column is one line here): the
+# tree (prompt, step), then ``layer`` for a table of tree-layers, then the table's own key
+# columns (catalog.replay_metrics.ReplayTable.columns), then the cell's ranking, coverage, budget
+REPLAY_KEY = _KEY + _STEP
+REPLAY_LAYER = pa.field("layer", pa.int16())
+REPLAY_CELL = [pa.field("ranking", pa.string()), pa.field("coverage", pa.string()),
+               pa.field("budget", pa.int16())]
 
-# Replay results, partitioned like the traces plus config=<hash> (replay/run.py); the metric
-# columns are declared in catalog/replay_metrics.py
+
+def replay_schema(table: replay_metrics.ReplayTable) -> pa.Schema:
+    """A replay result table's stored schema: :data:`REPLAY_KEY`, ``layer`` (per tree-layer),
+    its own key columns, :data:`REPLAY_CELL`, then its metric columns, in that order."""
+    return pa.schema(REPLAY_KEY + ([REPLAY_LAYER] if table.per_layer else []) + list(table.columns)
+                     + REPLAY_CELL + replay_metrics.fields(table.name))
+
+
+# Replay results, partitioned like the traces plus config=<hash> (replay/run.py); every table is
+# declared in catalog/replay_metrics.py (TABLES)
 REPLAY_TABLES: dict[str, pa.Schema] = {
-    # one row per (tree, layer, ranking, coverage, budget)
-    replay_metrics.OPEN_TABLE: pa.schema(
-        _REPLAY_KEY[:3] + [pa.field("layer", pa.int16())] + _REPLAY_KEY[3:]
-        + replay_metrics.fields(replay_metrics.OPEN_TABLE)),
-    # one row per (tree, ranking, coverage, budget)
-    replay_metrics.CLOSED_TABLE: pa.schema(
-        _REPLAY_KEY + replay_metrics.fields(replay_metrics.CLOSED_TABLE)),
-    # one row per (batch, pass, layer, ranking, coverage, budget): prompt_index numbers the
-    # batch, prompt_id joins its prompts' ids with "+", step is the pass (replay/virtual_batch.py)
-    replay_metrics.BATCH_TABLE: pa.schema(
-        _REPLAY_KEY[:3] + [pa.field("layer", pa.int16()),
-                           pa.field("batch_size", pa.int16()),  # b asked (virtual or captured)
-                           pa.field("trees", pa.int16())]  # trees verified in the pass (≤ b)
-        + _REPLAY_KEY[3:] + replay_metrics.fields(replay_metrics.BATCH_TABLE)),
-    # one row per (tree, ranking, coverage, budget) of closed loop over (virtual) batches: the
-    # tree's own prompt and step, and the pass that verified it with the other trees of its
-    # batch under one shortlist per layer (replay/closed_loop.py)
-    replay_metrics.CLOSED_BATCH_TABLE: pa.schema(
-        _REPLAY_KEY[:3] + [pa.field("batch_size", pa.int16()),  # b asked (virtual or captured)
-                           pa.field("batch", pa.int32()),  # the (virtual) batch: its number
-                           pa.field("batch_pass", pa.int32()),  # the pass (virtual: the step)
-                           pa.field("trees", pa.int16())]  # trees verified in the pass (≤ b)
-        + _REPLAY_KEY[3:] + replay_metrics.fields(replay_metrics.CLOSED_BATCH_TABLE)),
+    name: replay_schema(table) for name, table in replay_metrics.TABLES.items()}
+
+# Columns files of an older layout name otherwise, per table (old name → current one): every
+# reader renames them (:func:`renamed`, and the SQL views), so older files read as the current
+# layout. One word per meaning: ``batch_size`` is b (sequences verified together), a pass's
+# own count of sequences is ``pass_sequences``, a (virtual) batch's number ``batch_index``.
+RENAMED: dict[str, dict[str, str]] = {
+    PROFILE_TABLE: {"batch": "batch_size"},
+    "batch_profile_passes": {"batch": "pass_sequences"},
+    **{t.name: {old: new for renames in t.reads.values() for old, new in renames.items()}
+       for t in replay_metrics.TABLES.values() if t.reads},
 }
+
+
+def renamed(table: str, columns) -> dict[str, str]:
+    """Of ``columns`` (a file's or frame's), those an older layout of ``table`` named otherwise
+    and whose current name is not among them: old → current name (:data:`RENAMED`), for
+    ``rename``."""
+    have = set(columns)
+    return {old: new for old, new in RENAMED.get(table, {}).items()
+            if old in have and new not in have}
+
 
 RUNS_SCHEMA = pa.schema([
     pa.field("role", pa.string()),  # evaluation | calibration

@@ -223,10 +223,13 @@ def runs_row(manifest: dict) -> dict:
 
 
 def write_profile(root: Path, model: str, device: str, points: pa.Table) -> Path:
-    """Store ``profile-target``'s points (:data:`catalog.schema.PROFILE` columns) for ``model``
-    on ``device``, replacing the profile there; returns its folder."""
+    """Store ``profile-target``'s points (:data:`catalog.schema.PROFILE` columns; a column under
+    its older name is stored under the current one) for ``model`` on ``device``, replacing the
+    profile there; returns its folder."""
     folder = profile_dir(root, model, device)
     location.mkdir(folder)
+    old = schema.renamed(schema.PROFILE_TABLE, points.column_names)
+    points = points.rename_columns([old.get(c, c) for c in points.column_names])
     atomic.write_table(folder / WHOLE_PART, points.select(schema.PROFILE.names)
                        .cast(schema.PROFILE))
     return folder

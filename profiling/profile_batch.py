@@ -94,7 +94,7 @@ class Decoding:
     budget: int | None
     tokens: int
     seconds: float
-    passes: list[dict]  # batch (sequences), gamma (tokens each), verify_seconds, draft_seconds
+    passes: list[dict]  # pass_sequences, gamma (tokens each), verify_seconds, draft_seconds
     accepted: int  # tokens added over all (sequence, pass) pairs
     trees: int
     repeat: int = 0  # 0 … --repeats − 1
@@ -154,7 +154,7 @@ def decode(decoder, prompts: list[list[int]], batch_size: int, max_new_tokens: i
         finished = event.finished if isinstance(event, BatchPass) else [event]
         tokens += sum(len(g.output_ids) for _, g in finished)
         if isinstance(event, BatchPass) and event.slots:
-            passes.append(dict(batch=len(event.slots),
+            passes.append(dict(pass_sequences=len(event.slots),
                                gamma=event.tokens_verified // len(event.slots),
                                verify_seconds=event.verify_seconds,
                                draft_seconds=event.draft_seconds))

@@ -16,20 +16,20 @@ from moe_spec.analysis.moesd import efficiency, fit, regime
 from moe_spec.errors import UserError, fail
 
 
-def time_forward(model, batch: int, gamma: int, prefix: int, repeats: int, vocab: int,
+def time_forward(model, batch_size: int, gamma: int, prefix: int, repeats: int, vocab: int,
                  seed: int = 0) -> float:
     import torch
     with torch.no_grad():
-        return _time_forward(model, batch, gamma, prefix, repeats, vocab, seed)
+        return _time_forward(model, batch_size, gamma, prefix, repeats, vocab, seed)
 
 
-def _time_forward(model, batch, gamma, prefix, repeats, vocab, seed) -> float:
+def _time_forward(model, batch_size, gamma, prefix, repeats, vocab, seed) -> float:
     import torch
     from transformers import DynamicCache
     dev = next(model.parameters()).device
     g = torch.Generator(device="cpu").manual_seed(seed)
-    ctx = torch.randint(0, vocab, (batch, prefix), generator=g).to(dev)
-    new = torch.randint(0, vocab, (batch, gamma), generator=g).to(dev)
+    ctx = torch.randint(0, vocab, (batch_size, prefix), generator=g).to(dev)
+    new = torch.randint(0, vocab, (batch_size, gamma), generator=g).to(dev)
     times = []
     for _ in range(repeats + 1):
         cache = DynamicCache(config=model.config)
@@ -44,11 +44,11 @@ def _time_forward(model, batch, gamma, prefix, repeats, vocab, seed) -> float:
     return statistics.median(times[1:])  # first run warms up
 
 
-def profile(model, batches, gammas, prefix: int, repeats: int) -> pl.DataFrame:
+def profile(model, batch_sizes, gammas, prefix: int, repeats: int) -> pl.DataFrame:
     from moe_spec.moe import families
     vocab = families.facts(model.config).vocab  # the token ids a random prompt draws from
-    rows = [dict(batch=b, gamma=g, seconds=time_forward(model, b, g, prefix, repeats, vocab))
-            for b in batches for g in gammas]
+    rows = [dict(batch_size=b, gamma=g, seconds=time_forward(model, b, g, prefix, repeats, vocab))
+            for b in batch_sizes for g in gammas]
     return pl.DataFrame(rows)
 
 
@@ -63,7 +63,7 @@ class SizeError(UserError, ValueError):
     """A size option beyond what the model or the machine can take; one line."""
 
 
-def check_sizes(model: str, batches, gammas, prefix: int, repeats: int) -> None:
+def check_sizes(model: str, batch_sizes, gammas, prefix: int, repeats: int) -> None:
     """Refuse, before torch loads, sizes the model cannot take (a prefix plus γ beyond its
     ``max_position_embeddings``) or that would build absurd tensors, in one line."""
     from moe_spec.moe import models
@@ -74,17 +74,17 @@ def check_sizes(model: str, batches, gammas, prefix: int, repeats: int) -> None:
     if prefix + max(gammas) > positions:
         raise SizeError(f"--prefix {prefix} plus the largest --gammas {max(gammas)} is beyond "
                         f"{where}; give a smaller --prefix or --gammas")
-    if max(batches) > MAX_BATCH:
-        raise SizeError(f"--batches {max(batches)} is out of range: batch sizes must be 1 to "
-                        f"{MAX_BATCH}")
+    if max(batch_sizes) > MAX_BATCH:
+        raise SizeError(f"--batch-sizes {max(batch_sizes)} is out of range: batch sizes must "
+                        f"be 1 to {MAX_BATCH}")
     if repeats > MAX_REPEATS:
         raise SizeError(f"--repeats {repeats} is out of range: it must be 1 to {MAX_REPEATS}")
-    if len(batches) * len(gammas) > MAX_POINTS:
-        raise SizeError(f"{len(batches)} --batches × {len(gammas)} --gammas is more than "
-                        f"{MAX_POINTS} points; give fewer")
-    tokens = max(batches) * (prefix + max(gammas))
+    if len(batch_sizes) * len(gammas) > MAX_POINTS:
+        raise SizeError(f"{len(batch_sizes)} --batch-sizes × {len(gammas)} --gammas is more "
+                        f"than {MAX_POINTS} points; give fewer")
+    tokens = max(batch_sizes) * (prefix + max(gammas))
     if tokens > MAX_TOKENS:
-        raise SizeError(f"--batches {max(batches)} × (--prefix {prefix} + --gammas "
+        raise SizeError(f"--batch-sizes {max(batch_sizes)} × (--prefix {prefix} + --gammas "
                         f"{max(gammas)}) is {tokens} tokens in one forward, more than "
                         f"{MAX_TOKENS}; give smaller sizes")
 
@@ -94,13 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     from moe_spec.moe import models
     p = console.ArgumentParser(
         prog="profile-target", examples="""
-            profile-target --model tiny-olmoe --batches 1,2 --gammas 1,4,16
+            profile-target --model tiny-olmoe --batch-sizes 1,2 --gammas 1,4,16
             profile-target --model olmoe --device cuda --repeats 5      # on the GPU you study
             profile-target --model tiny-olmoe --threads 1               # CPU timings, one core""",
         description="Time the target's forward at batch sizes b and gamma tokens per sequence on "
                     "this device and store the points for MoESD's efficiency eta(b, gamma).")
     p.add_argument("--model", default=models.DEFAULT_MODEL, help="alias, hub id or folder")
-    p.add_argument("--batches", default="1,2,4,8", help="batch sizes b, comma-separated")
+    p.add_argument("--batch-sizes", "--batches", dest="batch_sizes", default="1,2,4,8",
+                   help="batch sizes b, comma-separated (--batches: its older spelling)")
     p.add_argument("--gammas", default="1,2,4,8,16,32,64",
                    help="tokens per sequence gamma, comma-separated (1 is always added)")
     p.add_argument("--prefix", type=int, default=128, help="cached tokens before the pass")
@@ -112,17 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     console.threads.add_argument(p, what="torch (CPU timings depend on it)")
     args = p.parse_args(argv)
     try:
-        batches = [int(x) for x in args.batches.split(",")]
+        batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
         gammas = sorted({1, *(int(x) for x in args.gammas.split(","))})
-        if min(batches) < 1 or min(gammas) < 1 or args.prefix < 1 or args.repeats < 1:
-            raise ValueError("--batches, --gammas, --prefix and --repeats must all be ≥ 1")
+        if min(batch_sizes) < 1 or min(gammas) < 1 or args.prefix < 1 or args.repeats < 1:
+            raise ValueError("--batch-sizes, --gammas, --prefix and --repeats must all be ≥ 1")
     except ValueError as exc:
         msg = str(exc) if "must" in str(exc) else \
-            f"cannot read --batches/--gammas ({exc}); use comma-separated whole numbers ≥ 1"
+            f"cannot read --batch-sizes/--gammas ({exc}); use comma-separated whole numbers ≥ 1"
         return fail("profile-target", msg)
     try:  # before torch and transformers load
         models.check_available(args.model)
-        check_sizes(args.model, batches, gammas, args.prefix, args.repeats)
+        check_sizes(args.model, batch_sizes, gammas, args.prefix, args.repeats)
     except UserError as exc:
         return fail("profile-target", exc)
     threads = console.threads.apply(args.threads)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         adapter = MoEAdapter(loaded.model)
     except UserError as exc:
         return fail("profile-target", exc)
-    points = profile(loaded.model, batches, gammas, args.prefix, args.repeats)
+    points = profile(loaded.model, batch_sizes, gammas, args.prefix, args.repeats)
     table = points.with_columns(prefix=pl.lit(args.prefix),
                                 num_experts=pl.lit(adapter.num_experts),
                                 top_k=pl.lit(adapter.top_k)).to_arrow()
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     coef = fit(points, adapter.num_experts, adapter.top_k)
     with pl.Config(tbl_rows=100):
         print(eff.with_columns(regime=pl.Series(regime(
-            eff["batch"] * eff["gamma"], adapter.num_experts, adapter.top_k, coef))))
+            eff["batch_size"] * eff["gamma"], adapter.num_experts, adapter.top_k, coef))))
     if coef.get("refused"):
         print(f"fit: {coef['refused']}; wrote {folder}")
     else:

@@ -259,7 +259,7 @@ def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress,
                             [tasks[i] for i in todo])
         for j, i in enumerate(todo):
             sch = schema.REPLAY_TABLES[tasks[i].unit.table]
-            extra = dict(batch=key, **(constants or {}))
+            extra = dict(batch_index=key, **(constants or {}))
             tasks[i].unit.write_part(tasks[i].block, key, pa.Table.from_pylist(
                 [{name: {**extra, **row}[name] for name in sch.names} for row in rows[j]],
                 schema=sch))

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_spec.catalog import location
+from moe_spec.catalog import location, replay_metrics
 from moe_spec.catalog.results import Block, UnitResults
 from moe_spec.catalog.runs import Run
 
@@ -52,7 +52,7 @@ class ReplayWorker:
         from moe_spec.replay import closed_loop
         from moe_spec.replay.engine import OpenLoopEngine, Task
         units = [UnitResults(location.root(out), s.table, run, s.unit) for s in specs]
-        if specs[0].table == "replay_open":
+        if replay_metrics.TABLES[specs[0].table].loop == "open":
             engine = OpenLoopEngine(self.adapter, self.device, progress=False,
                                     max_batch=max_batch)
             engine.run(run, [Task(u, s.block, rankings.get(s.ranking)().fit(stats),

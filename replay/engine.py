@@ -46,9 +46,10 @@ class Task:
     rows: dict[int, list[dict]] = field(default_factory=dict)  # prompt -> column blocks
 
 
-def batch_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
-    """Tree-layers per batch so that ``E [T, M, N, H]`` (fp32 and its fp64 copy) and the Gram
-    ``q [T, M, N, N]`` (fp64) together stay near ``budget_bytes``."""
+def chunk_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
+    """Tree-layers per compute chunk (scored together, one call per MoE layer) so that
+    ``E [T, M, N, H]`` (fp32 and its fp64 copy) and the Gram ``q [T, M, N, N]`` (fp64) together
+    stay near ``budget_bytes``."""
     per_tree_layer = m * n * (12 * h + 8 * n + 16)
     return max(1, min(1024, budget_bytes // per_tree_layer))
 
@@ -59,18 +60,23 @@ OPEN_METRICS = replay_metrics.names(OPEN_TABLE)
 
 def columns(keys: dict, task: Task, budgets: list[int], m: dict, table: str = OPEN_TABLE,
             constants: dict | None = None) -> dict:
-    """One columnar block of ``table``'s rows (``replay_open``, or ``replay_batch`` whose tree-
-    layers are merged passes): the tree-layers of ``keys`` × ``budgets``, with the metrics ``m``
-    (``[T, B]`` each, exactly the declared ones); key columns the schema has beyond the
-    open-loop ones come from ``keys`` (per tree-layer) or ``constants``."""
+    """One columnar block of ``table``'s rows (``replay_open``, ``replay_batch`` whose tree-
+    layers are merged passes, or any open-loop table its record declares): the tree-layers of
+    ``keys`` × ``budgets``, with those of the metrics ``m`` (``[T, B]`` each, exactly the
+    open-loop ones) the table declares; key columns the schema has beyond the open-loop ones
+    come from ``keys`` (per tree-layer) or ``constants``."""
     if sorted(m) != sorted(OPEN_METRICS):
         raise ValueError(f"open-loop metrics {sorted(m)} differ from the declared "
                          f"{sorted(OPEN_METRICS)} (catalog/replay_metrics.py)")
+    unknown = set(replay_metrics.names(table)) - set(m)
+    if unknown:
+        raise ValueError(f"{table} declares metrics open loop does not compute: "
+                         f"{sorted(unknown)} (catalog/replay_metrics.py)")
     t, nb = len(keys["step"]), len(budgets)
     rep = lambda a: np.repeat(np.asarray(a), nb)  # noqa: E731
     sch = schema.REPLAY_TABLES[table]
     metric_columns = {k: v.detach().cpu().numpy().reshape(-1).astype(
-        sch.field(k).type.to_pandas_dtype()) for k, v in m.items()}
+        sch.field(k).type.to_pandas_dtype()) for k, v in m.items() if k in sch.names}
     out = dict(
         prompt_index=rep(keys["prompt_index"]).astype(np.int32),
         prompt_id=list(rep(keys["prompt_id"])),
@@ -137,7 +143,7 @@ class OpenLoopEngine:
                 rows = data.select(layers)
                 left[prompt] += len(rows)
                 if size is None and rows:
-                    size = self.max_batch or batch_size(int(np.diff(data.bounds).max()),
+                    size = self.max_batch or chunk_size(int(np.diff(data.bounds).max()),
                                                         data.probs.shape[1], data.hidden.shape[1])
                 while rows:
                     room = size - sum(len(s.rows) for s in pending)

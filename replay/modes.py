@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from moe_spec.catalog import replay_metrics
-from moe_spec.catalog.replay_metrics import Metric
+from moe_spec.catalog.replay_metrics import Metric, ReplayTable
 
 
 def stored_layers(run, layers: list[int]) -> list[int]:
@@ -47,8 +47,7 @@ def storage_note(run) -> str | None:
 
 class ReplayMode(ABC):
     name: str  # the --mode value, and the unit keys' "mode"
-    table: str  # the result table
-    per_layer: bool  # cells are layer × budget (else budget)
+    record: ReplayTable  # the result table it writes (catalog.replay_metrics.TABLES)
     counted: str  # what a summary row counts (a column and a ReplayOutcome field)
     counted_unit: str  # its name in the summary's first line
     headline: str  # the metric the summary's pivots show
@@ -57,8 +56,18 @@ class ReplayMode(ABC):
     runtime_rankings_only: bool  # offline rankings (needing the whole tree's routing) refused
 
     @property
+    def table(self) -> str:
+        """The result table's name."""
+        return self.record.name
+
+    @property
+    def per_layer(self) -> bool:
+        """Cells are layer × budget (else budget): the table's rows are tree-layers."""
+        return self.record.per_layer
+
+    @property
     def metrics(self) -> tuple[Metric, ...]:
-        return replay_metrics.METRICS[self.table]
+        return self.record.metrics
 
     def summary_aggregates(self) -> list:
         """The run summary's polars aggregates: the mean of each declared summary metric and the
@@ -110,7 +119,7 @@ class ReplayMode(ABC):
 
 
 class OpenLoop(ReplayMode):
-    name, table, per_layer = "open", replay_metrics.OPEN_TABLE, True
+    name, record = "open", replay_metrics.OPEN
     counted, counted_unit = "tree_layers", "tree-layers"
     headline, headline_text, digits = "rse", "mean RSE (lower is better)", 4
     runtime_rankings_only = False
@@ -132,7 +141,7 @@ class OpenLoop(ReplayMode):
 
 
 class ClosedLoop(ReplayMode):
-    name, table, per_layer = "closed", replay_metrics.CLOSED_TABLE, False
+    name, record = "closed", replay_metrics.CLOSED
     counted, counted_unit = "trees", "trees"
     headline, headline_text, digits = \
         "accepted_length", "mean accepted length τ under the budget (higher is better)", 3
@@ -163,8 +172,6 @@ class Batched:
     shortlist per pass and layer over all the pass's tree tokens. Not in :data:`MODES`:
     ``--mode open|closed --batch-size b`` makes one (:func:`batched`)."""
 
-    loop: str  # open | closed
-
     def __init__(self, batch_size: int, seed: int = 0):
         self.batch_size, self.seed = batch_size, seed
 
@@ -180,7 +187,8 @@ class Batched:
         return dict(batch_size=self.batch_size)
 
     def title(self) -> str:
-        return f"{self.loop}-loop replay over batches of {self.batch_size} (one shortlist per pass)"
+        return (f"{self.record.loop}-loop replay over batches of {self.batch_size} (one "
+                "shortlist per pass)")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(batch_size={self.batch_size}, seed={self.seed})"
@@ -190,7 +198,7 @@ class BatchedOpenLoop(Batched, OpenLoop):
     """Open loop over batches: a pass's trees merged into one tree-layer of all their tokens, one
     row per pass × layer (``replay_batch``)."""
 
-    loop, table = "open", replay_metrics.BATCH_TABLE
+    record = replay_metrics.BATCH
     counted, counted_unit = "tree_layers", "pass-layers"
 
 
@@ -199,7 +207,7 @@ class BatchedClosedLoop(Batched, ClosedLoop):
     with the budget in every MoE layer (one shortlist per pass and layer), one row per tree with
     its pass (``replay_closed_batch``; :mod:`replay.closed_loop`)."""
 
-    loop, table = "closed", replay_metrics.CLOSED_BATCH_TABLE
+    record = replay_metrics.CLOSED_BATCH
 
 
 MODES: dict[str, ReplayMode] = {m.name: m for m in (OpenLoop(), ClosedLoop())}

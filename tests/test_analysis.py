@@ -241,7 +241,7 @@ def test_efficiency_fit_and_regimes():
     for b in (1, 2, 4):
         for g in (1, 2, 4, 8, 16):
             t = b * g
-            rows.append(dict(batch=b, gamma=g,
+            rows.append(dict(batch_size=b, gamma=g,
                              seconds=1e-3 + 2e-5 * routing.moesd_uniform(N, K, t) + 1e-5 * t))
     points = pl.DataFrame(rows)
     eff = moesd.efficiency(points)

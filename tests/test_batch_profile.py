@@ -20,7 +20,7 @@ def test_a_batch_pass_reads_weights_once_and_computes_every_sequence():
     hw = cost.PROFILES["H100-SXM"]
     for b, m, p, e in ((1, 63, 512, 20.0), (4, 63, 300, 50.0), (32, 1, 1000, 64.0)):
         one_b, one_f = shape.layer_terms(m, p, e)
-        many_b, many_f = shape.layer_terms(m, p, e, batch=b)
+        many_b, many_f = shape.layer_terms(m, p, e, batch_size=b)
         kv = 2 * p * shape.kv_heads * shape.head_dim * shape.bytes_per_param
         assert many_f == pytest.approx(b * one_f) and many_b == pytest.approx(one_b + (b - 1) * kv)
         assert shape.head_terms(m, b)[1] == pytest.approx(b * shape.head_terms(m)[1])
@@ -71,9 +71,9 @@ def test_profile_batch_stores_every_decoding_and_the_report_draws_it(tmp_path):
     rows = con.sql("SELECT mode, batch_size, budget, tokens, passes FROM batch_profile").pl()
     assert rows.height == 3 * (2 + 2) * 2  # (ar, eagle, eagle B=12, eagle B=24) at each b, ×2
     assert rows["tokens"].to_list() == [3 * 6] * rows.height  # equal work, budgets included
-    passes = con.sql("SELECT mode, gamma, batch FROM batch_profile_passes").pl()
+    passes = con.sql("SELECT mode, gamma, pass_sequences FROM batch_profile_passes").pl()
     assert set(passes.filter(pl.col("mode") == "ar")["gamma"]) == {1}
-    assert passes["batch"].max() == 3 and passes["batch"].min() >= 1
+    assert passes["pass_sequences"].max() == 3 and passes["pass_sequences"].min() >= 1
     speed = frames.batch_speedup(con)
     assert speed.height == 9 and (speed["speedup"] > 0).all()
     fit = frames.batch_fit(con, "tiny-olmoe", "mbpp", speed["run"][0], speed)

@@ -210,7 +210,7 @@ def test_running_captures_and_interrupted_replays_are_not_shown(pristine, tmp_pa
     ("moe_spec.replay.cli", ["--chunk-tree-layers", "0"], ["--chunk-tree-layers 0"]),
     ("moe_spec.replay.cli", ["--batch", "3"], ["--chunk-tree-layers"]),
     ("moe_spec.profiling.profile_target", ["--batches", "0"], ["must all be"]),
-    ("moe_spec.profiling.profile_target", ["--batches", "x"], ["cannot read --batches"]),
+    ("moe_spec.profiling.profile_target", ["--batches", "x"], ["cannot read --batch-sizes"]),
     ("moe_spec.app.launch", ["--port", "99999"], ["not a port"]),
     ("moe_spec.training.cli:train_draft", ["--batch", "0"], ["--batch 0"]),
 ])

@@ -59,7 +59,7 @@ def test_draft_sizes_are_bounded_by_the_target(args, words, tmp_path, capsys, no
 @pytest.mark.parametrize("args,words", [
     (["--prefix", "1000000000"], ["--prefix 1000000000", "max_position_embeddings 4096"]),
     (["--gammas", "1,100000"], ["--gammas 100000", "max_position_embeddings"]),
-    (["--batches", "1,10000000"], ["--batches 10000000"]),
+    (["--batches", "1,10000000"], ["--batch-sizes 10000000"]),  # (--batches: older spelling)
     (["--repeats", "100000000"], ["--repeats 100000000"]),
     (["--batches", "4096", "--prefix", "4000"], ["tokens in one forward"]),
 ])

@@ -73,7 +73,7 @@ def test_batch_fit_with_a_20x_first_pass_per_decoding_fits_after_the_rule_and_no
             for i in range(12):
                 t = (1e-3 + 2e-5 * float(moesd_uniform(N, K, np.array([b * gamma]))[0])
                      + 1e-5 * b * gamma) * (1 + 0.02 * rng.standard_normal())
-                rows.append(dict(mode=mode, batch_size=b, budget=None, pass_index=i, batch=b,
+                rows.append(dict(mode=mode, batch_size=b, budget=None, pass_index=i, pass_sequences=b,
                                  gamma=gamma, verify_seconds=t * (20 if i == 0 else 1)))
     passes = pl.DataFrame(rows, schema_overrides=dict(budget=pl.Int32))
     points, dropped = frames.batch_pass_points(passes)
@@ -81,13 +81,14 @@ def test_batch_fit_with_a_20x_first_pass_per_decoding_fits_after_the_rule_and_no
     good = moesd.fit(points, N, K)
     assert good["refused"] is None and good["relative_rmse"] < 0.03
     # without the rule: every pass a point of its own (a mean over the decoding does no better)
-    raw = passes.select("batch", "gamma", pl.col("verify_seconds").alias("seconds"))
+    raw = passes.select(pl.col("pass_sequences").alias("batch_size"), "gamma",
+                        pl.col("verify_seconds").alias("seconds"))
     assert moesd.fit(raw, N, K)["relative_rmse"] > 0.5
 
 
 # --- the sample check ---------------------------------------------------------------------------
 def test_a_fit_with_too_few_passes_per_b_is_refused_with_the_reason():
-    points = pl.DataFrame(dict(batch=[1, 2, 4], gamma=[8, 8, 8], seconds=[0.01, 0.012, 0.02],
+    points = pl.DataFrame(dict(batch_size=[1, 2, 4], gamma=[8, 8, 8], seconds=[0.01, 0.012, 0.02],
                                passes=[40, 1, 3]))
     coef = moesd.fit(points, N, K)
     assert coef["refused"].startswith("not fitted: only 1 pass at b = 2 (need 5)")
@@ -96,7 +97,7 @@ def test_a_fit_with_too_few_passes_per_b_is_refused_with_the_reason():
     coef = moesd.fit(points.with_columns(passes=pl.lit(50)), N, K)
     assert coef["refused"] == "not fitted: only 3 points for 3 parameters (need 5)"
     # a thin point among enough others is left out, and said
-    many = pl.DataFrame(dict(batch=[1, 2, 3, 4, 8, 16], gamma=[8] * 6, passes=[9, 9, 2, 9, 9, 9],
+    many = pl.DataFrame(dict(batch_size=[1, 2, 3, 4, 8, 16], gamma=[8] * 6, passes=[9, 9, 2, 9, 9, 9],
                              seconds=[1e-3 + 1e-5 * b * 8 for b in (1, 2, 3, 4, 8, 16)]))
     coef = moesd.fit(many, N, K)
     assert coef["refused"] is None and coef["points"] == 5 and coef["left_out"] == ["b = 3 (2 passes)"]
@@ -115,7 +116,7 @@ def _stored_profile(tmp_path, passes_per_b: dict[int, int]):
     decodings = []
     for b, count in passes_per_b.items():
         for mode, gamma in (("ar", 1), ("eagle", 8)):
-            passes = [dict(batch=b, gamma=gamma, verify_seconds=1e-3 * (1 + b * gamma / 64),
+            passes = [dict(pass_sequences=b, gamma=gamma, verify_seconds=1e-3 * (1 + b * gamma / 64),
                            draft_seconds=1e-4) for _ in range(count)]
             decodings.append(pb.Decoding(mode, b, None, 64, 1.0 if mode == "ar" else 0.5,
                                          passes, count * 2, count))
@@ -185,8 +186,9 @@ def test_profile_batch_warmup_and_repeats_are_checked(args, says):
 def test_profile_batch_latency_percentiles_leave_the_first_pass_out():
     from moe_spec.profiling import profile_batch as pb
     times = [9.0] + [0.01 * i for i in range(1, 101)]
-    d = pb.Decoding("eagle", 2, None, 10, 1.0, [dict(batch=2, gamma=8, verify_seconds=t - 1e-3,
-                                                     draft_seconds=1e-3) for t in times], 10, 10)
+    d = pb.Decoding("eagle", 2, None, 10, 1.0, [dict(pass_sequences=2, gamma=8,
+                                                     verify_seconds=t - 1e-3, draft_seconds=1e-3)
+                                                for t in times], 10, 10)
     lat = d.latency
     for q in (50, 90, 99):
         assert lat[f"latency_p{q}"] == pytest.approx(np.percentile(times[1:], q))
