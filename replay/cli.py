@@ -181,8 +181,7 @@ def check_budget_mode(args) -> None:
     if args.workers or args.ray_address:
         raise ReplayError("--budget-mode adaptive runs in one process; drop --workers/"
                           "--ray-address")
-    bad = [r for r in args.ranking if index.RANKINGS[r].subset_limit is not None
-           or {"executed_outputs", "executed_output_vectors"} & index.RANKINGS[r].needs()]
+    bad = [r for r in args.ranking if not index.adapts(r)]
     if bad:
         raise ReplayError(f"--budget-mode adaptive ranks every budget B_min..N of a layer at "
                           f"once; {', '.join(bad)} cannot (a budget-limited search or one state "
