@@ -28,8 +28,7 @@ replay --mode closed --ranking router --budget 16,32,48 --threads 4
 replay --mode closed --ranking router sqmass --budget 16,32 --batch-size 8   # one shortlist per pass
 replay --config sweep.toml --output summary.csv     # every summary row (.json, .csv, .parquet)
 replay --ranking router --budget 4,8,16 --budget-mode adaptive --calibration cal   # mean budgets B̄
-replay --mode closed --ranking router --budget 8 --budget-mode adaptive --gain-predictor mass \
-       --pass-cap 1.25 --calibration cal            # a pass's total ≤ 1.25·B̄·L
+replay --mode closed --ranking router --budget 8 --budget-mode adaptive --pass-cap 1.25 --calibration cal
 """
 
 
