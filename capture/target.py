@@ -179,7 +179,8 @@ def make_budget(settings: CaptureSettings, adapter: MoEAdapter, out: Path, model
     if request is None:
         return Budget(settings.budget, ranking.fit(stats), cover)
     return AdaptiveBudget(settings.budget, ranking.fit(stats), cover,
-                          prices=prices_for(stats, settings.ranking, settings.coverage, request))
+                          prices=prices_for(stats, settings.ranking, settings.coverage,
+                                            request).for_layers(adapter.moe_layers))
 
 
 def price_request(settings: CaptureSettings) -> PriceRequest | None:

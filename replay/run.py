@@ -256,7 +256,8 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
             task = mode.task(unit, block, cls, cover, stats)
             if prices is not None:  # adaptive: budgets are means B̄, each with its price λ
                 task.budget_mode = request.budget_mode
-                task.prices = prices_for(stats, unit_plan.ranking, unit_plan.coverage, prices)
+                task.prices = prices_for(stats, unit_plan.ranking, unit_plan.coverage,
+                                         prices).for_layers(run_plan.layers)
             tasks.append(task)
         if todo:
             outcome.notes += new_variant_notes(planned.out, run_plan.run, unit, cls,

@@ -312,3 +312,12 @@ def test_capture_online_adaptive_budget_goes_through_the_same_budget(with_cal, t
     loaded = pl.concat([pl.read_parquet(f) for f in run.files("trees")])["experts_loaded"]
     assert loaded.list.sum().max() <= round(1.25 * 3 * len(loaded[0]))
     assert loaded.explode().n_unique() > 1  # layers got different budgets
+
+
+def test_prices_follow_the_layers_a_pass_goes_through_and_refuse_what_they_cannot_predict():
+    from moe_spec.policy.calibration import CalibrationError
+    p = prices("calibrated", means=(2,), cap=1.0)
+    assert p.for_layers(LAYERS[:2]).layers == LAYERS[:2] and p.for_layers(LAYERS[:2]).cap(2) == 4
+    with pytest.raises(CalibrationError, match="--store-layers all"):  # one line, no traceback
+        p.for_layers([*LAYERS, 9])
+    assert capped().for_layers([*LAYERS, 9]).cap(2) == 10  # mass predicts anywhere
