@@ -162,7 +162,8 @@ def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object
     (:func:`policy.adaptive.calibrate_price`; with a cap, over its complete passes, each layer
     in order). Rankings are asked as at run time: one tree-layer at a time, without the state a
     stateful ranking would carry across passes."""
-    from moe_spec.policy import coverage as coverages, rankings
+    from moe_spec.policy import coverage as coverages
+    from moe_spec.policy import rankings
     ranked = rankings.get(ranking)().fit(stats)
     cover = coverages.get(coverage)
     b_min = index.min_budget(coverage, model.top_k)

@@ -17,8 +17,7 @@ from moe_spec.catalog.results import UnitResults
 from moe_spec.policy import adaptive, coverage, index
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch
 from moe_spec.policy.budget import AdaptiveBudget
-from moe_spec.policy.prices import (PriceRequest, Prices, calibrate_prices, excluded_mass,
-                                    relative_errors)
+from moe_spec.policy.prices import PriceRequest, Prices, calibrate_prices, excluded_mass, relative_errors
 from moe_spec.policy.rankings import get as ranking_class
 from moe_spec.policy.routing import RoutingRule
 from moe_spec.replay import plan
@@ -270,10 +269,13 @@ def _rows(root, table):
     return pl.concat([pl.read_parquet(f) for f in found]).sort(pl.all())
 
 
-def test_open_loop_adaptive_rows_are_keyed_realized_and_deterministic(with_cal, tmp_path):
+def test_open_loop_adaptive_rows_are_keyed_realized_and_deterministic(with_cal, tmp_path,
+                                                                      capsys):
     args = ["--ranking", "router", "--coverage", "truncation", "--budget", "2,4",
             "--budget-mode", "adaptive", "--calibration", "cal"]
     assert replay(with_cal, *args, "--out", tmp_path / "a", "--output", tmp_path / "a.json") == 0
+    said = capsys.readouterr()
+    assert "B̄ 2: λ" in said.err and "router, truncation, B̄ 4: mean experts loaded" in said.out
     assert replay(with_cal, *args, "--out", tmp_path / "b") == 0
     a, b = _rows(tmp_path / "a", "replay_open"), _rows(tmp_path / "b", "replay_open")
     assert a.equals(b)  # the same rows from two runs
