@@ -24,7 +24,7 @@ import torch
 
 from moe_spec.policy.batch import RoutingBatch
 from moe_spec.policy.coverage import Coverage, experts_used
-from moe_spec.policy.prices import Prices, excluded_mass
+from moe_spec.policy.prices import Prices
 from moe_spec.policy.rankings.base import Ranking, RankingError
 from moe_spec.policy.routing import RoutingRule
 
@@ -117,7 +117,8 @@ class AdaptiveBudget(Budget):
         batch = RoutingBatch.single(probs, idx, weights.float(), layer, rule,
                                     None if hidden is None else hidden.float())
         keep = self.ranking.shortlists(batch, self.coverage, self.prices.budgets)[0]  # [1, S+1, N]
-        chosen = self.prices.choose(excluded_mass(batch, keep), batch.layers, [self.size],
+        chosen = self.prices.choose(self.prices.curves(batch, keep, self.coverage, self.ranking),
+                                    batch.layers, [self.size],
                                     torch.zeros(1, dtype=torch.long), self._used)
         self.chosen[layer] = int(chosen[0, 0])
         keep = self.prices.pick(keep, chosen)[:, 0]  # [1, N]

@@ -33,6 +33,41 @@ def excluded_mass(batch: RoutingBatch, keep: torch.Tensor) -> torch.Tensor:
     return (s * ~keep).sum(-1) / s.sum(-1)
 
 
+MASS = "mass_excluded"  # the curve every predictor may read (policy.adaptive's MassGain)
+# the runtime-legal curves ``[T, S + 1]`` a gain predictor may read, by the replay metric name it
+# declares (``Predictor.reads``; mass alone where it declares nothing): ``(batch, keep,
+# coverage, ranking) -> curve`` over the shortlists ``keep [T, S + 1, N]``. A predictor reading
+# another curve works in the product once that curve has its line here.
+RUNTIME_CURVES: dict[str, Callable] = {
+    MASS: lambda batch, keep, coverage, ranking: excluded_mass(batch, keep),
+}
+
+
+def reads(predictor: adaptive.Predictor) -> tuple[str, ...]:
+    """The curves ``predictor`` reads (mass excluded where it declares nothing)."""
+    return tuple(getattr(predictor, "reads", (MASS,)))
+
+
+def runtime_curves(predictor: adaptive.Predictor, batch: RoutingBatch, keep: torch.Tensor,
+                   coverage: Coverage, ranking) -> torch.Tensor | dict[str, torch.Tensor]:
+    """What ``predictor`` reads of the shortlists ``keep [T, S + 1, N]``, each ``[T, S + 1]``
+    float64 (:data:`RUNTIME_CURVES`): the mass tensor itself where that is all it reads, else a
+    mapping by name."""
+    names = reads(predictor)
+    missing = [n for n in names if n not in RUNTIME_CURVES]
+    if missing:
+        raise CalibrationError(f"the {predictor.name} gain predictor reads {', '.join(missing)}, "
+                               "which adaptive budgets cannot compute at run time yet; use "
+                               f"--gain-predictor {' or '.join(sorted(index.GAIN_PREDICTORS))}")
+    found = {n: RUNTIME_CURVES[n](batch, keep, coverage, ranking).double() for n in names}
+    return found[MASS] if names == (MASS,) else found
+
+
+def _map(curves, f):
+    """``f`` applied to a curve tensor or to each curve of a mapping."""
+    return f(curves) if isinstance(curves, torch.Tensor) else {k: f(v) for k, v in curves.items()}
+
+
 def relative_errors(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
                     idx: torch.Tensor | None = None, w: torch.Tensor | None = None
                     ) -> torch.Tensor:
@@ -87,14 +122,20 @@ class Prices:
     def cap(self, mean: int) -> int | None:
         return None if self.pass_cap is None else round(self.pass_cap * mean * len(self.layers))
 
-    def choose(self, mass: torch.Tensor, layers: torch.Tensor, means: list[int],
+    def curves(self, batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage, ranking):
+        """What the predictor reads of the shortlists ``keep [T, S + 1, N]`` at :attr:`budgets`
+        (:func:`runtime_curves`)."""
+        return runtime_curves(self.predictor, batch, keep, coverage, ranking)
+
+    def choose(self, curves, layers: torch.Tensor, means: list[int],
                passes: torch.Tensor | None = None, used: dict | None = None) -> torch.Tensor:
         """``B_l [T, len(means)]`` (long) for tree-layers of MoE ``layers [T]`` whose shortlists
-        at :attr:`budgets` exclude ``mass [T, S + 1]``: the price rule at each mean's λ. With a
+        at :attr:`budgets` give ``curves`` (:meth:`curves`; ``[T, S + 1]``, e.g. the mass each
+        excludes): the price rule at each mean's λ. With a
         cap, ``passes [T]`` (ints) says which pass each tree-layer is in and ``used`` (pass ->
         ``[len(means)]`` experts its earlier layers loaded, updated here) carries a pass across
         calls; the batch's tree-layers are capped layer position by position, in pass order."""
-        gains = self.predictor.gains(mass[None].double(), layers)[0]  # [T, S]
+        gains = self.predictor.gains(_map(curves, lambda c: c[None].double()), layers)[0]
         chosen = torch.stack([adaptive.price_budgets(gains, self.prices[m], self.b_min)
                               for m in means], 1)
         if self.pass_cap is None:
@@ -171,7 +212,7 @@ def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object
     predictor = adaptive.predictor(request.predictor)
     learns = type(predictor).fit is not adaptive.Predictor.fit  # fitted on true errors
     budgets = list(range(b_min, b_max + 1))
-    keys, masses, errors = [], [], []
+    keys, found, errors = [], [], []
     for run in runs:
         for tl in read(run):
             tensor = lambda a, dtype: torch.as_tensor(np.asarray(a), dtype=dtype)  # noqa: E731
@@ -185,13 +226,14 @@ def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object
                     model.expert_outputs(tl.layer, hidden)[None], batch.idx, batch.weights)
             keep = ranked.shortlists(batch, cover, budgets)[0]  # [1, S+1, N]
             keys.append((run.name, tl.prompt_index, tl.step, tl.layer))
-            masses.append(excluded_mass(batch, keep)[0].double())
+            found.append(runtime_curves(predictor, batch, keep, cover, ranked))
             if learns:
-                errors.append(relative_errors(batch, keep, cover)[0].double())
+                errors.append(relative_errors(batch, keep, cover).double())
     if not keys:
         raise CalibrationError(f"--calibration {', '.join(r.name for r in runs)}: no tree-layer "
                                "to calibrate the price λ on; calibrate on other runs")
-    mass = torch.stack(masses)  # [T, S+1]
+    curves = torch.cat(found) if isinstance(found[0], torch.Tensor) else \
+        {n: torch.cat([f[n] for f in found]) for n in found[0]}  # [T, S+1] each
     layers = sorted({k[3] for k in keys})
     grid = _pass_grid(keys, layers)  # [P, L] rows of complete passes
     if learns or request.pass_cap is not None:
@@ -200,16 +242,18 @@ def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object
                                    "verification pass with every MoE layer stored, which the "
                                    f"{request.predictor} predictor or a pass cap needs")
     if learns:
-        predictor.fit(mass[grid], torch.stack(errors)[grid], torch.tensor(layers))
+        predictor.fit(_map(curves, lambda c: c[grid]), torch.cat(errors)[grid],
+                      torch.tensor(layers))
     prices, achieved = {}, {}
     for mean in request.means:
         if not b_min <= mean <= b_max:
             continue
         if request.pass_cap is None:
-            gains = predictor.gains(mass[None], torch.tensor([k[3] for k in keys]))
+            gains = predictor.gains(_map(curves, lambda c: c[None]),
+                                    torch.tensor([k[3] for k in keys]))
             cap = None
         else:
-            gains = predictor.gains(mass[grid], torch.tensor(layers))
+            gains = predictor.gains(_map(curves, lambda c: c[grid]), torch.tensor(layers))
             cap = round(request.pass_cap * mean * len(layers))
         prices[mean] = adaptive.calibrate_price(gains, mean, b_min, cap)
         achieved[mean] = float(adaptive.price_budgets(gains, prices[mean], b_min, cap)

@@ -215,7 +215,8 @@ def adaptive_shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverag
     passes = prompts.long() * (1 << 32) + steps.long()
     present = set(passes.unique().tolist())  # only a pass of this batch can go on in the next
     stream.used = {p: u for p, u in stream.used.items() if p in present}
-    chosen = prices.choose(excluded_mass(batch, keep), batch.layers, means, passes, stream.used)
+    chosen = prices.choose(prices.curves(batch, keep, coverage, ranking), batch.layers, means,
+                           passes, stream.used)
     return prices.pick(keep, chosen)
 
 

@@ -17,7 +17,14 @@ from moe_spec.catalog.results import UnitResults
 from moe_spec.policy import adaptive, coverage, index
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch
 from moe_spec.policy.budget import AdaptiveBudget
-from moe_spec.policy.prices import PriceRequest, Prices, calibrate_prices, excluded_mass, relative_errors
+from moe_spec.policy.prices import (
+    PriceRequest,
+    Prices,
+    calibrate_prices,
+    excluded_mass,
+    relative_errors,
+    runtime_curves,
+)
 from moe_spec.policy.rankings import get as ranking_class
 from moe_spec.policy.routing import RoutingRule
 from moe_spec.replay import plan
@@ -323,3 +330,20 @@ def test_prices_follow_the_layers_a_pass_goes_through_and_refuse_what_they_canno
     with pytest.raises(CalibrationError, match="--store-layers all"):  # one line, no traceback
         p.for_layers([*LAYERS, 9])
     assert capped().for_layers([*LAYERS, 9]).cap(2) == 10  # mass predicts anywhere
+
+
+class ReadsOther(adaptive.Predictor):
+    name, summary, reads = "other", "test", ("predicted_rse",)
+
+    def gains(self, inputs, layers):
+        raise AssertionError("never asked")
+
+
+def test_a_predictor_reading_a_curve_the_product_cannot_compute_is_refused_in_one_line():
+    from moe_spec.policy.calibration import CalibrationError
+    batch = batch_of(tree_layers(1))
+    keep = Router().fit(None).shortlists(batch, coverage.get("truncation"), [1, 2])[0]
+    with pytest.raises(CalibrationError, match="reads predicted_rse"):
+        runtime_curves(ReadsOther(), batch, keep, coverage.get("truncation"), None)
+    assert torch.equal(runtime_curves(adaptive.MassGain(), batch, keep, None, None),
+                       excluded_mass(batch, keep).double())
