@@ -189,8 +189,8 @@ class CaptureSettings:
                         f"shortlist excludes: {gain_predictor_help()} (default: mass)",
         choices=lambda: list(gain_predictors())))
     pass_cap: float | None = field(default=None, metadata=option(
-        ONLINE, "adaptive: a hard cap on each pass's total, F·B̄·L experts (F ≥ 1)",
-        bounds=Bounds(1, 1000, "at least 1 (and at most 1000)")))
+        ONLINE, "adaptive: a hard cap on each pass's total, F·B̄·L experts (F > 1)",
+        bounds=Bounds(1, 1000, "above 1 (and at most 1000)", low_open=True)))
     # runs under the same --out for static / coact
     calibration: tuple[str, ...] = field(default=(), metadata=option(
         ONLINE, "captured runs under --out that static counts / coact statistics are learned "

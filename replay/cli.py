@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
                         + " (default: mass)")
     p.add_argument("--pass-cap", type=float, default=None, metavar="F",
                    help="adaptive: a hard cap on each verification pass's total, F·B̄·L experts "
-                        "(F ≥ 1; layers in order, later ones keep B_min; default: no cap)")
+                        "(F > 1; layers in order, later ones keep B_min; default: no cap)")
     p.add_argument("--layers", default=None, help="comma-separated decoder layers (default all)")
     p.add_argument("--calibration", nargs="+", default=[],
                    help="runs (under --traces) that static counts and coact statistics are "
@@ -174,9 +174,10 @@ def check_budget_mode(args) -> None:
     if not args.calibration:
         raise ReplayError("--budget-mode adaptive needs --calibration RUN: the price λ of each "
                           "mean budget is calibrated there (captured on other prompts)")
-    if args.pass_cap is not None and not args.pass_cap >= 1:
-        raise ReplayError(f"--pass-cap {args.pass_cap:g} must be at least 1 (a pass's total "
-                          "≤ F·B̄·L; below 1 the mean B̄ could not be met)")
+    if args.pass_cap is not None and not args.pass_cap > 1:
+        raise ReplayError(f"--pass-cap {args.pass_cap:g} must be above 1 (a pass's total "
+                          "≤ F·B̄·L; at 1 every pass spends exactly B̄·L, the first layers "
+                          "taking all they want and the last ones B_min)")
     if args.workers or args.ray_address:
         raise ReplayError("--budget-mode adaptive runs in one process; drop --workers/"
                           "--ray-address")

@@ -261,7 +261,7 @@ def replay(traces, *args):
     (["--budget-mode", "adaptive"], ["--calibration"]),
     (["--pass-cap", "1.5"], ["--pass-cap", "--budget-mode adaptive"]),
     (["--gain-predictor", "mass"], ["--gain-predictor", "--budget-mode adaptive"]),
-    (["--budget-mode", "adaptive", "--calibration", "cal", "--pass-cap", "0.5"], ["at least 1"]),
+    (["--budget-mode", "adaptive", "--calibration", "cal", "--pass-cap", "1"], ["above 1"]),
     (["--budget-mode", "adaptive", "--calibration", "cal", "--ranking", "exact"], ["exact"]),
 ])
 def test_replay_refuses_what_adaptive_budgets_cannot_do_before_loading(with_cal, tmp_path, args,
