@@ -295,11 +295,15 @@ def test_open_loop_adaptive_rows_are_keyed_realized_and_deterministic(with_cal, 
 
 
 def test_closed_loop_adaptive_keeps_each_pass_under_its_cap(with_cal, tmp_path):
-    assert replay(with_cal, "--mode", "closed", "--ranking", "router", "--coverage",
-                  "truncation", "--budget", "3", "--budget-mode", "adaptive", "--pass-cap",
-                  "1.25", "--calibration", "cal", "--out", tmp_path) == 0
-    rows = _rows(tmp_path, "replay_closed")
-    assert set(rows["budget_mode"]) == {"adaptive:mass+cap"}
+    closed = ["--mode", "closed", "--ranking", "router", "--coverage", "truncation", "--budget",
+              "3", "--out", tmp_path]
+    assert replay(with_cal, *closed) == 0  # fixed first: the adaptive unit keeps it
+    assert replay(with_cal, *closed, "--budget-mode", "adaptive", "--pass-cap", "1.25",
+                  "--calibration", "cal") == 0
+    both = _rows(tmp_path, "replay_closed")
+    assert set(both["budget_mode"]) == {"fixed", "adaptive:mass+cap"}
+    assert both.filter(pl.col("budget_mode") == "fixed")["price"].null_count() == len(both) // 2
+    rows = both.filter(pl.col("budget_mode") != "fixed")
     layers = len(rows["experts_loaded"][0])
     assert rows["experts_loaded"].list.sum().max() <= round(1.25 * 3 * layers)
 
