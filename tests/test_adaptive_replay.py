@@ -351,3 +351,12 @@ def test_a_predictor_reading_a_curve_the_product_cannot_compute_is_refused_in_on
         runtime_curves(ReadsOther(), batch, keep, coverage.get("truncation"), None)
     assert torch.equal(runtime_curves(adaptive.MassGain(), batch, keep, None, None),
                        excluded_mass(batch, keep).double())
+
+
+def test_batches_take_the_same_rule_over_the_pass_union(with_cal, tmp_path):
+    assert replay(with_cal, "--ranking", "router", "--coverage", "truncation", "--budget", "4",
+                  "--budget-mode", "adaptive", "--calibration", "cal", "--batch-size", "2",
+                  "--out", tmp_path) == 0
+    rows = _rows(tmp_path, "replay_batch")
+    assert set(rows["budget_mode"]) == {"adaptive:mass"} and set(rows["batch_size"]) == {2}
+    assert rows["experts_loaded"].n_unique() > 1 and rows["price"].null_count() == 0
