@@ -68,13 +68,10 @@ def _map(curves, f):
     return f(curves) if isinstance(curves, torch.Tensor) else {k: f(v) for k, v in curves.items()}
 
 
-def relative_errors(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
-                    idx: torch.Tensor | None = None, w: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def relative_errors(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage) -> torch.Tensor:
     """``RSE = Σ_t ||O*_t − Ô_t||² / Σ_t ||O*_t||²`` ``[T, B]`` for shortlists ``keep [T, B, N]``
-    (the batch's expert terms needed; ``idx, w``: :meth:`Coverage.apply`'s, when at hand)."""
-    if idx is None:
-        idx, w = coverage.apply(batch, keep)
+    (the batch's expert terms needed): what a learning predictor is fitted to."""
+    idx, w = coverage.apply(batch, keep)
     sq = coverage.sq_errors(batch, keep, idx, w)  # [T, B, M], exact
     return sq.sum(-1) / batch.terms.gold_sq[:, None, :].sum(-1).clamp_min(1e-30)
 
@@ -88,7 +85,7 @@ def cap_room(cap: torch.Tensor, used: torch.Tensor, b_min: int, later: int) -> t
 @dataclass
 class Prices:
     """The price rule of one ranking × coverage, calibrated on a calibration run
-    (:func:`policy.calibration.calibrate_prices`): the fitted gain ``predictor``, the budgets
+    (:func:`calibrate_prices`): the fitted gain ``predictor``, the budgets
     ``b_min .. b_max`` a layer may get, the price λ of each mean budget B̄, the MoE ``layers``
     of a pass in order and the optional cap on a pass's total, ``round(pass_cap · B̄ · L)``;
     ``achieved`` is the mean B per tree-layer the rule gave on the calibration run itself."""
@@ -111,7 +108,9 @@ class Prices:
         layer of the model online): the cap's L and the layer order are theirs. Refused in one
         line when the predictor cannot predict at one of them (``calibrated`` learned ratios
         only for the calibration's stored layers)."""
-        probe = torch.zeros(1, len(layers), len(self.budgets), dtype=torch.float64)
+        zero = torch.zeros(1, len(layers), len(self.budgets), dtype=torch.float64)
+        names = reads(self.predictor)
+        probe = zero if names == (MASS,) else {n: zero for n in names}
         try:
             self.predictor.gains(probe, torch.tensor(list(layers)))
         except ValueError as exc:
@@ -141,8 +140,9 @@ class Prices:
         if self.pass_cap is None:
             return chosen
         used = {} if used is None else used
-        order = {layer: j for j, layer in enumerate(self.layers)}
-        position = torch.tensor([order[int(x)] for x in layers.tolist()], device=chosen.device)
+        lookup = torch.full((max(self.layers) + 1,), -1, dtype=torch.long)
+        lookup[torch.tensor(self.layers)] = torch.arange(len(self.layers))
+        position = lookup.to(chosen.device)[layers.to(chosen.device)]  # each one's place in a pass
         ids, inverse = torch.unique(passes.to(chosen.device), return_inverse=True)
         spent = torch.stack([used.get(p, torch.zeros(len(means), dtype=torch.long,
                                                      device=chosen.device))
