@@ -253,7 +253,9 @@ WARMUP_PASSES = 1
 REPLAY_KEY = _KEY + _STEP
 REPLAY_LAYER = pa.field("layer", pa.int16())
 REPLAY_CELL = [pa.field("ranking", pa.string()), pa.field("coverage", pa.string()),
-               pa.field("budget", pa.int16())]
+               pa.field("budget", pa.int16()),
+               pa.field("budget_mode", pa.string()),  # policy.index.budget_mode
+               pa.field("price", pa.float64())]  # adaptive: B̄'s λ; fixed: null
 
 
 def replay_schema(table: replay_metrics.ReplayTable) -> pa.Schema:

@@ -45,7 +45,7 @@ from moe_spec.replay import cli, modes
 assert modes.__file__.startswith({copy!r}) and replay_metrics.__file__.startswith({copy!r})
 assert "first-layer" in cli.parser().format_help()
 want = ["prompt_index", "prompt_id", "step", "layer", "layers_scored", "ranking", "coverage",
-        "budget", "rse", "mass_excluded"]
+        "budget", "budget_mode", "price", "rse", "mass_excluded"]
 assert schema.REPLAY_TABLES["replay_first"].names == want, schema.REPLAY_TABLES["replay_first"]
 assert "replay_first" in results.RESULT_TABLES
 code = cli.main(["--traces", {traces!r}, "--mode", "first-layer", "--ranking", "router",
@@ -92,9 +92,10 @@ def test_a_mode_with_its_own_table_is_two_files(one_prompt, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.split("RESULT ", 1)[1])
     # its results: written with the table's own schema, one layer, its own key column
-    assert got["columns"][:10] == ["prompt_index", "prompt_id", "step", "layer",
-                                   "layers_scored", "ranking", "coverage", "budget", "rse",
-                                   "mass_excluded"]
+    assert got["columns"][:11] == ["prompt_index", "prompt_id", "step", "layer",
+                                   "layers_scored", "ranking", "coverage", "budget", "price",
+                                   "rse", "mass_excluded"]
+    assert "budget_mode" in got["columns"]  # from the unit key (catalog.schema.REPLAY_CELL)
     assert "token_error" not in got["columns"]  # only the metrics its record declares
     assert got["rows"] == got["all_rows"] > 0 and len(got["layers"]) == 1
     assert got["scored"] == [1] and got["open_rows"] == 0  # nothing went to replay_open
