@@ -23,7 +23,12 @@ per-repeat (paired) ratios**, its interval computed over those ratios.
 
 **Outliers** (:func:`kept`): of a configuration's repeats, one slower than ``median + 5·MAD``
 (MAD floored at 1% of the median, as :mod:`analysis.warmup` bounds passes) is dropped and
-counted — a pre-empted process on a shared machine; a pair is kept when both its decodings are.
+counted — a pre-empted process on a shared machine — from that configuration's medians
+(seconds per token and per pass). The paired ratios have their own rule
+(:func:`paired_ratios`): a ratio whose logarithm lies more than 5·MAD (floored at 0.01, i.e.
+1%) from the median log ratio, on either side, is dropped and counted (``pairs_dropped``): a
+slow period that hits both decodings of a repeat cancels in its ratio and keeps the pair; one
+that hits one side moves the ratio up (AR slowed) or down (EAGLE slowed).
 
 **Interval** (:func:`median_interval`): the distribution-free order-statistic (binomial)
 confidence interval of a median (as ``scipy.stats.quantile_test(...).confidence_interval``): of n
@@ -63,8 +68,9 @@ METHOD = ("equal work: every decoding (AR, EAGLE, each budget) decodes the same 
           "exactly --max-new-tokens tokens each, end-of-sequence ignored")
 INTERVAL = (f"speedup: the median of paired per-repeat ratios (AR and EAGLE decoded back to back "
             f"in each repeat, order rotated), {CONFIDENCE:.0%} distribution-free order-statistic "
-            f"interval of that median (needs 6 repeats); repeats slower than median + "
-            f"{OUTLIER_MADS:g}·MAD dropped")
+            f"interval of that median (needs 6 repeats); ratios beyond {OUTLIER_MADS:g}·MAD of the "
+            f"median log ratio dropped, and from each configuration's medians repeats slower "
+            f"than median + {OUTLIER_MADS:g}·MAD")
 INTERVAL_SHORT = (f"{CONFIDENCE:.0%} CI: order statistics of the median of paired per-repeat "
                   "ratios")
 
@@ -77,15 +83,20 @@ def repeat_order(configurations: list, repeat: int) -> list:
     return list(configurations[start:]) + list(configurations[:start])
 
 
-def _kept_mask(values) -> np.ndarray:
-    """Which of ``values`` the outlier rule keeps (None and NaN are not kept)."""
+def _kept_mask(values, two_sided: bool = False) -> np.ndarray:
+    """Which of ``values`` the outlier rule keeps (None and NaN are not kept); ``two_sided``
+    (paired ratios): on the logarithms, either side, the MAD floored at :data:`MAD_FLOOR`."""
     v = np.asarray([np.nan if x is None else x for x in values], dtype=float)
-    ok = np.isfinite(v)
+    ok = np.isfinite(v) & (v > 0 if two_sided else True)
     if ok.sum() < 3:  # two values bound nothing: each is as much an outlier as the other
         return ok
+    if two_sided:
+        v = np.log(np.where(ok, v, 1.0))
     median = float(np.median(v[ok]))
-    mad = max(float(np.median(np.abs(v[ok] - median))), MAD_FLOOR * abs(median))
-    return ok & (np.where(ok, v, np.inf) <= median + OUTLIER_MADS * mad)
+    floor = MAD_FLOOR if two_sided else MAD_FLOOR * abs(median)
+    mad = max(float(np.median(np.abs(v[ok] - median))), floor)
+    off = np.abs(v - median) if two_sided else v - median
+    return ok & (np.where(ok, off, np.inf) <= OUTLIER_MADS * mad)
 
 
 def kept(values) -> tuple[np.ndarray, int]:
@@ -197,14 +208,17 @@ def _paired(at_b) -> bool:
         and "repeat" in at_b.columns and at_b["repeat"].null_count() == 0
 
 
-def _paired_ratios(ar, eagle) -> "np.ndarray":
-    """AR s/token / EAGLE s/token of each repeat whose two decodings the outlier rule keeps."""
+def paired_ratios(ar, eagle) -> tuple[np.ndarray, int]:
+    """(AR s/token / EAGLE s/token of each repeat that has both, kept by the two-sided outlier
+    rule on the ratios; how many ratios it dropped). A slow period that hits both decodings of
+    a repeat cancels in its ratio and is kept; one that hits one side moves the ratio either
+    way."""
     import polars as pl
-    sides = [side.select("repeat", pl.col("_spt").alias(f"_{name}"),
-                         pl.Series(f"_{name}_ok", _kept_mask(side["_spt"].to_list())))
-             for name, side in (("ar", ar), ("e", eagle))]
-    pairs = sides[0].join(sides[1], on="repeat").filter(pl.col("_ar_ok") & pl.col("_e_ok"))
-    return (pairs["_ar"] / pairs["_e"]).to_numpy()
+    pairs = ar.select("repeat", pl.col("_spt").alias("_ar")).join(
+        eagle.select("repeat", pl.col("_spt").alias("_e")), on="repeat")
+    ratios = (pairs["_ar"] / pairs["_e"]).to_numpy()
+    ok = _kept_mask(ratios, two_sided=True)
+    return ratios[ok], int((np.isfinite(ratios) & ~ok).sum())
 
 
 def speedups(rows) -> "pl.DataFrame":
@@ -217,7 +231,8 @@ def speedups(rows) -> "pl.DataFrame":
     ``speedup_coverage`` the interval's exact (or, unpaired, Bonferroni) coverage;
     ``equal_work`` whether every decoding at that b of the measurement produced the same tokens
     (:func:`equal_work`); τ the mean over kept repeats; ``repeats`` kept and ``dropped`` by the
-    outlier rule (:func:`kept`), both sides counted. Rows stored before measurements existed
+    outlier rule (:func:`kept`), both sides counted, for the per-configuration medians;
+    ``pairs_dropped`` the ratios the paired rule dropped (:func:`paired_ratios`). Rows stored before measurements existed
     read as measurement :data:`LEGACY`."""
     import polars as pl
     if rows.is_empty():
@@ -244,12 +259,12 @@ def speedups(rows) -> "pl.DataFrame":
             pass_s, pass_lo, pass_hi = median_interval(keep["latency_p50"].drop_nulls()
                                                        .to_numpy())
             if paired:
-                ratios = _paired_ratios(ar, e)
+                ratios, pairs_dropped = paired_ratios(ar, e)
                 speed, low, high = median_interval(ratios)
                 pairs, cover = int(ratios.size), coverage(ratios.size)
             else:
                 speed, low, high = ratio_interval(ar_spt, spt)
-                pairs = 0
+                pairs = pairs_dropped = 0
                 cover = 1 - (1 - coverage(ar_spt.size, UNPAIRED_SIDE)) \
                     - (1 - coverage(spt.size, UNPAIRED_SIDE))
             out.append(dict(zip([*keys, "batch_size"], key), budget=budget[0],
@@ -258,6 +273,7 @@ def speedups(rows) -> "pl.DataFrame":
                             else float("nan"),
                             speedup=speed, speedup_low=low, speedup_high=high,
                             speedup_coverage=cover, paired=paired, pairs=pairs,
+                            pairs_dropped=pairs_dropped,
                             seconds_per_token=s, seconds_per_token_low=s_lo,
                             seconds_per_token_high=s_hi, pass_seconds=pass_s,
                             pass_seconds_low=pass_lo, pass_seconds_high=pass_hi,

@@ -417,8 +417,10 @@ def summary_lines(decodings: list[Decoding]) -> list[str]:
                      f"{r['eagle_tokens_per_s']:>11.1f} {r['tau']:>5.2f} "
                      f"{r['pass_seconds'] * 1e3:>8.2f}  " + timing.speedup_text(r)
                      + ("" if r["equal_work"] else "  (unequal work: tokens differ)")
-                     + (f"  ({r['dropped']} repeat(s) dropped as outliers)" if r["dropped"]
-                        else ""))
+                     + (f"  ({r['pairs_dropped']} paired ratio(s) dropped as outliers)"
+                        if r.get("pairs_dropped") else "")
+                     + (f"  ({r['dropped']} slow repeat(s) left out of the tok/s medians)"
+                        if r["dropped"] else ""))
     return lines
 
 

@@ -182,17 +182,18 @@ def _rows(spt: dict, tokens: dict | None = None, paired: bool = True, **extra) -
 def test_a_speedup_is_a_median_ratio_with_its_interval_on_equal_work():
     from moe_spec.analysis import timing
     ar = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98]
+    paired = [2.0, 1.9, 2.1, 1.95, 2.05, 2.0, 1.85]  # each repeat's AR / EAGLE
     speed = timing.speedups(_rows({("ar", 1, None): ar,
-                                   ("eagle", 1, None): [0.5 * a for a in ar[:-1]] + [0.6],
+                                   ("eagle", 1, None): [a / p for a, p in zip(ar, paired)],
                                    ("eagle", 1, 16): [0.4, 0.42, 9.0, 0.41, 0.4, 0.42, 0.41]}))
     plain = speed.filter(pl.col("budget").is_null()).row(0, named=True)
     assert plain["speedup"] == pytest.approx(2.0) and plain["equal_work"] and plain["paired"]
-    assert plain["speedup_low"] == pytest.approx(0.98 / 0.6) and plain["speedup_high"] == \
-        pytest.approx(2.0)  # the range of the 7 paired ratios: coverage 98.4%
+    assert plain["speedup_low"] == pytest.approx(1.85) and plain["speedup_high"] == \
+        pytest.approx(2.1)  # the range of the 7 paired ratios: coverage 98.4%
     assert plain["speedup_coverage"] == pytest.approx(1 - 2 / 2 ** 7)
     budget = speed.filter(pl.col("budget") == 16).row(0, named=True)
     assert budget["dropped"] == 1 and budget["repeats"] == 6  # the outlier rule, counted
-    assert budget["pairs"] == 6  # the stalled repeat's pair left out
+    assert budget["pairs"] == 6 and budget["pairs_dropped"] == 1  # the stalled repeat's pair
     ratios = sorted(a / e for a, e in zip(ar, [0.4, 0.42, 9.0, 0.41, 0.4, 0.42, 0.41]) if e < 1)
     assert budget["speedup"] == pytest.approx(float(np.median(ratios)))
     assert (budget["speedup_low"], budget["speedup_high"]) == pytest.approx(

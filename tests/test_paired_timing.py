@@ -81,7 +81,7 @@ def test_paired_ratios_keep_a_slow_period_shared_by_both_sides_out_of_the_speedu
     for _ in range(300):
         rows = _measurement(rng, timing.DEFAULT_REPEATS, 1.5, slow=0.3)
         r = timing.speedups(rows).row(0, named=True)
-        assert r["paired"] and r["pairs"] + r["dropped"] >= timing.DEFAULT_REPEATS
+        assert r["paired"] and r["pairs"] + r["pairs_dropped"] == timing.DEFAULT_REPEATS
         old = timing.speedups(rows.drop("position")).row(0, named=True)
         assert not old["paired"] and old["pairs"] == 0
         if np.isnan(r["speedup_low"]):  # the outlier rule left fewer than 6 pairs
@@ -111,6 +111,26 @@ def test_the_speedup_is_the_median_of_the_paired_ratios_not_a_ratio_of_medians()
     assert r["speedup"] != pytest.approx(float(np.median(ar) / np.median(eagle)))
     assert (r["speedup_low"], r["speedup_high"]) == pytest.approx((ratios[0], ratios[-1]))
     assert r["pairs"] == 7 and r["speedup_coverage"] == pytest.approx(timing.coverage(7))
+
+
+def test_a_slow_period_on_both_sides_keeps_its_pair_and_one_on_one_side_drops_it():
+    """The outlier rule on paired ratios (two-sided, on their logarithms): a repeat that ran 3×
+    slower on both sides is a good pair; one whose EAGLE decoding alone stalled is not."""
+    def speed(ar, eagle):
+        rows = pl.DataFrame([dict(mode=m, batch_size=1, budget=None, tokens=10, seconds=10 * v,
+                                  tau=1.0, repeat=r, position=0 if m == "ar" else 1,
+                                  latency_p50=v)
+                             for m, values in (("ar", ar), ("eagle", eagle))
+                             for r, v in enumerate(values)],
+                            schema_overrides=dict(budget=pl.Int64))
+        return timing.speedups(rows).row(0, named=True)
+    ar = [1.0, 1.01, 0.99, 1.02, 0.98, 1.0, 3.0]
+    both = speed(ar, [a / 2 * (1 + 0.005 * i) for i, a in enumerate(ar)])
+    assert both["pairs"] == 7 and both["pairs_dropped"] == 0 and both["dropped"] == 2
+    assert both["speedup_high"] < 2.0 * 1.05  # the slow repeat's ratio is like the others
+    one = speed(ar[:6] + [1.0], [0.5] * 6 + [1.5])  # EAGLE stalled, AR did not
+    assert one["pairs"] == 6 and one["pairs_dropped"] == 1
+    assert one["speedup"] == pytest.approx(2.0) and one["speedup_low"] > 1.9
 
 
 def _old_file(tmp_path, repeats: int):
