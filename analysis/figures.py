@@ -173,8 +173,9 @@ def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
                   projection: pl.DataFrame | None = None, projection_name: str = "") -> go.Figure:
     """Measured speedup of EAGLE over autoregressive decoding vs b (``profile-batch``, equal work:
     :mod:`analysis.timing`), without and with each budget, each point with its 95% interval as
-    an error bar (the interval's rule under the title: paired or not); beside it MoESD's fitted verification-only speedup and the roofline's
-    projection for a real shape (dashed, same colour per budget)."""
+    an error bar (the interval's rule under the title: paired or not); beside it MoESD's fitted
+    verification-only speedup and the roofline's projection for a real shape (dashed, same
+    colour per budget)."""
     fig = go.Figure()
     budgets = list(dict.fromkeys(speed["budget"].to_list()))
     for i, budget in enumerate(budgets):

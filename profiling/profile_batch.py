@@ -24,15 +24,16 @@ eagle, eagle under each budget) is decoded back to back, starting at configurati
 (rotated, :func:`analysis.timing.repeat_order`; each row stores its ``position``), so a slow
 period of a shared machine falls on both sides of a ratio. The interval is the
 distribution-free order-statistic 95% interval of that median (:func:`analysis.timing.
-median_interval`, which needs 6 ratios), after the outlier rule on repeats (slower than
-median + 5·MAD: dropped, counted). Before timing, ``--warmup N`` (default 1) untimed rounds
-decode the first b₀ prompts (b₀ the first batch size) for 2 new tokens each way (ar and eagle),
-so start-up (allocation, lazy imports, kernel selection) is not charged to the first decoding;
-``--repeats R`` (default 7: the interval needs 6 and survives one dropped repeat) decodes every
-(mode, b, budget) R times. Each decoding's
-per-pass latency (draft + verify seconds, its first pass left out as warm-up by
-:mod:`analysis.warmup`'s rule) is summarised as p50/p90/p99 (numpy's linear percentiles, as
-``vllm bench serve`` and SGLang's ``bench_serving`` report them), in the table and the printout.
+median_interval`, which needs 6 ratios; the ratios are not trimmed); the per-configuration
+medians (tokens/s, ms per pass) leave out repeats slower than median + 5·MAD (counted).
+Before timing, ``--warmup N`` (default 1) untimed rounds decode the first b₀ prompts (b₀ the
+first batch size) for 2 new tokens each way (ar and eagle), so start-up (allocation, lazy
+imports, kernel selection) is not charged to the first decoding; ``--repeats R`` (default 9:
+the interval needs 6, and from 9 leaves out the most extreme ratio on each side) decodes every
+(mode, b, budget) R times. Each decoding's per-pass latency (draft + verify seconds, its first
+pass left out as warm-up by :mod:`analysis.warmup`'s rule) is summarised as p50/p90/p99
+(numpy's linear percentiles, as ``vllm bench serve`` and SGLang's ``bench_serving`` report
+them), in the table and the printout.
 Every invocation is one *measurement* (an id from its UTC start time, stored in every row) in a
 file of its own beside the earlier ones: nothing is overwritten, and readers pick one
 measurement by a stated rule (:func:`analysis.timing.latest`: the most recent complete one of
@@ -179,8 +180,9 @@ def measure(settings: ProfileBatchSettings, loaded, head, prompts: list[list[int
     """Every (mode, b, budget, repeat) decoding of ``settings`` on ``prompts``, yielded in turn,
     after ``settings.warmup`` untimed rounds: at each b, repeat by repeat, every configuration
     (ar, eagle, eagle under each budget) back to back in :func:`analysis.timing.repeat_order`
-    (rotated by the repeat), so the speedups are paired per repeat; ``progress(label)`` is called before each (and
-    before the warm-up), ``done(decoding)`` after, ``on_pass(n)`` after each pass."""
+    (rotated by the repeat), so the speedups are paired per repeat; ``progress(label)`` is
+    called before each (and before the warm-up), ``done(decoding)`` after, ``on_pass(n)`` after
+    each pass."""
     from moe_spec.eagle.decoding import EagleDecoder
     from moe_spec.moe.adapter import MoEAdapter
     from moe_spec.moe.recorder import VerifyRecorder
@@ -266,7 +268,7 @@ def tables(settings: ProfileBatchSettings, decodings: list[Decoding], *, num_exp
 EXAMPLES = """
 profile-batch --model tiny-olmoe --batch-sizes 1,4,16 --limit 16
 profile-batch --model tiny-olmoe --budget 16,32 --threads 1      # with online budgets
-profile-batch --model tiny-olmoe --batch-sizes 1,2 --warmup 2 --repeats 9   # narrower intervals
+profile-batch --model tiny-olmoe --batch-sizes 1,2 --warmup 2 --repeats 15  # narrower intervals
 profile-batch --model olmoe --device cuda --batch-sizes 1,2,4,8,16,32 --budget 32 --limit 32
 """
 
@@ -295,9 +297,10 @@ def parser():
                     "budget over the batch's union, on equal work (every decoding decodes exactly "
                     "--max-new-tokens tokens per prompt, end-of-sequence ignored), in repeats that "
                     "decode every configuration back to back; the speedup is the median of the "
-                    "per-repeat ratios with a distribution-free 95% interval; each invocation is stored as a new "
-                    "measurement beside the earlier ones, with every verification pass's time "
-                    "(MoESD's cost model is fitted to them by report and the dashboard).")
+                    "per-repeat ratios with a distribution-free 95% interval; each invocation "
+                    "is stored as a new measurement beside the earlier ones, with every "
+                    "verification pass's time (MoESD's cost model is fitted to them by report "
+                    "and the dashboard).")
     p.add_argument("--model", default=d.model,
                    help=f"alias ({', '.join(models.ALIASES)}), hub id or local folder")
     p.add_argument("--draft", default=None, help="EAGLE head folder or hub id (default: the "
@@ -321,7 +324,7 @@ def parser():
     p.add_argument("--repeats", type=int, default=d.repeats, metavar="R",
                    help="timed repeats; each decodes every (mode, budget) at a b back to back, "
                         "order rotated; speedup: the median of the per-repeat ratios with a "
-                        "distribution-free 95%% interval (needs at least 6 kept)")
+                        "distribution-free 95%% interval (needs at least 6)")
     p.add_argument("--budget", default="", help="expert budgets B over the batch's union, "
                                                 "comma-separated (none: no budgeted decoding)")
     p.add_argument("--ranking", default=d.ranking, choices=index.ranking_names(runtime=True),
@@ -417,8 +420,6 @@ def summary_lines(decodings: list[Decoding]) -> list[str]:
                      f"{r['eagle_tokens_per_s']:>11.1f} {r['tau']:>5.2f} "
                      f"{r['pass_seconds'] * 1e3:>8.2f}  " + timing.speedup_text(r)
                      + ("" if r["equal_work"] else "  (unequal work: tokens differ)")
-                     + (f"  ({r['pairs_dropped']} paired ratio(s) dropped as outliers)"
-                        if r.get("pairs_dropped") else "")
                      + (f"  ({r['dropped']} slow repeat(s) left out of the tok/s medians)"
                         if r["dropped"] else ""))
     return lines

@@ -181,23 +181,25 @@ def _rows(spt: dict, tokens: dict | None = None, paired: bool = True, **extra) -
 
 def test_a_speedup_is_a_median_ratio_with_its_interval_on_equal_work():
     from moe_spec.analysis import timing
-    ar = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98]
-    paired = [2.0, 1.9, 2.1, 1.95, 2.05, 2.0, 1.85]  # each repeat's AR / EAGLE
+    ar = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.01, 0.99]
+    paired = [2.0, 1.9, 2.1, 1.95, 2.05, 2.0, 1.85, 2.02, 1.98]  # each repeat's AR / EAGLE
+    stalled = [0.4, 0.42, 9.0, 0.41, 0.4, 0.42, 0.41, 0.4, 0.41]
     speed = timing.speedups(_rows({("ar", 1, None): ar,
                                    ("eagle", 1, None): [a / p for a, p in zip(ar, paired)],
-                                   ("eagle", 1, 16): [0.4, 0.42, 9.0, 0.41, 0.4, 0.42, 0.41]}))
+                                   ("eagle", 1, 16): stalled}))
     plain = speed.filter(pl.col("budget").is_null()).row(0, named=True)
     assert plain["speedup"] == pytest.approx(2.0) and plain["equal_work"] and plain["paired"]
-    assert plain["speedup_low"] == pytest.approx(1.85) and plain["speedup_high"] == \
-        pytest.approx(2.1)  # the range of the 7 paired ratios: coverage 98.4%
-    assert plain["speedup_coverage"] == pytest.approx(1 - 2 / 2 ** 7)
+    ratios = sorted(paired)  # 9 ratios: [x(2), x(8)], coverage 96.1%
+    assert (plain["speedup_low"], plain["speedup_high"]) == pytest.approx((ratios[1], ratios[7]))
+    assert plain["speedup_coverage"] == pytest.approx(1 - 2 * 10 / 2 ** 9)
     budget = speed.filter(pl.col("budget") == 16).row(0, named=True)
-    assert budget["dropped"] == 1 and budget["repeats"] == 6  # the outlier rule, counted
-    assert budget["pairs"] == 6 and budget["pairs_dropped"] == 1  # the stalled repeat's pair
-    ratios = sorted(a / e for a, e in zip(ar, [0.4, 0.42, 9.0, 0.41, 0.4, 0.42, 0.41]) if e < 1)
+    assert budget["dropped"] == 1 and budget["repeats"] == 8  # the outlier rule, counted
+    assert budget["eagle_tokens_per_s"] == pytest.approx(1 / 0.41)  # the stall left out
+    assert budget["pairs"] == 9  # ratios untrimmed: the interval leaves the stall out itself
+    ratios = sorted(a / e for a, e in zip(ar, stalled))
     assert budget["speedup"] == pytest.approx(float(np.median(ratios)))
     assert (budget["speedup_low"], budget["speedup_high"]) == pytest.approx(
-        (ratios[0], ratios[-1]))
+        (ratios[1], ratios[7])) and budget["speedup_low"] > 2
     # a budget that decodes other tokens is flagged, not compared silently
     unequal = timing.speedups(_rows({("ar", 1, None): [1.0, 1.0], ("eagle", 1, 16): [0.5, 0.6]},
                                     tokens={("eagle", 1, 16): 75}))
@@ -231,7 +233,7 @@ def test_every_measurement_is_kept_and_readers_pick_one(tmp_path):
 def test_the_batch_regime_table_and_figure_show_every_speedup_with_its_interval():
     from moe_spec.analysis import figures, timing
     from moe_spec.app.screens.batch_regime import batch_speed_table
-    seven = (1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98)
+    seven = (1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98)  # 7 repeats: the interval is their range
     speed = timing.speedups(_rows({("ar", 1, None): seven,
                                    ("eagle", 1, None): [s / 2 for s in seven],
                                    ("eagle", 1, 16): [s / 2.5 for s in seven]}))

@@ -163,10 +163,7 @@ def batch_speed_table(speed: pl.DataFrame) -> pl.DataFrame:
              "EAGLE ms per token": ms(r, "seconds_per_token"),
              "speedup (95% CI)": timing.speedup_text(r),
              "repeats kept": f"{r['repeats']} EAGLE, {r['ar_repeats']} AR"
-                             + (f", {r['pairs']} pairs" + (f" ({r['pairs_dropped']} ratios "
-                                                            "dropped)" if r["pairs_dropped"]
-                                                            else "")
-                                if r.get("paired") else ", unpaired")
+                             + (f", {r['pairs']} pairs" if r.get("paired") else ", unpaired")
                              + (f" ({r['dropped']} dropped)" if r["dropped"] else ""),
              "equal work": "yes" if r["equal_work"] else "no"}
             for r in speed.sort("budget", "batch_size", nulls_last=False).iter_rows(named=True)]
