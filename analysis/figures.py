@@ -173,8 +173,9 @@ def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
                   projection: pl.DataFrame | None = None, projection_name: str = "") -> go.Figure:
     """Measured speedup of EAGLE over autoregressive decoding vs b (``profile-batch``, equal work:
     :mod:`analysis.timing`), without and with each budget, each point with its 95% interval as
-    an error bar; beside it MoESD's fitted verification-only speedup and the roofline's
-    projection for a real shape (dashed, same colour per budget)."""
+    an error bar (the interval's rule under the title: paired or not); beside it MoESD's fitted
+    verification-only speedup and the roofline's projection for a real shape (dashed, same
+    colour per budget)."""
     fig = go.Figure()
     budgets = list(dict.fromkeys(speed["budget"].to_list()))
     for i, budget in enumerate(budgets):
@@ -210,9 +211,13 @@ def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
     _batch_axis(fig, speed["batch_size"])
     fig.update_yaxes(title="speedup over autoregressive decoding (s/token ratio)")
     equal = "equal_work" in speed.columns and bool(speed["equal_work"].all())
+    from moe_spec.analysis import timing
+    paired = "paired" in speed.columns and bool(speed["paired"].all())
     fig = _style(fig, "Speculative decoding's speedup vs batch size (measured on " + (
         "equal work: every way decodes the same tokens, EOS ignored)" if equal else
-        "UNEQUAL work: the decodings produced different numbers of tokens)"), HEIGHT + 80)
+        "UNEQUAL work: the decodings produced different numbers of tokens)") + "<br><sup>" + (
+        timing.INTERVAL_SHORT if paired else "unpaired repeats (stored before interleaving): "
+        "ratio of medians, Bonferroni order-statistic 95% CI") + "</sup>", HEIGHT + 80)
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0),
                       margin=dict(t=60, b=170))  # many entries: below the plot, not on the title
     return fig

@@ -522,10 +522,11 @@ def routing_warnings(runs: pl.DataFrame) -> list[tuple[str, str]]:
 
 def batch_speedup(con) -> pl.DataFrame:
     """``profile-batch``'s measured speedup per model, benchmark, profile run, measurement, b and
-    budget (null: none), by :func:`analysis.timing.speedups`: ``median(AR s/token) /
-    median(EAGLE s/token)`` over equal work (the same tokens every way), with its 95% interval,
-    EAGLE's seconds per token and per verification pass with theirs, τ, and whether the
-    decodings compared did equal work. Every measurement is a row set of its own;
+    budget (null: none), by :func:`analysis.timing.speedups`: the median of the paired
+    per-repeat ratios ``AR s/token / EAGLE s/token`` over equal work (the same tokens every
+    way; ``paired`` false: a measurement stored before, the ratio of medians), with its 95%
+    interval, EAGLE's seconds per token and per verification pass with theirs, τ, and whether
+    the decodings compared did equal work. Every measurement is a row set of its own;
     :func:`analysis.timing.latest` is the default pick."""
     from moe_spec.analysis import timing
     return timing.speedups(con.sql("SELECT * FROM batch_profile").pl())

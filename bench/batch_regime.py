@@ -55,7 +55,7 @@ def budgets_across_batches(traces: Path, model: str, sizes: list[int], budgets: 
 
 
 def measured_speed(traces: Path, model: str, sizes: list[int], budget: int, prompts: int,
-                   new_tokens: int, threads: int) -> tuple[dict, dict | None]:
+                   new_tokens: int, threads: int, repeats: int) -> tuple[dict, dict | None]:
     """profile-batch at every b (stored under ``traces``), and MoESD's fit to its passes."""
     from moe_spec.analysis import frames
     from moe_spec.analysis.sql import connect
@@ -63,7 +63,7 @@ def measured_speed(traces: Path, model: str, sizes: list[int], budget: int, prom
     assert profile_batch.main([
         "--model", model, "--limit", str(prompts), "--max-new-tokens", str(new_tokens),
         "--batch-sizes", ",".join(map(str, sizes)), "--budget", str(budget), "--out",
-        str(traces), "--no-progress", "--threads", str(threads)]) == 0
+        str(traces), "--no-progress", "--threads", str(threads), "--repeats", str(repeats)]) == 0
     con = connect(traces)
     from moe_spec.analysis import timing
     speed = timing.latest(frames.batch_speedup(con))  # this invocation's measurement
@@ -87,6 +87,11 @@ def measured_speed(traces: Path, model: str, sizes: list[int], budget: int, prom
         refused=fit["coef"].get("refused")))
 
 
+def timing_repeats() -> int:
+    from moe_spec.analysis.timing import DEFAULT_REPEATS
+    return DEFAULT_REPEATS
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["tiny-olmoe", "tiny-qwen3-moe"])
@@ -97,6 +102,8 @@ def main() -> None:
     p.add_argument("--cal-prompts", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--repeats", type=int, default=timing_repeats(),
+                   help="profile-batch's paired repeats per configuration (default: its own)")
     p.add_argument("--traces", type=Path, default=None, help="keep the traces here")
     p.add_argument("--out", type=Path, default=Path("batch_regime.json"))
     args = p.parse_args()
@@ -111,7 +118,7 @@ def main() -> None:
                          **common)
         errors = budgets_across_batches(traces, model, args.batch_sizes, args.rse_budgets)
         speed, fit = measured_speed(traces, model, args.batch_sizes, args.budget, args.prompts,
-                                    args.new_tokens, args.threads)
+                                    args.new_tokens, args.threads, args.repeats)
         base = errors[args.batch_sizes[0]]["replay_seconds"]
         rows = [dict(batch_size=b, **errors[b], **speed.get(b, {}),
                      replay_speed_vs_first=base / max(errors[b]["replay_seconds"], 1e-9))

@@ -229,6 +229,10 @@ BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
         pa.field("complete", pa.bool_()),
         pa.field("seconds_per_token", pa.float64()),
         pa.field("pass_seconds", pa.float64()),
+        # added with issue 59's paired repeats (older files lack it): the decoding's place among
+        # its repeat's configurations at this b (0: decoded first; the order rotates by repeat,
+        # analysis.timing.repeat_order); null or absent: repeats not interleaved, read unpaired
+        pa.field("position", pa.int32()),
     ]),
     "batch_profile_passes": pa.schema(_DECODING + [
         pa.field("repeat", pa.int32()),  # round 4 (older files lack it): the decoding's repeat

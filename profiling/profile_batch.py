@@ -17,17 +17,23 @@ budget changes the text and the passes it takes, not the amount decoded). Each d
 seconds per token over the whole run (prefill and drafting included) and every verification
 pass's device-synchronised seconds with its b and γ:
 
-    speedup(b) = median(s/token of ar, b) / median(s/token of eagle, b)   (over repeats)
+    speedup(b) = median over repeats r of  s/token(ar, b, r) / s/token(eagle, b, r)
 
-with a 95% percentile-bootstrap interval (:func:`analysis.timing.ratio_interval`), after the
-outlier rule on repeats (slower than median + 5·MAD: dropped, counted). Before timing,
-``--warmup N`` (default 1) untimed rounds decode the first b₀ prompts (b₀ the first batch size)
-for 2 new tokens each way (ar and eagle), so start-up (allocation, lazy imports, kernel
-selection) is not charged to the first decoding; ``--repeats R`` (default 3, at least 2 for an
-interval) decodes every (mode, b, budget) R times. Each decoding's
-per-pass latency (draft + verify seconds, its first pass left out as warm-up by
-:mod:`analysis.warmup`'s rule) is summarised as p50/p90/p99 (numpy's linear percentiles, as
-``vllm bench serve`` and SGLang's ``bench_serving`` report them), in the table and the printout.
+Repeats are **paired and interleaved**: within repeat r at one b every configuration (ar,
+eagle, eagle under each budget) is decoded back to back, starting at configuration r mod m
+(rotated, :func:`analysis.timing.repeat_order`; each row stores its ``position``), so a slow
+period of a shared machine falls on both sides of a ratio. The interval is the
+distribution-free order-statistic 95% interval of that median (:func:`analysis.timing.
+median_interval`, which needs 6 ratios; the ratios are not trimmed); the per-configuration
+medians (tokens/s, ms per pass) leave out repeats slower than median + 5·MAD (counted).
+Before timing, ``--warmup N`` (default 1) untimed rounds decode the first b₀ prompts (b₀ the
+first batch size) for 2 new tokens each way (ar and eagle), so start-up (allocation, lazy
+imports, kernel selection) is not charged to the first decoding; ``--repeats R`` (default 9:
+the interval needs 6, and from 9 leaves out the most extreme ratio on each side) decodes every
+(mode, b, budget) R times. Each decoding's per-pass latency (draft + verify seconds, its first
+pass left out as warm-up by :mod:`analysis.warmup`'s rule) is summarised as p50/p90/p99
+(numpy's linear percentiles, as ``vllm bench serve`` and SGLang's ``bench_serving`` report
+them), in the table and the printout.
 Every invocation is one *measurement* (an id from its UTC start time, stored in every row) in a
 file of its own beside the earlier ones: nothing is overwritten, and readers pick one
 measurement by a stated rule (:func:`analysis.timing.latest`: the most recent complete one of
@@ -53,7 +59,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from moe_spec import console
-from moe_spec.analysis.timing import DEFAULT_REPEATS
+from moe_spec.analysis.timing import DEFAULT_REPEATS, repeat_order
 from moe_spec.errors import UserError, fail
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16)  # the default --limit (16) fills the largest
@@ -98,6 +104,7 @@ class Decoding:
     accepted: int  # tokens added over all (sequence, pass) pairs
     trees: int
     repeat: int = 0  # 0 … --repeats − 1
+    position: int | None = None  # its place among its repeat's configurations (0: first)
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,7 +131,7 @@ class Decoding:
                     tokens=self.tokens, seconds=self.seconds, tokens_per_s=self.tokens_per_s,
                     seconds_per_token=self.seconds / self.tokens if self.tokens
                     else float("nan"), passes=len(self.passes), tau=self.tau,
-                    repeat=self.repeat, **self.latency)
+                    repeat=self.repeat, position=self.position, **self.latency)
 
     def label(self, repeats: bool = False) -> str:
         """"b=2 eagle B=16", with " #2" (the repeat) when ``repeats``."""
@@ -171,8 +178,11 @@ def decode(decoder, prompts: list[list[int]], batch_size: int, max_new_tokens: i
 def measure(settings: ProfileBatchSettings, loaded, head, prompts: list[list[int]], *,
             progress=None, done=None, on_pass=None):
     """Every (mode, b, budget, repeat) decoding of ``settings`` on ``prompts``, yielded in turn,
-    after ``settings.warmup`` untimed rounds; ``progress(label)`` is called before each (and
-    before the warm-up), ``done(decoding)`` after, ``on_pass(n)`` after each pass."""
+    after ``settings.warmup`` untimed rounds: at each b, repeat by repeat, every configuration
+    (ar, eagle, eagle under each budget) back to back in :func:`analysis.timing.repeat_order`
+    (rotated by the repeat), so the speedups are paired per repeat; ``progress(label)`` is
+    called before each (and before the warm-up), ``done(decoding)`` after, ``on_pass(n)`` after
+    each pass."""
     from moe_spec.eagle.decoding import EagleDecoder
     from moe_spec.moe.adapter import MoEAdapter
     from moe_spec.moe.recorder import VerifyRecorder
@@ -192,16 +202,17 @@ def measure(settings: ProfileBatchSettings, loaded, head, prompts: list[list[int
             decode(decoder, prompts[:warm], warm, WARMUP_TOKENS, eos=eos,
                    autoregressive=autoregressive)
     for b in settings.batch_sizes:
-        for label, kwargs in [("ar", dict(autoregressive=True)), ("eagle", {})] + [
-                (f"eagle B={budget}", dict(budget=budget, verify_context=VerifyRecorder(
-                    adapter, record_tensors=False, budget=Budget(budget, ranking, cover))))
-                for budget in settings.budgets]:
-            for r in range(settings.repeats):
+        configurations = [("ar", dict(autoregressive=True)), ("eagle", {})] + [
+            (f"eagle B={budget}", dict(budget=budget, verify_context=VerifyRecorder(
+                adapter, record_tensors=False, budget=Budget(budget, ranking, cover))))
+            for budget in settings.budgets]
+        for r in range(settings.repeats):  # paired: every configuration back to back
+            for position, (label, kwargs) in enumerate(repeat_order(configurations, r)):
                 if progress:
                     progress(f"b={b} {label}" + (f" #{r + 1}" if settings.repeats > 1 else ""))
                 decoding = decode(decoder, prompts, b, settings.max_new_tokens, eos=eos,
                                   on_pass=on_pass, **kwargs)
-                decoding.repeat = r
+                decoding.repeat, decoding.position = r, position
                 if done:
                     done(decoding)
                 yield decoding
@@ -257,7 +268,7 @@ def tables(settings: ProfileBatchSettings, decodings: list[Decoding], *, num_exp
 EXAMPLES = """
 profile-batch --model tiny-olmoe --batch-sizes 1,4,16 --limit 16
 profile-batch --model tiny-olmoe --budget 16,32 --threads 1      # with online budgets
-profile-batch --model tiny-olmoe --batch-sizes 1,2 --warmup 2 --repeats 5   # narrower intervals
+profile-batch --model tiny-olmoe --batch-sizes 1,2 --warmup 2 --repeats 15  # narrower intervals
 profile-batch --model olmoe --device cuda --batch-sizes 1,2,4,8,16,32 --budget 32 --limit 32
 """
 
@@ -284,10 +295,12 @@ def parser():
         description="Measure seconds per token of autoregressive and of EAGLE decoding at each "
                     "batch size b (real prompts, continuous batching), with and without an expert "
                     "budget over the batch's union, on equal work (every decoding decodes exactly "
-                    "--max-new-tokens tokens per prompt, end-of-sequence ignored), repeated, as a "
-                    "median with a 95% bootstrap interval; each invocation is stored as a new "
-                    "measurement beside the earlier ones, with every verification pass's time "
-                    "(MoESD's cost model is fitted to them by report and the dashboard).")
+                    "--max-new-tokens tokens per prompt, end-of-sequence ignored), in repeats that "
+                    "decode every configuration back to back; the speedup is the median of the "
+                    "per-repeat ratios with a distribution-free 95% interval; each invocation "
+                    "is stored as a new measurement beside the earlier ones, with every "
+                    "verification pass's time (MoESD's cost model is fitted to them by report "
+                    "and the dashboard).")
     p.add_argument("--model", default=d.model,
                    help=f"alias ({', '.join(models.ALIASES)}), hub id or local folder")
     p.add_argument("--draft", default=None, help="EAGLE head folder or hub id (default: the "
@@ -309,8 +322,9 @@ def parser():
                    help=f"untimed warm-up rounds before timing (each decodes the first b prompts "
                         f"for {WARMUP_TOKENS} tokens, ar and eagle; 0: none)")
     p.add_argument("--repeats", type=int, default=d.repeats, metavar="R",
-                   help="timed decodings per (mode, b, budget); speedups: the median with a 95%% "
-                        "bootstrap interval over them (at least 2 for an interval)")
+                   help="timed repeats; each decodes every (mode, budget) at a b back to back, "
+                        "order rotated; speedup: the median of the per-repeat ratios with a "
+                        "distribution-free 95%% interval (needs at least 6)")
     p.add_argument("--budget", default="", help="expert budgets B over the batch's union, "
                                                 "comma-separated (none: no budgeted decoding)")
     p.add_argument("--ranking", default=d.ranking, choices=index.ranking_names(runtime=True),
@@ -391,8 +405,8 @@ def check_model_limits(settings: ProfileBatchSettings) -> None:
 
 def summary_lines(decodings: list[Decoding]) -> list[str]:
     """One line per (b, budget): AR and EAGLE tokens/s (medians over repeats), τ, EAGLE's ms per
-    verification pass, and the speedup with its 95% interval (:func:`analysis.timing.speedups`;
-    equal work checked, not assumed)."""
+    verification pass, and the speedup (the median of paired per-repeat ratios) with its 95%
+    interval (:func:`analysis.timing.speedups`; equal work checked, not assumed)."""
     import polars as pl
 
     from moe_spec.analysis import timing
@@ -404,11 +418,10 @@ def summary_lines(decodings: list[Decoding]) -> list[str]:
         budget = "none" if r["budget"] is None else str(r["budget"])
         lines.append(f"{r['batch_size']:>4} {budget:>6} {r['ar_tokens_per_s']:>9.1f} "
                      f"{r['eagle_tokens_per_s']:>11.1f} {r['tau']:>5.2f} "
-                     f"{r['pass_seconds'] * 1e3:>8.2f}  " + timing.with_interval(
-                         r["speedup"], r["speedup_low"], r["speedup_high"])
+                     f"{r['pass_seconds'] * 1e3:>8.2f}  " + timing.speedup_text(r)
                      + ("" if r["equal_work"] else "  (unequal work: tokens differ)")
-                     + (f"  ({r['dropped']} repeat(s) dropped as outliers)" if r["dropped"]
-                        else ""))
+                     + (f"  ({r['dropped']} slow repeat(s) left out of the tok/s medians)"
+                        if r["dropped"] else ""))
     return lines
 
 

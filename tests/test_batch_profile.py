@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import polars as pl
 import pytest
 
@@ -127,6 +128,7 @@ def _fake_measure(monkeypatch, settings):
     monkeypatch.setattr(profile_batch, "decode", decode)
     monkeypatch.setattr("moe_spec.eagle.decoding.EagleDecoder", lambda *a: None)
     monkeypatch.setattr("moe_spec.moe.adapter.MoEAdapter", lambda *a: None)
+    monkeypatch.setattr("moe_spec.moe.recorder.VerifyRecorder", lambda *a, **k: None)
     loaded = SimpleNamespace(model=None, tokenizer=SimpleNamespace(eos_token_id=2))
     got = list(profile_batch.measure(settings, loaded, None, [[5], [6]]))
     return got, calls
@@ -138,33 +140,66 @@ def test_every_configuration_decodes_the_same_tokens_end_of_sequence_ignored(mon
     got, calls = _fake_measure(monkeypatch, settings)
     assert all(c["eos"] == set() for c in calls)  # EOS never stops a decoding: equal work
     timed = [c for c in calls if c["max_new_tokens"] == settings.max_new_tokens]
-    assert len(got) == len(timed) == 2 * 2 * 3  # (ar, eagle) × b × 3 repeats by default
-    assert {d.repeat for d in got} == {0, 1, 2}
+    repeats = settings.repeats
+    assert len(got) == len(timed) == 2 * 2 * repeats  # (ar, eagle) × b × the default repeats
+    assert {d.repeat for d in got} == set(range(repeats))
 
 
-def _rows(spt: dict, tokens: dict | None = None, **extra) -> pl.DataFrame:
-    """batch_profile rows: {(mode, b, budget): [seconds per token of each repeat]}."""
+def test_each_repeat_decodes_every_configuration_back_to_back_in_rotated_order(monkeypatch):
+    """Paired repeats (issue 59): at one b, repeat r decodes ar, eagle and eagle under each
+    budget one after another, starting at configuration r mod 3, and every row says where."""
+    settings = profile_batch.ProfileBatchSettings(model="tiny-olmoe", limit=2, budgets=(16,),
+                                                  batch_sizes=(1, 2), repeats=4)
+    got, _ = _fake_measure(monkeypatch, settings)
+    configurations = [("ar", None), ("eagle", None), ("eagle", 16)]
+    assert len(got) == 2 * 4 * 3
+    for i, b in enumerate((1, 2)):
+        at_b = got[i * 12:(i + 1) * 12]
+        assert {d.batch_size for d in at_b} == {b}
+        for r in range(4):
+            one = at_b[r * 3:(r + 1) * 3]  # one repeat: every configuration, back to back
+            assert {d.repeat for d in one} == {r}
+            assert [(d.mode, d.budget) for d in one] == configurations[r % 3:] + \
+                configurations[:r % 3]
+            assert [d.position for d in one] == [0, 1, 2]
+            assert [d.row()["position"] for d in one] == [0, 1, 2]
+
+
+def _rows(spt: dict, tokens: dict | None = None, paired: bool = True, **extra) -> pl.DataFrame:
+    """batch_profile rows: {(mode, b, budget): [seconds per token of each repeat]}; ``paired``:
+    each row with its ``position`` (interleaved repeats), else none (stored before)."""
     rows = []
-    for (mode, b, budget), values in spt.items():
+    for i, ((mode, b, budget), values) in enumerate(spt.items()):
         for r, v in enumerate(values):
             n = (tokens or {}).get((mode, b, budget), 100)
             rows.append(dict(mode=mode, batch_size=b, budget=budget, tokens=n, seconds=v * n,
                              tau=1.0 if mode == "ar" else 3.0, repeat=r, latency_p50=v * 3,
-                             num_experts=64, top_k=8, device="cpu", **extra))
+                             num_experts=64, top_k=8, device="cpu",
+                             **(dict(position=(i - r) % len(spt)) if paired else {}), **extra))
     return pl.DataFrame(rows, schema_overrides=dict(budget=pl.Int64))
 
 
 def test_a_speedup_is_a_median_ratio_with_its_interval_on_equal_work():
     from moe_spec.analysis import timing
-    speed = timing.speedups(_rows({("ar", 1, None): [1.0, 1.1, 0.9],
-                                   ("eagle", 1, None): [0.5, 0.55, 0.45],
-                                   ("eagle", 1, 16): [0.4, 0.42, 9.0]}))  # a stalled repeat
+    ar = [1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98, 1.01, 0.99]
+    paired = [2.0, 1.9, 2.1, 1.95, 2.05, 2.0, 1.85, 2.02, 1.98]  # each repeat's AR / EAGLE
+    stalled = [0.4, 0.42, 9.0, 0.41, 0.4, 0.42, 0.41, 0.4, 0.41]
+    speed = timing.speedups(_rows({("ar", 1, None): ar,
+                                   ("eagle", 1, None): [a / p for a, p in zip(ar, paired)],
+                                   ("eagle", 1, 16): stalled}))
     plain = speed.filter(pl.col("budget").is_null()).row(0, named=True)
-    assert plain["speedup"] == pytest.approx(2.0) and plain["equal_work"]
-    assert plain["speedup_low"] < plain["speedup"] < plain["speedup_high"]
+    assert plain["speedup"] == pytest.approx(2.0) and plain["equal_work"] and plain["paired"]
+    ratios = sorted(paired)  # 9 ratios: [x(2), x(8)], coverage 96.1%
+    assert (plain["speedup_low"], plain["speedup_high"]) == pytest.approx((ratios[1], ratios[7]))
+    assert plain["speedup_coverage"] == pytest.approx(1 - 2 * 10 / 2 ** 9)
     budget = speed.filter(pl.col("budget") == 16).row(0, named=True)
-    assert budget["dropped"] == 1 and budget["repeats"] == 2  # the outlier rule, counted
-    assert budget["speedup"] == pytest.approx(1.0 / 0.41)
+    assert budget["dropped"] == 1 and budget["repeats"] == 8  # the outlier rule, counted
+    assert budget["eagle_tokens_per_s"] == pytest.approx(1 / 0.41)  # the stall left out
+    assert budget["pairs"] == 9  # ratios untrimmed: the interval leaves the stall out itself
+    ratios = sorted(a / e for a, e in zip(ar, stalled))
+    assert budget["speedup"] == pytest.approx(float(np.median(ratios)))
+    assert (budget["speedup_low"], budget["speedup_high"]) == pytest.approx(
+        (ratios[1], ratios[7])) and budget["speedup_low"] > 2
     # a budget that decodes other tokens is flagged, not compared silently
     unequal = timing.speedups(_rows({("ar", 1, None): [1.0, 1.0], ("eagle", 1, 16): [0.5, 0.6]},
                                     tokens={("eagle", 1, 16): 75}))
@@ -198,18 +233,21 @@ def test_every_measurement_is_kept_and_readers_pick_one(tmp_path):
 def test_the_batch_regime_table_and_figure_show_every_speedup_with_its_interval():
     from moe_spec.analysis import figures, timing
     from moe_spec.app.screens.batch_regime import batch_speed_table
-    speed = timing.speedups(_rows({("ar", 1, None): [1.0, 1.1, 0.9],
-                                   ("eagle", 1, None): [0.5, 0.55, 0.45],
-                                   ("eagle", 1, 16): [0.4, 0.42, 0.41]}))
+    seven = (1.0, 1.1, 0.9, 1.05, 0.95, 1.02, 0.98)  # 7 repeats: the interval is their range
+    speed = timing.speedups(_rows({("ar", 1, None): seven,
+                                   ("eagle", 1, None): [s / 2 for s in seven],
+                                   ("eagle", 1, 16): [s / 2.5 for s in seven]}))
     table = batch_speed_table(speed)
     assert table["budget B"].to_list() == ["none", "16"]  # never "None"
     assert all("95% CI" in s for s in table["speedup (95% CI)"])
+    assert all("7 pairs" in s for s in table["repeats kept"])
     fig = figures.batch_speedup(speed)
     measured = [t for t in fig.data if t.name.startswith("measured")]
     assert measured and all(t.error_y.array is not None for t in measured)
     assert "equal work" in fig.layout.title.text
+    assert timing.INTERVAL_SHORT in fig.layout.title.text  # the interval's rule, on the figure
     lines = profile_batch.summary_lines([
-        profile_batch.Decoding(m, 1, None, 10, s, [], 10, 10, repeat=r)
-        for m, ss in (("ar", (1.0, 1.1, 0.9)), ("eagle", (0.5, 0.6, 0.4)))
-        for r, s in enumerate(ss)])
-    assert "95% CI" in lines[1]
+        profile_batch.Decoding(m, 1, None, 10, s * (1 if m == "ar" else 0.5), [], 10, 10,
+                               repeat=r, position=(p + r) % 2)
+        for p, m in enumerate(("ar", "eagle")) for r, s in enumerate(seven)])
+    assert "95% CI" in lines[1] and "2.00×" in lines[1]

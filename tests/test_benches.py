@@ -68,8 +68,8 @@ def test_oracle_bound_bench_counts_no_cell_below_the_oracle(tmp_path):
 @smoke("batch_regime.py")
 def test_batch_regime_bench_measures_every_batch_size(tmp_path):
     out = run("bench/batch_regime.py", "--models", "tiny-olmoe", "--batch-sizes", "1", "2",
-              "--prompts", "2", "--cal-prompts", "1", "--new-tokens", "6", "--out",
-              str(tmp_path / "b.json"))
+              "--prompts", "2", "--cal-prompts", "1", "--new-tokens", "6", "--repeats", "2",
+              "--out", str(tmp_path / "b.json"))
     rows = json.loads((tmp_path / "b.json").read_text())["tiny-olmoe"]["rows"]
     assert [r["batch_size"] for r in rows] == [1, 2]
     assert all(r["eagle_tokens_per_s"] > 0 and r["unique_experts"] > 0 for r in rows)

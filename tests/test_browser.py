@@ -55,7 +55,7 @@ def server(tmp_path_factory):
                             "--batch-size", "2", "--no-progress"]) == 0
     from moe_spec.profiling import profile_batch
     assert profile_batch.main(["--limit", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2,4",
-                               "--budget", "16", "--out", str(root), "--no-progress"]) == 0
+                               "--budget", "16", "--out", str(root), "--no-progress", "--repeats", "2"]) == 0
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moe_spec.app.launch", "--traces", str(root), "--port",
                              str(port), "--headless"], stdout=subprocess.DEVNULL,

@@ -179,7 +179,7 @@ def test_profile_batch_warmup_and_repeats_are_checked(args, says):
                                                         "--repeats", "2"]))
     assert (settings.warmup, settings.repeats) == (3, 2)
     defaults = pb.settings_from(pb.parser().parse_args(["--model", "tiny-olmoe"]))
-    assert (defaults.warmup, defaults.repeats) == (1, 3)  # issue 59: an interval by default
+    assert (defaults.warmup, defaults.repeats) == (1, 9)  # issue 59: an interval by default
     assert pb.run_name(settings) != pb.run_name(defaults)  # they decide the numbers
 
 

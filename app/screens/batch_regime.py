@@ -148,7 +148,8 @@ def _batch_speed(page: views.Page) -> None:
 
 def batch_speed_table(speed: pl.DataFrame) -> pl.DataFrame:
     """The measured speedups as shown: a budget column in words ("none", never "None"), the
-    speedup always beside its 95% interval, EAGLE's ms per pass and per token with theirs."""
+    speedup always beside its 95% interval (or why it has none; "unpaired" for a measurement
+    stored before repeats were interleaved), EAGLE's ms per pass and per token with theirs."""
     from moe_spec.analysis import timing
 
     def ms(r, name):
@@ -160,9 +161,9 @@ def batch_speed_table(speed: pl.DataFrame) -> pl.DataFrame:
              "EAGLE tok/s": round(r["eagle_tokens_per_s"], 1), "τ": round(r["tau"], 2),
              "EAGLE ms per pass": ms(r, "pass_seconds"),
              "EAGLE ms per token": ms(r, "seconds_per_token"),
-             "speedup (95% CI)": timing.with_interval(r["speedup"], r["speedup_low"],
-                                                      r["speedup_high"]),
+             "speedup (95% CI)": timing.speedup_text(r),
              "repeats kept": f"{r['repeats']} EAGLE, {r['ar_repeats']} AR"
+                             + (f", {r['pairs']} pairs" if r.get("paired") else ", unpaired")
                              + (f" ({r['dropped']} dropped)" if r["dropped"] else ""),
              "equal work": "yes" if r["equal_work"] else "no"}
             for r in speed.sort("budget", "batch_size", nulls_last=False).iter_rows(named=True)]
