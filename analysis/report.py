@@ -27,14 +27,18 @@ from markupsafe import Markup
 from moe_spec import console
 from moe_spec.analysis import coactivation, cost, figures, replay_views, summaries
 from moe_spec.analysis.frames import (
+    adaptive_curves,
     all_frames,
     batch_fit,
     batch_projection,
     calibration_frame,
     efficiency_frame,
+    frame_bound_text,
     frontier_frame,
     headline,
     mapping_note,
+    mode_headlines,
+    mode_speedup_frame,
     model_shape,
     real_target,
     real_targets,
@@ -110,8 +114,12 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
     figs = routing_figures(con, frames, model, bench, manifest)
     if "errors" in frames and pick("errors").height:
         curves = pick("errors")
-        figs.append(figures.error_vs_budget(curves, n))
-        if {"oracle", "router"} <= set(curves["ranking"]):
+        fixed = replay_views.fixed_only(curves)
+        if fixed.height:
+            figs.append(figures.error_vs_budget(fixed, n))
+        if set(curves["budget_mode"]) != {replay_views.FIXED}:
+            figs.append(figures.error_vs_experts(curves, n))
+        if {"oracle", "router"} <= set(fixed["ranking"]):
             figs.append(figures.oracle_gap(replay_views.oracle_gap(curves)))
     if "closed" in frames and pick("closed").height:
         figs.append(figures.closed_loop(pick("closed"), n))
@@ -127,6 +135,7 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
             figs.append(figures.speedup(sp, f"Projected speedup on {name} "
                                             f"(τ from {stats['tau_source']})", speedup_note(sp),
                                         headline(sp)["row"]["budget"]))
+    figs += [fig for fig, _ in adaptive_projections(con, model, bench, manifest)]
     fitted = calibration_frame(con, model, bench, manifest)
     if fitted is not None and fitted[1].usable:  # an unusable fit is reported in words only
         frame, cal = fitted
@@ -206,7 +215,7 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
            ("verification trees", f"{row[2]} in {row[3]} run(s)")]
     curves = frames.get("errors")
     if curves is not None:
-        c = curves.filter((pl.col("model") == part) & (pl.col("bench") == bench))
+        c = replay_views.fixed_only(curves).filter((pl.col("model") == part) & (pl.col("bench") == bench))
         mid = sorted(set(c["budget"]))[len(set(c["budget"])) // 2] if c.height else -1
         head = headline_ranking(set(c["ranking"]))
         pick = {r: c.filter((pl.col("ranking") == r) & (pl.col("budget") == mid)
@@ -228,6 +237,54 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
         out.append((f"best projected speedup over AR on H100 ({where}) within the quality "
                     f"bound: {top['bound']}", value + (f"; {top['note']}" if top["note"] else "")))
     return out
+
+
+def adaptive_projections(con, model: str, bench: str, manifest: dict) -> list:
+    """(figure, per-mode headline rows) of each ranking × coverage replayed under an adaptive
+    budget: projected speedup on H100 against the mean experts loaded per layer, fixed vs
+    adaptive (:func:`analysis.frames.mode_speedup_frame`), on the family's real checkpoint (the
+    captured shape when there is none)."""
+    shape = model_shape(manifest["model_location"])
+    if shape is None:
+        return []
+    real = real_target(manifest, model)
+    where, target = (real[0], real[1]) if real else ("the captured shape", shape)
+    hw = cost.PROFILES["H100-SXM"]
+    out = []
+    for ranking, coverage in adaptive_curves(con, model, bench):
+        stats = routing_statistics(con, model, bench, ranking=ranking, coverage=coverage)
+        if stats is None:
+            continue
+        frame = mode_speedup_frame(con, model, bench, stats, target, [hw],
+                                   manifest.get("settings", {}).get("depth", 7))
+        bound = frame_bound_text(frame)
+        fig = figures.speedup_vs_experts(
+            frame, f"Projected speedup on {where}, {ranking} ({coverage}): fixed vs adaptive",
+            f"Each MoE layer charged its own load (loads mapped by share of N); quality bound: "
+            f"{bound}.<br>Filled: within it; open: outside or not measured; bars: 95% CI from "
+            "τ (closed loop of the same mode and budget where replayed, else the unbudgeted τ).")
+        out.append((fig, [dict(r, ranking=ranking, coverage=coverage, where=where, bound=bound)
+                          for r in mode_headlines(frame).iter_rows(named=True)]))
+    return out
+
+
+def adaptive_table(con, model: str, bench: str, manifest: dict) -> dict | None:
+    """Per ranking × coverage × budget mode, the fastest budget within the quality bound on
+    H100 and its mean experts per layer (fixed vs adaptive, :func:`adaptive_projections`), as a
+    table for the template (or None without adaptive results)."""
+    rows = [r for _, found in adaptive_projections(con, model, bench, manifest) for r in found]
+    if not rows:
+        return None
+    head = ["ranking", "coverage", "budget mode", "fastest within the bound",
+            "mean experts per layer (p10–p90)", "τ", "quality there",
+            "speedup on H100 (95% CI from τ)"]
+    table = Table(head, [[
+        r["ranking"], r["coverage"], r["budget_mode"],
+        "no budget (B = N)" if r["at"] == "none (B = N)" else f"B̄ = {r['budget']}",
+        f"{r['experts_loaded']:.1f} ({r['experts_p10']:.1f}–{r['experts_p90']:.1f})",
+        f"{r['tau']:.2f} ({r['tau_source']})", r["quality"],
+        f"{r['speedup']:.2f}× ({speedup_interval(r)})"] for r in rows], frozenset({7}))
+    return dict(where=rows[0]["where"], bound=rows[0]["bound"], table=table)
 
 
 def headline_ranking(replayed: set[str]) -> str:
@@ -490,14 +547,16 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
                         routing_figures(con, frames, model, bench, run.manifest)]
                 figs.append(ids_part["figure"])
                 numbers = ids_part["numbers"]
-                extra = dict(projection=None, calibration=None, ablation=None, saved=None)
+                extra = dict(projection=None, calibration=None, ablation=None, saved=None,
+                             adaptive=None)
             else:
                 ids_part = None
                 figs = dataset_figures(con, frames, model, bench, run.manifest, traces)
                 numbers = key_numbers(con, frames, model, bench, mine)
                 extra = dict(**projection_section(con, model, bench, run.manifest),
                              ablation=ablation_table(frames, model, bench),
-                             saved=experts_saved_table(frames, model, bench, run.manifest))
+                             saved=experts_saved_table(frames, model, bench, run.manifest),
+                             adaptive=adaptive_table(con, model, bench, run.manifest))
             html = template().render(
                 variants=variants_note(con, variants),
                 model=model if len(settings) == 1 else

@@ -51,3 +51,122 @@ def test_loads_must_be_numbers():
     for bad in ([], [float("nan")], [1, float("inf")]):
         with pytest.raises(ValueError, match="experts loaded per layer"):
             cost.pass_time(TINY, UNIT, 1, 0, bad)
+
+
+# --- frames on result tables with the contract's columns ----------------------------------------
+import duckdb  # noqa: E402
+import polars as pl  # noqa: E402
+
+from moe_spec.analysis import figures, frames, replay_views  # noqa: E402
+
+
+def open_rows(mode_column: bool = True) -> pl.DataFrame:
+    """Open-loop rows of one dataset, 2 passes × 2 layers: router and oracle at fixed B = 4
+    and 8, router adaptive (``adaptive:mass``) at B̄ = 4 loading 2 or 6 experts per tree-layer
+    (mean 4) and at B̄ = 8 loading 4 or 12 (mean 8)."""
+    rows = []
+    for mode, ranking, budget, loads, rse in (
+            ("fixed", "router", 4, (4, 4, 4, 4), (0.4, 0.4, 0.2, 0.2)),
+            ("fixed", "router", 8, (8, 8, 8, 8), (0.2, 0.2, 0.1, 0.1)),
+            ("fixed", "oracle", 4, (4, 4, 4, 4), (0.2, 0.2, 0.1, 0.1)),
+            ("fixed", "oracle", 8, (8, 8, 8, 8), (0.1, 0.1, 0.05, 0.05)),
+            ("adaptive:mass", "router", 4, (2, 6, 2, 6), (0.3, 0.3, 0.1, 0.1)),
+            ("adaptive:mass", "router", 8, (4, 12, 4, 12), (0.1, 0.1, 0.04, 0.04))):
+        for i, (n, e) in enumerate(zip(loads, rse)):
+            rows.append(dict(model="m", bench="b", run="r", prompt_index=i // 2, step=0,
+                             layer=i % 2, ranking=ranking, coverage="truncation",
+                             budget=budget, budget_mode=mode, rse=e, token_error=e,
+                             mass_excluded=e, experts_loaded=n, surrogate_ranked=False))
+    frame = pl.DataFrame(rows)
+    return frame if mode_column else frame.filter(pl.col("budget_mode") == "fixed").drop(
+        "budget_mode")
+
+
+def closed_rows() -> pl.DataFrame:
+    """Closed-loop rows: router fixed at B = 4 (τ 2.0, 2.0) and adaptive at B̄ = 4 (τ 3.0, 2.0)."""
+    rows = []
+    for mode, taus, loads in (("fixed", (2, 2), [[4, 4], [4, 4]]),
+                              ("adaptive:mass", (3, 2), [[2, 6], [2, 6]])):
+        for i, (tau, n) in enumerate(zip(taus, loads)):
+            rows.append(dict(model="m", bench="b", run="r", prompt_index=i, step=0,
+                             ranking="router", coverage="truncation", budget=4, budget_mode=mode,
+                             accepted_length=tau, captured_accepted_length=3,
+                             path_unchanged=tau == 3, top1_agreement=1.0, mean_kl=0.1,
+                             experts_loaded=n))
+    return pl.DataFrame(rows)
+
+
+def connection(**tables: pl.DataFrame) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect()
+    for name, frame in tables.items():
+        con.register(f"_{name}", frame.to_arrow())
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}")
+    return con
+
+
+def test_every_mode_is_a_curve_of_its_own_with_its_mean_experts_loaded():
+    curves = replay_views.error_vs_budget(connection(replay_open=open_rows()))
+    router = curves.filter(pl.col("ranking") == "router").sort("budget_mode", "budget")
+    assert router.select("budget_mode", "budget", "experts_loaded").rows() == [
+        ("adaptive:mass", 4, 4.0), ("adaptive:mass", 8, 8.0), ("fixed", 4, 4.0),
+        ("fixed", 8, 8.0)]
+    assert router["rse"].to_list() == pytest.approx([0.2, 0.07, 0.3, 0.15])  # never averaged
+    # rows stored before the column existed read as fixed budgets
+    old = replay_views.error_vs_budget(connection(replay_open=open_rows(mode_column=False)))
+    assert set(old["budget_mode"]) == {"fixed"} and old.height == 4
+    # the fixed-budget analyses never see an adaptive row
+    gap = replay_views.oracle_gap(curves)
+    assert gap["target_rse"].to_list() == pytest.approx([0.3, 0.15])  # router's fixed B = 4, 8
+    assert gap.equals(replay_views.oracle_gap(curves.filter(pl.col("budget_mode") == "fixed")))
+    closed = replay_views.closed_loop(connection(replay_closed=closed_rows()))
+    assert closed.sort("budget_mode").select("budget_mode", "tau", "experts_loaded").rows() == [
+        ("adaptive:mass", 2.5, 4.0), ("fixed", 2.0, 4.0)]
+
+
+def test_experts_saved_compares_fixed_budgets_only():
+    con = connection(replay_open=open_rows())
+    saved = replay_views.experts_saved(con, resamples=5)
+    alone = replay_views.experts_saved(
+        connection(replay_open=open_rows().filter(pl.col("budget_mode") == "fixed")), resamples=5)
+    assert saved.drop("resampled").equals(alone.drop("resampled"))
+
+
+STATS = dict(ranking="router", coverage="truncation", num_experts=16, nodes=8, prefix=64,
+             unique=12.0, tau=3.0, tau_ci=(2.5, 3.5), tau_source="unbudgeted capture")
+
+
+def test_the_speedup_against_experts_charges_each_mode_its_own_loads():
+    con = connection(replay_open=open_rows(), replay_closed=closed_rows())
+    hw = cost.PROFILES["H100-SXM"]
+    frame = frames.mode_speedup_frame(con, "m", "b", STATS, REAL, [hw])
+    at = {(r["budget_mode"], r["budget"]): r for r in frame.iter_rows(named=True)}
+    assert set(at) == {("fixed", 4), ("fixed", 8), ("adaptive:mass", 4), ("adaptive:mass", 8),
+                       ("none (B = N)", 16)}
+    draft = frames.draft_seconds(REAL.hidden, 4 * REAL.hidden, 32000, 7, hw)
+    # loads mapped by share of N (16 → 128: × 8); the adaptive mode pays 16 and 48 experts at
+    # alternate layers, not 32 everywhere; τ from the closed loop of the same mode and budget
+    fixed, adaptive = at[("fixed", 4)], at[("adaptive:mass", 4)]
+    assert fixed["experts_loaded"] == adaptive["experts_loaded"] == 32.0
+    assert (adaptive["experts_p10"], adaptive["experts_p90"]) == (16.0, 48.0)
+    assert adaptive["tau"] == 2.5 and adaptive["tau_source"] == "closed-loop replay"
+    assert adaptive["speedup"] == cost.projected_speedup(REAL, hw, 2.5, [16, 48], 8, 64, draft)
+    assert fixed["speedup"] == cost.projected_speedup(REAL, hw, 2.0, 32, 8, 64, draft)
+    # without closed loop at B̄ = 8 the unbudgeted τ stands in, and the rows say so
+    assert at[("adaptive:mass", 8)]["tau_source"] == "unbudgeted capture"
+    assert at[("none (B = N)", 16)]["experts_loaded"] == 96.0
+    best = frames.mode_headlines(frame)
+    assert set(best["budget_mode"]) == {"fixed", "adaptive:mass"}
+    assert best.filter(pl.col("budget_mode") == "fixed")["within_bound"].to_list() == [True]
+
+
+def test_the_error_figure_draws_a_curve_per_mode_against_experts_loaded():
+    curves = replay_views.error_vs_budget(connection(replay_open=open_rows()))
+    fig = figures.error_vs_experts(curves, 16)
+    lines = {t.name: t for t in fig.data if t.mode == "lines+markers"}
+    assert set(lines) == {"router · fixed", "router · adaptive:mass", "fixed-B oracle (bound)"}
+    assert list(lines["router · adaptive:mass"].x) == [4.0, 8.0]
+    assert lines["router · adaptive:mass"].line.dash != lines["router · fixed"].line.dash
+    assert "mean experts loaded per layer" in fig.layout.xaxis.title.text
+    closed = figures.closed_loop(replay_views.closed_loop(connection(replay_closed=closed_rows())))
+    assert {t.name for t in closed.data if t.mode == "lines+markers"} == {
+        "router · fixed", "router · adaptive:mass"}
