@@ -53,6 +53,7 @@ from moe_spec.eagle import acceptance, batched, verify
 from moe_spec.eagle.tree import DraftTree
 from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.moe.recorder import VerifyRecorder
+from moe_spec.policy import index
 from moe_spec.policy.budget import Budget, BudgetGroups
 from moe_spec.policy.calibration import CalibrationStats
 from moe_spec.policy.coverage import Coverage
@@ -71,6 +72,7 @@ class ClosedTask:
     coverage: Coverage
     calibration: CalibrationStats | None
     budgets: dict[int, Budget] = field(default_factory=dict)
+    budget_mode: str = index.FIXED  # every row's budget_mode (policy.index.budget_mode)
 
     def budget(self, size: int) -> Budget:
         if size not in self.budgets:
@@ -206,6 +208,7 @@ def replay_group(run: Run, prompts: list[int], pass_of: Callable[[int, int], int
                     rows[i].append(dict(
                         prompt_index=state.index, prompt_id=state.id, step=t["step"],
                         ranking=task.ranking.name, coverage=task.coverage.name, budget=b,
+                        budget_mode=task.budget_mode,
                         batch_pass=number, trees=len(members),
                         **tree_metrics(acceptance.accept_greedy(tree, mine), refs[j],
                                        state.by_step[t["step"]][1], t["accepted_length"],

@@ -27,6 +27,7 @@ from moe_spec.catalog import location, replay_metrics, schema
 from moe_spec.catalog.results import Block, UnitResults
 from moe_spec.catalog.runs import Run
 from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy import index
 from moe_spec.policy.coverage import Coverage
 from moe_spec.policy.rankings import Ranking
 from moe_spec.replay import open_loop
@@ -44,6 +45,7 @@ class Task:
     done: set[int] = field(default_factory=set)  # prompts already written
     stream: Stream = field(default_factory=Stream)
     rows: dict[int, list[dict]] = field(default_factory=dict)  # prompt -> column blocks
+    budget_mode: str = index.FIXED  # every row's budget_mode (policy.index.budget_mode)
 
 
 def batch_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
@@ -79,7 +81,8 @@ def columns(keys: dict, task: Task, budgets: list[int], m: dict, table: str = OP
         budget=np.tile(np.asarray(budgets, np.int16), t), **metric_columns)
     for name in sch.names:
         if name not in out:
-            value = rep(keys[name]) if name in keys else np.full(t * nb, (constants or {})[name])
+            given = {"budget_mode": getattr(task, "budget_mode", index.FIXED), **(constants or {})}
+            value = rep(keys[name]) if name in keys else np.full(t * nb, given[name])
             out[name] = value.astype(sch.field(name).type.to_pandas_dtype())
     return out
 
