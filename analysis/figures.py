@@ -13,6 +13,8 @@ import numpy as np
 import plotly.graph_objects as go
 import polars as pl
 
+from moe_spec.policy import index  # torch-free: the budget modes
+
 NOISE_FLOOR = 1e-9  # RSE below this is float rounding, not an error
 HEIGHT = 420
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
@@ -348,7 +350,7 @@ def error_vs_budget(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
     return _style(fig, "Reconstruction error (RSE) vs expert budget, mean and 95% interval")
 
 
-FIXED_MODE = "fixed"  # analysis.replay_views.FIXED: a budget the same at every layer
+FIXED_MODE = index.FIXED  # the budget mode of one B at every layer (the others: adaptive)
 MODE_DASHES = ["dash", "dot", "dashdot", "longdash", "longdashdot"]  # adaptive modes; fixed: solid
 EXPERTS_AXIS = "mean experts loaded per layer"
 

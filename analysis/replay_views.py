@@ -32,7 +32,7 @@ from moe_spec.catalog.replay_metrics import BATCH_TABLE, CLOSED_TABLE, OPEN_TABL
 from moe_spec.policy import index  # torch-free: the rankings' table (tests/test_layering.py)
 
 
-FIXED = "fixed"  # the budget mode of a fixed B (policy.index; rows stored before the column)
+FIXED = index.FIXED  # the budget mode of a fixed B (and of rows stored before the column)
 
 
 def budget_mode(con: duckdb.DuckDBPyConnection, table: str) -> str:
