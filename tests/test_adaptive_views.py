@@ -170,3 +170,18 @@ def test_the_error_figure_draws_a_curve_per_mode_against_experts_loaded():
     closed = figures.closed_loop(replay_views.closed_loop(connection(replay_closed=closed_rows())))
     assert {t.name for t in closed.data if t.mode == "lines+markers"} == {
         "router · fixed", "router · adaptive:mass"}
+
+
+def test_the_new_figures_say_what_they_draw():
+    import json
+
+    from figcheck import problems
+    con = connection(replay_open=open_rows(), replay_closed=closed_rows())
+    curves = replay_views.error_vs_budget(con)
+    speed = frames.mode_speedup_frame(con, "m", "b", STATS, REAL, [cost.PROFILES["H100-SXM"]])
+    for fig in (figures.error_vs_experts(curves, 16),
+                figures.closed_loop(replay_views.closed_loop(con), 16),
+                figures.speedup_vs_experts(speed, "t", "note")):
+        assert not problems(json.loads(fig.to_json()))
+    lines = {t.name for t in figures.speedup_vs_experts(speed, "t").data}
+    assert lines == {"fixed", "adaptive:mass", "no budget (B = N)"}
