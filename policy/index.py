@@ -306,6 +306,14 @@ GAIN_PREDICTORS: dict[str, str] = {
 }
 
 
+def adapts(ranking: str) -> bool:
+    """Whether ``ranking`` can run adaptive budgets: it ranks every budget B_min..N of a layer
+    at once (no budget-limited search, no state kept per budget)."""
+    entry = RANKINGS[ranking]
+    return entry.subset_limit is None and \
+        not {"executed_outputs", "executed_output_vectors"} & entry.needs()
+
+
 def budget_mode(predictor: str | None = None, cap: bool = False) -> str:
     """``fixed``, or ``adaptive:<predictor>`` (``+cap`` with a pass cap)."""
     if predictor is None:

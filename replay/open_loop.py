@@ -28,6 +28,7 @@ from moe_spec.catalog.reader import PromptTreeLayers
 from moe_spec.errors import UserError
 from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch, combine, pair_index
+from moe_spec.policy.prices import Prices, excluded_mass
 from moe_spec.policy.coverage import Coverage, experts_used
 from moe_spec.policy.rankings import Ranking
 from moe_spec.policy.rankings.base import batch_shortlists
@@ -180,8 +181,7 @@ def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
     ratio = sq.sqrt() / gold_sq.sqrt().clamp_min(1e-30)
     real = batch.mask[:, None, :]
     token = (ratio * real).sum(-1) / real.sum(-1)
-    s = batch.mass()[:, None, :]  # [T, 1, N]
-    excluded = (s * ~keep).sum(-1) / s.sum(-1)
+    excluded = excluded_mass(batch, keep)
     loaded = experts_used(idx, w * real[..., None], batch.n).sum(-1)
     unique = batch.union().sum(-1)[:, None].expand_as(loaded)
     if surrogate_ranked is None:
@@ -199,6 +199,24 @@ class Stream:
     prompt: int | None = None
     per_budget: dict[int, Ranking] = field(default_factory=dict)
     starts: dict[str, Stream] = field(default_factory=dict)  # the oracle's stateful starts
+    used: dict = field(default_factory=dict)  # adaptive budgets with a pass cap: experts each
+    # pass's earlier layers loaded (a pass may span batches)
+
+
+def adaptive_shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage,
+                        means: list[int], prices: Prices, prompts: torch.Tensor,
+                        steps: torch.Tensor, stream: Stream) -> torch.Tensor:
+    """``keep [T, len(means), N]`` of adaptive budgets at mean budgets ``means``: per tree-layer
+    the ranking's shortlists at every B of ``B_min .. B_max`` (:func:`shortlists`), the router
+    mass each excludes, the price rule's ``B_l`` from the predicted gains
+    (:meth:`policy.prices.Prices.choose`; with a pass cap, each (prompt, step) a pass, carried
+    across batches in ``stream``) and the shortlist at ``B_l``. Batched over the tree-layers."""
+    keep, _ = shortlists(ranking, batch, coverage, prices.budgets, prompts, steps, stream)
+    passes = prompts.long() * (1 << 32) + steps.long()
+    present = set(passes.unique().tolist())  # only a pass of this batch can go on in the next
+    stream.used = {p: u for p, u in stream.used.items() if p in present}
+    chosen = prices.choose(excluded_mass(batch, keep), batch.layers, means, passes, stream.used)
+    return prices.pick(keep, chosen)
 
 
 def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budgets: list[int],
