@@ -143,8 +143,9 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None,
                        ranking: str = "router", coverage: str | None = None) -> dict | None:
     """What a capture says about routing, independent of the model's size: unique experts per
     layer per tree (as a share of N), tree size, prefix length, and τ under each fixed budget
-    (adaptive ones: :func:`mode_speedup_frame`) from closed-loop replay (``ranking``, substitution unless ``coverage``) of the *same* trees, with
-    the captured τ of those trees for B = N. ``quality`` holds, per budget, what the budget
+    (adaptive ones: :func:`mode_speedup_frame`) from closed-loop replay (``ranking``,
+    substitution unless ``coverage``) of the *same* trees, with the captured τ of those trees
+    for B = N. ``quality`` holds, per budget, what the budget
     costs: closed-loop ``path_unchanged`` (share of trees whose accepted path survives) and
     ``kl`` (mean KL per node), and open-loop ``rse`` (mean RSE of ``ranking``, ``coverage``, or
     substitution where replayed, else truncation); ``quality_source`` says which of them exist
@@ -365,7 +366,9 @@ def mode_speedup_frame(con, model: str, bench: str, stats: dict, target: cost.Mo
     ``experts_loaded``: the mean of n_t (the x axis), ``experts_p10``/``experts_p90`` its
     spread; τ from closed-loop replay of the same mode and budget where replayed (interval from
     its trees), else the unbudgeted τ (the rows say so in ``tau_source``). Quality and the bound
-    as :func:`speedup_frame` (``within_bound``, ``quality``)."""
+    as :func:`speedup_frame` (``within_bound``, ``quality``), per mode: a mode replayed closed
+    loop is judged by the share of unchanged paths (a budget closed loop did not replay: not
+    measured), one replayed open loop only by its mean RSE (``judged_by``: "closed", "open")."""
     ranking, coverage = stats.get("ranking", "router"), stats.get("coverage")
     loads = mode_loads(con, model, bench, ranking, coverage) if coverage else None
     n_c, n_t, k_t = stats["num_experts"], target.num_experts, target.top_k
@@ -401,8 +404,16 @@ def mode_speedup_frame(con, model: str, bench: str, stats: dict, target: cost.Mo
                 path_unchanged=q.get("path_unchanged"), kl=q.get("kl"), rse=q.get("rse"),
                 speedup=speed, speedup_low=speed * lo / tau, speedup_high=speed * hi / tau,
                 bound="memory" if mem >= comp else "compute"))
+    closed = {mode for (mode, _), q in quality.items() if q.get("tau") is not None}
     for r in rows:
-        r.update(quality=quality_text(r), within_bound=within_bound(r))
+        # a mode replayed closed loop is judged by the path at the budgets closed loop measured
+        # (elsewhere: not measured), as :func:`speedup_frame` is; one replayed open loop only,
+        # by its RSE (``judged_by`` says which)
+        r.update(quality=quality_text(r), within_bound=within_bound(r),
+                 judged_by="closed" if r["budget_mode"] in closed else "open")
+        if r["judged_by"] == "closed" and r["path_unchanged"] is None \
+                and r["captured_budget"] != n_c:
+            r["within_bound"] = None
     return pl.DataFrame(rows, schema_overrides=dict(path_unchanged=pl.Float64, kl=pl.Float64,
                                                     rse=pl.Float64, within_bound=pl.Boolean,
                                                     coverage=pl.String))
@@ -421,8 +432,39 @@ def mode_headlines(frame: pl.DataFrame, hardware: str | None = None) -> pl.DataF
             ["budget_mode"], maintain_order=True):
         ok = pl.concat([g.filter(pl.col("within_bound").fill_null(False)), plain])
         best = ok.sort(pl.col("speedup").round(3), "experts_loaded").row(-1, named=True)
-        rows.append(dict(best, budget_mode=mode, at=best["budget_mode"]))
+        rows.append(dict(best, budget_mode=mode, at=best["budget_mode"],
+                         judged_by=g["judged_by"][0]))
     return pl.DataFrame(rows) if rows else pl.DataFrame()
+
+
+MODE_SPEEDUP_NOTE = (
+    "x: the mean of the experts each replayed tree-layer loaded (open loop), mapped by share of "
+    "N onto the target; each MoE layer is charged its own load (Σ_ℓ max(memory, compute)).<br>"
+    "τ from closed loop of the same mode and budget where replayed, else the unbudgeted τ; bars: "
+    "95% CI from τ. Filled: within the bound the mode is judged by<br>(closed-loop path "
+    f"unchanged ≥ {PATH_BOUND:.0%} where the mode was replayed closed loop, at those budgets; "
+    f"else open-loop RSE ≤ {RSE_BOUND:g}); open: outside it or not measured.")
+
+
+def mode_headline_rows(frame: pl.DataFrame, hardware: str | None = None) -> list[dict]:
+    """:func:`mode_headlines` as shown (the Speedup page's table and the report's): per budget
+    mode, its fastest budget within the bound it is judged by, the mean and p10–p90 of experts
+    loaded per layer there, τ, the quality and the speedup beside its interval."""
+    judged = {"closed": f"closed-loop path unchanged ≥ {PATH_BOUND:.0%}",
+              "open": f"open-loop RSE ≤ {RSE_BOUND:g}"}
+    out = []
+    for r in mode_headlines(frame, hardware).iter_rows(named=True):
+        letter = "B" if r["budget_mode"] == replay_views.FIXED else "B̄"
+        out.append({
+            "budget mode": r["budget_mode"], "judged by": judged[r["judged_by"]],
+            "fastest within the bound": "no budget (B = N)" if r["at"] == "none (B = N)"
+            else f"{letter} = {r['budget']}",
+            "mean experts per layer (p10–p90)":
+                f"{r['experts_loaded']:.1f} ({r['experts_p10']:.1f}–{r['experts_p90']:.1f})",
+            "τ": f"{r['tau']:.2f} ({r['tau_source']})", "quality there": r["quality"],
+            f"speedup on {r['hardware']} (95% CI from τ)":
+                f"{r['speedup']:.2f}× ({speedup_interval(r)})"})
+    return out
 
 
 MATCHED_QUALITY = (f"matched quality: the ranking's mean open-loop RSE at the budget ≤ "

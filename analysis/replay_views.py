@@ -31,7 +31,6 @@ from moe_spec.catalog import replay_metrics
 from moe_spec.catalog.replay_metrics import BATCH_TABLE, CLOSED_TABLE, OPEN_TABLE
 from moe_spec.policy import index  # torch-free: the rankings' table (tests/test_layering.py)
 
-
 FIXED = index.FIXED  # the budget mode of a fixed B (and of rows stored before the column)
 
 

@@ -27,17 +27,17 @@ from markupsafe import Markup
 from moe_spec import console
 from moe_spec.analysis import coactivation, cost, figures, replay_views, summaries
 from moe_spec.analysis.frames import (
+    MODE_SPEEDUP_NOTE,
     adaptive_curves,
     all_frames,
     batch_fit,
     batch_projection,
     calibration_frame,
     efficiency_frame,
-    frame_bound_text,
     frontier_frame,
     headline,
     mapping_note,
-    mode_headlines,
+    mode_headline_rows,
     mode_speedup_frame,
     model_shape,
     real_target,
@@ -50,11 +50,11 @@ from moe_spec.analysis.frames import (
 )
 from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE, connect, views
 from moe_spec.catalog import Catalog, atomic, dataset_version, location, partition_value, schema
-from moe_spec.catalog.runs import add_legacy_argument, allow_legacy
 from moe_spec.catalog.replay_metrics import gap_closed
+from moe_spec.catalog.runs import add_legacy_argument, allow_legacy
 from moe_spec.errors import UserError, fail
-from moe_spec.policy import index
 from moe_spec.moe import shapes
+from moe_spec.policy import index
 
 
 def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -> list:
@@ -135,7 +135,7 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
             figs.append(figures.speedup(sp, f"Projected speedup on {name} "
                                             f"(τ from {stats['tau_source']})", speedup_note(sp),
                                         headline(sp)["row"]["budget"]))
-    figs += [fig for fig, _ in adaptive_projections(con, model, bench, manifest)]
+    figs += [fig for fig, *_ in adaptive_projections(con, model, bench, manifest)]
     fitted = calibration_frame(con, model, bench, manifest)
     if fitted is not None and fitted[1].usable:  # an unusable fit is reported in words only
         frame, cal = fitted
@@ -240,7 +240,7 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
 
 
 def adaptive_projections(con, model: str, bench: str, manifest: dict) -> list:
-    """(figure, per-mode headline rows) of each ranking × coverage replayed under an adaptive
+    """(figure, per-mode headline rows, target name) of each ranking × coverage replayed under an adaptive
     budget: projected speedup on H100 against the mean experts loaded per layer, fixed vs
     adaptive (:func:`analysis.frames.mode_speedup_frame`), on the family's real checkpoint (the
     captured shape when there is none)."""
@@ -257,14 +257,11 @@ def adaptive_projections(con, model: str, bench: str, manifest: dict) -> list:
             continue
         frame = mode_speedup_frame(con, model, bench, stats, target, [hw],
                                    manifest.get("settings", {}).get("depth", 7))
-        bound = frame_bound_text(frame)
         fig = figures.speedup_vs_experts(
             frame, f"Projected speedup on {where}, {ranking} ({coverage}): fixed vs adaptive",
-            f"Each MoE layer charged its own load (loads mapped by share of N); quality bound: "
-            f"{bound}.<br>Filled: within it; open: outside or not measured; bars: 95% CI from "
-            "τ (closed loop of the same mode and budget where replayed, else the unbudgeted τ).")
-        out.append((fig, [dict(r, ranking=ranking, coverage=coverage, where=where, bound=bound)
-                          for r in mode_headlines(frame).iter_rows(named=True)]))
+            MODE_SPEEDUP_NOTE)
+        out.append((fig, [dict(ranking=ranking, coverage=coverage, **r)
+                          for r in mode_headline_rows(frame)], where))
     return out
 
 
@@ -272,19 +269,12 @@ def adaptive_table(con, model: str, bench: str, manifest: dict) -> dict | None:
     """Per ranking × coverage × budget mode, the fastest budget within the quality bound on
     H100 and its mean experts per layer (fixed vs adaptive, :func:`adaptive_projections`), as a
     table for the template (or None without adaptive results)."""
-    rows = [r for _, found in adaptive_projections(con, model, bench, manifest) for r in found]
+    found = adaptive_projections(con, model, bench, manifest)
+    rows = [r for _, mine, _ in found for r in mine]
     if not rows:
         return None
-    head = ["ranking", "coverage", "budget mode", "fastest within the bound",
-            "mean experts per layer (p10–p90)", "τ", "quality there",
-            "speedup on H100 (95% CI from τ)"]
-    table = Table(head, [[
-        r["ranking"], r["coverage"], r["budget_mode"],
-        "no budget (B = N)" if r["at"] == "none (B = N)" else f"B̄ = {r['budget']}",
-        f"{r['experts_loaded']:.1f} ({r['experts_p10']:.1f}–{r['experts_p90']:.1f})",
-        f"{r['tau']:.2f} ({r['tau_source']})", r["quality"],
-        f"{r['speedup']:.2f}× ({speedup_interval(r)})"] for r in rows], frozenset({7}))
-    return dict(where=rows[0]["where"], bound=rows[0]["bound"], table=table)
+    return dict(where=found[0][2], table=Table(list(rows[0]), [list(r.values()) for r in rows],
+                                               frozenset({len(rows[0]) - 1})))
 
 
 def headline_ranking(replayed: set[str]) -> str:

@@ -154,6 +154,16 @@ def test_the_speedup_against_experts_charges_each_mode_its_own_loads():
     # without closed loop at B̄ = 8 the unbudgeted τ stands in, and the rows say so
     assert at[("adaptive:mass", 8)]["tau_source"] == "unbudgeted capture"
     assert at[("none (B = N)", 16)]["experts_loaded"] == 96.0
+    # a mode replayed closed loop is judged by the path: where closed loop did not replay a
+    # budget, its open-loop RSE (0.07 ≤ 0.05? no; 0.15) does not stand in for it
+    assert at[("adaptive:mass", 8)]["judged_by"] == "closed"
+    assert at[("adaptive:mass", 8)]["within_bound"] is None
+    assert at[("fixed", 8)]["within_bound"] is None
+    rows = frames.mode_headline_rows(frame)
+    # at B = 4 closed loop changed every fixed path and half the adaptive ones: neither holds
+    assert {(r["budget mode"], r["fastest within the bound"], r["judged by"]) for r in rows} == {
+        ("fixed", "no budget (B = N)", "closed-loop path unchanged ≥ 90%"),
+        ("adaptive:mass", "no budget (B = N)", "closed-loop path unchanged ≥ 90%")}
     best = frames.mode_headlines(frame)
     assert set(best["budget_mode"]) == {"fixed", "adaptive:mass"}
     assert best.filter(pl.col("budget_mode") == "fixed")["within_bound"].to_list() == [True]

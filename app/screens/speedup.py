@@ -9,13 +9,13 @@ import streamlit as st
 from moe_spec.analysis import cost, figures
 from moe_spec.analysis.frames import (
     MATCHED_QUALITY,
+    MODE_SPEEDUP_NOTE,
     calibration_frame,
     efficiency_frame,
     frontier_frame,
-    frame_bound_text,
     frontier_table,
     headline,
-    mode_headlines,
+    mode_headline_rows,
     mode_speedup_frame,
     model_shape,
     real_targets,
@@ -250,13 +250,6 @@ def _at_budget(frame: pl.DataFrame, top: dict, target_name: str) -> None:
                "taken as exact.")
 
 
-ADAPTIVE_NOTE = ("x: the mean of the experts each replayed tree-layer loaded (open loop), mapped "
-                 "by share of N onto the target; each MoE layer is charged its own load (cost "
-                 "model: Σ_ℓ max(memory, compute)). τ from closed-loop replay of the same mode "
-                 "and budget where replayed, else the unbudgeted τ. Filled: within the quality "
-                 "bound ({bound}); open: outside or not measured. Bars: 95% CI from τ.")
-
-
 def _fixed_vs_adaptive(page: views.Page, con, stats: dict, target_name: str, target,
                        hardware: list, depth: int) -> None:
     """Projected speedup against the mean experts loaded per layer, a line per budget mode
@@ -272,22 +265,15 @@ def _fixed_vs_adaptive(page: views.Page, con, stats: dict, target_name: str, tar
                    "replayed here: `replay --budget-mode adaptive …` adds adaptive ones, drawn "
                    "here against the same mean experts per layer.")
         return
-    bound = frame_bound_text(frame)
     st.plotly_chart(figures.speedup_vs_experts(
         frame, f"Projected speedup on {target_name}, {stats['ranking']} ({stats['coverage']}): "
-               "fixed vs adaptive", ADAPTIVE_NOTE.format(bound=bound)), width="stretch")
-    best = mode_headlines(frame, hardware[0].name)
-    st.dataframe(pl.DataFrame([{
-        "budget mode": r["budget_mode"],
-        "fastest within the bound": "no budget (B = N)" if r["at"] == "none (B = N)"
-        else f"B̄ = {r['budget']}",
-        "mean experts per layer (p10–p90)":
-            f"{r['experts_loaded']:.1f} ({r['experts_p10']:.1f}–{r['experts_p90']:.1f})",
-        f"speedup on {r['hardware']} (95% CI)": f"{r['speedup']:.2f}× ({speedup_interval(r)})",
-        "τ": f"{r['tau']:.2f} ({r['tau_source']})", "quality there": r["quality"]}
-        for r in best.iter_rows(named=True)]), hide_index=True, width="stretch")
+               "fixed vs adaptive", MODE_SPEEDUP_NOTE), width="stretch")
+    st.dataframe(pl.DataFrame(mode_headline_rows(frame, hardware[0].name)), hide_index=True,
+                 width="stretch")
     st.caption(f"Per budget mode, on {hardware[0].name}: its fastest budget within the quality "
-               f"bound ({bound}), the rule of the headline above; B = N when none is faster.")
+               "bound it is judged by (closed-loop path where that mode was replayed closed "
+               "loop, else open-loop RSE), the rule of the headline above; B = N when none is "
+               "faster.")
 
 
 def _efficiency(root, model: str) -> None:
