@@ -355,20 +355,21 @@ MODE_DASHES = ["dash", "dot", "dashdot", "longdash", "longdashdot"]  # adaptive 
 EXPERTS_AXIS = "mean experts loaded per layer"
 
 
-def _mode_curves(frame: pl.DataFrame):
+def _mode_curves(frame: pl.DataFrame, coverage: str):
     """(key (ranking, mode), rows, name, color, dash) of each curve of a frame with
-    ``budget_mode``: a colour per ranking, a solid line for the fixed budget and a dash per
-    adaptive mode; a mode is never averaged with another."""
-    rankings = sorted(set(frame["ranking"]))
+    ``budget_mode`` under ``coverage``: a colour per curve (the same in every panel), a solid
+    line for the fixed budget and a dash per adaptive mode; a mode is never averaged with
+    another."""
     modes = sorted(set(frame["budget_mode"]), key=lambda m: (m != FIXED_MODE, m))
-    for ranking in rankings:
-        for mode in modes:
-            g = frame.filter((pl.col("ranking") == ranking) & (pl.col("budget_mode") == mode))
-            if g.height:
-                dash = "solid" if mode == FIXED_MODE else MODE_DASHES[
-                    (modes.index(mode) - (FIXED_MODE in modes)) % len(MODE_DASHES)]
-                yield ((ranking, mode), g.sort("experts_loaded"), f"{ranking} · {mode}",
-                       COLORS[rankings.index(ranking) % len(COLORS)], dash)
+    pairs = [(ranking, mode) for ranking in sorted(set(frame["ranking"])) for mode in modes]
+    for i, (ranking, mode) in enumerate(pairs):
+        g = frame.filter((pl.col("ranking") == ranking) & (pl.col("budget_mode") == mode)
+                         & (pl.col("coverage") == coverage))
+        if g.height:
+            dash = "solid" if mode == FIXED_MODE else MODE_DASHES[
+                (modes.index(mode) - (FIXED_MODE in modes)) % len(MODE_DASHES)]
+            yield ((ranking, mode), g.sort("experts_loaded"), f"{ranking} · {mode}",
+                   COLORS[i % len(COLORS)], dash)
 
 
 def error_vs_experts(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
@@ -381,8 +382,7 @@ def error_vs_experts(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
     fig = make_subplots(rows=1, cols=len(covs), shared_yaxes=True,
                         subplot_titles=[NAMES.get(c, c) for c in covs])
     for col, cov in enumerate(covs, start=1):
-        for (ranking, mode), g, name, color, dash in _mode_curves(
-                curves.filter(pl.col("coverage") == cov)):
+        for (ranking, mode), g, name, color, dash in _mode_curves(curves, cov):
             bound = ranking == "oracle" and mode == FIXED_MODE
             clip = lambda c: np.maximum(g[c].to_numpy(), NOISE_FLOOR)  # noqa: E731
             lo = clip("rse_lo") if "rse_lo" in g.columns else clip("rse")
@@ -449,8 +449,8 @@ def speedup_vs_experts(frame: pl.DataFrame, title: str, note: str | None = None)
     r = mine.row(0, named=True)
     fig.update_xaxes(title=f"{EXPERTS_AXIS} on the target (of {r['target_experts']}, "
                            f"top-{r['target_top_k']})")
-    fig.update_yaxes(title=f"projected speedup over autoregressive decoding on {hw} (×)")
-    fig = _style(fig, title)
+    fig.update_yaxes(title="projected speedup over AR (×)")
+    fig = _style(fig, f"{title} ({hw})")
     return _note(fig, note) if note else fig
 
 
@@ -500,7 +500,7 @@ def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
     for col, cov in enumerate(covs, start=1):
         sub = frame.filter(pl.col("coverage") == cov)
         if modes != {FIXED_MODE}:
-            for _, g, name, color, dash in _mode_curves(sub):
+            for _, g, name, color, dash in _mode_curves(frame, cov):
                 _band(fig, g["experts_loaded"], g["tau"], g["tau_lo"], g["tau_hi"], name,
                       color, row=1, col=col, legendgroup=name, showlegend=col == 1)
                 fig.data[-1].line.dash = dash
@@ -520,7 +520,9 @@ def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
         fig.update_xaxes(title_text=f"budget B (experts of {n})" if n else "budget B")
         integer_axis(fig, frame["budget"])
     fig.update_yaxes(title_text="accepted length τ under the budget (tokens per pass)", col=1)
-    return _style(fig, "Closed-loop acceptance vs budget, mean and 95% interval over trees")
+    return _style(fig, "Closed-loop acceptance vs budget, mean and 95% interval over trees"
+                  if modes == {FIXED_MODE} else "Closed-loop acceptance vs mean experts loaded "
+                  "per layer, fixed and adaptive budgets, mean and 95% interval over trees")
 
 
 def load_balance(frame: pl.DataFrame) -> go.Figure:

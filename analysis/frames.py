@@ -428,8 +428,10 @@ def mode_headlines(frame: pl.DataFrame, hardware: str | None = None) -> pl.DataF
     mine = frame.filter(pl.col("hardware") == hardware)
     plain = mine.filter(pl.col("budget_mode") == "none (B = N)")
     rows = []
-    for (mode,), g in mine.filter(pl.col("budget_mode") != "none (B = N)").group_by(
-            ["budget_mode"], maintain_order=True):
+    budgeted = mine.filter(pl.col("budget_mode") != "none (B = N)")
+    for (mode,), g in budgeted.sort(pl.col("budget_mode") != replay_views.FIXED,
+                                    "budget_mode").group_by(["budget_mode"],
+                                                            maintain_order=True):
         ok = pl.concat([g.filter(pl.col("within_bound").fill_null(False)), plain])
         best = ok.sort(pl.col("speedup").round(3), "experts_loaded").row(-1, named=True)
         rows.append(dict(best, budget_mode=mode, at=best["budget_mode"],

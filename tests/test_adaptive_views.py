@@ -2,6 +2,9 @@
 load, and the frames, pages and report draw error and throughput against the mean experts
 loaded per layer, one curve per budget mode, never fixed and adaptive averaged together."""
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -183,8 +186,6 @@ def test_the_error_figure_draws_a_curve_per_mode_against_experts_loaded():
 
 
 def test_the_new_figures_say_what_they_draw():
-    import json
-
     from figcheck import problems
     con = connection(replay_open=open_rows(), replay_closed=closed_rows())
     curves = replay_views.error_vs_budget(con)
@@ -195,3 +196,53 @@ def test_the_new_figures_say_what_they_draw():
         assert not problems(json.loads(fig.to_json()))
     lines = {t.name for t in figures.speedup_vs_experts(speed, "t").data}
     assert lines == {"fixed", "adaptive:mass", "no budget (B = N)"}
+
+
+# --- end to end: a folder with fixed and adaptive replays -----------------------------------------
+@pytest.fixture(scope="module")
+def adaptive_traces(tmp_path_factory):
+    """tiny-olmoe, two prompts (``eval``) and a calibration run (``cal``): router open loop at
+    fixed B and adaptive B̄ (``mass``), closed loop both at B = 16."""
+    from moe_spec.capture import cli as capture_cli
+    from moe_spec.replay import cli as replay_cli
+    root = tmp_path_factory.mktemp("adaptive") / "traces"
+    cap = ["--model", "tiny-olmoe", "--bench", "mbpp", "--limit", "2", "--max-new-tokens", "8",
+           "--out", str(root), "--no-progress", "--threads", "1"]
+    assert capture_cli.main([*cap, "--run", "eval"]) == 0
+    assert capture_cli.main([*cap, "--run", "cal", "--offset", "100", "--role",
+                             "calibration"]) == 0
+    rep = ["--traces", str(root), "--run", "eval", "--ranking", "router", "--coverage",
+           "truncation", "--no-progress", "--threads", "1"]
+    adaptive = ["--budget-mode", "adaptive", "--calibration", "cal"]
+    assert replay_cli.main([*rep, "--budget", "8,16,32"]) == 0
+    assert replay_cli.main([*rep, "--budget", "8,16,32", *adaptive]) == 0
+    assert replay_cli.main([*rep, "--mode", "closed", "--budget", "16"]) == 0
+    assert replay_cli.main([*rep, "--mode", "closed", "--budget", "16", *adaptive]) == 0
+    return root
+
+
+@pytest.mark.slow
+def test_pages_and_report_draw_fixed_vs_adaptive(adaptive_traces, monkeypatch, tmp_path):
+    import sys
+
+    from streamlit.testing.v1 import AppTest
+
+    from moe_spec.analysis import report
+    from moe_spec.app.screens import PAGES
+    monkeypatch.setattr(sys, "argv", ["main.py", "--traces", str(adaptive_traces)])
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "main.py"),
+                           default_timeout=180)
+    at.run()
+    titles = {}
+    for name in ("replay", "speedup"):
+        at.switch_page(f"screens/{name}.py").run()
+        assert not at.exception, [e.message for e in at.exception]
+        titles[name] = [json.loads(c.proto.spec)["layout"]["title"]["text"]
+                        for c in at.get("plotly_chart")]
+        assert PAGES[name]
+    assert any("vs mean experts loaded per layer" in t for t in titles["replay"])
+    assert any("fixed vs adaptive" in t for t in titles["speedup"])
+    assert report.main(["--traces", str(adaptive_traces), "--out", str(tmp_path)]) == 0
+    page = next(tmp_path.glob("*.html")).read_text()
+    assert "Fixed vs adaptive budgets at matched quality" in page
+    assert "adaptive:mass" in page and "vs mean experts loaded per layer" in page
