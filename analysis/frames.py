@@ -920,7 +920,8 @@ def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,
 
         speedup_vs_eagle = [τ_B / (T_draft + T_verify(E_B))] / [τ / (T_draft + T_verify(U))]
 
-    with τ_B, E_B the budgeted run's accepted length and experts loaded per layer, τ, U the
+    with τ_B, E_B the budgeted run's accepted length and experts loaded per layer (each layer of
+    each pass its own load, :func:`cost.pass_time`: an adaptive budget's vary), τ, U the
     twin's accepted length and unique experts; T_verify from the roofline of ``shape`` on ``hw``,
     the budgeted run's charged its ranking's selection overhead (:meth:`cost.ModelShape.overhead`;
     the draft cost is the same on both sides and is left out). Quality: the budgeted run's mean
@@ -945,9 +946,17 @@ def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,
     own = pairs.join(trees, on="run")
     twin = trees.select(pl.col("run").alias("twin"), pl.col("tau").alias("twin_tau"),
                         pl.col("uniq").alias("twin_uniq"))
+    # each layer of each pass charged its own load (an adaptive budget's vary: cost.pass_time)
+    loads = con.sql("""
+        SELECT run, n, count(*) AS count FROM (SELECT run, unnest(experts_loaded) AS n
+        FROM trees WHERE model = ? AND bench = ?) WHERE n IS NOT NULL GROUP BY ALL""",
+                    params=[part, bench]).pl()
     rows = []
     for r in own.join(twin, on="twin").iter_rows(named=True):
-        t_b = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), r["loaded"],
+        mine = loads.filter(pl.col("run") == r["run"])
+        sample = np.repeat(mine["n"].to_numpy().astype(float), mine["count"].to_numpy()) \
+            if mine.height else r["loaded"]
+        t_b = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), sample,
                              overhead=shape.overhead(r["ranking"]))[0]  # sketch's surrogate
         t_0 = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), r["twin_uniq"])[0]
         rows.append(dict(r, speedup_vs_eagle=(r["tau"] / t_b) / (r["twin_tau"] / t_0),

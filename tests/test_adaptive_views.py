@@ -246,3 +246,24 @@ def test_pages_and_report_draw_fixed_vs_adaptive(adaptive_traces, monkeypatch, t
     page = next(tmp_path.glob("*.html")).read_text()
     assert "Fixed vs adaptive budgets at matched quality" in page
     assert "adaptive:mass" in page and "vs mean experts loaded per layer" in page
+
+
+def test_the_quality_frontier_charges_a_budgeted_run_its_loads_per_layer():
+    """An online adaptive capture loads 2 and 14 experts at alternate layers: its pass is priced
+    layer by layer, not at the mean 8 (the same numbers as cost.pass_time on those loads)."""
+    hw = cost.Hardware("compute-poor", 3.35e12, 150e12)  # a 2-expert layer is compute-bound
+    trees = pl.DataFrame(dict(
+        model=["m"] * 4, bench=["b"] * 4, run=["plain", "plain", "ad", "ad"],
+        budget=[None, None, 8, 8], ranking=[None, None, "router", "router"],
+        coverage=[None, None, "truncation", "truncation"], accepted_length=[4] * 4,
+        experts_loaded=[[12, 12]] * 2 + [[2, 14]] * 2, unique_experts=[[12, 12]] * 4,
+        prefix_len=[100] * 4, nodes=[63] * 4))
+    q = pl.DataFrame(dict(model=["m"], bench=["b"], run=["ad"], twin_run=["plain"], score=[0.5],
+                          twin_score=[0.5], exact_match=[True], metric=["pass@1"]))
+    shape = cost.ModelShape(2, 1024, 512, 16, 4, 8, 8, 128, 1000)
+    f = frames.frontier_frame(connection(trees=trees, quality=q), "m", "b", shape, hw)
+    per_layer = cost.pass_time(shape, hw, 63, 100, [2, 14])[0]
+    mean = cost.pass_time(shape, hw, 63, 100, 8)[0]
+    twin = cost.pass_time(shape, hw, 63, 100, 12)[0]
+    assert per_layer > mean  # the test means something: a spread costs more here
+    assert f["speedup_vs_eagle"][0] == pytest.approx(twin / per_layer)
