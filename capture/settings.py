@@ -284,5 +284,7 @@ class CaptureSettings:
         started, e.g. ``tiny-olmoe-mbpp-eagle-T0-20261201`` (``capture.naming.default_run``
         resumes a run of the same settings under its own name instead)."""
         kind = f"B{self.budget}-{self.ranking}-{self.coverage}" if self.budget else "eagle"
+        if self.budget and self.budget_mode != "fixed":
+            kind += f"-{self.budget_mode}"
         tail = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rsplit("/", 1)[-1]).strip(".-_")[:48]
         return f"{tail or 'model'}-{self.bench}-{kind}-T{self.temperature:g}-{day}"

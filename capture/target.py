@@ -30,9 +30,10 @@ from moe_spec.eagle.decoding import EagleDecoder, Generation
 from moe_spec.eagle.settings import TreeSettings
 from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.moe.recorder import VerifyRecorder
-from moe_spec.policy import coverage, index, rankings
+from moe_spec.policy import coverage, rankings
 from moe_spec.policy.budget import AdaptiveBudget, Budget
 from moe_spec.policy.calibration import CalibrationStats, calibrate
+from moe_spec.policy.index import ADAPTIVE
 from moe_spec.policy.prices import PriceRequest, prices_for
 
 
@@ -179,12 +180,13 @@ def make_budget(settings: CaptureSettings, adapter: MoEAdapter, out: Path, model
     if request is None:
         return Budget(settings.budget, ranking.fit(stats), cover)
     return AdaptiveBudget(settings.budget, ranking.fit(stats), cover,
-                          prices=prices_for(stats, settings.ranking, settings.coverage, request))
+                          prices=prices_for(stats, settings.ranking, settings.coverage,
+                                            request).for_layers(adapter.moe_layers))
 
 
 def price_request(settings: CaptureSettings) -> PriceRequest | None:
     """What ``--budget-mode adaptive`` asks of the calibration step: B̄'s price λ."""
-    if settings.budget_mode != index.ADAPTIVE:
+    if settings.budget_mode != ADAPTIVE:
         return None
     return PriceRequest(settings.gain_predictor or "mass", (settings.budget,),
                         (settings.coverage,), settings.pass_cap)

@@ -298,11 +298,12 @@ def coverage_help() -> str:
 FIXED = "fixed"  # the same B at every layer of every pass (and how rows stored before read)
 ADAPTIVE = "adaptive"  # the price rule of policy.adaptive, at a mean budget B̄
 CAP_SUFFIX = "+cap"  # with a hard cap on a pass's total
-# gain predictors of the adaptive mode (policy.adaptive.PREDICTORS, whose classes own them;
-# tests/test_adaptive_replay.py checks the two agree): name -> what it needs of a calibration
+# gain predictors of the adaptive mode by name, for the command lines without torch
+# (policy.adaptive.PREDICTORS owns them; tests/test_adaptive_replay.py checks the two agree)
 GAIN_PREDICTORS: dict[str, str] = {
-    "mass": "mass excluded by the ranking's shortlists on the calibration run",
-    "calibrated": "mass excluded and the true error curves on the calibration run",
+    "mass": "the router mass share of the ranking's next expert",
+    "calibrated": "that mass scaled per layer and budget to the error on the calibration run "
+                  "(every expert's output computed there)",
 }
 
 

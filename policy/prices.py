@@ -14,7 +14,7 @@ mean B there is B̄ (:func:`policy.adaptive.calibrate_price`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import numpy as np
@@ -70,6 +70,19 @@ class Prices:
     def budgets(self) -> list[int]:
         """Every budget a layer may get, ``B_min .. B_max``: the shortlists ranked per layer."""
         return list(range(self.b_min, self.b_max + 1))
+
+    def for_layers(self, layers: list[int]) -> Prices:
+        """These prices for passes through MoE ``layers`` (what a replay scores, or every MoE
+        layer of the model online): the cap's L and the layer order are theirs. Refused in one
+        line when the predictor cannot predict at one of them (``calibrated`` learned ratios
+        only for the calibration's stored layers)."""
+        probe = torch.zeros(1, len(layers), len(self.budgets), dtype=torch.float64)
+        try:
+            self.predictor.gains(probe, torch.tensor(list(layers)))
+        except ValueError as exc:
+            raise CalibrationError(f"the {self.predictor.name} gain predictor: {exc}; capture "
+                                   "the calibration with --store-layers all") from None
+        return replace(self, layers=list(layers))
 
     def cap(self, mean: int) -> int | None:
         return None if self.pass_cap is None else round(self.pass_cap * mean * len(self.layers))
@@ -149,7 +162,8 @@ def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object
     (:func:`policy.adaptive.calibrate_price`; with a cap, over its complete passes, each layer
     in order). Rankings are asked as at run time: one tree-layer at a time, without the state a
     stateful ranking would carry across passes."""
-    from moe_spec.policy import coverage as coverages, rankings
+    from moe_spec.policy import coverage as coverages
+    from moe_spec.policy import rankings
     ranked = rankings.get(ranking)().fit(stats)
     cover = coverages.get(coverage)
     b_min = index.min_budget(coverage, model.top_k)

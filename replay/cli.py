@@ -28,8 +28,7 @@ replay --mode closed --ranking router --budget 16,32,48 --threads 4
 replay --mode closed --ranking router sqmass --budget 16,32 --batch-size 8   # one shortlist per pass
 replay --config sweep.toml --output summary.csv     # every summary row (.json, .csv, .parquet)
 replay --ranking router --budget 4,8,16 --budget-mode adaptive --calibration cal   # mean budgets B̄
-replay --mode closed --ranking router --budget 8 --budget-mode adaptive --gain-predictor mass \
-       --pass-cap 1.25 --calibration cal            # a pass's total ≤ 1.25·B̄·L
+replay --mode closed --ranking router --budget 8 --budget-mode adaptive --pass-cap 1.25 --calibration cal
 """
 
 
@@ -422,8 +421,14 @@ def compute(args, planned: Planned, coverages) -> Computed:
     console.threads.apply(args.threads)  # torch's pools
     from moe_spec.moe import models
     from moe_spec.moe.adapter import MoEAdapter
-    from moe_spec.replay.run import (ReplayError, ReplayRequest, calibration_stats, parse_budgets,
-                                     price_request, replay)
+    from moe_spec.replay.run import (
+        ReplayError,
+        ReplayRequest,
+        calibration_stats,
+        parse_budgets,
+        price_request,
+        replay,
+    )
     models.quiet_transformers()
     catalog, runs, layers = planned.catalog, planned.runs, planned.layers
     model = runs[0].model
@@ -551,6 +556,11 @@ def print_outcome(args, planned: Planned, done: Computed, coverages):
             continue
         print("\n".join(summary_lines(mine, request.mode, [run], list(args.ranking),
                                        list(coverages))))
+    adaptive = frame is not None and request.budget_mode != index.FIXED
+    if adaptive and "experts_loaded" in frame.columns:  # the achieved mean, held out
+        for row in frame.sort("ranking", "coverage", "budget").to_dicts():
+            print(f"{row['ranking']}, {row['coverage']}, B̄ {row['budget']}: mean experts loaded "
+                  f"{row['experts_loaded']:.3f} per tree-layer")
     variants = sorted({plan.variant_text(u.unit) for u in outcome.units})
     if variants:
         print("variants: " + "; ".join(variants))

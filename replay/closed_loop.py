@@ -55,9 +55,9 @@ from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.moe.recorder import VerifyRecorder
 from moe_spec.policy import index
 from moe_spec.policy.budget import AdaptiveBudget, Budget, BudgetGroups
-from moe_spec.policy.prices import Prices
 from moe_spec.policy.calibration import CalibrationStats
 from moe_spec.policy.coverage import Coverage
+from moe_spec.policy.prices import Prices
 from moe_spec.policy.rankings import Ranking
 
 TREES_PER_FORWARD = 32  # a pass is re-verified under several (ranking, budget) cells at once:

@@ -28,8 +28,8 @@ from moe_spec.catalog.results import Block, UnitResults
 from moe_spec.catalog.runs import Run
 from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.policy import index
-from moe_spec.policy.prices import Prices
 from moe_spec.policy.coverage import Coverage
+from moe_spec.policy.prices import Prices
 from moe_spec.policy.rankings import Ranking
 from moe_spec.replay import open_loop
 from moe_spec.replay.open_loop import Slice, Stream

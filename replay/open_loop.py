@@ -28,8 +28,8 @@ from moe_spec.catalog.reader import PromptTreeLayers
 from moe_spec.errors import UserError
 from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch, combine, pair_index
-from moe_spec.policy.prices import Prices, excluded_mass
 from moe_spec.policy.coverage import Coverage, experts_used
+from moe_spec.policy.prices import Prices, excluded_mass
 from moe_spec.policy.rankings import Ranking
 from moe_spec.policy.rankings.base import batch_shortlists
 

@@ -256,12 +256,24 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
             task = mode.task(unit, block, cls, cover, stats)
             if prices is not None:  # adaptive: budgets are means B̄, each with its price λ
                 task.budget_mode = request.budget_mode
-                task.prices = prices_for(stats, unit_plan.ranking, unit_plan.coverage, prices)
+                task.prices = prices_for(stats, unit_plan.ranking, unit_plan.coverage,
+                                         prices).for_layers(run_plan.layers)
             tasks.append(task)
         if todo:
             outcome.notes += new_variant_notes(planned.out, run_plan.run, unit, cls,
                                                planned.calibration)
+            if prices is not None:
+                outcome.notes.append(price_note(unit_plan, tasks[-1].prices))
     return tasks
+
+
+def price_note(unit_plan, prices) -> str:
+    """One line: the calibrated price λ of each mean budget and the mean B the rule gave on the
+    calibration run itself (the held-out mean is the rows' ``experts_loaded``)."""
+    cells = ", ".join(f"B̄ {m}: λ {prices.prices[m]:.4g} (mean {prices.achieved[m]:.2f})"
+                      for m in sorted(prices.prices) if m in unit_plan.budgets)
+    return (f"{unit_plan.ranking}, {unit_plan.coverage}: price per mean budget, calibrated on "
+            f"the calibration run: {cells}")
 
 
 def check_starts(unit: UnitResults, cls, stats) -> None:
