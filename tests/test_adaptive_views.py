@@ -267,3 +267,11 @@ def test_the_quality_frontier_charges_a_budgeted_run_its_loads_per_layer():
     twin = cost.pass_time(shape, hw, 63, 100, 12)[0]
     assert per_layer > mean  # the test means something: a spread costs more here
     assert f["speedup_vs_eagle"][0] == pytest.approx(twin / per_layer)
+
+
+def test_the_comparison_of_runs_reads_fixed_budgets_only():
+    from moe_spec.analysis import compare
+    rows = open_rows().with_columns(calibration=pl.lit(None, pl.String))
+    found = compare.errors(connection(replay_open=rows))
+    router = found.filter(pl.col("ranking") == "router").sort("budget")
+    assert router["rse"].to_list() == pytest.approx([0.3, 0.15])  # never the adaptive rows
