@@ -16,7 +16,7 @@ import json
 import plotly.graph_objects as go
 import polars as pl
 
-from moe_spec.analysis import figures, routing
+from moe_spec.analysis import figures, replay_views, routing
 from moe_spec.analysis.sql import views
 from moe_spec.catalog import CatalogError, Run
 
@@ -82,14 +82,16 @@ def coverage(con) -> pl.DataFrame:
 
 
 def errors(con) -> pl.DataFrame:
-    """Open-loop mean RSE per run × ranking × coverage × budget, with each curve's variant's
-    calibration (the default views: one variant per curve)."""
+    """Open-loop mean RSE per run × ranking × coverage × fixed budget, with each curve's
+    variant's calibration (the default views: one variant per curve); adaptive budgets, whose
+    B̄ is no B, are left out (never averaged with a fixed B)."""
     if "replay_open" not in views(con):
         return pl.DataFrame()
-    return con.sql("""
+    fixed = f"{replay_views.budget_mode(con, 'replay_open')} = '{replay_views.FIXED}'"
+    return con.sql(f"""
         SELECT run, ranking, coverage, budget, avg(rse) AS rse, count(*) AS tree_layers,
                string_agg(DISTINCT coalesce(calibration, 'none'), ', ') AS calibration
-        FROM replay_open GROUP BY ALL ORDER BY ALL""").pl()
+        FROM replay_open WHERE {fixed} GROUP BY ALL ORDER BY ALL""").pl()
 
 
 def run_colors(runs: list[str]) -> dict[str, str]:

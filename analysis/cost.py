@@ -16,6 +16,12 @@ layer and M times its FLOPs per token to every MoE layer of a verification pass
     T_verify(B) = Σ_ℓ max(bytes_ℓ(B) / BW, flops_ℓ / peak),   B = experts loaded per layer
     speedup(B)  = τ(B) · T_AR / (T_draft + T_verify(B))        (DESIGN.md)
 
+A budget that varies between MoE layers (adaptive budgets, issue 63) is charged each layer's own
+load n_ℓ: ``T_verify = Σ_ℓ max(bytes_ℓ(n_ℓ) / BW, flops_ℓ / peak)`` (:func:`pass_time` given the
+loads, or a sample of them: :func:`layer_weights`). As ``max`` of an affine and a constant is
+convex in n, a spread of loads costs at least the mean load (Jensen), more where some layers
+are compute-bound; a constant allocation costs exactly what one B does.
+
 with ``T_AR`` the same model for M = 1 (k experts per layer). Datasheet peaks come from
 :data:`PROFILES`; ``calibrate`` fits ``T ≈ α·T_mem + β·T_flop + γ`` to measured (verify seconds,
 experts loaded, tokens) with non-negative coefficients under a robust (soft-L1) loss, after
@@ -159,32 +165,54 @@ class ModelShape:
                 2 * batch_size * tokens * self.vocab * self.hidden)
 
 
+def layer_weights(experts_loaded, moe_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """(loads, weights): the distinct per-layer loads of ``experts_loaded`` and how many of a
+    pass's ``moe_layers`` MoE layers each stands for. ``experts_loaded`` is one number (every
+    MoE layer loads it: weight ``moe_layers``), the loads ``n_ℓ`` of a pass's MoE layers, or any
+    sample of per-layer loads (open loop: one per tree-layer; closed loop: a tree's list per
+    layer, pooled): each of its S values weighs ``moe_layers / S``, so that
+
+        Σ_ℓ t(n_ℓ)  ≈  moe_layers · mean_i t(n_i)     (exact for one pass's L loads; the
+                                                        expected pass time for a sample that
+                                                        holds every layer equally often)"""
+    values = np.asarray(experts_loaded, dtype=float).ravel()
+    if values.size == 0 or not np.isfinite(values).all():
+        raise ValueError("experts loaded per layer: need at least one finite value")
+    loads, counts = np.unique(values, return_counts=True)
+    return loads, counts * (moe_layers / values.size)
+
+
 def pass_time(shape: ModelShape, hw: Hardware, tokens: int, prefix: int,
-              experts_loaded: float, batch_size: int = 1, overhead: Overhead = NONE
+              experts_loaded, batch_size: int = 1, overhead: Overhead = NONE
               ) -> tuple[float, float, float]:
     """(roofline time, memory-only time, compute-only time) of one forward of ``batch_size``
     sequences with ``tokens`` new tokens each, seconds; ``overhead``: the selection's, on every
-    MoE layer (:meth:`ModelShape.overhead`)."""
+    MoE layer (:meth:`ModelShape.overhead`). ``experts_loaded``: one number (every MoE layer
+    loads it) or per-layer loads n_ℓ (:func:`layer_weights`), each layer charged its own:
+
+        roof = Σ_ℓ max(bytes(n_ℓ) / BW, flops / peak) + dense layers + head"""
     moe_layers = shape.layers - shape.dense_layers
-    terms = [(moe_layers, *shape.layer_terms(tokens, prefix, experts_loaded, batch_size,
-                                             overhead)),
-             (shape.dense_layers, *shape.dense_layer_terms(tokens, prefix, batch_size)),
-             (1, *shape.head_terms(tokens, batch_size))]
+    loads, weights = layer_weights(experts_loaded, moe_layers)
+    terms = [(w, *shape.layer_terms(tokens, prefix, float(n), batch_size, overhead))
+             for n, w in zip(loads, weights)]
+    terms += [(shape.dense_layers, *shape.dense_layer_terms(tokens, prefix, batch_size)),
+              (1, *shape.head_terms(tokens, batch_size))]
     mem = sum(n * b / hw.bandwidth for n, b, _ in terms)
     comp = sum(n * f / hw.peak_flops for n, _, f in terms)
     roof = sum(n * max(b / hw.bandwidth, f / hw.peak_flops) for n, b, f in terms)
     return roof, mem, comp
 
 
-def projected_speedup(shape: ModelShape, hw: Hardware, tau: float, experts_loaded: float,
+def projected_speedup(shape: ModelShape, hw: Hardware, tau: float, experts_loaded,
                       tree_tokens: int, prefix: int, draft_seconds: float,
                       calibration: "Calibration | None" = None,
                       overhead: Overhead = NONE) -> float:
     """``τ(B) · T_AR / (T_draft + T_verify(B))``, T from the roofline of ``shape`` on ``hw``, or,
     with a ``calibration`` fitted on ``hw``'s datasheet terms, ``T = α·T_mem + β·T_flop + γ``
     (the device the calibration's timings came from). The selection's ``overhead`` is charged
-    to the verification pass (the autoregressive pass selects nothing)."""
-    def seconds(tokens: int, experts: float, extra: Overhead = NONE) -> float:
+    to the verification pass (the autoregressive pass selects nothing). ``experts_loaded``: one
+    number or per-layer loads (:func:`pass_time`)."""
+    def seconds(tokens: int, experts, extra: Overhead = NONE) -> float:
         roof, mem, comp = pass_time(shape, hw, tokens, prefix, experts, overhead=extra)
         return roof if calibration is None else float(calibration.predict(mem, comp))
     return tau * seconds(1, shape.top_k) / (

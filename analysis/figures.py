@@ -13,6 +13,8 @@ import numpy as np
 import plotly.graph_objects as go
 import polars as pl
 
+from moe_spec.policy import index  # torch-free: the budget modes
+
 NOISE_FLOOR = 1e-9  # RSE below this is float rounding, not an error
 HEIGHT = 420
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
@@ -353,6 +355,110 @@ def error_vs_budget(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
     return _style(fig, "Reconstruction error (RSE) vs expert budget, mean and 95% interval")
 
 
+FIXED_MODE = index.FIXED  # the budget mode of one B at every layer (the others: adaptive)
+MODE_DASHES = ["dash", "dot", "dashdot", "longdash", "longdashdot"]  # adaptive modes; fixed: solid
+EXPERTS_AXIS = "mean experts loaded per layer"
+
+
+def _mode_curves(frame: pl.DataFrame, coverage: str):
+    """(key (ranking, mode), rows, name, color, dash) of each curve of a frame with
+    ``budget_mode`` under ``coverage``: a colour per curve (the same in every panel), a solid
+    line for the fixed budget and a dash per adaptive mode; a mode is never averaged with
+    another."""
+    modes = sorted(set(frame["budget_mode"]), key=lambda m: (m != FIXED_MODE, m))
+    pairs = [(ranking, mode) for ranking in sorted(set(frame["ranking"])) for mode in modes]
+    for i, (ranking, mode) in enumerate(pairs):
+        g = frame.filter((pl.col("ranking") == ranking) & (pl.col("budget_mode") == mode)
+                         & (pl.col("coverage") == coverage))
+        if g.height:
+            dash = "solid" if mode == FIXED_MODE else MODE_DASHES[
+                (modes.index(mode) - (FIXED_MODE in modes)) % len(MODE_DASHES)]
+            yield ((ranking, mode), g.sort("experts_loaded"), f"{ranking} · {mode}",
+                   COLORS[i % len(COLORS)], dash)
+
+
+def error_vs_experts(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
+    """Mean RSE against the mean experts loaded per tree-layer (the bytes a budget costs), one
+    curve per ranking × budget mode (fixed: solid; each adaptive mode dashed), one panel per
+    coverage, 95% interval bands over tree-layers; the fixed-B oracle's curve, the bound of
+    every fixed budget, drawn black. Rows: :func:`analysis.replay_views.error_vs_budget`."""
+    from plotly.subplots import make_subplots
+    covs = sorted(set(curves["coverage"]))
+    fig = make_subplots(rows=1, cols=len(covs), shared_yaxes=True,
+                        subplot_titles=[NAMES.get(c, c) for c in covs])
+    for col, cov in enumerate(covs, start=1):
+        for (ranking, mode), g, name, color, dash in _mode_curves(curves, cov):
+            bound = ranking == "oracle" and mode == FIXED_MODE
+            clip = lambda c: np.maximum(g[c].to_numpy(), NOISE_FLOOR)  # noqa: E731
+            lo = clip("rse_lo") if "rse_lo" in g.columns else clip("rse")
+            hi = clip("rse_hi") if "rse_hi" in g.columns else clip("rse")
+            x, y = g["experts_loaded"].to_numpy(), clip("rse")
+            fig.add_scatter(x=np.r_[x, x[::-1]], y=np.r_[hi, lo[::-1]], fill="toself",
+                            fillcolor=color, opacity=0.12, line=dict(width=0),
+                            hoverinfo="skip", showlegend=False, row=1, col=col)
+            fig.add_scatter(x=x, y=y, mode="lines+markers",
+                            name="fixed-B oracle (bound)" if bound else name,
+                            line=dict(color="black" if bound else color, dash=dash,
+                                      width=3 if bound else 2),
+                            customdata=g["budget"], legendgroup=name, showlegend=col == 1,
+                            hovertemplate=f"{name}: B = %{{customdata}} → %{{x:.2f}} experts, "
+                                          "RSE %{y:.3g}<extra></extra>", row=1, col=col)
+    fig.update_yaxes(type="log", exponentformat="power", title_text="RSE (log; floor 1e-9)",
+                     col=1)
+    fig.update_yaxes(type="log", exponentformat="power")
+    fig.update_xaxes(title_text=f"{EXPERTS_AXIS} (of {n})" if n else EXPERTS_AXIS)
+    fig = _style(fig, "Reconstruction error vs mean experts loaded per layer, fixed and "
+                      "adaptive budgets")
+    return _note(fig, "x: mean of experts_loaded over tree-layers (bytes actually loaded), the "
+                      "same for fixed and adaptive; a point is a budget B (fixed) or a mean B̄ "
+                      "asked (adaptive).<br>Solid: fixed B; dashed: an adaptive mode; black: "
+                      "the fixed-B oracle, the bound of fixed budgets. Bands: 95% over "
+                      "tree-layers.")
+
+
+def speedup_vs_experts(frame: pl.DataFrame, title: str, note: str | None = None) -> go.Figure:
+    """Projected speedup against the mean experts loaded per layer on the target, one line per
+    budget mode (:func:`analysis.frames.mode_speedup_frame`, one hardware profile: the frame's
+    first), the unbudgeted pass a star; filled marker: within the quality bound, open: outside
+    it or unmeasured; bars: 95% interval from τ."""
+    hw = frame["hardware"][0]
+    mine = frame.filter(pl.col("hardware") == hw)
+    fig = go.Figure()
+    plain = mine.filter(pl.col("budget_mode") == "none (B = N)")
+    modes = sorted(set(mine["budget_mode"]) - {"none (B = N)"},
+                   key=lambda m: (m != FIXED_MODE, m))
+    for i, mode in enumerate(modes):
+        g = mine.filter(pl.col("budget_mode") == mode).sort("experts_loaded")
+        ok = g["within_bound"].fill_null(False).to_list()
+        color = COLORS[i % len(COLORS)]
+        fig.add_scatter(
+            x=g["experts_loaded"], y=g["speedup"], mode="lines+markers", name=mode,
+            line=dict(color=color, dash="solid" if mode == FIXED_MODE else
+                      MODE_DASHES[(i - (FIXED_MODE in modes)) % len(MODE_DASHES)]),
+            marker=dict(size=9, color=color,
+                        symbol=["circle" if o else "circle-open" for o in ok]),
+            error_y=dict(type="data", symmetric=False, thickness=1,
+                         array=(g["speedup_high"] - g["speedup"]).fill_nan(None).to_list(),
+                         arrayminus=(g["speedup"] - g["speedup_low"]).fill_nan(None).to_list()),
+            customdata=np.c_[g["budget"], g["tau"], g["quality"], g["experts_p10"],
+                             g["experts_p90"]],
+            hovertemplate="B̄ = %{customdata[0]}: %{x:.2f} experts per layer (p10–p90 "
+                          "%{customdata[3]:.1f}–%{customdata[4]:.1f}) → %{y:.2f}×<br>τ "
+                          "%{customdata[1]:.2f}<br>%{customdata[2]}<extra>" + mode + "</extra>")
+    if plain.height:
+        fig.add_scatter(x=plain["experts_loaded"], y=plain["speedup"], mode="markers",
+                        name="no budget (B = N)", marker=dict(symbol="star", size=13,
+                                                              color="black"))
+    fig.add_hline(y=1.0, line_dash="dash", line_color="gray", annotation_text="1× (no gain)",
+                  annotation_position="bottom left")
+    r = mine.row(0, named=True)
+    fig.update_xaxes(title=f"{EXPERTS_AXIS} on the target (of {r['target_experts']}, "
+                           f"top-{r['target_top_k']})")
+    fig.update_yaxes(title="projected speedup over AR (×)")
+    fig = _style(fig, f"{title} ({hw})")
+    return _note(fig, note) if note else fig
+
+
 def oracle_gap(gap: pl.DataFrame) -> go.Figure:
     """Share of experts the oracle saves at the router's error. A value the sweep cannot pin
     down is labelled, never drawn as a number: "beyond the sweep" (the oracle never reaches the
@@ -388,25 +494,40 @@ def oracle_gap(gap: pl.DataFrame) -> go.Figure:
 
 
 def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
+    """Accepted length under the budget per ranking, one panel per coverage; against B where
+    every row is a fixed budget, else one curve per ranking × budget mode against the mean
+    experts loaded per layer (:func:`_mode_curves`)."""
     from plotly.subplots import make_subplots
     covs = sorted(set(frame["coverage"]))
     fig = make_subplots(rows=1, cols=len(covs), shared_yaxes=True,
                         subplot_titles=[NAMES.get(c, c) for c in covs])
+    modes = set(frame["budget_mode"]) if "budget_mode" in frame.columns else {FIXED_MODE}
     for col, cov in enumerate(covs, start=1):
         sub = frame.filter(pl.col("coverage") == cov)
-        for i, (ranking, g) in enumerate(sub.sort("budget").group_by(
-                ["ranking"], maintain_order=True)):
-            lo = g["tau_lo"] if "tau_lo" in g.columns else g["tau"]
-            hi = g["tau_hi"] if "tau_hi" in g.columns else g["tau"]
-            _band(fig, g["budget"], g["tau"], lo, hi, ranking[0], COLORS[i % len(COLORS)],
-                  row=1, col=col, legendgroup=ranking[0], showlegend=col == 1)
+        if modes != {FIXED_MODE}:
+            for _, g, name, color, dash in _mode_curves(frame, cov):
+                _band(fig, g["experts_loaded"], g["tau"], g["tau_lo"], g["tau_hi"], name,
+                      color, row=1, col=col, legendgroup=name, showlegend=col == 1)
+                fig.data[-1].line.dash = dash
+        else:
+            for i, (ranking, g) in enumerate(sub.sort("budget").group_by(
+                    ["ranking"], maintain_order=True)):
+                lo = g["tau_lo"] if "tau_lo" in g.columns else g["tau"]
+                hi = g["tau_hi"] if "tau_hi" in g.columns else g["tau"]
+                _band(fig, g["budget"], g["tau"], lo, hi, ranking[0], COLORS[i % len(COLORS)],
+                      row=1, col=col, legendgroup=ranking[0], showlegend=col == 1)
         captured = float(sub["tau_captured"].mean())
         fig.add_hline(y=captured, line_dash="dash", line_color="black", row=1, col=col,
                       annotation_text=f"captured τ {captured:.2f}")
-    fig.update_xaxes(title_text=f"budget B (experts of {n})" if n else "budget B")
-    integer_axis(fig, frame["budget"])
+    if modes != {FIXED_MODE}:
+        fig.update_xaxes(title_text=f"{EXPERTS_AXIS} (of {n})" if n else EXPERTS_AXIS)
+    else:
+        fig.update_xaxes(title_text=f"budget B (experts of {n})" if n else "budget B")
+        integer_axis(fig, frame["budget"])
     fig.update_yaxes(title_text="accepted length τ under the budget (tokens per pass)", col=1)
-    return _style(fig, "Closed-loop acceptance vs budget, mean and 95% interval over trees")
+    return _style(fig, "Closed-loop acceptance vs budget, mean and 95% interval over trees"
+                  if modes == {FIXED_MODE} else "Closed-loop acceptance vs mean experts loaded "
+                  "per layer, fixed and adaptive budgets, mean and 95% interval over trees")
 
 
 def load_balance(frame: pl.DataFrame) -> go.Figure:

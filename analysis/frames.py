@@ -142,9 +142,10 @@ def missing_replay(con, model: str, bench: str, ranking: str, coverage: str | No
 def routing_statistics(con, model: str, bench: str, run: str | None = None,
                        ranking: str = "router", coverage: str | None = None) -> dict | None:
     """What a capture says about routing, independent of the model's size: unique experts per
-    layer per tree (as a share of N), tree size, prefix length, and τ under each budget from
-    closed-loop replay (``ranking``, substitution unless ``coverage``) of the *same* trees, with
-    the captured τ of those trees for B = N. ``quality`` holds, per budget, what the budget
+    layer per tree (as a share of N), tree size, prefix length, and τ under each fixed budget
+    (adaptive ones: :func:`mode_speedup_frame`) from closed-loop replay (``ranking``,
+    substitution unless ``coverage``) of the *same* trees, with the captured τ of those trees
+    for B = N. ``quality`` holds, per budget, what the budget
     costs: closed-loop ``path_unchanged`` (share of trees whose accepted path survives) and
     ``kl`` (mean KL per node), and open-loop ``rse`` (mean RSE of ``ranking``, ``coverage``, or
     substitution where replayed, else truncation); ``quality_source`` says which of them exist
@@ -171,8 +172,10 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None,
                  missing=missing_replay(con, model, bench, ranking, coverage))
     present = views(con)
     if "replay_open" in present:
+        fixed = f"{replay_views.budget_mode(con, 'replay_open')} = '{replay_views.FIXED}'"
         rows = con.execute(f"""SELECT coverage, budget, avg(rse) FROM replay_open WHERE {where}
-                               AND ranking = ? GROUP BY ALL""", [*params, ranking]).fetchall()
+                               AND ranking = ? AND {fixed} GROUP BY ALL""",
+                           [*params, ranking]).fetchall()
         by = {c: {int(b): r for cc, b, r in rows if cc == c} for c in {r[0] for r in rows}}
         rse = by.get(coverage) if coverage else (by.get("substitution") or by.get("truncation"))
         for b, r in (rse or {}).items():
@@ -189,7 +192,8 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None,
                                avg(accepted_length - captured_accepted_length),
                                stddev_samp(accepted_length - captured_accepted_length)
                                FROM replay_closed WHERE {where} AND ranking = ?
-                               AND coverage = ? GROUP BY budget""",
+                               AND coverage = ? AND {replay_views.budget_mode(con, 'replay_closed')}
+                               = '{replay_views.FIXED}' GROUP BY budget""",
                            [*params, ranking, cover]).fetchall()
         if rows:
             stats["taus"] = {int(b): t for b, t, *_ in rows}
@@ -284,6 +288,185 @@ def speedup_frame(stats: dict, target: cost.ModelShape, hardware: list[cost.Hard
     return pl.DataFrame(rows, schema_overrides=dict(path_unchanged=pl.Float64, kl=pl.Float64,
                                                     rse=pl.Float64, within_bound=pl.Boolean,
                                                     coverage=pl.String, missing=pl.String))
+
+
+def mode_loads(con, model: str, bench: str, ranking: str, coverage: str) -> pl.DataFrame:
+    """(budget_mode, budget, experts_loaded, count): how many of one ranking's replayed
+    tree-layers loaded each number of experts, per budget mode and budget (B̄ for an adaptive
+    mode): open loop's rows (one per tree-layer) where replayed, else closed loop's lists (one
+    entry per MoE layer of a tree)."""
+    part = partition_value(model)
+    present = views(con)
+    for table, loads in (("replay_open", "experts_loaded"),
+                         ("replay_closed", "unnest(experts_loaded)")):
+        if table not in present:
+            continue
+        found = con.sql(f"""
+            SELECT mode AS budget_mode, budget, n AS experts_loaded, count(*) AS count FROM (
+              SELECT {replay_views.budget_mode(con, table)} AS mode, budget, {loads} AS n
+              FROM {table} WHERE model = ? AND bench = ? AND ranking = ? AND coverage = ?)
+            GROUP BY ALL ORDER BY ALL""", params=[part, bench, ranking, coverage]).pl()
+        if found.height:
+            return found
+    return pl.DataFrame(schema=dict(budget_mode=pl.String, budget=pl.Int64,
+                                    experts_loaded=pl.Int64, count=pl.Int64))
+
+
+def adaptive_curves(con, model: str, bench: str) -> list[tuple[str, str]]:
+    """(ranking, coverage) of every curve of a dataset replayed under an adaptive budget mode
+    (open or closed loop), router first: what the report draws fixed vs adaptive for."""
+    part = partition_value(model)
+    found = set()
+    for table in ("replay_open", "replay_closed"):
+        if table in views(con):
+            found |= set(con.execute(f"""
+                SELECT DISTINCT ranking, coverage FROM {table} WHERE model = ? AND bench = ?
+                AND {replay_views.budget_mode(con, table)} != '{replay_views.FIXED}'""",
+                [part, bench]).fetchall())
+    return sorted(found, key=lambda rc: (rc[0] != "router", rc))
+
+
+def mode_quality(con, model: str, bench: str, ranking: str, coverage: str) -> dict:
+    """(budget_mode, budget) -> what the budget costs and τ under it: open loop's mean ``rse``,
+    closed loop's ``tau`` (its 95% interval ``tau_ci``, Student t over trees),
+    ``path_unchanged`` and ``kl``, each where replayed."""
+    part = partition_value(model)
+    present = views(con)
+    out: dict[tuple[str, int], dict] = {}
+    args = [part, bench, ranking, coverage]
+    where = "model = ? AND bench = ? AND ranking = ? AND coverage = ?"
+    if "replay_open" in present:
+        for mode, b, rse in con.execute(f"""
+                SELECT {replay_views.budget_mode(con, 'replay_open')}, budget, avg(rse)
+                FROM replay_open WHERE {where} GROUP BY ALL""", args).fetchall():
+            out.setdefault((mode, int(b)), {})["rse"] = rse
+    if "replay_closed" in present:
+        for mode, b, tau, sd, n, path, kl in con.execute(f"""
+                SELECT {replay_views.budget_mode(con, 'replay_closed')}, budget,
+                       avg(accepted_length), stddev_samp(accepted_length), count(*),
+                       avg(path_unchanged::DOUBLE), avg(mean_kl)
+                FROM replay_closed WHERE {where} GROUP BY ALL""", args).fetchall():
+            out.setdefault((mode, int(b)), {}).update(
+                tau=tau, tau_ci=t_interval(tau, sd, n), path_unchanged=path, kl=kl)
+    return out
+
+
+def mode_speedup_frame(con, model: str, bench: str, stats: dict, target: cost.ModelShape,
+                       hardware: list[cost.Hardware], depth: int = 7) -> pl.DataFrame:
+    """Projected speedup against the mean experts loaded per layer, fixed and adaptive budgets
+    alike (issue 63), for the ranking and coverage of ``stats`` (:func:`routing_statistics`):
+    one row per budget mode × budget (B, or the mean B̄ an adaptive mode asked) × hardware, and
+    the unbudgeted pass (``budget_mode`` "none (B = N)").
+
+        n_t          = n · N_t / N            (each replayed tree-layer's load n, by share of N)
+        T_verify     = Σ_ℓ max(bytes(n_ℓ) / BW, flops / peak)   (cost.pass_time on the loads'
+                                                                  distribution: each layer its own)
+        speedup      = τ · T_AR / (T_draft + T_verify)          (cost.projected_speedup)
+
+    ``experts_loaded``: the mean of n_t (the x axis), ``experts_p10``/``experts_p90`` its
+    spread; τ from closed-loop replay of the same mode and budget where replayed (interval from
+    its trees), else the unbudgeted τ (the rows say so in ``tau_source``). Quality and the bound
+    as :func:`speedup_frame` (``within_bound``, ``quality``), per mode: a mode replayed closed
+    loop is judged by the share of unchanged paths (a budget closed loop did not replay: not
+    measured), one replayed open loop only by its mean RSE (``judged_by``: "closed", "open")."""
+    ranking, coverage = stats.get("ranking", "router"), stats.get("coverage")
+    loads = mode_loads(con, model, bench, ranking, coverage) if coverage else None
+    n_c, n_t, k_t = stats["num_experts"], target.num_experts, target.top_k
+    quality = mode_quality(con, model, bench, ranking, coverage) if coverage else {}
+    points = []  # (mode, budget, loads on the target, τ, τ interval, τ source, quality)
+    for (mode, budget), g in (loads.group_by(["budget_mode", "budget"], maintain_order=True)
+                              if loads is not None and loads.height else []):
+        sample = np.repeat(g["experts_loaded"].to_numpy().astype(float) * n_t / n_c,
+                           g["count"].to_numpy())
+        q = quality.get((mode, int(budget)), {})
+        closed = q.get("tau") is not None
+        points.append((mode, int(budget), sample, q["tau"] if closed else stats["tau"],
+                       q["tau_ci"] if closed else stats["tau_ci"],
+                       "closed-loop replay" if closed else "unbudgeted capture", q))
+    points.append(("none (B = N)", n_c, np.array([stats["unique"] * n_t / n_c]), stats["tau"],
+                   stats["tau_ci"], stats["tau_source"], {}))
+    hidden, inter, vocab = target.hidden, 4 * target.hidden, 32000
+    rows = []
+    for hw in hardware:
+        t_draft = draft_seconds(hidden, inter, vocab, depth, hw, target.bytes_per_param)
+        for mode, budget, sample, tau, (lo, hi), source, q in points:
+            speed = cost.projected_speedup(target, hw, tau, sample, stats["nodes"],
+                                           int(stats["prefix"]), t_draft)
+            _, mem, comp = cost.pass_time(target, hw, stats["nodes"], int(stats["prefix"]),
+                                          sample)
+            unbudgeted = mode == "none (B = N)"
+            rows.append(dict(
+                ranking=ranking, coverage=coverage, hardware=hw.name, budget_mode=mode,
+                budget=budget, captured_budget=n_c if unbudgeted else budget, num_experts=n_c,
+                target_experts=n_t, target_top_k=k_t, experts_loaded=float(sample.mean()),
+                experts_p10=float(np.percentile(sample, 10)),
+                experts_p90=float(np.percentile(sample, 90)), tau=tau, tau_source=source,
+                path_unchanged=q.get("path_unchanged"), kl=q.get("kl"), rse=q.get("rse"),
+                speedup=speed, speedup_low=speed * lo / tau, speedup_high=speed * hi / tau,
+                bound="memory" if mem >= comp else "compute"))
+    closed = {mode for (mode, _), q in quality.items() if q.get("tau") is not None}
+    for r in rows:
+        # a mode replayed closed loop is judged by the path at the budgets closed loop measured
+        # (elsewhere: not measured), as :func:`speedup_frame` is; one replayed open loop only,
+        # by its RSE (``judged_by`` says which)
+        r.update(quality=quality_text(r), within_bound=within_bound(r),
+                 judged_by="closed" if r["budget_mode"] in closed else "open")
+        if r["judged_by"] == "closed" and r["path_unchanged"] is None \
+                and r["captured_budget"] != n_c:
+            r["within_bound"] = None
+    return pl.DataFrame(rows, schema_overrides=dict(path_unchanged=pl.Float64, kl=pl.Float64,
+                                                    rse=pl.Float64, within_bound=pl.Boolean,
+                                                    coverage=pl.String))
+
+
+def mode_headlines(frame: pl.DataFrame, hardware: str | None = None) -> pl.DataFrame:
+    """Per budget mode of a :func:`mode_speedup_frame`, on ``hardware`` (default: the frame's
+    first): the fastest budget within the quality bound (:func:`within_bound`; the unbudgeted
+    pass, always within, when none is faster), the same matched-quality rule as
+    :func:`headline`, never a budget outside it."""
+    hardware = hardware or frame["hardware"][0]
+    mine = frame.filter(pl.col("hardware") == hardware)
+    plain = mine.filter(pl.col("budget_mode") == "none (B = N)")
+    rows = []
+    budgeted = mine.filter(pl.col("budget_mode") != "none (B = N)")
+    for (mode,), g in budgeted.sort(pl.col("budget_mode") != replay_views.FIXED,
+                                    "budget_mode").group_by(["budget_mode"],
+                                                            maintain_order=True):
+        ok = pl.concat([g.filter(pl.col("within_bound").fill_null(False)), plain])
+        best = ok.sort(pl.col("speedup").round(3), "experts_loaded").row(-1, named=True)
+        rows.append(dict(best, budget_mode=mode, at=best["budget_mode"],
+                         judged_by=g["judged_by"][0]))
+    return pl.DataFrame(rows) if rows else pl.DataFrame()
+
+
+MODE_SPEEDUP_NOTE = (
+    "x: the mean of the experts each replayed tree-layer loaded (open loop), mapped by share of "
+    "N onto the target; each MoE layer is charged its own load (Σ_ℓ max(memory, compute)).<br>"
+    "τ from closed loop of the same mode and budget where replayed, else the unbudgeted τ; bars: "
+    "95% CI from τ. Filled: within the bound the mode is judged by<br>(closed-loop path "
+    f"unchanged ≥ {PATH_BOUND:.0%} where the mode was replayed closed loop, at those budgets; "
+    f"else open-loop RSE ≤ {RSE_BOUND:g}); open: outside it or not measured.")
+
+
+def mode_headline_rows(frame: pl.DataFrame, hardware: str | None = None) -> list[dict]:
+    """:func:`mode_headlines` as shown (the Speedup page's table and the report's): per budget
+    mode, its fastest budget within the bound it is judged by, the mean and p10–p90 of experts
+    loaded per layer there, τ, the quality and the speedup beside its interval."""
+    judged = {"closed": f"closed-loop path unchanged ≥ {PATH_BOUND:.0%}",
+              "open": f"open-loop RSE ≤ {RSE_BOUND:g}"}
+    out = []
+    for r in mode_headlines(frame, hardware).iter_rows(named=True):
+        letter = "B" if r["budget_mode"] == replay_views.FIXED else "B̄"
+        out.append({
+            "budget mode": r["budget_mode"], "judged by": judged[r["judged_by"]],
+            "fastest within the bound": "no budget (B = N)" if r["at"] == "none (B = N)"
+            else f"{letter} = {r['budget']}",
+            "mean experts per layer (p10–p90)":
+                f"{r['experts_loaded']:.1f} ({r['experts_p10']:.1f}–{r['experts_p90']:.1f})",
+            "τ": f"{r['tau']:.2f} ({r['tau_source']})", "quality there": r["quality"],
+            f"speedup on {r['hardware']} (95% CI from τ)":
+                f"{r['speedup']:.2f}× ({speedup_interval(r)})"})
+    return out
 
 
 MATCHED_QUALITY = (f"matched quality: the ranking's mean open-loop RSE at the budget ≤ "
@@ -743,7 +926,8 @@ def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,
 
         speedup_vs_eagle = [τ_B / (T_draft + T_verify(E_B))] / [τ / (T_draft + T_verify(U))]
 
-    with τ_B, E_B the budgeted run's accepted length and experts loaded per layer, τ, U the
+    with τ_B, E_B the budgeted run's accepted length and experts loaded per layer (each layer of
+    each pass its own load, :func:`cost.pass_time`: an adaptive budget's vary), τ, U the
     twin's accepted length and unique experts; T_verify from the roofline of ``shape`` on ``hw``,
     the budgeted run's charged its ranking's selection overhead (:meth:`cost.ModelShape.overhead`;
     the draft cost is the same on both sides and is left out). Quality: the budgeted run's mean
@@ -768,9 +952,17 @@ def frontier_frame(con, model: str, bench: str, shape: cost.ModelShape,
     own = pairs.join(trees, on="run")
     twin = trees.select(pl.col("run").alias("twin"), pl.col("tau").alias("twin_tau"),
                         pl.col("uniq").alias("twin_uniq"))
+    # each layer of each pass charged its own load (an adaptive budget's vary: cost.pass_time)
+    loads = con.sql("""
+        SELECT run, n, count(*) AS count FROM (SELECT run, unnest(experts_loaded) AS n
+        FROM trees WHERE model = ? AND bench = ?) WHERE n IS NOT NULL GROUP BY ALL""",
+                    params=[part, bench]).pl()
     rows = []
     for r in own.join(twin, on="twin").iter_rows(named=True):
-        t_b = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), r["loaded"],
+        mine = loads.filter(pl.col("run") == r["run"])
+        sample = np.repeat(mine["n"].to_numpy().astype(float), mine["count"].to_numpy()) \
+            if mine.height else r["loaded"]
+        t_b = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), sample,
                              overhead=shape.overhead(r["ranking"]))[0]  # sketch's surrogate
         t_0 = cost.pass_time(shape, hw, int(r["nodes"]), int(r["prefix"]), r["twin_uniq"])[0]
         rows.append(dict(r, speedup_vs_eagle=(r["tau"] / t_b) / (r["twin_tau"] / t_0),

@@ -31,23 +31,41 @@ from moe_spec.catalog import replay_metrics
 from moe_spec.catalog.replay_metrics import BATCH_TABLE, CLOSED_TABLE, OPEN_TABLE, TABLES
 from moe_spec.policy import index  # torch-free: the rankings' table (tests/test_layering.py)
 
+FIXED = index.FIXED  # the budget mode of a fixed B (and of rows stored before the column)
+
+
+def budget_mode(con: duckdb.DuckDBPyConnection, table: str) -> str:
+    """SQL of a replay view's budget mode (``fixed``, ``adaptive:<predictor>[+cap]``): a curve
+    of its own wherever budgets are drawn, never averaged with another mode; ``fixed`` where a
+    row has none (stored before adaptive budgets)."""
+    columns = {r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()}
+    return f"coalesce(budget_mode, '{FIXED}')" if "budget_mode" in columns else f"'{FIXED}'"
+
+
+def fixed_only(curves: pl.DataFrame) -> pl.DataFrame:
+    """The fixed-budget rows of a frame (all of them where it has no ``budget_mode``)."""
+    return curves.filter(pl.col("budget_mode") == FIXED) if "budget_mode" in curves.columns \
+        else curves
+
 
 def curves(con: duckdb.DuckDBPyConnection, table: str, by: str = "model, bench"
            ) -> pl.DataFrame:
-    """Per ranking × coverage × budget of a replay table's default view: its metrics' means as
-    its record declares them (:mod:`catalog.replay_metrics`: intervals where a metric asks),
-    and the rows counted (the record's ``counted``: tree-layers, trees, …)."""
+    """Per ranking × coverage × budget mode × budget (B, or the mean B̄ asked of an adaptive
+    mode) of a replay table's default view: its metrics' means as its record declares them
+    (:mod:`catalog.replay_metrics`: intervals where a metric asks; ``experts_loaded``, the mean
+    experts loaded), and the rows counted (the record's ``counted``: tree-layers, trees, …).
+    Each budget mode is a curve of its own (:func:`budget_mode`)."""
     record = TABLES[table]
     return con.sql(f"""
-        SELECT {by}, ranking, coverage, budget, {replay_metrics.view_select(table)},
-               count(*) AS {record.counted}
+        SELECT {by}, ranking, coverage, {budget_mode(con, record.name)} AS budget_mode, budget,
+               {replay_metrics.view_select(table)}, count(*) AS {record.counted}
         FROM {record.name} GROUP BY ALL ORDER BY ALL
     """).pl()
 
 
 def error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
-    """Per ranking × coverage × budget: the open-loop metrics' means (RSE with its interval),
-    and the tree-layers counted (:func:`curves` of ``replay_open``)."""
+    """Per ranking × coverage × budget mode × budget: the open-loop metrics' means (RSE with its
+    interval), and the tree-layers counted (:func:`curves` of ``replay_open``)."""
     return curves(con, OPEN_TABLE, by)
 
 
@@ -60,12 +78,14 @@ def batch_error_vs_budget(con: duckdb.DuckDBPyConnection, by: str = "model, benc
     select = replay_metrics.view_select(BATCH_TABLE)
     parts = [f"""SELECT {by}, batch_size, ranking, coverage, budget, {select},
                         count(*) AS pass_layers, avg(trees) AS trees
-                 FROM {BATCH_TABLE} GROUP BY ALL"""]
+                 FROM {BATCH_TABLE} WHERE {budget_mode(con, BATCH_TABLE)} = '{FIXED}'
+                 GROUP BY ALL"""]
     if OPEN_TABLE in present:
         parts.append(f"""SELECT {by}, 1 AS batch_size, ranking, coverage, budget,
                                 {replay_metrics.view_select(OPEN_TABLE)},
                                 count(*) AS pass_layers, 1.0 AS trees
-                         FROM {OPEN_TABLE} GROUP BY ALL""")
+                         FROM {OPEN_TABLE} WHERE {budget_mode(con, OPEN_TABLE)} = '{FIXED}'
+                         GROUP BY ALL""")
     return con.sql(" UNION ALL BY NAME ".join(parts) + " ORDER BY ALL").pl()
 
 
@@ -96,9 +116,9 @@ def sweep_position(budgets, rse, target: float) -> str:
 
 def matched_error(curves: pl.DataFrame, reference: str = "router") -> pl.DataFrame:
     """For every reference budget B: the budget each ranking needs for the reference's RSE, and
-    where on that ranking's sweep it lies (:func:`sweep_position`)."""
+    where on that ranking's sweep it lies (:func:`sweep_position`); fixed budgets only."""
     rows = []
-    for (coverage,), frame in curves.group_by(["coverage"], maintain_order=True):
+    for (coverage,), frame in fixed_only(curves).group_by(["coverage"], maintain_order=True):
         ref = frame.filter(pl.col("ranking") == reference).sort("budget")
         for b, target in zip(ref["budget"], ref["rse"]):
             for (ranking,), cur in frame.group_by(["ranking"], maintain_order=True):
@@ -128,6 +148,7 @@ ABLATION = index.ablation_ladder()  # the rankings with an ablation step, in ord
 def ablation(curves: pl.DataFrame) -> pl.DataFrame:
     """Gap closed by each ablation step present (one column each), per coverage × budget, from
     :func:`error_vs_budget` rows of one dataset; empty without router and oracle."""
+    curves = fixed_only(curves)
     steps = [s for s in ABLATION if s in set(curves["ranking"])]
     if not {"router", "oracle"} <= set(curves["ranking"]) or not steps:
         return pl.DataFrame()
@@ -139,8 +160,8 @@ def ablation(curves: pl.DataFrame) -> pl.DataFrame:
 
 
 def closed_loop(con: duckdb.DuckDBPyConnection, by: str = "model, bench") -> pl.DataFrame:
-    """Per ranking × coverage × budget: the closed-loop metrics' means (τ with its interval),
-    and the trees counted (:func:`curves` of ``replay_closed``)."""
+    """Per ranking × coverage × budget mode × budget: the closed-loop metrics' means (τ with its
+    interval), and the trees counted (:func:`curves` of ``replay_closed``)."""
     return curves(con, CLOSED_TABLE, by)
 
 
@@ -332,7 +353,8 @@ def experts_saved(con: duckdb.DuckDBPyConnection, table: str = OPEN_TABLE,
         f"sum({c}::DOUBLE) AS {m}_sum, count({c}) AS {m}_n"
         for m in metrics for c in [_metric_column(table, m).name])
     totals = con.sql(f"""SELECT model, bench, run, prompt_index, ranking, coverage, budget, {sums}
-                         FROM {table} GROUP BY ALL""").pl()
+                         FROM {table} WHERE {budget_mode(con, table)} = '{FIXED}'
+                         GROUP BY ALL""").pl()  # fixed budgets: B is the experts a layer gets
     return experts_saved_frame(totals, metrics, TABLES[table].loop, resamples=resamples, seed=seed)
 
 

@@ -27,6 +27,8 @@ from markupsafe import Markup
 from moe_spec import console
 from moe_spec.analysis import coactivation, cost, figures, replay_views, summaries
 from moe_spec.analysis.frames import (
+    MODE_SPEEDUP_NOTE,
+    adaptive_curves,
     all_frames,
     batch_fit,
     batch_projection,
@@ -35,6 +37,8 @@ from moe_spec.analysis.frames import (
     frontier_frame,
     headline,
     mapping_note,
+    mode_headline_rows,
+    mode_speedup_frame,
     model_shape,
     real_target,
     real_targets,
@@ -46,11 +50,11 @@ from moe_spec.analysis.frames import (
 )
 from moe_spec.analysis.sql import DEFAULT_VARIANT_RULE, connect, views
 from moe_spec.catalog import Catalog, atomic, dataset_version, location, partition_value, schema
-from moe_spec.catalog.runs import add_legacy_argument, allow_legacy
 from moe_spec.catalog.replay_metrics import gap_closed
+from moe_spec.catalog.runs import add_legacy_argument, allow_legacy
 from moe_spec.errors import UserError, fail
-from moe_spec.policy import index
 from moe_spec.moe import shapes
+from moe_spec.policy import index
 
 
 def routing_figures(con, frames: dict, model: str, bench: str, manifest: dict) -> list:
@@ -110,8 +114,12 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
     figs = routing_figures(con, frames, model, bench, manifest)
     if "errors" in frames and pick("errors").height:
         curves = pick("errors")
-        figs.append(figures.error_vs_budget(curves, n))
-        if {"oracle", "router"} <= set(curves["ranking"]):
+        fixed = replay_views.fixed_only(curves)
+        if fixed.height:
+            figs.append(figures.error_vs_budget(fixed, n))
+        if set(curves["budget_mode"]) != {replay_views.FIXED}:
+            figs.append(figures.error_vs_experts(curves, n))
+        if {"oracle", "router"} <= set(fixed["ranking"]):
             figs.append(figures.oracle_gap(replay_views.oracle_gap(curves)))
     if "closed" in frames and pick("closed").height:
         figs.append(figures.closed_loop(pick("closed"), n))
@@ -127,6 +135,7 @@ def dataset_figures(con, frames: dict, model: str, bench: str, manifest: dict,
             figs.append(figures.speedup(sp, f"Projected speedup on {name} "
                                             f"(τ from {stats['tau_source']})", speedup_note(sp),
                                         headline(sp)["row"]["budget"]))
+    figs += [fig for fig, *_ in adaptive_projections(con, model, bench, manifest)]
     fitted = calibration_frame(con, model, bench, manifest)
     if fitted is not None and fitted[1].usable:  # an unusable fit is reported in words only
         frame, cal = fitted
@@ -206,7 +215,7 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
            ("verification trees", f"{row[2]} in {row[3]} run(s)")]
     curves = frames.get("errors")
     if curves is not None:
-        c = curves.filter((pl.col("model") == part) & (pl.col("bench") == bench))
+        c = replay_views.fixed_only(curves).filter((pl.col("model") == part) & (pl.col("bench") == bench))
         mid = sorted(set(c["budget"]))[len(set(c["budget"])) // 2] if c.height else -1
         head = headline_ranking(set(c["ranking"]))
         pick = {r: c.filter((pl.col("ranking") == r) & (pl.col("budget") == mid)
@@ -228,6 +237,44 @@ def key_numbers(con, frames: dict, model: str, bench: str, runs: list) -> list[t
         out.append((f"best projected speedup over AR on H100 ({where}) within the quality "
                     f"bound: {top['bound']}", value + (f"; {top['note']}" if top["note"] else "")))
     return out
+
+
+def adaptive_projections(con, model: str, bench: str, manifest: dict) -> list:
+    """(figure, per-mode headline rows, target name) of each ranking × coverage replayed under an adaptive
+    budget: projected speedup on H100 against the mean experts loaded per layer, fixed vs
+    adaptive (:func:`analysis.frames.mode_speedup_frame`), on the family's real checkpoint (the
+    captured shape when there is none)."""
+    shape = model_shape(manifest["model_location"])
+    if shape is None:
+        return []
+    real = real_target(manifest, model)
+    where, target = (real[0], real[1]) if real else ("the captured shape", shape)
+    hw = cost.PROFILES["H100-SXM"]
+    out = []
+    for ranking, coverage in adaptive_curves(con, model, bench):
+        stats = routing_statistics(con, model, bench, ranking=ranking, coverage=coverage)
+        if stats is None:
+            continue
+        frame = mode_speedup_frame(con, model, bench, stats, target, [hw],
+                                   manifest.get("settings", {}).get("depth", 7))
+        fig = figures.speedup_vs_experts(
+            frame, f"Projected speedup on {where}, {ranking} ({coverage}): fixed vs adaptive",
+            MODE_SPEEDUP_NOTE)
+        out.append((fig, [dict(ranking=ranking, coverage=coverage, **r)
+                          for r in mode_headline_rows(frame)], where))
+    return out
+
+
+def adaptive_table(con, model: str, bench: str, manifest: dict) -> dict | None:
+    """Per ranking × coverage × budget mode, the fastest budget within the quality bound on
+    H100 and its mean experts per layer (fixed vs adaptive, :func:`adaptive_projections`), as a
+    table for the template (or None without adaptive results)."""
+    found = adaptive_projections(con, model, bench, manifest)
+    rows = [r for _, mine, _ in found for r in mine]
+    if not rows:
+        return None
+    return dict(where=found[0][2], table=Table(list(rows[0]), [list(r.values()) for r in rows],
+                                               frozenset({len(rows[0]) - 1})))
 
 
 def headline_ranking(replayed: set[str]) -> str:
@@ -490,14 +537,16 @@ def write_report(traces: Path, out: Path, roles: tuple[str, ...] = ("evaluation"
                         routing_figures(con, frames, model, bench, run.manifest)]
                 figs.append(ids_part["figure"])
                 numbers = ids_part["numbers"]
-                extra = dict(projection=None, calibration=None, ablation=None, saved=None)
+                extra = dict(projection=None, calibration=None, ablation=None, saved=None,
+                             adaptive=None)
             else:
                 ids_part = None
                 figs = dataset_figures(con, frames, model, bench, run.manifest, traces)
                 numbers = key_numbers(con, frames, model, bench, mine)
                 extra = dict(**projection_section(con, model, bench, run.manifest),
                              ablation=ablation_table(frames, model, bench),
-                             saved=experts_saved_table(frames, model, bench, run.manifest))
+                             saved=experts_saved_table(frames, model, bench, run.manifest),
+                             adaptive=adaptive_table(con, model, bench, run.manifest))
             html = template().render(
                 variants=variants_note(con, variants),
                 model=model if len(settings) == 1 else

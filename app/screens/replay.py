@@ -51,9 +51,13 @@ def draw() -> None:
         rank = views.url_multiselect("Rankings", sorted(set(curves["ranking"])), "replay_rank",
                                      "ranking")
         curves = curves.filter(pl.col("ranking").is_in(rank))
-        if curves.height:
-            st.plotly_chart(figures.error_vs_budget(curves, n), width="stretch")
-            if {"oracle", "router"} <= set(curves["ranking"]):
+        fixed = replay_views.fixed_only(curves)
+        if fixed.height:
+            st.plotly_chart(figures.error_vs_budget(fixed, n), width="stretch")
+        if curves.height and set(curves["budget_mode"]) != {replay_views.FIXED}:
+            _fixed_vs_adaptive(curves, n)
+        if fixed.height:
+            if {"oracle", "router"} <= set(fixed["ranking"]):
                 gap = replay_views.oracle_gap(curves)
                 st.plotly_chart(figures.oracle_gap(gap), width="stretch")  # notes its labels
             steps = replay_views.ablation(curves)
@@ -79,6 +83,17 @@ def draw() -> None:
         st.dataframe(table, hide_index=True,
                      column_config={c: st.column_config.NumberColumn(c, format="percent")
                                     for c in ("saved", "saved_lo", "saved_hi", *nets)})
+
+
+def _fixed_vs_adaptive(curves: pl.DataFrame, n: int) -> None:
+    """Error against the mean experts loaded per layer, a curve per budget mode (never two modes
+    averaged), and per adaptive mode the mean budget asked beside the mean loaded."""
+    st.subheader("Fixed vs adaptive budgets at the same mean experts per layer")
+    st.plotly_chart(figures.error_vs_experts(curves, n), width="stretch")
+    st.dataframe(curves.filter(pl.col("budget_mode") != replay_views.FIXED).select(
+        "ranking", "coverage", "budget_mode", pl.col("budget").alias("mean budget asked B̄"),
+        pl.col("experts_loaded").alias("mean experts loaded"), "rse", "tree_layers"
+    ).sort("ranking", "coverage", "budget_mode", "mean budget asked B̄"), hide_index=True)
 
 
 if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)

@@ -9,11 +9,14 @@ import streamlit as st
 from moe_spec.analysis import cost, figures
 from moe_spec.analysis.frames import (
     MATCHED_QUALITY,
+    MODE_SPEEDUP_NOTE,
     calibration_frame,
     efficiency_frame,
     frontier_frame,
     frontier_table,
     headline,
+    mode_headline_rows,
+    mode_speedup_frame,
     model_shape,
     real_targets,
     replayed_rankings,
@@ -71,6 +74,7 @@ def draw() -> None:
     _best(frame, top, stats, target_name, model, len(hardware),
           carried_over=not on_captured and target != captured)
     _at_budget(frame, top, target_name)
+    _fixed_vs_adaptive(page, con, stats, target_name, target, hardware, run["depth"])
     _frontier(page, con, target_name, target, hardware, run["depth"])
     quality_frontier(page.ds, page.roles, model, bench, target, hardware[0])
     _efficiency(page.ds.root, model)
@@ -244,6 +248,32 @@ def _at_budget(frame: pl.DataFrame, top: dict, target_name: str) -> None:
     st.caption("Intervals: 95% Student-t of τ over the replayed trees (closed loop's τ(B) where "
                "replayed, else the unbudgeted τ), carried through the cost model, which is "
                "taken as exact.")
+
+
+def _fixed_vs_adaptive(page: views.Page, con, stats: dict, target_name: str, target,
+                       hardware: list, depth: int) -> None:
+    """Projected speedup against the mean experts loaded per layer, a line per budget mode
+    (fixed and each adaptive), and each mode's fastest budget within the quality bound."""
+    st.subheader("Fixed vs adaptive budgets: throughput against mean experts per layer")
+    if stats.get("coverage") is None:
+        st.caption("Appears once this ranking is replayed on this dataset.")
+        return
+    frame = mode_speedup_frame(con, page.model, page.bench, stats, target, hardware, depth)
+    modes = set(frame["budget_mode"]) - {"none (B = N)"}
+    if not modes - {"fixed"}:
+        st.caption(f"Only fixed budgets of {stats['ranking']} ({stats['coverage']}) are "
+                   "replayed here: `replay --budget-mode adaptive …` adds adaptive ones, drawn "
+                   "here against the same mean experts per layer.")
+        return
+    st.plotly_chart(figures.speedup_vs_experts(
+        frame, f"Projected speedup on {target_name}, {stats['ranking']} ({stats['coverage']}): "
+               "fixed vs adaptive", MODE_SPEEDUP_NOTE), width="stretch")
+    st.dataframe(pl.DataFrame(mode_headline_rows(frame, hardware[0].name)), hide_index=True,
+                 width="stretch")
+    st.caption(f"Per budget mode, on {hardware[0].name}: its fastest budget within the quality "
+               "bound it is judged by (closed-loop path where that mode was replayed closed "
+               "loop, else open-loop RSE), the rule of the headline above; B = N when none is "
+               "faster.")
 
 
 def _efficiency(root, model: str) -> None:
