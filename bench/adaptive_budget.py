@@ -48,10 +48,11 @@ from pipeline import capture, loaded_model, replay_runs, results_frame  # noqa: 
 from moe_spec.console import threads  # noqa: E402
 from moe_spec.policy import adaptive, index  # noqa: E402
 
-VERSION = 1  # of the --output layout
+VERSION = 2  # of the --output layout (2: x_* experts loaded, frontier, savings)
 MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
 COVERAGES = ("truncation", "substitution")
 BLOCK = "adaptive budgets"
+TREE_TOKENS = 63  # tree tokens per verification pass at the real shapes (capture's default)
 
 
 def default_means(k: int, top: int) -> list[int]:
@@ -60,11 +61,16 @@ def default_means(k: int, top: int) -> list[int]:
     return sorted({*range(k, last + 1, 2), last} & set(range(k, last + 1)))
 
 
+CURVE_METRICS = ("rse", "experts_loaded", *dict.fromkeys(
+    r for p in adaptive.PREDICTORS.values() for r in p.reads))  # what a cell reads per budget
+
+
 def curves(df: pl.DataFrame, run: str, ranking: str, coverage: str, b_min: int, b_max: int
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(rse, mass_excluded) [P, L, S+1]`` of one run's passes (prompt, step) × MoE layers ×
-    budgets ``b_min .. b_max``, and the layers ``[L]``, from stored replay rows; refuses a grid
-    with a hole (a pass without some layer or budget)."""
+           ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``{metric: [P, L, S+1]}`` of one run's passes (prompt, step) × MoE layers × budgets
+    ``b_min .. b_max`` for :data:`CURVE_METRICS` (rse, experts loaded and what the predictors
+    read; a null, e.g. ``predicted_rse`` where no surrogate ran, is NaN), and the layers ``[L]``,
+    from stored replay rows; refuses a grid with a hole (a pass without some layer or budget)."""
     rows = df.filter((pl.col("run") == run) & (pl.col("ranking") == ranking)
                      & (pl.col("coverage") == coverage)
                      & pl.col("budget").is_between(b_min, b_max)).sort(
@@ -77,9 +83,10 @@ def curves(df: pl.DataFrame, run: str, ranking: str, coverage: str, b_min: int, 
                          f"replay rows, not {passes} passes × {len(layers)} layers × {width} "
                          "budgets; replay them again")
     shape = (passes, len(layers), width)
-    rse = torch.from_numpy(rows["rse"].to_numpy().astype("float64")).view(shape)
-    mass = torch.from_numpy(rows["mass_excluded"].to_numpy().astype("float64")).view(shape)
-    return rse, mass, torch.tensor(layers)
+    found = {m: torch.from_numpy(rows[m].cast(pl.Float64).fill_null(float("nan")).to_numpy()
+                                 .copy()).view(shape)
+             for m in CURVE_METRICS if m in rows.columns}
+    return found, torch.tensor(layers)
 
 
 def spread(budgets: torch.Tensor) -> dict:
@@ -101,15 +108,29 @@ def nonconvex_share(rse: torch.Tensor) -> float:
 def evaluate(cal: dict, ev: dict, ranking: str, means: list[int], b_min: int, predictor: str,
              pass_cap: float | None) -> list[dict]:
     """The cells of one ranking and policy: ``cal`` and ``ev`` map ``ranking`` and ``oracle``
-    to :func:`curves` of the calibration and the evaluation run."""
-    rse_c, mass_c, layers = cal[ranking]
-    rse_e, mass_e, layers_e = ev[ranking]
+    to :func:`curves` of the calibration and the evaluation run (the oracle's calibration curves
+    are not read). Every cell also carries the mean experts loaded per tree-layer (``x_*``: the
+    frontier's x axis, bytes actually loaded) of each allocation."""
+    found_c, layers = cal[ranking]
+    found_e, layers_e = ev[ranking]
     if not torch.equal(layers, layers_e):
         raise SystemExit("adaptive_budget.py: the calibration and evaluation runs' layers differ")
-    pred = adaptive.predictor(predictor).fit(mass_c, rse_c, layers)
-    gains_c, gains_e = pred.gains(mass_c, layers), pred.gains(mass_e, layers)
-    oracle = ev["oracle"][0]
+    rse_c, rse_e = found_c["rse"], found_e["rse"]
+    pred = adaptive.predictor(predictor)
+    if any(r not in found_c or r not in found_e or bool(torch.isnan(found_c[r]).all())
+           for r in pred.reads if r != adaptive.PREDICTED):
+        return []
+    if adaptive.PREDICTED in pred.reads and not (
+            adaptive.PREDICTED in found_e and bool((~torch.isnan(found_e[adaptive.PREDICTED]))
+                                                   .any())):
+        return []  # no surrogate ran for this ranking: the predictor has nothing of its own
+    pred.fit(found_c, rse_c, layers)
+    gains_c, gains_e = pred.gains(found_c, layers), pred.gains(found_e, layers)
+    oracle, oracle_loaded = ev["oracle"][0]["rse"], ev["oracle"][0]["experts_loaded"]
+    loaded = found_e["experts_loaded"]
     count = len(layers)
+    share = (float((~torch.isnan(found_e[adaptive.PREDICTED][..., 0])).double().mean())
+             if adaptive.PREDICTED in found_e else 0.0)
     out = []
     for mean in means:
         cap = None if pass_cap is None else round(pass_cap * mean * count)
@@ -119,17 +140,80 @@ def evaluate(cal: dict, ev: dict, ranking: str, means: list[int], b_min: int, pr
         own = adaptive.best_budgets(rse_e, mean * count, b_min)
         best = adaptive.best_budgets(oracle, mean * count, b_min)
         greedy = adaptive.hindsight_budgets(adaptive.gains_of(oracle), mean * count, b_min)
+        at = lambda c, b: float(adaptive.errors_at(c, b, b_min).mean())  # noqa: E731
+        fixed = torch.full_like(chosen, mean)
         out.append(dict(
             ranking=ranking, predictor=predictor, mean_budget=mean, pass_cap=cap, price=price,
-            fixed=float(rse_e[..., mean - b_min].mean()),
-            adaptive=float(adaptive.errors_at(rse_e, chosen, b_min).mean()),
-            hindsight=float(adaptive.errors_at(rse_e, own, b_min).mean()),
-            oracle_fixed=float(oracle[..., mean - b_min].mean()),
-            oracle_adaptive=float(adaptive.errors_at(oracle, best, b_min).mean()),
-            oracle_adaptive_greedy=float(adaptive.errors_at(oracle, greedy, b_min).mean()),
+            fixed=at(rse_e, fixed), adaptive=at(rse_e, chosen), hindsight=at(rse_e, own),
+            oracle_fixed=at(oracle, fixed), oracle_adaptive=at(oracle, best),
+            oracle_adaptive_greedy=at(oracle, greedy),
+            x_fixed=at(loaded, fixed), x_adaptive=at(loaded, chosen),
+            x_oracle_fixed=at(oracle_loaded, fixed), x_oracle_adaptive=at(oracle_loaded, best),
+            surrogate_share=share,
             calibration_mean=float(on_cal.double().mean()), **spread(chosen),
             passes=int(chosen.shape[0]), tree_layers=int(chosen.numel())))
     return out
+
+
+SAVERS = ("fixed", "adaptive", "oracle_fixed", "oracle_adaptive")  # what matched error compares
+
+
+def needed(points: list[tuple[float, float]], target: float) -> tuple[float | None, bool]:
+    """Mean experts per layer a curve needs to reach error ``target``: ``points`` (x = mean
+    experts loaded, e = mean rse) sorted by x, the error made non-increasing (running minimum),
+    linearly interpolated between the last point above the target and the first at or below it.
+    ``(x, False)``; ``(x₀, True)`` where the first point is already at or below the target (x₀ is
+    then an upper bound of what it needs); ``(None, False)`` where the curve never reaches it."""
+    pts = sorted(points)
+    best, run = [], float("inf")
+    for x, e in pts:
+        run = min(run, e)
+        best.append((x, run))
+    if not best or best[-1][1] > target:
+        return None, False
+    if best[0][1] <= target:
+        return best[0][0], True
+    for (x0, e0), (x1, e1) in zip(best, best[1:]):
+        if e1 <= target < e0:
+            return x0 + (x1 - x0) * (e0 - target) / (e0 - e1), False
+    return None, False  # (unreachable: the last point is at or below the target)
+
+
+def matched_savings(cells: list[dict], router: list[dict], target_budget: int) -> dict:
+    """Experts saved at matched error vs router (the rule): the target is the router's fixed
+    error at B = ``target_budget``, reached with ``x_r`` experts loaded per layer; each of
+    :data:`SAVERS` needs ``x`` (:func:`needed` on its curve over the cells' B̄), saving
+    ``1 − x / x_r``; ``bound`` marks a saving that is a lower bound (its curve starts below the
+    target)."""
+    at = [c for c in router if c["mean_budget"] == target_budget]
+    if not at:
+        return {}
+    target, x_r = at[0]["fixed"], at[0]["x_fixed"]
+    out = dict(target_budget=target_budget, target_rse=target, router_experts=x_r)
+    for name in SAVERS:
+        x, bound = needed([(c[f"x_{name}"], c[name]) for c in cells], target)
+        out[name] = None if x is None else 1 - x / x_r
+        out[f"{name}_bound"] = bound
+    return out
+
+
+def pass_time_worth(model: str, k: int, saving: float, router_experts: float,
+                    tokens: int, prefix: int = 1024) -> dict:
+    """What a saving is worth in verification-pass time at the family's real shape on H200
+    (:func:`analysis.cost.pass_time`): router's experts per layer at the tiny model,
+    ``router_experts``, scaled to the real k (``× k_real / k``), against ``(1 − saving)`` of it,
+    for a pass of ``tokens`` tree tokens after ``prefix`` cached ones."""
+    from moe_spec.analysis import cost, frames
+    from moe_spec.moe.shapes import REAL_SHAPES
+    real = REAL_SHAPES.get(model.removeprefix("tiny-"))
+    if real is None:
+        return {}
+    shape = frames.real_targets()[real.checkpoint]
+    hw = cost.PROFILES["H200"]
+    base = router_experts * shape.top_k / k
+    t0 = cost.pass_time(shape, hw, tokens, prefix, base)[0]
+    t1 = cost.pass_time(shape, hw, tokens, prefix, base * (1 - saving))[0]
+    return dict(checkpoint=real.checkpoint, experts=base, ms=1e3 * t0, saved=1 - t1 / t0)
 
 
 def study(root: Path, model: str, args) -> dict:
@@ -153,26 +237,52 @@ def study(root: Path, model: str, args) -> dict:
     rankings = tuple(dict.fromkeys([*args.rankings, "oracle"]))
     out = root / "results" / "adaptive"
     both = dict(coverages=COVERAGES, budgets=f"1:{b_max}", out=out, bench=args.bench)
-    replay_runs(root, model, [ev_run, cal_run], **both,
-                rankings=tuple(r for r in rankings if r not in calibrated))
+    plain = tuple(r for r in args.rankings if r not in calibrated)
+    # the oracle on the evaluation run only: nothing reads its calibration curves
+    replay_runs(root, model, [ev_run], **both, rankings=("oracle",))
+    if plain:
+        replay_runs(root, model, [ev_run, cal_run], **both, rankings=plain)
     if calibrated:
         replay_runs(root, model, [ev_run, cal_run], **both, rankings=calibrated,
                     calibration=(stats_run,))
     df = results_frame(out, model=model, bench=args.bench)
-    cells, nonconvex = [], {}
+    cells, frontier, savings, nonconvex = [], [], [], {}
     for cov in COVERAGES:
         b_min = index.min_budget(cov, k)
-        cal = {r: curves(df, cal_run, r, cov, b_min, b_max) for r in rankings}
+        grid = list(range(b_min, max(means) + 1))  # every B̄: the curves matched error reads
+        cal = {r: curves(df, cal_run, r, cov, b_min, b_max) for r in args.rankings}
         ev = {r: curves(df, ev_run, r, cov, b_min, b_max) for r in rankings}
-        nonconvex[cov] = nonconvex_share(ev["oracle"][0])
+        nonconvex[cov] = nonconvex_share(ev["oracle"][0]["rse"])
+        router = None
         for ranking in args.rankings:
             for predictor in args.predictors:
-                cells += [dict(coverage=cov, b_min=b_min, statistics=(
+                found = [dict(coverage=cov, b_min=b_min, statistics=(
                     stats_run if ranking in calibrated else None), **c) for c in evaluate(
-                    cal, ev, ranking, means, b_min, predictor, args.pass_cap)]
-    return dict(k=k, n=n, b_max=b_max, means=means, layers=len(cal[rankings[0]][2]),
+                    cal, ev, ranking, grid, b_min, predictor, args.pass_cap)]
+                if not found:
+                    continue
+                if ranking == "router" and router is None:
+                    router = found
+                cells += [c for c in found if c["mean_budget"] in means]
+                frontier += found
+        for ranking in args.rankings:
+            for predictor in args.predictors:
+                mine = [c for c in frontier if (c["coverage"], c["ranking"], c["predictor"])
+                        == (cov, ranking, predictor)]
+                if not mine or router is None:
+                    continue
+                for target in means:
+                    saved = matched_savings(mine, router, target)
+                    if saved:
+                        worth = {f"{name}_worth": pass_time_worth(
+                            model, k, saved[name], saved["router_experts"], TREE_TOKENS)
+                            if saved[name] is not None else None for name in SAVERS}
+                        savings.append(dict(coverage=cov, ranking=ranking, predictor=predictor,
+                                            **saved, **worth))
+    return dict(k=k, n=n, b_max=b_max, means=means, layers=len(ev[rankings[0]][1]),
                 eval_prompts=args.eval_prompts, cal_prompts=args.cal_prompts, bench=args.bench,
-                nonconvex_oracle_curves=nonconvex, cells=cells)
+                nonconvex_oracle_curves=nonconvex, cells=cells, frontier=frontier,
+                savings=savings)
 
 
 def within(cell: dict, tolerance: float = 0.02) -> bool:
@@ -184,6 +294,15 @@ def below(a: float, b: float, rel: float = 1e-9) -> bool:
     """``a`` lower than ``b`` beyond rounding (means of the same numbers summed in another order
     differ in the 16th digit)."""
     return a < b - rel * abs(b)
+
+
+def fmt_saving(row: dict, name: str) -> str:
+    value = row.get(name)
+    if value is None:
+        return "–"
+    worth = row.get(f"{name}_worth") or {}
+    text = f"{'≥ ' if row.get(f'{name}_bound') else ''}{100 * value:.0f}%"
+    return text + (f" ({100 * worth['saved']:.1f}%)" if worth else "")
 
 
 def markdown(report: dict) -> str:
@@ -221,7 +340,23 @@ def markdown(report: dict) -> str:
                     f"cells (equal in {tied}), below the fixed-B oracle in {below_oracle} of "
                     f"{cells}; achieved mean within 2% of B̄ on held-out prompts in {near} of "
                     f"{cells}")
-    return "\n".join(head + [""] + lines)
+    saved = ["", "Experts saved at matched error vs router's fixed B = k (in brackets: the "
+             "verification pass time that saves at the family's real shape on H200; ≥: the "
+             "curve starts below the target, a lower bound):", "",
+             "| model | policy | ranking · predictor | router rse at B = k | fixed | adaptive | "
+             "fixed-B oracle | adaptive oracle | adaptive ≥ 1.5× fixed-B oracle |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for model, found in report.items():
+        for row in found.get("savings", []):
+            if row["target_budget"] != found["k"]:
+                continue
+            ok = (row["adaptive"] is not None and row["oracle_fixed"] is not None
+                  and row["adaptive"] >= 1.5 * row["oracle_fixed"] and row["oracle_fixed"] > 0)
+            saved.append(f"| {model} | {row['coverage']} | {row['ranking']} · "
+                         f"{row['predictor']} | {row['target_rse']:.4f} | "
+                         + " | ".join(fmt_saving(row, name) for name in SAVERS)
+                         + f" | {'yes' if ok else 'no'} |")
+    return "\n".join(head + saved + [""] + lines)
 
 
 def read_reports(paths: list[Path]) -> dict:
@@ -268,11 +403,10 @@ def main(argv: list[str] | None = None) -> None:
         report = read_reports(args.render)
     else:
         offline = [r for r in args.rankings if r not in index.RANKINGS
-                   or not index.RANKINGS[r].runtime or index.RANKINGS[r].stateful]
+                   or not index.RANKINGS[r].runtime]
         if offline:
-            p.error(f"--rankings {' '.join(offline)}: this step evaluates stateless runtime "
-                    "rankings only (router, sqmass, coact, ...): a stateful one's state would "
-                    "come from fixed-budget passes")
+            p.error(f"--rankings {' '.join(offline)}: this study evaluates runtime rankings "
+                    "only (router, sqmass, coact, sketch-gated, ...)")
         if args.pass_cap is not None and args.pass_cap < 1:
             p.error("--pass-cap must be at least 1 (a pass may always load B̄ per layer)")
         threads.apply(args.threads)

@@ -71,6 +71,9 @@ METRICS: dict[str, tuple[Metric, ...]] = {
         Metric("surrogate_ranked", pa.bool_(), "S searched on a surrogate's predicted outputs "
                "Ê_i(h_t) (the sketch family where it ran it; sketch-gated: novelty ≤ its "
                "threshold); the view's mean: the share of tree-layers", view="surrogate_share"),
+        Metric("predicted_rse", pa.float64(), "ê = Σ_t ||Ô_t − Ô_t(S)||² / Σ_t ||Ô_t||² on the "
+               "surrogate's predicted outputs Ê_i(h_t) (null where none ran)", summary=False,
+               view=None),
     ),
     # per (tree, ranking, coverage, budget)
     CLOSED_TABLE: (
@@ -96,7 +99,8 @@ METRICS[CLOSED_BATCH_TABLE] = METRICS[CLOSED_TABLE]
 # Bumped whenever a table's metric columns (names or types) change; part of every result unit's
 # key (catalog.results), so blocks of an older layout are recomputed, never mixed with new ones.
 # 2 (replay_open, replay_batch): surrogate_ranked, where the sketch family ran its surrogate
-LAYOUT_VERSION: dict[str, int] = {OPEN_TABLE: 2, CLOSED_TABLE: 1, BATCH_TABLE: 2,
+# 3 (replay_open, replay_batch): predicted_rse, the surrogate's own error curve (issue 63)
+LAYOUT_VERSION: dict[str, int] = {OPEN_TABLE: 3, CLOSED_TABLE: 1, BATCH_TABLE: 3,
                                   CLOSED_BATCH_TABLE: 1}
 # :func:`fingerprint` of each (table, version): tests/test_replay_metrics.py fails when the
 # declared columns differ from their version's, so a layout never changes without a bump (a new
@@ -108,6 +112,8 @@ FINGERPRINTS: dict[tuple[str, int], str] = {
     (CLOSED_BATCH_TABLE, 1): "5b7c7fb80a18f8ed",
     (OPEN_TABLE, 2): "b25a0cbb1260cbd3",
     (BATCH_TABLE, 2): "b25a0cbb1260cbd3",
+    (OPEN_TABLE, 3): "00ea52481e541a9b",
+    (BATCH_TABLE, 3): "00ea52481e541a9b",
 }
 
 

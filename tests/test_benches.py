@@ -714,13 +714,14 @@ def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes(monkeypat
         mass = torch.rand(6, 4, width, generator=g, dtype=torch.float64).sort(
             -1, descending=True).values * scale
         mass[..., -1] = 0
-        return mass * 0.5, mass, torch.arange(4)  # (rse, mass excluded, layers)
+        loaded = torch.arange(b_min, b_min + width, dtype=torch.float64).expand_as(mass)
+        return dict(rse=mass * 0.5, mass_excluded=mass, experts_loaded=loaded), torch.arange(4)
 
     cal = {"router": run_curves(1.0)}
     ev = {"router": run_curves(3.0)}
     cal["oracle"], ev["oracle"] = cal["router"], ev["router"]
     cell = adaptive_budget.evaluate(cal, ev, "router", [4], b_min, "mass", None)[0]
-    gains = adaptive.gains_of(ev["router"][1])
+    gains = adaptive.gains_of(ev["router"][0]["mass_excluded"])
     loaded = adaptive.price_budgets(gains, cell["price"], b_min).double()
     assert cell["achieved"] == pytest.approx(float(loaded.mean()))
     assert abs(cell["calibration_mean"] - 4) < abs(cell["achieved"] - 4)
@@ -733,14 +734,19 @@ def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
     import adaptive_budget
     import polars as pl
+    import torch
     rows = [dict(run="r", ranking="router", coverage="truncation", prompt_index=p, step=s,
                  layer=layer, budget=b, rse=1.0 / b + layer + 10 * s + 100 * p,
-                 mass_excluded=0.5 / b)
+                 mass_excluded=0.5 / b, predicted_rse=None if layer else 0.25 / b)
             for p in (1, 0) for s in (0, 1) for layer in (1, 0) for b in (3, 1, 2)]
     df = pl.DataFrame(rows)
-    rse, mass, layers = adaptive_budget.curves(df, "r", "router", "truncation", 1, 3)
+    found, layers = adaptive_budget.curves(df, "r", "router", "truncation", 1, 3)
+    rse, mass = found["rse"], found["mass_excluded"]
     assert rse.shape == (4, 2, 3) and layers.tolist() == [0, 1]
     assert rse[3, 1].tolist() == pytest.approx([1 / b + 1 + 10 + 100 for b in (1, 2, 3)])
     assert mass[0, 0].tolist() == pytest.approx([0.5, 0.25, 0.5 / 3])
+    # a null (no surrogate ran) reads as NaN, for the predictor's fallback to see
+    assert found["predicted_rse"][0, 0].tolist() == pytest.approx([0.25, 0.125, 0.25 / 3])
+    assert torch.isnan(found["predicted_rse"][:, 1]).all()
     with pytest.raises(SystemExit, match="replay them again"):
         adaptive_budget.curves(df.slice(1), "r", "router", "truncation", 1, 3)

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import linear_experts
 
 from moe_spec.policy import coverage, rankings
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch
@@ -34,12 +35,7 @@ H, N, K, LAYER = 6, 8, 2, 3
 
 def linear_model(seed: int = 98, n: int = N, h: int = H):
     """Experts ``E_i(h) = W_i h + c_i`` of different sizes (what router mass cannot see)."""
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.linspace(0.2, 3.0, n)[torch.randperm(n, generator=g)]
-    w = torch.randn(n, h, h, generator=g) * scale[:, None, None]
-    c = torch.randn(n, h, generator=g) * 0.3
-    return SimpleNamespace(moe_layers=[LAYER], num_experts=n, expert_outputs=lambda layer, x:
-                           torch.einsum("mh,nhd->mnd", x, w) + c)
+    return linear_experts(seed, n, h, LAYER)
 
 
 def tree_layers(seed: int, count: int, m: int = 12, n: int = N, h: int = H):
