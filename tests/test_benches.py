@@ -682,6 +682,12 @@ def test_adaptive_budget_bench_bounds_every_cell_and_measures_the_achieved_mean(
                         c["oracle_adaptive"] == pytest.approx(c["oracle_fixed"], rel=1e-12)
                         for c in at_k)
     assert "adaptive below fixed in" in out and "| tiny-mixtral | truncation |" in out
+    # matched error: router's own fixed curve needs exactly router's experts (no saving)
+    savings = model["savings"]
+    assert {s["target_budget"] for s in savings} == {2, 4, 6, 8}
+    assert all(s["fixed"] == pytest.approx(0, abs=1e-12) for s in savings)
+    assert all(s["fixed_worth"]["checkpoint"] == "mistralai/Mixtral-8x7B-Instruct-v0.1"
+               for s in savings)
 
 
 @smoke("adaptive_budget.py")
@@ -690,7 +696,11 @@ def test_adaptive_budget_bench_renders_its_block_and_refuses_other_files(adaptiv
     found, out = adaptive_budget
     text = rendered_block("adaptive_budget.py", "adaptive budgets", found, tmp_path / "r.md")
     rows = [line for line in text.splitlines() if line.startswith("| tiny-mixtral |")]
+    saved = [line for line in rows if line.endswith(("| yes |", "| no |"))]  # matched error
+    rows = [line for line in rows if line not in saved]
     assert len(rows) == len(found["models"]["tiny-mixtral"]["cells"]) and rows[0] in out
+    assert len(saved) == len([s for s in found["models"]["tiny-mixtral"]["savings"]
+                              if s["target_budget"] == 2]) > 0
     (tmp_path / "b.json").write_text(json.dumps({"tiny-mixtral": {}}))
     done = subprocess.run([sys.executable, "bench/adaptive_budget.py", "--render",
                            str(tmp_path / "b.json")], cwd=ROOT, env=ENV, capture_output=True,
