@@ -6,25 +6,36 @@
 
 Per model it captures (or reuses) an evaluation run (``eval-BENCH``: prompts 0..E−1), a
 calibration run for the price λ (``cal-BENCH``: the next C prompts, role calibration) and, for
-rankings that need calibration statistics, their own run (``stats-BENCH``: the C after those;
-its prompts are in neither the λ calibration nor the table), replays the first two open loop
-under ``--rankings`` and the oracle at every budget ``B_min .. B_max`` (B_min: the policy's
-smallest, 1 under truncation and k under substitution; B_max = min(N, ``--max-budget``)), both
-coverage policies, and reads each tree-layer's RSE and mass excluded at every budget back from
-the replay results (the metrics' one owner, replay/open_loop.py). Then per ranking × policy ×
-mean budget B̄ (``--means``, default k, k+2, ..., 16):
+rankings that need calibration statistics (``sketch-gated``: its surrogate and gate), their own
+run (``stats-BENCH``: the C after those; its prompts are in neither the λ calibration nor the
+table), replays the first two open loop under ``--rankings`` and the evaluation run under the
+oracle, at every budget ``B_min .. B_max`` (B_min: the policy's smallest, 1 under truncation and
+k under substitution; B_max = min(N, ``--max-budget``)), both coverage policies, and reads each
+tree-layer's RSE, experts loaded, mass excluded and, where a surrogate ranked it, its predicted
+RSE at every budget back from the replay results (the metrics' one owner,
+replay/open_loop.py). Then per ranking × policy × predictor × mean budget B̄ (every B̄ from
+B_min to the largest of ``--means``; the table shows ``--means``, default k, k+2, ..., 16):
 
 * fixed: the ranking's mean RSE at B = B̄ on the evaluation run;
-* adaptive: :mod:`policy.adaptive`'s price rule on predicted gains (``--predictor``, from the
-  mass each shortlist excludes; ``calibrated`` scales it per layer and budget on the calibration
-  run), its price λ calibrated on the calibration run to a mean of B̄, applied to the held-out
-  evaluation run; the achieved mean B per tree-layer there, its p10 and p90, measured;
+* adaptive: :mod:`policy.adaptive`'s price rule on predicted gains (``--predictors``: ``mass``,
+  the mass each shortlist excludes; ``calibrated`` scales it per layer and budget on the
+  calibration run; ``surrogate``, the sketch family's own predicted error of its shortlists,
+  calibrated mass where it did not run), its price λ calibrated on the calibration run to a mean
+  of B̄, applied to the held-out evaluation run; the achieved mean B per tree-layer there, its
+  p10 and p90, measured. A stateful ranking (sketch-gated's coact-prior state) reads each
+  layer's error at B_l from its fixed-B_l stream: its state there came from fixed-budget passes;
 * the ranking's own hindsight: the least error of the ranking's true curves over each pass's
   allocations with total B̄·L (:func:`policy.adaptive.best_budgets`, exact);
 * fixed-B oracle: the oracle's mean RSE at B̄; adaptive oracle: the same exact hindsight on the
   oracle's curves, the bound of the adaptive family; the marginal-allocation greedy on those
   curves is kept in the output too (exact only where the curves are convex; the share of
-  non-convex oracle curves is reported).
+  non-convex oracle curves is reported);
+* experts saved at matched error vs router (:func:`matched_savings`): for a target, router's
+  fixed error at B (every B of ``--means``; the docs show B = k), the mean experts loaded per
+  layer each of fixed, adaptive, fixed-B oracle and adaptive oracle needs to reach it,
+  interpolated linearly on its curve over B̄ (x: mean experts loaded, the bytes; error: running
+  minimum), as a share of router's experts at that B; and what that is worth in verification
+  pass time at the family's real shape on H200 (:func:`pass_time_worth`, analysis/cost.py).
 
 Everything is seeded; captures and replays already on disk are reused. ``--readme`` rewrites
 the ``adaptive budgets`` block of docs/results.md from ``--output`` files (``--render``).
