@@ -68,6 +68,29 @@ def gains_of(curves: torch.Tensor) -> torch.Tensor:
     return curves[..., :-1] - curves[..., 1:]
 
 
+def convex_hull(curves: torch.Tensor) -> torch.Tensor:
+    """The lower convex envelope ``ĕ [..., W]`` of curves ``e [..., W]`` over equally spaced B:
+    in one dimension the envelope at B is the least interpolation between two points around it,
+
+        ĕ(B) = min_{a ≤ B ≤ c} ( e(a)·(c − B) + e(c)·(B − a) ) / (c − a)     (e(B) where a = c)
+
+    so its gains are non-increasing, and the price rule on them loads up to
+    ``argmin_B ĕ(B) + λ·B = argmin_B e(B) + λ·B`` (a plateau is crossed where a later drop pays
+    for it; the leading run of the raw gains stops at the plateau)."""
+    e = curves.double()
+    w = e.shape[-1]
+    x = torch.arange(w, dtype=torch.float64, device=e.device)
+    best = e.clone()
+    for a in range(w - 1):  # left ends; right ends c > a, every B in between at once
+        c = x[a + 1:]  # [C]
+        span = c - a
+        b = x[:, None]  # [W, 1]
+        inside = (b >= a) & (b <= c)  # [W, C]
+        line = (e[..., a, None, None] * (c - b) + e[..., None, a + 1:] * (b - a)) / span
+        best = torch.minimum(best, line.masked_fill(~inside, float("inf")).amin(-1))
+    return best
+
+
 def price_budgets(gains: torch.Tensor, price: float, b_min: int,
                   cap: int | None = None) -> torch.Tensor:
     """``B_l [..., L]`` (long) of the price rule for predicted gains ``[..., L, S]``: each layer
@@ -246,15 +269,18 @@ class CalibratedMass(Predictor):
 class SurrogateGain(Predictor):
     """The surrogate's own error curve: ``ê(B)`` of replay's ``predicted_rse`` (the RSE of the
     ranking's shortlist at B computed on the sketch family's predicted outputs ``Ê_i(h_t)``,
-    replay/open_loop.py), made non-increasing in B (running minimum), ``Δ̂ = ê(B) − ê(B+1)``.
+    replay/open_loop.py), made non-increasing in B (running minimum); its gains are those of its
+    lower convex hull (:func:`convex_hull`), so the price rule gives each layer
+    ``argmin_B ê(B) + λ·B``: the whole predicted curve is known before the layer's experts load,
+    and a plateau (the sketch's shortlists are searched per B, not nested) does not stop it.
     Runtime-legal: the surrogate predicts from the tree tokens' MoE inputs before any expert
     loads. A tree-layer the surrogate did not rank (``predicted_rse`` null, NaN here: sketch-
     gated's gate out, no surrogate) gets :class:`CalibratedMass`'s curve, fitted on the same
     calibration, so both speak RSE and one price serves the pass."""
 
     name = "surrogate"
-    summary = ("the sketch family's predicted RSE of the ranking's own shortlists, Δ̂(B) = "
-               "ê(B) − ê(B+1); calibrated mass where no surrogate ran")
+    summary = ("the sketch family's predicted RSE of the ranking's own shortlists, Δ̂ = the "
+               "gains of its lower convex hull; calibrated mass where no surrogate ran")
     reads = (PREDICTED, MASS)
 
     def fit(self, inputs, errors, layers):
@@ -271,7 +297,7 @@ class SurrogateGain(Predictor):
         return torch.where(missing, self.fallback.curve(found, layers), mine)
 
     def gains(self, inputs, layers):
-        return gains_of(self.curve(inputs, layers))
+        return gains_of(convex_hull(self.curve(inputs, layers)))
 
 
 PREDICTORS: dict[str, type[Predictor]] = {p.name: p for p in (MassGain, CalibratedMass,

@@ -136,18 +136,39 @@ def test_surrogate_predictor_reads_its_declared_curve_made_non_increasing():
     inputs = {adaptive.MASS: mass, adaptive.PREDICTED: predicted}
     pred.fit(inputs, rse, layers)
     gains = pred.gains(inputs, layers)
-    # the running minimum by hand, then its differences
+    # the running minimum by hand, then the gains of its lower convex hull
     for p in range(5):
         for layer in range(3):
             low, want = float("inf"), []
             for e in predicted[p, layer].tolist():
                 low = min(low, e)
                 want.append(low)
-            want = torch.tensor(want, dtype=torch.float64)
+            want = adaptive.convex_hull(torch.tensor(want, dtype=torch.float64))
             assert torch.allclose(gains[p, layer], want[:-1] - want[1:])
     assert bool((gains >= 0).all())
     with pytest.raises(ValueError, match="reads predicted_rse"):  # a mass curve alone: refused
         pred.gains(mass, layers)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_price_rule_on_hull_gains_picks_each_layers_least_error_plus_price(seed):
+    """On the gains of the lower convex hull the price rule (a leading run of gains above λ)
+    gives each layer ``argmin_B e(B) + λ·B`` of its own curve, found here by trying every B;
+    the hull lies on or below the curve, meets it at both ends and is convex."""
+    g = torch.Generator().manual_seed(seed)
+    curves = torch.rand(4, 3, 9, generator=g, dtype=torch.float64).sort(
+        -1, descending=True).values
+    curves[..., 3:5] = curves[..., 2:3]  # a plateau, where the raw leading run stops
+    hull = adaptive.convex_hull(curves)
+    assert bool((hull <= curves + 1e-12).all())
+    assert torch.allclose(hull[..., [0, -1]], curves[..., [0, -1]])
+    gains = adaptive.gains_of(hull)
+    assert bool((gains[..., 1:] <= gains[..., :-1] + 1e-12).all())
+    b_min = 2
+    for price in torch.rand(5, generator=g, dtype=torch.float64).mul(0.3).tolist():
+        chosen = adaptive.price_budgets(gains, price, b_min)
+        cost = curves + price * torch.arange(9, dtype=torch.float64)
+        assert torch.equal(chosen, b_min + cost.argmin(-1)), price
 
 
 def test_surrogate_predictor_falls_back_to_calibrated_mass_where_no_surrogate_ran():
@@ -158,10 +179,11 @@ def test_surrogate_predictor_falls_back_to_calibrated_mass_where_no_surrogate_ra
     inputs = {adaptive.MASS: mass, adaptive.PREDICTED: predicted}
     pred = adaptive.predictor("surrogate").fit(inputs, rse, layers)
     gains = pred.gains(inputs, layers)
-    calibrated = adaptive.predictor("calibrated").fit(mass, rse, layers).gains(mass, layers)
-    assert torch.allclose(gains[2, 1], calibrated[2, 1])
+    fallback = adaptive.predictor("calibrated").fit(mass, rse, layers).curve(mass, layers)
+    assert torch.allclose(gains[2, 1], adaptive.gains_of(adaptive.convex_hull(fallback[2, 1])))
     assert torch.isfinite(gains).all()
-    assert torch.allclose(gains[0], adaptive.gains_of(torch.cummin(predicted[0], -1).values))
+    mine = adaptive.convex_hull(torch.cummin(predicted[0], -1).values)
+    assert torch.allclose(gains[0], adaptive.gains_of(mine))
 
 
 def test_mass_predictors_take_a_mapping_or_a_bare_mass_alike():
