@@ -210,7 +210,10 @@ def predicted_rse(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
     RSE) on the predicted outputs ``Ê_i(h_t)`` that ``predict(batch, rows)`` attaches as the
     rows' expert terms (:meth:`policy.rankings.sketch.Sketch.predicted`: each expert's residual
     energy is a private direction, so ê is the error expected with uncorrelated residuals).
-    The runtime-legal error curve :class:`policy.adaptive.SurrogateGain` prices budgets by."""
+    The runtime-legal error curve :class:`policy.adaptive.SurrogateGain` prices budgets by. (A
+    ranking that refits its surrogate per budget during the prompt, sketch-post, predicts here
+    with its calibration surrogate: ``predict`` is the replayed instance's, not each budget's
+    stream's.)"""
     out = torch.full(keep.shape[:2], float("nan"), dtype=torch.float64, device=keep.device)
     rows = surrogate_ranked.to(keep.device).nonzero().flatten()
     if predict is None or len(rows) == 0:
