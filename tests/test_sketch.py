@@ -275,6 +275,13 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
              for line in q.stdout.strip().splitlines()[1:]}
     assert share["sketch"] == share["sketch-post"] == 1 and share["router"] == 0, q.stdout
     assert share["oracle"] == 0 and "sketch-gated" in share, q.stdout
+    # the surrogate's own error curve: stored exactly where it ranked, null elsewhere
+    q = call("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
+             "SELECT ranking, bool_and((predicted_rse IS NULL) = NOT surrogate_ranked) AS ok, "
+             "count(predicted_rse) AS n FROM replay_open GROUP BY ALL ORDER BY ALL")
+    found = {line.split(",")[0]: line.split(",")[1:] for line in q.stdout.strip().splitlines()[1:]}
+    assert all(ok == "true" for ok, _ in found.values()), q.stdout + q.stderr
+    assert int(found["sketch"][1]) > 0 and found["router"][1] == "0", q.stdout
     # the oracle replayed without a token-aware ranking starts without them: another variant
     # (computed, not answered by the stronger one), named so; the default view and an
     # uncalibrated request take the token-aware one
