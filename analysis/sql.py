@@ -48,6 +48,7 @@ from moe_spec.catalog import Catalog, CatalogError, location, partition_value, r
 from moe_spec.catalog.replay_metrics import BATCH_TABLE, OPEN_TABLE
 from moe_spec.catalog.results import RESULT_TABLES, complete_blocks
 from moe_spec.catalog.runs import PART_GLOB, WHOLE_PART
+from moe_spec.policy import index  # torch-free: the budget modes (FIXED)
 
 VIEWS = (*schema.TRACE_TABLES, schema.ROUTING_IDS, "runs", "quality", *RESULT_TABLES,
          *summaries.TABLES, *schema.BATCH_PROFILE_TABLES)
@@ -126,9 +127,10 @@ VARIANT_FIELDS = [  # the columns that say which variant a replay result row is 
     ("variant", pa.string()), ("mode", pa.string()), ("ranking_version", pa.int64()),
     ("calibration", pa.string()), ("calibration_run_ids", pa.string()),
     ("token_aware_starts", pa.bool_()), ("batch_seed", pa.int64()), ("dtype", pa.string()),
-    ("means_version", pa.int64()),
+    ("means_version", pa.int64()), ("budget_mode", pa.string()),
     ("committed_at", pa.string())]
-DEFAULT_VARIANT_RULE = ("one whole variant per curve (run, ranking, coverage, batch size): the "
+DEFAULT_VARIANT_RULE = ("one whole variant per curve (run, ranking, coverage, batch size, budget "
+                        "mode: fixed and each adaptive mode are separate curves): the "
                         "one covering the most layers, then the most budgets at all of those "
                         "layers, then the calibrated one, the one replayed in the run's captured "
                         "dtype, the oracle's with the token-aware starts, batch seed 0, the most "
@@ -144,7 +146,13 @@ def variant_columns(unit: dict, committed_at: str | None, config: str) -> dict:
                 calibration_run_ids=",".join(c[1] for c in cal) or None,
                 token_aware_starts=bool(unit.get("token_aware_starts")),
                 batch_seed=unit.get("batch_seed"), dtype=unit.get("dtype", "float32"),
-                means_version=unit.get("means"), committed_at=committed_at)
+                means_version=unit.get("means"), budget_mode=budget_mode(unit),
+                committed_at=committed_at)
+
+
+def budget_mode(unit: dict) -> str:
+    """A result unit's budget mode: its key's, ``fixed`` for keys stored before it existed."""
+    return unit.get("budget_mode") or index.FIXED
 
 
 def _preference(unit: dict, captured_dtype: str, committed_at: str | None) -> tuple:
@@ -156,10 +164,11 @@ def _preference(unit: dict, captured_dtype: str, committed_at: str | None) -> tu
 
 def curve_of(block: dict) -> tuple:
     """The curve a result block belongs to: (table, model, bench, run, ranking, coverage, batch
-    size). Every variant (``config``) of one curve is one experiment; a view draws one."""
+    size, budget mode). Every variant (``config``) of one curve is one experiment; a view draws
+    one. Fixed and adaptive budgets are never one curve."""
     unit = block["unit"] if isinstance(block.get("unit"), dict) else {}
     return (block["table"], block["model"], block["bench"], block["run"], unit.get("ranking"),
-            unit.get("coverage"), unit.get("batch_size", 1))
+            unit.get("coverage"), unit.get("batch_size", 1), budget_mode(unit))
 
 
 def selects(block: dict, chosen: tuple[str, ...]) -> bool:
@@ -217,7 +226,9 @@ def variant_label(row: dict) -> str:
     """A variant (a row of the ``variants`` view) in a few words: its curve, then what makes it
     this variant (calibration, dtype, ranking version, mode, batch seed, when computed)."""
     curve = f"{row['ranking']}, {row['coverage']}" + (
-        f", b = {row['batch_size']}" if (row.get("batch_size") or 1) > 1 else "")
+        f", b = {row['batch_size']}" if (row.get("batch_size") or 1) > 1 else "") + (
+        f", {row['budget_mode']}" if (row.get("budget_mode") or index.FIXED) != index.FIXED
+        else "")
     what = [f"calibrated on {row['calibration']}" if row.get("calibration") else
             "uncalibrated", str(row.get("dtype") or "float32")]
     if (row.get("ranking_version") or 1) != 1:
@@ -237,7 +248,7 @@ def several_variants(con: duckdb.DuckDBPyConnection) -> list[dict]:
     if "variants" not in views(con):
         return []
     return con.sql("SELECT * FROM variants WHERE curve_variants > 1 ORDER BY table_name, "
-                   "ranking, coverage, batch_size, committed_at").pl().to_dicts()
+                   "ranking, coverage, batch_size, budget_mode, committed_at").pl().to_dicts()
 
 
 def results_per_run(con: duckdb.DuckDBPyConnection) -> dict[str, int]:
@@ -384,7 +395,7 @@ def _create_variants_view(con: duckdb.DuckDBPyConnection) -> None:
     """The ``variants`` view: each replay variant, its blocks, and whether the views show it."""
     columns = ", ".join(c for c, _ in VARIANT_FIELDS if c != "committed_at")
     con.execute(f"""CREATE VIEW variants AS SELECT *, count(*) OVER (PARTITION BY table_name,
-        model, bench, run, ranking, coverage, batch_size) AS curve_variants FROM (
+        model, bench, run, ranking, coverage, batch_size, budget_mode) AS curve_variants FROM (
         SELECT table_name, model, bench, run, ranking, coverage, batch_size, {columns},
             max(committed_at) AS committed_at, count(*) AS blocks,
             bool_or(EXISTS (SELECT 1 FROM _default_cells d WHERE d.config = b.config
@@ -410,7 +421,9 @@ def _result_views(name: str, scan: str) -> list[tuple[str, str]]:
     and ``<name>`` (the default variant of each cell)."""
     per_layer = name in (OPEN_TABLE, BATCH_TABLE)
     variant_select = ", ".join(f"v.{c}" for c, _ in VARIANT_FIELDS if c != "variant")
-    body = (f"SELECT t.*, {variant_select} FROM {scan} t JOIN _blocks v "
+    # budget_mode comes from the unit's key (rows stored before the column existed lack it)
+    rows = f"(SELECT COLUMNS(lambda c: c <> 'budget_mode') FROM {scan})"
+    body = (f"SELECT t.*, {variant_select} FROM {rows} t JOIN _blocks v "
             "USING (model, bench, run, config, block)")
     cell = "t.budget = d.budget" + (" AND t.layer = d.layer" if per_layer else "")
     default = (f"SELECT t.* FROM {name}_all t SEMI JOIN (SELECT * FROM _default_cells "

@@ -114,6 +114,7 @@ def check_budget(settings: CaptureSettings, model: str) -> None:
     """``--budget`` within the model's N routed experts (and at least its top-k under
     substitution), read from its config.json without loading it; a model whose config is not
     at hand is checked where it loads."""
+    check_budget_mode(settings)
     if settings.budget is None:
         return
     shape = models.expert_shape(models.read_config(settings.model))
@@ -124,6 +125,25 @@ def check_budget(settings: CaptureSettings, model: str) -> None:
     if not low <= settings.budget <= n:
         raise CaptureError(f"--budget {settings.budget} is out of range for {model}: use "
                            f"{low}..{n} ({n} experts, top-{k}, {settings.coverage})")
+
+
+def check_budget_mode(settings: CaptureSettings) -> None:
+    """``--budget-mode adaptive`` needs ``--budget`` (its mean B̄) and ``--calibration`` (its
+    price λ is calibrated there); ``--gain-predictor`` and ``--pass-cap`` are adaptive's."""
+    if settings.budget_mode != index.ADAPTIVE:
+        for flag, value in (("--gain-predictor", settings.gain_predictor),
+                            ("--pass-cap", settings.pass_cap)):
+            if value is not None:
+                raise CaptureError(f"{flag} is for adaptive budgets; add --budget-mode adaptive")
+        return
+    if settings.budget is None:
+        raise CaptureError("--budget-mode adaptive needs --budget B̄ (the mean experts per layer)")
+    if not settings.calibration:
+        raise CaptureError("--budget-mode adaptive needs --calibration RUN: the price λ of the "
+                           "mean budget is calibrated there (a capture of other prompts)")
+    if not index.adapts(settings.ranking):
+        raise CaptureError(f"--budget-mode adaptive ranks every budget of a layer at once; "
+                           f"--ranking {settings.ranking} cannot; pick another ranking")
 
 
 def check_cluster(address: str) -> None:

@@ -83,6 +83,20 @@ def model_help() -> str:
     return f"alias ({', '.join(models.ALIASES)}), hub id or local folder"
 
 
+def budget_modes() -> list[str]:
+    from moe_spec.policy import index
+    return [index.FIXED, index.ADAPTIVE]
+
+
+def gain_predictors() -> dict[str, str]:
+    from moe_spec.policy import index
+    return index.GAIN_PREDICTORS
+
+
+def gain_predictor_help() -> str:
+    return "; ".join(f"{n}: {d}" for n, d in gain_predictors().items())
+
+
 def runtime_rankings() -> list[str]:
     from moe_spec.policy import index
     return index.ranking_names(runtime=True)
@@ -165,6 +179,18 @@ class CaptureSettings:
         ONLINE, runtime_ranking_help, choices=runtime_rankings))
     coverage: str = field(default="substitution", metadata=option(
         ONLINE, coverage_help, choices=coverage_names))
+    budget_mode: str = field(default="fixed", metadata=option(
+        ONLINE, "fixed: --budget experts at every layer; adaptive: --budget is a mean B̄, each "
+                "layer loading the ranking's next expert while its predicted gain exceeds a "
+                "price λ calibrated on --calibration (needed) to a mean of B̄",
+        choices=lambda: budget_modes()))
+    gain_predictor: str | None = field(default=None, metadata=option(
+        ONLINE, lambda: "adaptive: the next expert's predicted gain, from the router mass each "
+                        f"shortlist excludes: {gain_predictor_help()} (default: mass)",
+        choices=lambda: list(gain_predictors())))
+    pass_cap: float | None = field(default=None, metadata=option(
+        ONLINE, "adaptive: a hard cap on each pass's total, F·B̄·L experts (F > 1)",
+        bounds=Bounds(1, 1000, "above 1 (and at most 1000)", low_open=True)))
     # runs under the same --out for static / coact
     calibration: tuple[str, ...] = field(default=(), metadata=option(
         ONLINE, "captured runs under --out that static counts / coact statistics are learned "
@@ -240,6 +266,9 @@ class CaptureSettings:
         found = dataclasses.asdict(self)
         if found["batch_size"] == 1:
             del found["batch_size"]
+        for name in ("budget_mode", "gain_predictor", "pass_cap"):  # fixed budgets: as before
+            if found[name] in (None, "fixed"):
+                del found[name]
         if found["revision"] is None:  # likewise: runs before --revision existed
             del found["revision"]
         del found["trust_remote_code"]  # whose code ran, not what data it is
@@ -255,5 +284,7 @@ class CaptureSettings:
         started, e.g. ``tiny-olmoe-mbpp-eagle-T0-20261201`` (``capture.naming.default_run``
         resumes a run of the same settings under its own name instead)."""
         kind = f"B{self.budget}-{self.ranking}-{self.coverage}" if self.budget else "eagle"
+        if self.budget and self.budget_mode != "fixed":
+            kind += f"-{self.budget_mode}"
         tail = re.sub(r"[^A-Za-z0-9._-]+", "-", model.rsplit("/", 1)[-1]).strip(".-_")[:48]
         return f"{tail or 'model'}-{self.bench}-{kind}-T{self.temperature:g}-{day}"

@@ -31,8 +31,10 @@ from moe_spec.eagle.settings import TreeSettings
 from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.moe.recorder import VerifyRecorder
 from moe_spec.policy import coverage, rankings
-from moe_spec.policy.budget import Budget
+from moe_spec.policy.budget import AdaptiveBudget, Budget
 from moe_spec.policy.calibration import CalibrationStats, calibrate
+from moe_spec.policy.index import ADAPTIVE
+from moe_spec.policy.prices import PriceRequest, prices_for
 
 
 @dataclass
@@ -161,7 +163,8 @@ def prompt_ids(tokenizer, text: str, chat_template: bool = False) -> list[int]:
 def make_budget(settings: CaptureSettings, adapter: MoEAdapter, out: Path, model: str,
                 prompts: list) -> Budget | None:
     """MoE-Spec online mode: the ranking (fitted on calibration runs if it needs them), the
-    coverage policy and B; None for plain EAGLE."""
+    coverage policy and B; None for plain EAGLE. ``--budget-mode adaptive``: B is a mean B̄,
+    spent by the price rule calibrated on the calibration runs (:class:`AdaptiveBudget`)."""
     if settings.budget is None:
         return None
     cover = coverage.get(settings.coverage)
@@ -171,14 +174,28 @@ def make_budget(settings: CaptureSettings, adapter: MoEAdapter, out: Path, model
         raise CaptureError(f"--budget {settings.budget} is out of range for {model}: use "
                            f"{low}..{n} ({n} experts, top-{k}, {settings.coverage})")
     ranking = rankings.get(settings.ranking)()
-    stats = calibration_stats(settings, adapter, out, model, prompts) \
-        if ranking.needs_calibration else None
-    return Budget(settings.budget, ranking.fit(stats), cover)
+    request = price_request(settings)
+    stats = calibration_stats(settings, adapter, out, model, prompts, request) \
+        if ranking.needs_calibration or request else None
+    if request is None:
+        return Budget(settings.budget, ranking.fit(stats), cover)
+    return AdaptiveBudget(settings.budget, ranking.fit(stats), cover,
+                          prices=prices_for(stats, settings.ranking, settings.coverage,
+                                            request).for_layers(adapter.moe_layers))
+
+
+def price_request(settings: CaptureSettings) -> PriceRequest | None:
+    """What ``--budget-mode adaptive`` asks of the calibration step: B̄'s price λ."""
+    if settings.budget_mode != ADAPTIVE:
+        return None
+    return PriceRequest(settings.gain_predictor or "mass", (settings.budget,),
+                        (settings.coverage,), settings.pass_cap)
 
 
 def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path, model: str,
-                      prompts: list) -> CalibrationStats:
-    """Statistics from other captured runs of this model (never this capture's prompts)."""
+                      prompts: list, prices: PriceRequest | None = None) -> CalibrationStats:
+    """Statistics from other captured runs of this model (never this capture's prompts), with
+    adaptive budgets' prices where asked."""
     if not settings.calibration:
         raise CaptureError(f"--ranking {settings.ranking} needs --calibration RUN (a capture of "
                            f"other prompts under {out})")
@@ -187,7 +204,8 @@ def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path,
                                             {(settings.bench, p.prompt_id) for p in prompts})
     except CatalogError as exc:
         raise CaptureError(str(exc)) from exc
-    return calibrate(cal, lambda run: reader.tree_layers([run]), adapter, [settings.ranking])
+    return calibrate(cal, lambda run: reader.tree_layers([run]), adapter, [settings.ranking],
+                     prices=prices)
 
 
 _LOADED: dict[tuple, tuple] = {}  # the last (model, head) this process loaded, by what loaded it

@@ -247,7 +247,9 @@ BATCH_PROFILE_TABLES: dict[str, pa.Schema] = {
 WARMUP_PASSES = 1
 
 _REPLAY_KEY = _KEY + _STEP + [pa.field("ranking", pa.string()), pa.field("coverage", pa.string()),
-                              pa.field("budget", pa.int16())]
+                              pa.field("budget", pa.int16()),
+                              pa.field("budget_mode", pa.string()),  # policy.index.budget_mode
+                              pa.field("price", pa.float64())]  # adaptive: B̄'s λ; fixed: null
 
 # Replay results, partitioned like the traces plus config=<hash> (replay/run.py); the metric
 # columns are declared in catalog/replay_metrics.py

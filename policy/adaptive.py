@@ -197,6 +197,34 @@ def errors_at(curves: torch.Tensor, budgets: torch.Tensor, b_min: int) -> torch.
 Inputs = torch.Tensor | Mapping[str, torch.Tensor]  # a predictor's curves by metric name
 
 
+def predicted_errors(batch, keep: torch.Tensor, coverage, surrogate_ranked: torch.Tensor,
+                     predict) -> torch.Tensor:
+    """``ê [T, B]`` (float64; NaN where no surrogate ranked the tree-layer): the error a
+    ranking's surrogate predicts for its own shortlists ``keep [T, B, N]`` before any expert
+    loads,
+
+        ê = Σ_t ||Ô_t − Ô_t(S)||² / Σ_t ||Ô_t||²,   Ô_t = Σ_{i∈T_k(t)} g_i(t) Ê_i(h_t)
+
+    with ``Ô_t(S)`` the ``coverage`` policy's output over S (the same indices and weights rule
+    as RSE) on the predicted outputs ``Ê_i(h_t)`` that ``predict(batch, rows)`` attaches as the
+    rows' expert terms (:meth:`policy.rankings.sketch.Sketch.predicted`: each expert's residual
+    energy is a private direction, so ê is the error expected with uncorrelated residuals);
+    ``surrogate_ranked [T]``: where the ranking searched on its surrogate. Replay stores it as
+    ``predicted_rse``; :class:`SurrogateGain` prices budgets by it."""
+    out = torch.full(keep.shape[:2], float("nan"), dtype=torch.float64, device=keep.device)
+    rows = surrogate_ranked.to(keep.device).nonzero().flatten()
+    if predict is None or len(rows) == 0:
+        return out
+    for part_rows in rows.split(64):
+        part = predict(batch, part_rows)
+        shortlist = keep[part_rows].to(part.device)
+        idx, w = coverage.apply(part, shortlist)
+        sq = coverage.sq_errors(part, shortlist, idx, w)  # [R, B, M]
+        gold = part.terms.gold_sq[:, None, :].double().sum(-1)
+        out[part_rows] = (sq.sum(-1) / gold.clamp_min(1e-30)).to(out.device)
+    return out
+
+
 class Predictor(ABC):
     """Predicted gains ``Δ̂ [P, L, S]`` from runtime-legal curves ``[P, L, S + 1]`` over the
     ranking's shortlists at ``B = B_min .. B_max`` (``layers [L]``: the MoE layer of each

@@ -7,16 +7,24 @@ both apply in every MoE layer's router:
     ...                                               # the experts module runs routed.idx/weights
     budget.observe(loaded, executed)                  # after the pass (stateful rankings)
     budget.reset()                                    # before the next prompt
+
+An adaptive budget (:class:`AdaptiveBudget`, issue 63) is the same path: its ``route`` ranks the
+layer's shortlists at every B of ``B_min .. B_max``, predicts from the mass each excludes the
+gain of the next expert, and keeps loading while it exceeds the price λ calibrated for the mean
+budget B̄ (:class:`Prices`, :mod:`policy.adaptive`'s price rule), layers in pass order, under
+an optional cap on a pass's total. Open-loop replay applies the same :meth:`Prices.choose` to a
+batch of tree-layers at once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from moe_spec.policy.batch import RoutingBatch
 from moe_spec.policy.coverage import Coverage, experts_used
+from moe_spec.policy.prices import Prices
 from moe_spec.policy.rankings.base import Ranking, RankingError
 from moe_spec.policy.routing import RoutingRule
 
@@ -82,6 +90,44 @@ class Budget:
     def parts(self, rows: int) -> list[tuple[Budget, int, int]]:
         """Which budget routed which of a forward's ``rows`` tokens: all of them, this one."""
         return [(self, 0, rows)]
+
+
+@dataclass
+class AdaptiveBudget(Budget):
+    """A mean budget B̄ (``size``) spent by the price rule (:class:`Prices`) layer by layer in
+    each pass: every layer's shortlists at ``B_min .. B_max`` ranked, the mass each excludes
+    predicting the next expert's gain, the layer keeping its next expert while that gain exceeds
+    λ; a pass cap is tracked across the pass's layers (a layer at or before the last one routed
+    starts a new pass). ``chosen`` holds the pass's B per layer so far."""
+
+    prices: Prices | None = None
+    chosen: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.prices is None or self.size not in self.prices.prices:
+            raise ValueError(f"no calibrated price for a mean budget of {self.size}")
+        self._used: dict = {}
+        self._last = None
+
+    def route(self, layer, probs, idx, weights, rule, hidden=None):
+        if self._last is not None and layer <= self._last:  # a new pass
+            self._used, self.chosen = {}, {}
+        self._last = layer
+        batch = RoutingBatch.single(probs, idx, weights.float(), layer, rule,
+                                    None if hidden is None else hidden.float())
+        keep = self.ranking.shortlists(batch, self.coverage, self.prices.budgets)[0]  # [1, S+1, N]
+        chosen = self.prices.choose(self.prices.curves(batch, keep, self.coverage, self.ranking),
+                                    batch.layers, [self.size],
+                                    torch.zeros(1, dtype=torch.long), self._used)
+        self.chosen[layer] = int(chosen[0, 0])
+        keep = self.prices.pick(keep, chosen)[:, 0]  # [1, N]
+        new_idx, new_w = self.coverage.apply(batch, keep)
+        return Routed(new_idx[0], new_w[0], keep[0])
+
+    def reset(self) -> None:
+        super().reset()
+        self._used, self.chosen, self._last = {}, {}, None
 
 
 @dataclass

@@ -49,6 +49,9 @@ class ExpertModel(Protocol):
     def expert_outputs(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """``[M, H] → [M, N, H]`` float32 on the CPU."""
 
+    # adaptive budgets' price calibration (calibrate_prices) also reads top_k and the routing
+    # rule of layers ``[T]`` (batch_rule), as the MoE adapter gives them
+
 
 MEANS_VERSION = index.MEANS_VERSION  # part of a calibrated result's key (kept in the index)
 MAX_EXAMPLES = 4096  # calibration tree-layers the learned ranking trains on
@@ -376,15 +379,22 @@ def collect_runs(runs: list, read: Callable[[object], Iterable], model: ExpertMo
 
 
 
+PRICE_STEP = "moe_spec.policy.prices:calibrate_all"  # adaptive budgets' step (issue 63), named
+# like the inputs' steps (policy.index): policy.prices imports the rankings, which import this
+
+
 def calibrate(runs: list, read: Callable[[object], Iterable], model: ExpertModel, rankings,
-              saved: Callable[[object], object] | None = None) -> CalibrationStats:
+              saved: Callable[[object], object] | None = None,
+              prices=None) -> CalibrationStats:
     """The one calibration step, for replay and capture's online budget alike: the statistics
     of the calibration ``runs`` (:func:`collect_runs`, with the examples the ``rankings`` ask
     for), refused in one line when they learned nothing (:class:`CalibrationError`), then what
     each input the rankings read asks of a calibration (:func:`policy.index.calibration_steps`:
     the tree tokens' MoE inputs add the surrogate's sums), each step called as
     ``step(stats, runs, model, read)`` and returning the statistics to use. A ranking with a new
-    input declares it in its line; no caller names a ranking."""
+    input declares it in its line; no caller names a ranking. With ``prices`` (adaptive
+    budgets: a :class:`policy.prices.PriceRequest`), each ranking × coverage's price λ per mean
+    budget is calibrated on the same runs and kept in ``fitted`` (:data:`PRICE_STEP`)."""
     import importlib
     stats = collect_runs(runs, read, model, examples_for(tuple(rankings)), saved=saved)
     problem = empty_calibration(stats, runs)
@@ -393,4 +403,8 @@ def calibrate(runs: list, read: Callable[[object], Iterable], model: ExpertModel
     for step in index.calibration_steps(rankings):
         module, function = step.split(":")
         stats = getattr(importlib.import_module(module), function)(stats, runs, model, read)
+    if prices is not None:
+        module, function = PRICE_STEP.split(":")
+        getattr(importlib.import_module(module), function)(stats, runs, model, read, rankings,
+                                                           prices)
     return stats

@@ -292,3 +292,45 @@ def skip_reason(name: str, limit: int | None = None) -> str:
 
 def coverage_help() -> str:
     return "; ".join(f"{n}: {s}" for n, s in COVERAGES.items())
+
+
+# --- budget modes (issue 63): the key column ``budget_mode`` of every replay result row ---------
+FIXED = "fixed"  # the same B at every layer of every pass (and how rows stored before read)
+ADAPTIVE = "adaptive"  # the price rule of policy.adaptive, at a mean budget B̄
+CAP_SUFFIX = "+cap"  # with a hard cap on a pass's total
+# gain predictors of the adaptive mode by name, for the command lines without torch
+# (policy.adaptive.PREDICTORS owns them; tests/test_adaptive_replay.py checks the two agree)
+GAIN_PREDICTORS: dict[str, str] = {
+    "mass": "the router mass share of the ranking's next expert",
+    "calibrated": "that mass scaled per layer and budget to the error on the calibration run "
+                  "(every expert's output computed there)",
+    "surrogate": "the error the sketch family's surrogate predicts for the ranking's own "
+                 "shortlists (calibrated mass where none ran)",
+}
+
+
+def adapts(ranking: str) -> bool:
+    """Whether ``ranking`` can run adaptive budgets: it ranks every budget B_min..N of a layer
+    at once (no budget-limited search, no state kept per budget)."""
+    entry = RANKINGS[ranking]
+    return entry.subset_limit is None and \
+        not {"executed_outputs", "executed_output_vectors"} & entry.needs()
+
+
+def budget_mode(predictor: str | None = None, cap: bool = False) -> str:
+    """``fixed``, or ``adaptive:<predictor>`` (``+cap`` with a pass cap)."""
+    if predictor is None:
+        return FIXED
+    return f"{ADAPTIVE}:{predictor}" + (CAP_SUFFIX if cap else "")
+
+
+def budget_mode_parts(mode: str | None) -> tuple[str | None, bool]:
+    """``(predictor, capped)`` of a budget mode name (None: fixed, as a missing one reads)."""
+    if mode in (None, FIXED):
+        return None, False
+    kind, _, rest = mode.partition(":")
+    capped = rest.endswith(CAP_SUFFIX)
+    predictor = rest.removesuffix(CAP_SUFFIX)
+    if kind != ADAPTIVE or predictor not in GAIN_PREDICTORS:
+        raise ValueError(f"unknown budget mode {mode!r}")
+    return predictor, capped

@@ -27,6 +27,8 @@ replay --ranking static router oracle coact --budget sweep --calibration cal
 replay --mode closed --ranking router --budget 16,32,48 --threads 4
 replay --mode closed --ranking router sqmass --budget 16,32 --batch-size 8   # one shortlist per pass
 replay --config sweep.toml --output summary.csv     # every summary row (.json, .csv, .parquet)
+replay --ranking router --budget 4,8,16 --budget-mode adaptive --calibration cal   # mean budgets B̄
+replay --mode closed --ranking router --budget 8 --budget-mode adaptive --pass-cap 1.25 --calibration cal
 """
 
 
@@ -56,7 +58,24 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--coverage", default="both", choices=(*index.COVERAGES, "both"),
                    help=index.coverage_help() + "; both: one result per policy")
     p.add_argument("--budget", default="24",
-                   help="24, a list 8,16,32, a range 8:56:8 or sweep (the paper's grid for N)")
+                   help="24, a list 8,16,32, a range 8:56:8 or sweep (the paper's grid for N); "
+                        "with --budget-mode adaptive: mean budgets B̄ per layer")
+    p.add_argument("--budget-mode", default=index.FIXED, choices=(index.FIXED, index.ADAPTIVE),
+                   help="fixed: B experts at every layer of every pass; adaptive: each layer "
+                        "gets its own B in [B_min, N] (B_min: 1 under truncation, k under "
+                        "substitution), loading the ranking's next expert while its predicted "
+                        "gain exceeds a price λ calibrated on --calibration (needed) so the "
+                        "mean over its tree-layers is B̄; results keyed budget_mode "
+                        "adaptive:<predictor>[+cap], the rows' budget is B̄, experts_loaded what "
+                        "was loaded (default: %(default)s)")
+    p.add_argument("--gain-predictor", default=None, choices=tuple(index.GAIN_PREDICTORS),
+                   help="adaptive: what predicts the next expert's gain, from the router mass "
+                        "each shortlist excludes: "
+                        + "; ".join(f"{n}: {d}" for n, d in index.GAIN_PREDICTORS.items())
+                        + " (default: mass)")
+    p.add_argument("--pass-cap", type=float, default=None, metavar="F",
+                   help="adaptive: a hard cap on each verification pass's total, F·B̄·L experts "
+                        "(F > 1; layers in order, later ones keep B_min; default: no cap)")
     p.add_argument("--layers", default=None, help="comma-separated decoder layers (default all)")
     p.add_argument("--calibration", nargs="+", default=[],
                    help="runs (under --traces) that static counts and coact statistics are "
@@ -139,6 +158,38 @@ def load_dtype(option: str, runs: list) -> str:
     return str(runs[0].manifest.get("dtype") or "auto").removeprefix("torch.")
 
 
+def check_budget_mode(args) -> None:
+    """Before any work: what ``--budget-mode adaptive`` needs (a calibration run, rankings that
+    can rank every budget at once, one process) and flags that only it takes; sets
+    ``args.budget_mode_name`` (the results' ``budget_mode``)."""
+    from moe_spec.replay.plan import ReplayError
+    adaptive = args.budget_mode == index.ADAPTIVE
+    if not adaptive:
+        for flag, value in (("--gain-predictor", args.gain_predictor),
+                            ("--pass-cap", args.pass_cap)):
+            if value is not None:
+                raise ReplayError(f"{flag} is for adaptive budgets; add --budget-mode adaptive")
+        args.budget_mode_name = index.FIXED
+        return
+    if not args.calibration:
+        raise ReplayError("--budget-mode adaptive needs --calibration RUN: the price λ of each "
+                          "mean budget is calibrated there (captured on other prompts)")
+    if args.pass_cap is not None and not args.pass_cap > 1:
+        raise ReplayError(f"--pass-cap {args.pass_cap:g} must be above 1 (a pass's total "
+                          "≤ F·B̄·L; at 1 every pass spends exactly B̄·L, the first layers "
+                          "taking all they want and the last ones B_min)")
+    if args.workers or args.ray_address:
+        raise ReplayError("--budget-mode adaptive runs in one process; drop --workers/"
+                          "--ray-address")
+    bad = [r for r in args.ranking if not index.adapts(r)]
+    if bad:
+        raise ReplayError(f"--budget-mode adaptive ranks every budget B_min..N of a layer at "
+                          f"once; {', '.join(bad)} cannot (a budget-limited search or one state "
+                          "per budget); pick other rankings")
+    args.gain_predictor = args.gain_predictor or "mass"
+    args.budget_mode_name = index.budget_mode(args.gain_predictor, args.pass_cap is not None)
+
+
 def check_outputs(args) -> None:
     """Before any work: ``--out`` (a results root) is the traces root itself or outside it,
     never a folder inside it (its results would sit among the run's files); ``--output`` is a
@@ -182,6 +233,7 @@ def preflight(args):
         raise ReplayError("--batch-size with --workers/--ray-address is not supported: a batch's "
                           "prompts are replayed together in one process; drop --workers")
     check_outputs(args)
+    check_budget_mode(args)
     try:
         layers = tuple(int(x) for x in args.layers.split(",")) if args.layers else None
     except ValueError:
@@ -370,7 +422,14 @@ def compute(args, planned: Planned, coverages) -> Computed:
     console.threads.apply(args.threads)  # torch's pools
     from moe_spec.moe import models
     from moe_spec.moe.adapter import MoEAdapter
-    from moe_spec.replay.run import ReplayError, ReplayRequest, calibration_stats, parse_budgets, replay
+    from moe_spec.replay.run import (
+        ReplayError,
+        ReplayRequest,
+        calibration_stats,
+        parse_budgets,
+        price_request,
+        replay,
+    )
     models.quiet_transformers()
     catalog, runs, layers = planned.catalog, planned.runs, planned.layers
     model = runs[0].model
@@ -386,7 +445,8 @@ def compute(args, planned: Planned, coverages) -> Computed:
             budgets = parse_budgets(args.budget, adapter.num_experts)
             check_request(args, budgets, coverages, adapter.top_k)
             request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers,
-                                    args.mode, args.batch_size, args.batch_seed)
+                                    args.mode, args.batch_size, args.batch_seed,
+                                    args.budget_mode_name, args.pass_cap)
         for layer in layers or ():
             adapter.layer(layer)
         stats, cal = None, []
@@ -394,7 +454,8 @@ def compute(args, planned: Planned, coverages) -> Computed:
             stats, cal = calibration_stats(catalog, args.calibration, model, runs, adapter,
                                            progress=not args.no_progress,
                                            rankings_used=tuple(args.ranking),
-                                           resolved=planned.calibration)
+                                           resolved=planned.calibration,
+                                           prices=price_request(request))
         outcome = replay(catalog, runs, adapter, request, stats, cal, args.out or args.traces,
                          device=loaded.device, progress=not args.no_progress,
                          max_batch=args.chunk_tree_layers, workers=args.workers,
@@ -443,7 +504,8 @@ def plan_request(args, coverages: tuple[str, ...]) -> Planned:
     if budgets is not None and k is not None:  # N and k from the manifests
         found.n, found.k = n, k
         found.request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets),
-                                           layers, args.mode, args.batch_size, args.batch_seed)
+                                           layers, args.mode, args.batch_size, args.batch_seed,
+                                           args.budget_mode_name, args.pass_cap)
         dtype = key_dtype(args, runs)
         if dtype is not None:
             found.plan = plan.manifest_plan(catalog, runs, found.request, calibration,
@@ -495,6 +557,11 @@ def print_outcome(args, planned: Planned, done: Computed, coverages):
             continue
         print("\n".join(summary_lines(mine, request.mode, [run], list(args.ranking),
                                        list(coverages))))
+    adaptive = frame is not None and request.budget_mode != index.FIXED
+    if adaptive and "experts_loaded" in frame.columns:  # the achieved mean, held out
+        for row in frame.sort("ranking", "coverage", "budget").to_dicts():
+            print(f"{row['ranking']}, {row['coverage']}, B̄ {row['budget']}: mean experts loaded "
+                  f"{row['experts_loaded']:.3f} per tree-layer")
     variants = sorted({plan.variant_text(u.unit) for u in outcome.units})
     if variants:
         print("variants: " + "; ".join(variants))
@@ -522,6 +589,7 @@ def result_payload(args, planned: Planned, done: Computed, coverages, frame, thr
     """The machine-readable result (``--output``)."""
     outcome, loaded = done.outcome, done.loaded
     return {"tool": "replay", "mode": args.mode, "batch_size": args.batch_size,
+            "budget_mode": args.budget_mode_name, "pass_cap": args.pass_cap,
             "batch_seed": args.batch_seed, "traces": str(args.traces),
             "model": planned.runs[0].model, "runs": [r.name for r in planned.runs],
             "calibration": list(args.calibration), "rankings": list(args.ranking),

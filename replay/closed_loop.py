@@ -53,9 +53,11 @@ from moe_spec.eagle import acceptance, batched, verify
 from moe_spec.eagle.tree import DraftTree
 from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.moe.recorder import VerifyRecorder
-from moe_spec.policy.budget import Budget, BudgetGroups
+from moe_spec.policy import index
+from moe_spec.policy.budget import AdaptiveBudget, Budget, BudgetGroups
 from moe_spec.policy.calibration import CalibrationStats
 from moe_spec.policy.coverage import Coverage
+from moe_spec.policy.prices import Prices
 from moe_spec.policy.rankings import Ranking
 
 TREES_PER_FORWARD = 32  # a pass is re-verified under several (ranking, budget) cells at once:
@@ -71,10 +73,14 @@ class ClosedTask:
     coverage: Coverage
     calibration: CalibrationStats | None
     budgets: dict[int, Budget] = field(default_factory=dict)
+    budget_mode: str = index.FIXED  # every row's budget_mode (policy.index.budget_mode)
+    prices: Prices | None = None  # adaptive: the calibrated price rule; budgets are means B̄
 
     def budget(self, size: int) -> Budget:
         if size not in self.budgets:
-            self.budgets[size] = Budget(size, self.ranking().fit(self.calibration), self.coverage)
+            ranking = self.ranking().fit(self.calibration)
+            self.budgets[size] = Budget(size, ranking, self.coverage) if self.prices is None \
+                else AdaptiveBudget(size, ranking, self.coverage, prices=self.prices)
         return self.budgets[size]
 
 
@@ -206,6 +212,8 @@ def replay_group(run: Run, prompts: list[int], pass_of: Callable[[int, int], int
                     rows[i].append(dict(
                         prompt_index=state.index, prompt_id=state.id, step=t["step"],
                         ranking=task.ranking.name, coverage=task.coverage.name, budget=b,
+                        budget_mode=task.budget_mode,
+                        price=None if task.prices is None else task.prices.prices[b],
                         batch_pass=number, trees=len(members),
                         **tree_metrics(acceptance.accept_greedy(tree, mine), refs[j],
                                        state.by_step[t["step"]][1], t["accepted_length"],

@@ -27,7 +27,9 @@ from moe_spec.catalog import location, replay_metrics, schema
 from moe_spec.catalog.results import Block, UnitResults
 from moe_spec.catalog.runs import Run
 from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy import index
 from moe_spec.policy.coverage import Coverage
+from moe_spec.policy.prices import Prices
 from moe_spec.policy.rankings import Ranking
 from moe_spec.replay import open_loop
 from moe_spec.replay.open_loop import Slice, Stream
@@ -44,6 +46,8 @@ class Task:
     done: set[int] = field(default_factory=set)  # prompts already written
     stream: Stream = field(default_factory=Stream)
     rows: dict[int, list[dict]] = field(default_factory=dict)  # prompt -> column blocks
+    budget_mode: str = index.FIXED  # every row's budget_mode (policy.index.budget_mode)
+    prices: Prices | None = None  # adaptive: the calibrated price rule; budgets are means B̄
 
 
 def batch_size(m: int, n: int, h: int, budget_bytes: int = WORK_BYTES) -> int:
@@ -76,12 +80,21 @@ def columns(keys: dict, task: Task, budgets: list[int], m: dict, table: str = OP
         prompt_id=list(rep(keys["prompt_id"])),
         step=rep(keys["step"]).astype(np.int32), layer=rep(keys["layer"]).astype(np.int16),
         ranking=[task.ranking.name] * (t * nb), coverage=[task.coverage.name] * (t * nb),
-        budget=np.tile(np.asarray(budgets, np.int16), t), **metric_columns)
+        budget=np.tile(np.asarray(budgets, np.int16), t), **metric_columns,
+        price=list(np.tile(np.asarray(price_column(task, budgets), dtype=object), t)))
     for name in sch.names:
         if name not in out:
-            value = rep(keys[name]) if name in keys else np.full(t * nb, (constants or {})[name])
+            given = {"budget_mode": getattr(task, "budget_mode", index.FIXED), **(constants or {})}
+            value = rep(keys[name]) if name in keys else np.full(t * nb, given[name])
             out[name] = value.astype(sch.field(name).type.to_pandas_dtype())
     return out
+
+
+def price_column(task, budgets: list[int]) -> list[float | None]:
+    """The ``price`` of each budget's rows: an adaptive task's calibrated λ of that mean budget,
+    None (null) for fixed budgets."""
+    prices = getattr(task, "prices", None)
+    return [None if prices is None else prices.prices[b] for b in budgets]
 
 
 def blocks_to_table(blocks: list[dict], table: str) -> pa.Table:
@@ -179,9 +192,15 @@ class OpenLoopEngine:
                 continue
             rows = torch.as_tensor(np.flatnonzero(want), device=self.device)
             sub = batch if bool(want.all()) else batch.take(rows)
-            keep, budgets = open_loop.shortlists(task.ranking, sub, task.coverage,
-                                                 task.block.budgets, prompts_t[rows],
-                                                 steps_t[rows], task.stream)
+            if task.prices is None:
+                keep, budgets = open_loop.shortlists(task.ranking, sub, task.coverage,
+                                                     task.block.budgets, prompts_t[rows],
+                                                     steps_t[rows], task.stream)
+            else:  # the price rule's shortlist per tree-layer; rows keyed by the mean B̄
+                budgets = task.block.budgets
+                keep = open_loop.adaptive_shortlists(task.ranking, sub, task.coverage, budgets,
+                                                     task.prices, prompts_t[rows],
+                                                     steps_t[rows], task.stream)
             m = open_loop.metrics(sub, keep, task.coverage, task.ranking.surrogate_ranked(sub),
                                   task.ranking.predicted)
             sel = {k: v[want] for k, v in keys.items()}

@@ -29,8 +29,10 @@ import torch
 from moe_spec.catalog.reader import PromptTreeLayers
 from moe_spec.errors import UserError
 from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy.adaptive import predicted_errors
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch, combine, pair_index
 from moe_spec.policy.coverage import Coverage, experts_used
+from moe_spec.policy.prices import Prices, excluded_mass
 from moe_spec.policy.rankings import Ranking
 from moe_spec.policy.rankings.base import batch_shortlists
 
@@ -185,8 +187,7 @@ def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
     ratio = sq.sqrt() / gold_sq.sqrt().clamp_min(1e-30)
     real = batch.mask[:, None, :]
     token = (ratio * real).sum(-1) / real.sum(-1)
-    s = batch.mass()[:, None, :]  # [T, 1, N]
-    excluded = (s * ~keep).sum(-1) / s.sum(-1)
+    excluded = excluded_mass(batch, keep)
     loaded = experts_used(idx, w * real[..., None], batch.n).sum(-1)
     unique = batch.union().sum(-1)[:, None].expand_as(loaded)
     if surrogate_ranked is None:
@@ -201,31 +202,14 @@ def predicted_rse(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
                   surrogate_ranked: torch.Tensor,
                   predict: Callable[[RoutingBatch, torch.Tensor], RoutingBatch] | None
                   ) -> torch.Tensor:
-    """``ê [T, B]`` (float64; NaN, stored as null, where no surrogate ranked the tree-layer):
-    the error the ranking's surrogate predicts for its own shortlists, before any expert loads,
-
-        ê = Σ_t ||Ô_t − Ô_t(S)||² / Σ_t ||Ô_t||²,   Ô_t = Σ_{i∈T_k(t)} g_i(t) Ê_i(h_t)
-
-    with ``Ô_t(S)`` the coverage policy's output over S (the same indices and weights rule as
-    RSE) on the predicted outputs ``Ê_i(h_t)`` that ``predict(batch, rows)`` attaches as the
-    rows' expert terms (:meth:`policy.rankings.sketch.Sketch.predicted`: each expert's residual
-    energy is a private direction, so ê is the error expected with uncorrelated residuals).
-    The runtime-legal error curve :class:`policy.adaptive.SurrogateGain` prices budgets by. (A
-    ranking that refits its surrogate per budget during the prompt, sketch-post, predicts here
-    with its calibration surrogate: ``predict`` is the replayed instance's, not each budget's
-    stream's.)"""
-    out = torch.full(keep.shape[:2], float("nan"), dtype=torch.float64, device=keep.device)
-    rows = surrogate_ranked.to(keep.device).nonzero().flatten()
-    if predict is None or len(rows) == 0:
-        return out
-    for part_rows in rows.split(64):
-        part = predict(batch, part_rows)
-        shortlist = keep[part_rows].to(part.device)
-        idx, w = coverage.apply(part, shortlist)
-        sq = coverage.sq_errors(part, shortlist, idx, w)  # [R, B, M]
-        gold = part.terms.gold_sq[:, None, :].double().sum(-1)
-        out[part_rows] = (sq.sum(-1) / gold.clamp_min(1e-30)).to(out.device)
-    return out
+    """``ê [T, B]`` (NaN, stored as null, where no surrogate ranked the tree-layer): the error
+    the ranking's surrogate predicts for its own shortlists before any expert loads,
+    ``Σ_t ||Ô_t − Ô_t(S)||² / Σ_t ||Ô_t||²`` on predicted outputs (the formula's one owner:
+    :func:`policy.adaptive.predicted_errors`, which the product's adaptive budgets read at run
+    time too). (A ranking that refits its surrogate per budget during the prompt, sketch-post,
+    predicts here with its calibration surrogate: ``predict`` is the replayed instance's, not
+    each budget's stream's.)"""
+    return predicted_errors(batch, keep, coverage, surrogate_ranked, predict)
 
 
 @dataclass
@@ -236,6 +220,25 @@ class Stream:
     prompt: int | None = None
     per_budget: dict[int, Ranking] = field(default_factory=dict)
     starts: dict[str, Stream] = field(default_factory=dict)  # the oracle's stateful starts
+    used: dict = field(default_factory=dict)  # adaptive budgets with a pass cap: experts each
+    # pass's earlier layers loaded (a pass may span batches)
+
+
+def adaptive_shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage,
+                        means: list[int], prices: Prices, prompts: torch.Tensor,
+                        steps: torch.Tensor, stream: Stream) -> torch.Tensor:
+    """``keep [T, len(means), N]`` of adaptive budgets at mean budgets ``means``: per tree-layer
+    the ranking's shortlists at every B of ``B_min .. B_max`` (:func:`shortlists`), the router
+    mass each excludes, the price rule's ``B_l`` from the predicted gains
+    (:meth:`policy.prices.Prices.choose`; with a pass cap, each (prompt, step) a pass, carried
+    across batches in ``stream``) and the shortlist at ``B_l``. Batched over the tree-layers."""
+    keep, _ = shortlists(ranking, batch, coverage, prices.budgets, prompts, steps, stream)
+    passes = prompts.long() * (1 << 32) + steps.long()
+    present = set(passes.unique().tolist())  # only a pass of this batch can go on in the next
+    stream.used = {p: u for p, u in stream.used.items() if p in present}
+    chosen = prices.choose(prices.curves(batch, keep, coverage, ranking), batch.layers, means,
+                           passes, stream.used)
+    return prices.pick(keep, chosen)
 
 
 def shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage, budgets: list[int],

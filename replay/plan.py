@@ -74,6 +74,8 @@ class ReplayRequest:
     mode: ReplayMode | str = "open"  # a mode object, or its --mode name
     batch_size: int = 1  # > 1: one shortlist per (virtual) batch pass (replay.virtual_batch)
     batch_seed: int = 0  # how b = 1 runs' prompts are grouped into virtual batches
+    budget_mode: str = index.FIXED  # or adaptive:<predictor>[+cap]: budgets are means B̄
+    pass_cap: float | None = None  # adaptive with a cap: a pass's total ≤ cap · B̄ · L
 
     def __post_init__(self):
         object.__setattr__(self, "mode", modes.batched(self.mode, self.batch_size,
@@ -92,8 +94,8 @@ class ReplayOutcome:
     start_seconds: float = 0.0  # of which: starting Ray actors and loading their models
 
 
-UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size")
-SIDE_BY_SIDE = ("batch_seed", "token_aware_starts", "dtype")  # variants of one definition,
+UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size", "budget_mode")
+SIDE_BY_SIDE = ("batch_seed", "token_aware_starts", "dtype", "pass_cap")  # variants of one definition,
 # kept together (the views choose one a cell: analysis.sql); the rest of a key is versions: a
 # unit of a newer one supersedes every older unit of the same identity, whatever its variant
 
@@ -109,15 +111,18 @@ def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,
 
 
 def unit_key(mode: ReplayMode | str, ranking: str, coverage: str, calibration: list[Run],
-             dtype: str = "float32", surrogate_sums: bool = False) -> dict:
+             dtype: str = "float32", surrogate_sums: bool = False,
+             budget_mode: str = index.FIXED, pass_cap: float | None = None) -> dict:
     """What makes results comparable; calibration only where the ranking uses it, with the
     version of how statistics become means (results of an older definition are not reused),
     and the dtype the model was loaded in where it is not float32 (weights rounded to bf16 give
     other numbers); for a ranking with ``token_aware_starts`` (the oracle), whether the
     calibration carried the surrogate's sums (``surrogate_sums``:
     :func:`policy.index.surrogate_sums` of the rankings replayed together), so that it started
-    from the token-aware rankings too. The ranking's facts come from its line in
-    :mod:`policy.index`."""
+    from the token-aware rankings too. An adaptive ``budget_mode`` (its price λ calibrated on
+    the calibration runs, whatever the ranking) adds the mode, the calibration and any
+    ``pass_cap``; fixed budgets leave the key as it was (results stored before the budget mode
+    existed are fixed). The ranking's facts come from its line in :mod:`policy.index`."""
     entry = index.RANKINGS[ranking]
     mode = modes.get(mode)
     key = dict(mode=mode.name, ranking=ranking, coverage=coverage, calibration=[],
@@ -129,6 +134,11 @@ def unit_key(mode: ReplayMode | str, ranking: str, coverage: str, calibration: l
                    means=index.MEANS_VERSION)
         if entry.token_aware_starts and surrogate_sums:
             key["token_aware_starts"] = True
+    if budget_mode != index.FIXED:
+        key.update(budget_mode=budget_mode,
+                   calibration=sorted([r.name, r.run_id] for r in calibration))
+        if pass_cap is not None:
+            key["pass_cap"] = pass_cap
     dtype = str(dtype).removeprefix("torch.")
     if dtype != "float32":
         key["dtype"] = dtype
@@ -219,6 +229,9 @@ def variant_text(unit: dict) -> str:
         words.append(f"model in {unit['dtype']}")
     if unit.get("batch_size", 1) > 1:
         words.append(f"batches of {unit['batch_size']} (seed {unit.get('batch_seed', 0)})")
+    if unit.get("budget_mode", index.FIXED) != index.FIXED:
+        words.append(f"budgets {unit['budget_mode']}" + (
+            f" (pass cap {unit['pass_cap']:g}·B̄·L)" if unit.get("pass_cap") else ""))
     return ", ".join(words)
 
 
@@ -326,14 +339,15 @@ def plan(catalog: Catalog, runs: list[Run], request: ReplayRequest, calibration:
                 unit for name in request.rankings for cov_name in request.coverages
                 if (unit := plan_unit(catalog, out, run, mode, mode.cell_layers(run_layers),
                                       name, cov_name, request.budgets, calibration, n, k, dtype,
-                                      outcome, sums)) is not None]))
+                                      outcome, sums, request)) is not None]))
     return ReplayPlan(request, calibration, out, found, outcome,
                       (n, k, list(layers), str(dtype).removeprefix("torch.")))
 
 
 def plan_unit(catalog: Catalog, out: Path, run: Run, mode: ReplayMode, cell_layers, name: str,
               cov_name: str, budgets, calibration: list[Run], n: int, k: int, dtype: str,
-              outcome: ReplayOutcome, surrogate_sums: bool = False) -> UnitPlan | None:
+              outcome: ReplayOutcome, surrogate_sums: bool = False,
+              request: ReplayRequest | None = None) -> UnitPlan | None:
     """One ranking × coverage of ``run`` (None when it evaluates no budget asked for)."""
     budgets = [b for b in budgets if b >= index.min_budget(cov_name, k)]
     skip = index.skipped_budgets(name, n, budgets)
@@ -342,8 +356,9 @@ def plan_unit(catalog: Catalog, out: Path, run: Run, mode: ReplayMode, cell_laye
     budgets = [b for b in budgets if b not in skip]
     if not budgets:
         return None
+    adaptive = dict(budget_mode=request.budget_mode, pass_cap=request.pass_cap) if request else {}
     unit = UnitResults(out, mode.table, run, unit_key(mode, name, cov_name, calibration, dtype,
-                                                      surrogate_sums))
+                                                      surrogate_sums, **adaptive))
     wanted = {(layer, b) for layer in (cell_layers or [None]) for b in budgets}
     done = set().union(*(b.cells() for b in unit.complete_blocks()))
     other = stored_calibrated(catalog, out, run, unit, name, calibration, wanted, done)

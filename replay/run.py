@@ -29,7 +29,9 @@ from moe_spec.catalog.results import UnitResults
 from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 from moe_spec.moe.adapter import MoEAdapter
 from moe_spec.policy import coverage, rankings
+from moe_spec.policy import index
 from moe_spec.policy.calibration import CalibrationStats, calibrate
+from moe_spec.policy.prices import PriceRequest, prices_for
 from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
 from moe_spec.replay.engine import OpenLoopEngine
 from moe_spec.replay.plan import (  # noqa: F401 - (re-exported: what a replay asks, decided without torch)
@@ -83,19 +85,31 @@ def saved_stats_path(catalog: Catalog, run: Run, weights: str):
         f"{key}.safetensors"
 
 
+def price_request(request: ReplayRequest) -> PriceRequest | None:
+    """What an adaptive ``request`` asks of the calibration step (None: fixed budgets): the
+    price λ of each mean budget it replays, per coverage."""
+    predictor, _ = index.budget_mode_parts(request.budget_mode)
+    if predictor is None:
+        return None
+    return PriceRequest(predictor, tuple(request.budgets), tuple(request.coverages),
+                        request.pass_cap)
+
+
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
                       adapter: MoEAdapter, progress: bool, rankings_used: tuple[str, ...] = (),
-                      resolved: list[Run] | None = None) -> tuple[CalibrationStats, list[Run]]:
+                      resolved: list[Run] | None = None,
+                      prices: PriceRequest | None = None) -> tuple[CalibrationStats, list[Run]]:
     """Statistics from the named calibration runs (never sharing a prompt with ``evaluated``),
     each run collected once per process (:func:`policy.calibration.collect_runs`); ``resolved``:
-    those runs, already found and checked by the caller (the CLI resolves them once)."""
+    those runs, already found and checked by the caller (the CLI resolves them once);
+    ``prices``: adaptive budgets' price λ calibrated on them too."""
     cal = resolved if resolved is not None else catalog.calibration_runs(
         names, model, set().union(*(r.prompt_keys() for r in evaluated)))
     read = lambda run: tqdm(reader.tree_layers([run]), desc=f"calibration {run.name}",  # noqa: E731
                             unit="tree-layer", disable=True if not progress else None)
     weights = expert_weights_digest(adapter)  # once for every calibration run
     stats = calibrate(cal, read, adapter, rankings_used,
-                      saved=lambda run: saved_stats_path(catalog, run, weights))
+                      saved=lambda run: saved_stats_path(catalog, run, weights), prices=prices)
     return stats, cal
 
 
@@ -221,6 +235,7 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
     request, outcome = planned.request, planned.outcome
     mode = request.mode
     tasks = []
+    prices = price_request(request)
     for unit_plan in run_plan.units:
         if unit_plan.answered_by is not None:
             outcome.units.append(unit_plan.answered_by)
@@ -238,11 +253,27 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
             atomic.write_via(saved, cls().fit(stats).save)
         todo = unit.plan(mode.cell_layers(run_plan.layers), unit_plan.budgets)
         for block in todo:
-            tasks.append(mode.task(unit, block, cls, cover, stats))
+            task = mode.task(unit, block, cls, cover, stats)
+            if prices is not None:  # adaptive: budgets are means B̄, each with its price λ
+                task.budget_mode = request.budget_mode
+                task.prices = prices_for(stats, unit_plan.ranking, unit_plan.coverage,
+                                         prices).for_layers(run_plan.layers)
+            tasks.append(task)
         if todo:
             outcome.notes += new_variant_notes(planned.out, run_plan.run, unit, cls,
                                                planned.calibration)
+            if prices is not None:
+                outcome.notes.append(price_note(unit_plan, tasks[-1].prices))
     return tasks
+
+
+def price_note(unit_plan, prices) -> str:
+    """One line: the calibrated price λ of each mean budget and the mean B the rule gave on the
+    calibration run itself (the held-out mean is the rows' ``experts_loaded``)."""
+    cells = ", ".join(f"B̄ {m}: λ {prices.prices[m]:.4g} (mean {prices.achieved[m]:.2f})"
+                      for m in sorted(prices.prices) if m in unit_plan.budgets)
+    return (f"{unit_plan.ranking}, {unit_plan.coverage}: price per mean budget, calibrated on "
+            f"the calibration run: {cells}")
 
 
 def check_starts(unit: UnitResults, cls, stats) -> None:

@@ -251,3 +251,24 @@ def test_matched_error_interpolates_the_experts_each_curve_needs(bench):
     assert saved["adaptive"] == pytest.approx(1 - (10 / 3) / 4)
     assert saved["oracle_fixed"] == pytest.approx(0.5) and saved["oracle_fixed_bound"]
     assert bench.matched_savings(cells, router, 5) == {}
+
+
+def test_adaptive_budgets_read_the_surrogate_curve_replay_stores():
+    """The product's price rule reads the surrogate's curve at run time (policy.prices) as
+    open-loop replay stores it: one formula, the same numbers, NaN where no surrogate ran."""
+    from moe_spec.policy import prices
+    model = linear_model()
+    rule = RoutingRule(K, renormalize=True)
+    sketch = fitted_sketch(model, rule)
+    batch = evaluation_batch(model, rule)
+    cov = coverage.get("substitution")
+    keep = prefix_masks(torch.argsort(batch.mass(), -1, descending=True), [3, 4, 5], N)
+    found = prices.runtime_curves(adaptive.predictor("surrogate"), batch, keep, cov, sketch)
+    stored = open_loop.metrics(batch, keep, cov, sketch.surrogate_ranked(batch),
+                               sketch.predicted)
+    assert torch.allclose(found[adaptive.PREDICTED], stored["predicted_rse"])
+    assert torch.allclose(found[adaptive.MASS], stored["mass_excluded"].double())
+    blind = prices.runtime_curves(adaptive.predictor("surrogate"), batch, keep, cov,
+                                  SimpleNamespace(surrogate_ranked=lambda b: torch.zeros(
+                                      b.size, dtype=torch.bool), predicted=None))
+    assert torch.isnan(blind[adaptive.PREDICTED]).all()

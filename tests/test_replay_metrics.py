@@ -33,9 +33,9 @@ from moe_spec.replay.cli import parser, summary_lines
 # version with its own FINGERPRINTS line in catalog/replay_metrics.py)
 RELEASED = {(OPEN_TABLE, 1): "8f953f9016955a70", (CLOSED_TABLE, 1): "5b7c7fb80a18f8ed"}
 KEY_COLUMNS = {OPEN_TABLE: ["prompt_index", "prompt_id", "step", "layer", "ranking", "coverage",
-                            "budget"],
+                            "budget", "budget_mode", "price"],
                CLOSED_TABLE: ["prompt_index", "prompt_id", "step", "ranking", "coverage",
-                              "budget"]}
+                              "budget", "budget_mode", "price"]}
 
 
 @pytest.mark.parametrize("table", [OPEN_TABLE, CLOSED_TABLE])
@@ -119,7 +119,7 @@ def test_closed_loop_produces_exactly_the_declared_metrics():
     same = closed_loop.tree_metrics(ref, ref, [0, 1, 3], 4, ref_logits, ref_logits, ref_logp, [2])
     assert same["path_unchanged"] is True and same["mean_kl"] == pytest.approx(0, abs=1e-6)
     full = dict(prompt_index=0, prompt_id="p", step=0, ranking="router", coverage="truncation",
-                budget=4, **row)
+                budget=4, budget_mode="fixed", price=0.0, **row)
     table = pa.Table.from_pylist([full], schema=schema.REPLAY_TABLES[CLOSED_TABLE])
     assert all(table.column(c).null_count == 0 for c in table.column_names)
 
