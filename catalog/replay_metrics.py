@@ -127,6 +127,9 @@ OPEN_METRICS = (  # per (tree, layer, ranking, coverage, budget)
     Metric("surrogate_ranked", pa.bool_(), "S searched on a surrogate's predicted outputs "
            "Ê_i(h_t) (the sketch family where it ran it; sketch-gated: novelty ≤ its "
            "threshold); the view's mean: the share of tree-layers", view="surrogate_share"),
+    Metric("predicted_rse", pa.float64(), "ê = Σ_t ||Ô_t − Ô_t(S)||² / Σ_t ||Ô_t||² on the "
+           "surrogate's predicted outputs Ê_i(h_t) (null where none ran)", summary=False,
+           view=None),
 )
 CLOSED_METRICS = (  # per (tree, ranking, coverage, budget)
     Metric("accepted_length", pa.int16(), "τ under the budget (drafts + bonus)",
@@ -140,8 +143,9 @@ CLOSED_METRICS = (  # per (tree, ranking, coverage, budget)
     Metric("experts_loaded", pa.list_(pa.int16()), "experts loaded, per MoE layer",
            summary=False),
 )
-# layout 2 of the open-loop tables: surrogate_ranked, where the sketch family ran its surrogate
-OPEN_LAYOUTS = ("8f953f9016955a70", "b25a0cbb1260cbd3")
+# layout 2 of the open-loop tables: surrogate_ranked, where the sketch family ran its surrogate;
+# 3: predicted_rse, the surrogate's own error curve (issue 63)
+OPEN_LAYOUTS = ("8f953f9016955a70", "b25a0cbb1260cbd3", "00ea52481e541a9b")
 CLOSED_LAYOUTS = ("5b7c7fb80a18f8ed",)
 _BATCH_SIZE = pa.field("batch_size", pa.int16())  # b asked (virtual or captured)
 _TREES = pa.field("trees", pa.int16())  # trees verified in the pass (≤ b)

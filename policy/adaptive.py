@@ -25,7 +25,18 @@ B̄ only in expectation, so the achieved mean is measured, never assumed.
 Predicted gains Δ̂ (:data:`PREDICTORS`) use runtime-legal quantities only: the router's mass
 excluded by the ranking's shortlist at each B, ``m(B) = Σ_{i∉S_B} s_i / Σ_i s_i`` (known once
 the router has run, before any expert loads), and, for ``calibrated``, per-layer ratios learned
-on the calibration run.
+on the calibration run; ``surrogate`` reads the sketch family's own predicted error curve
+``ê(B) = Σ_t ||Ô_t − Ô_t(S_B)||² / Σ_t ||Ô_t||²`` on predicted outputs ``Ê_i(h_t)`` (replay's
+``predicted_rse``). Each predictor declares which of these it reads (:attr:`Predictor.reads`).
+
+**B_min.** 1 under truncation, k under substitution (:func:`policy.index.min_budget`, the rule
+replay and the online budget share). The substitution code itself is honest below k: with
+|S| = B < k every token runs its best B experts of S in the family's selection order, weighted as
+the model weights (renormalised over them where it renormalises;
+:meth:`policy.coverage.Substitution.apply`, ``tests/test_adaptive_predictors.py``), so an
+adaptive budget could give a layer B < k there; but replay stores no substitution result below
+k, so the study keeps B_min = k and at B̄ = k substitution's adaptive equals fixed by
+construction (every layer at k).
 
 **Adaptive oracle** (hindsight over the pass, true gains): start every layer at B_min and hand
 out the pass's ``T − L·B_min`` further experts (T = B̄·L) one at a time, each to the layer whose
@@ -45,14 +56,39 @@ Torch only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Mapping
 
 import torch
+
+MASS, PREDICTED = "mass_excluded", "predicted_rse"  # replay metrics the predictors read
 
 
 def gains_of(curves: torch.Tensor) -> torch.Tensor:
     """``Δ [..., L, S]`` of error curves ``e [..., L, S + 1]``: ``e(B) − e(B + 1)``."""
     return curves[..., :-1] - curves[..., 1:]
+
+
+def convex_hull(curves: torch.Tensor) -> torch.Tensor:
+    """The lower convex envelope ``ĕ [..., W]`` of curves ``e [..., W]`` over equally spaced B:
+    in one dimension the envelope at B is the least interpolation between two points around it,
+
+        ĕ(B) = min_{a ≤ B ≤ c} ( e(a)·(c − B) + e(c)·(B − a) ) / (c − a)     (e(B) where a = c)
+
+    so its gains are non-increasing, and the price rule on them loads up to
+    ``argmin_B ĕ(B) + λ·B = argmin_B e(B) + λ·B`` (a plateau is crossed where a later drop pays
+    for it; the leading run of the raw gains stops at the plateau)."""
+    e = curves.double()
+    w = e.shape[-1]
+    x = torch.arange(w, dtype=torch.float64, device=e.device)
+    best = e.clone()
+    for a in range(w - 1):  # left ends; right ends c > a, every B in between at once
+        c = x[a + 1:]  # [C]
+        span = c - a
+        b = x[:, None]  # [W, 1]
+        inside = (b >= a) & (b <= c)  # [W, C]
+        line = (e[..., a, None, None] * (c - b) + e[..., None, a + 1:] * (b - a)) / span
+        best = torch.minimum(best, line.masked_fill(~inside, float("inf")).amin(-1))
+    return best
 
 
 def price_budgets(gains: torch.Tensor, price: float, b_min: int,
@@ -158,21 +194,66 @@ def errors_at(curves: torch.Tensor, budgets: torch.Tensor, b_min: int) -> torch.
     return curves.gather(-1, (budgets - b_min)[..., None].long())[..., 0]
 
 
+Inputs = torch.Tensor | Mapping[str, torch.Tensor]  # a predictor's curves by metric name
+
+
+def predicted_errors(batch, keep: torch.Tensor, coverage, surrogate_ranked: torch.Tensor,
+                     predict) -> torch.Tensor:
+    """``ê [T, B]`` (float64; NaN where no surrogate ranked the tree-layer): the error a
+    ranking's surrogate predicts for its own shortlists ``keep [T, B, N]`` before any expert
+    loads,
+
+        ê = Σ_t ||Ô_t − Ô_t(S)||² / Σ_t ||Ô_t||²,   Ô_t = Σ_{i∈T_k(t)} g_i(t) Ê_i(h_t)
+
+    with ``Ô_t(S)`` the ``coverage`` policy's output over S (the same indices and weights rule
+    as RSE) on the predicted outputs ``Ê_i(h_t)`` that ``predict(batch, rows)`` attaches as the
+    rows' expert terms (:meth:`policy.rankings.sketch.Sketch.predicted`: each expert's residual
+    energy is a private direction, so ê is the error expected with uncorrelated residuals);
+    ``surrogate_ranked [T]``: where the ranking searched on its surrogate. Replay stores it as
+    ``predicted_rse``; :class:`SurrogateGain` prices budgets by it."""
+    out = torch.full(keep.shape[:2], float("nan"), dtype=torch.float64, device=keep.device)
+    rows = surrogate_ranked.to(keep.device).nonzero().flatten()
+    if predict is None or len(rows) == 0:
+        return out
+    for part_rows in rows.split(64):
+        part = predict(batch, part_rows)
+        shortlist = keep[part_rows].to(part.device)
+        idx, w = coverage.apply(part, shortlist)
+        sq = coverage.sq_errors(part, shortlist, idx, w)  # [R, B, M]
+        gold = part.terms.gold_sq[:, None, :].double().sum(-1)
+        out[part_rows] = (sq.sum(-1) / gold.clamp_min(1e-30)).to(out.device)
+    return out
+
+
 class Predictor(ABC):
-    """Predicted gains ``Δ̂ [P, L, S]`` from the runtime-legal mass excluded ``m [P, L, S + 1]``
-    of the ranking's shortlists at ``B = B_min .. B_max`` (``layers [L]``: the MoE layer of each
-    column)."""
+    """Predicted gains ``Δ̂ [P, L, S]`` from runtime-legal curves ``[P, L, S + 1]`` over the
+    ranking's shortlists at ``B = B_min .. B_max`` (``layers [L]``: the MoE layer of each
+    column). Each predictor declares what it reads (:attr:`reads`: replay's open-loop metric
+    names, e.g. ``mass_excluded``, the router mass a shortlist leaves out, or ``predicted_rse``,
+    the error a surrogate predicts for it) and takes them as a mapping by those names; callers
+    hand over what :attr:`reads` names, never branch on the predictor. A bare tensor stands for
+    ``{"mass_excluded": tensor}``."""
 
     name: ClassVar[str]
     summary: ClassVar[str]
+    reads: ClassVar[tuple[str, ...]] = (MASS,)
 
-    def fit(self, mass: torch.Tensor, errors: torch.Tensor, layers: torch.Tensor) -> Predictor:
-        """Learn from calibration passes: ``mass`` and their true ``errors``, both
+    def inputs(self, given: Inputs) -> dict[str, torch.Tensor]:
+        """``given`` as a mapping holding every name of :attr:`reads` (one clear error if not)."""
+        found = {MASS: given} if isinstance(given, torch.Tensor) else dict(given)
+        missing = [r for r in self.reads if r not in found]
+        if missing:
+            raise ValueError(f"gain predictor {self.name} reads {', '.join(missing)}; "
+                             "replay the ranking with that metric")
+        return found
+
+    def fit(self, inputs: Inputs, errors: torch.Tensor, layers: torch.Tensor) -> Predictor:
+        """Learn from calibration passes: their :attr:`reads` curves and true ``errors``, all
         ``[P, L, S + 1]``."""
         return self
 
     @abstractmethod
-    def gains(self, mass: torch.Tensor, layers: torch.Tensor) -> torch.Tensor:
+    def gains(self, inputs: Inputs, layers: torch.Tensor) -> torch.Tensor:
         ...
 
 
@@ -180,8 +261,8 @@ class MassGain(Predictor):
     name = "mass"
     summary = "router mass share of the ranking's next expert: Δ̂(B) = m(B) − m(B+1)"
 
-    def gains(self, mass, layers):
-        return gains_of(mass.double())
+    def gains(self, inputs, layers):
+        return gains_of(self.inputs(inputs)[MASS].double())
 
 
 class CalibratedMass(Predictor):
@@ -194,23 +275,61 @@ class CalibratedMass(Predictor):
                "Δ̂(B) = ê(B) − ê(B+1), ê = r_l(B)·m(B)")
     ratio: dict[int, torch.Tensor]
 
-    def fit(self, mass, errors, layers):
-        m = mass.double().sum(0)  # [L, S+1]
+    def fit(self, inputs, errors, layers):
+        m = self.inputs(inputs)[MASS].double().sum(0)  # [L, S+1]
         e = errors.double().sum(0)
         r = torch.where(m > 0, e / m.clamp_min(1e-300), torch.zeros_like(m))
         self.ratio = {int(layer): r[j] for j, layer in enumerate(layers.tolist())}
         return self
 
-    def gains(self, mass, layers):
+    def curve(self, inputs, layers) -> torch.Tensor:
+        """``ê [P, L, S + 1]``, non-increasing in B."""
         missing = sorted(set(layers.tolist()) - set(self.ratio))
         if missing:
             raise ValueError(f"the calibration has no tree-layer of layer(s) {missing}")
         r = torch.stack([self.ratio[int(layer)] for layer in layers.tolist()])
-        predicted = torch.cummin(r * mass.double(), -1).values
-        return gains_of(predicted)
+        return torch.cummin(r * self.inputs(inputs)[MASS].double(), -1).values
+
+    def gains(self, inputs, layers):
+        return gains_of(self.curve(inputs, layers))
 
 
-PREDICTORS: dict[str, type[Predictor]] = {p.name: p for p in (MassGain, CalibratedMass)}
+class SurrogateGain(Predictor):
+    """The surrogate's own error curve: ``ê(B)`` of replay's ``predicted_rse`` (the RSE of the
+    ranking's shortlist at B computed on the sketch family's predicted outputs ``Ê_i(h_t)``,
+    replay/open_loop.py), made non-increasing in B (running minimum); its gains are those of its
+    lower convex hull (:func:`convex_hull`), so the price rule gives each layer
+    ``argmin_B ê(B) + λ·B``: the whole predicted curve is known before the layer's experts load,
+    and a plateau (the sketch's shortlists are searched per B, not nested) does not stop it.
+    Runtime-legal: the surrogate predicts from the tree tokens' MoE inputs before any expert
+    loads. A tree-layer the surrogate did not rank (``predicted_rse`` null, NaN here: sketch-
+    gated's gate out, no surrogate) gets :class:`CalibratedMass`'s curve, fitted on the same
+    calibration, so both speak RSE and one price serves the pass."""
+
+    name = "surrogate"
+    summary = ("the sketch family's predicted RSE of the ranking's own shortlists, Δ̂ = the "
+               "gains of its lower convex hull; calibrated mass where no surrogate ran")
+    reads = (PREDICTED, MASS)
+
+    def fit(self, inputs, errors, layers):
+        self.fallback = CalibratedMass().fit(self.inputs(inputs), errors, layers)
+        return self
+
+    def curve(self, inputs, layers) -> torch.Tensor:
+        found = self.inputs(inputs)
+        predicted = found[PREDICTED].double()
+        missing = torch.isnan(predicted).any(-1, keepdim=True)  # [P, L, 1]: not ranked by it
+        mine = torch.cummin(torch.nan_to_num(predicted, nan=0.0), -1).values
+        if not bool(missing.any()):
+            return mine
+        return torch.where(missing, self.fallback.curve(found, layers), mine)
+
+    def gains(self, inputs, layers):
+        return gains_of(convex_hull(self.curve(inputs, layers)))
+
+
+PREDICTORS: dict[str, type[Predictor]] = {p.name: p for p in (MassGain, CalibratedMass,
+                                                              SurrogateGain)}
 
 
 def predictor(name: str) -> Predictor:

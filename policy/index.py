@@ -304,6 +304,8 @@ GAIN_PREDICTORS: dict[str, str] = {
     "mass": "the router mass share of the ranking's next expert",
     "calibrated": "that mass scaled per layer and budget to the error on the calibration run "
                   "(every expert's output computed there)",
+    "surrogate": "the error the sketch family's surrogate predicts for the ranking's own "
+                 "shortlists (calibrated mass where none ran)",
 }
 
 

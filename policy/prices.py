@@ -40,6 +40,8 @@ MASS = "mass_excluded"  # the curve every predictor may read (policy.adaptive's 
 # another curve works in the product once that curve has its line here.
 RUNTIME_CURVES: dict[str, Callable] = {
     MASS: lambda batch, keep, coverage, ranking: excluded_mass(batch, keep),
+    adaptive.PREDICTED: lambda batch, keep, coverage, ranking: adaptive.predicted_errors(
+        batch, keep, coverage, ranking.surrogate_ranked(batch), ranking.predicted),
 }
 
 

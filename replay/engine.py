@@ -110,8 +110,8 @@ def blocks_to_table(blocks: list[dict], table: str) -> pa.Table:
     cols = {name: np.concatenate([np.asarray(b[name], dtype=object if isinstance(b[name], list)
                                              else None) for b in blocks])
             for name in sch.names}
-    return pa.Table.from_pydict({k: pa.array(v, type=sch.field(k).type) for k, v in cols.items()},
-                                schema=sch)
+    return pa.Table.from_pydict({k: pa.array(v, type=sch.field(k).type, from_pandas=True)
+                                 for k, v in cols.items()}, schema=sch)  # NaN: null
 
 
 class OpenLoopEngine:
@@ -207,7 +207,8 @@ class OpenLoopEngine:
                 keep = open_loop.adaptive_shortlists(task.ranking, sub, task.coverage, budgets,
                                                      task.prices, prompts_t[rows],
                                                      steps_t[rows], task.stream)
-            m = open_loop.metrics(sub, keep, task.coverage, task.ranking.surrogate_ranked(sub))
+            m = open_loop.metrics(sub, keep, task.coverage, task.ranking.surrogate_ranked(sub),
+                                  task.ranking.predicted)
             sel = {k: v[want] for k, v in keys.items()}
             for prompt in np.unique(sel["prompt_index"]).tolist():
                 at = sel["prompt_index"] == prompt

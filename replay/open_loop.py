@@ -12,6 +12,7 @@ DESIGN.md's metrics are, per tree-layer:
     excluded  = Σ_{i∉S} s_i / Σ_i s_i,        s_i = Σ_t g_i(t)
     loaded    = #{i : w_i(t) ≠ 0 for some t}
     unique    = |∪_t T_k(t)|                   (without a budget)
+    predicted = the same RSE on a surrogate's predicted outputs (:func:`predicted_rse`)
 
 with ``||O*_t − Ô_t||²`` from the Gram expansion (O(M·k²) per candidate, never O(M·k·H)), so all
 budgets × policies of a batch come out of a few tensor ops.
@@ -20,6 +21,7 @@ budgets × policies of a batch come out of a few tensor ops.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ import torch
 from moe_spec.catalog.reader import PromptTreeLayers
 from moe_spec.errors import UserError
 from moe_spec.moe.adapter import MoEAdapter
+from moe_spec.policy.adaptive import predicted_errors
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch, combine, pair_index
 from moe_spec.policy.coverage import Coverage, experts_used
 from moe_spec.policy.prices import Prices, excluded_mass
@@ -168,12 +171,15 @@ def _locate(slices: list[Slice], i: int) -> tuple[Slice, int]:
 
 
 def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
-            surrogate_ranked: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """RSE, mean per-token relative error, mass excluded, experts loaded, unique experts and
-    whether a surrogate ranked the tree-layer, ``[T, B]`` each, for shortlists ``keep [T, B, N]``
-    that a ranking chose (``surrogate_ranked [T]``: its :meth:`Ranking.surrogate_ranked`; None:
-    none was): one tensor per metric that :data:`catalog.replay_metrics.METRICS` declares for
-    ``replay_open``, by its name."""
+            surrogate_ranked: torch.Tensor | None = None,
+            predict: Callable[[RoutingBatch, torch.Tensor], RoutingBatch] | None = None
+            ) -> dict[str, torch.Tensor]:
+    """RSE, mean per-token relative error, mass excluded, experts loaded, unique experts,
+    whether a surrogate ranked the tree-layer and the surrogate's predicted RSE, ``[T, B]`` each,
+    for shortlists ``keep [T, B, N]`` that a ranking chose (``surrogate_ranked [T]``: its
+    :meth:`Ranking.surrogate_ranked`; None: none was; ``predict``: its :meth:`Ranking.predicted`,
+    for :func:`predicted_rse`): one tensor per metric that
+    :data:`catalog.replay_metrics.METRICS` declares for ``replay_open``, by its name."""
     idx, w = coverage.apply(batch, keep)  # [T, B, M, k]
     sq = coverage.sq_errors(batch, keep, idx, w)  # [T, B, M], exact
     gold_sq = batch.terms.gold_sq[:, None, :]  # [T, 1, M]
@@ -187,8 +193,23 @@ def metrics(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
     if surrogate_ranked is None:
         surrogate_ranked = torch.zeros(batch.size, dtype=torch.bool, device=keep.device)
     ranked = surrogate_ranked.to(keep.device)[:, None].expand_as(loaded)
+    predicted = predicted_rse(batch, keep, coverage, surrogate_ranked, predict)
     return dict(rse=rse, token_error=token, mass_excluded=excluded, experts_loaded=loaded,
-                unique_experts=unique, surrogate_ranked=ranked)
+                unique_experts=unique, surrogate_ranked=ranked, predicted_rse=predicted)
+
+
+def predicted_rse(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage,
+                  surrogate_ranked: torch.Tensor,
+                  predict: Callable[[RoutingBatch, torch.Tensor], RoutingBatch] | None
+                  ) -> torch.Tensor:
+    """``ê [T, B]`` (NaN, stored as null, where no surrogate ranked the tree-layer): the error
+    the ranking's surrogate predicts for its own shortlists before any expert loads,
+    ``Σ_t ||Ô_t − Ô_t(S)||² / Σ_t ||Ô_t||²`` on predicted outputs (the formula's one owner:
+    :func:`policy.adaptive.predicted_errors`, which the product's adaptive budgets read at run
+    time too). (A ranking that refits its surrogate per budget during the prompt, sketch-post,
+    predicts here with its calibration surrogate: ``predict`` is the replayed instance's, not
+    each budget's stream's.)"""
+    return predicted_errors(batch, keep, coverage, surrogate_ranked, predict)
 
 
 @dataclass

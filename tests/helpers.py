@@ -200,6 +200,18 @@ def synthetic_calibration(seed: int, count: int, n=8, k=2, m=12, h=6, examples=0
     return CalibrationStats.collect(tls, model, max_examples=examples), tls, model
 
 
+def linear_experts(seed: int, n: int, h: int, layer: int):
+    """A model whose experts are ``E_i(h) = W_i h + c_i`` of different sizes (what router mass
+    cannot see), with the ``expert_outputs`` and ``moe_layers`` the calibration reads."""
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 3.0, n)[torch.randperm(n, generator=g)]
+    w = torch.randn(n, h, h, generator=g) * scale[:, None, None]
+    c = torch.randn(n, h, generator=g) * 0.3
+    return SimpleNamespace(moe_layers=[layer], num_experts=n, expert_outputs=lambda _, x:
+                           torch.einsum("mh,nhd->mnd", x, w) + c)
+
+
 # --- real MoE blocks -----------------------------------------------------------------------------
 def block_io(model, input_ids):
     """(MoE input, MoE output) of every sparse block, captured by hooks during a forward."""

@@ -337,7 +337,7 @@ def test_prices_follow_the_layers_a_pass_goes_through_and_refuse_what_they_canno
 
 
 class ReadsOther(adaptive.Predictor):
-    name, summary, reads = "other", "test", ("predicted_rse",)
+    name, summary, reads = "other", "test", ("token_error",)  # (predicted_rse has its line)
 
     def gains(self, inputs, layers):
         raise AssertionError("never asked")
@@ -347,7 +347,7 @@ def test_a_predictor_reading_a_curve_the_product_cannot_compute_is_refused_in_on
     from moe_spec.policy.calibration import CalibrationError
     batch = batch_of(tree_layers(1))
     keep = Router().fit(None).shortlists(batch, coverage.get("truncation"), [1, 2])[0]
-    with pytest.raises(CalibrationError, match="reads predicted_rse"):
+    with pytest.raises(CalibrationError, match="reads token_error"):
         runtime_curves(ReadsOther(), batch, keep, coverage.get("truncation"), None)
     assert torch.equal(runtime_curves(adaptive.MassGain(), batch, keep, None, None),
                        excluded_mass(batch, keep).double())

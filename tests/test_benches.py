@@ -678,6 +678,12 @@ def test_adaptive_budget_bench_bounds_every_cell_and_measures_the_achieved_mean(
                         c["oracle_adaptive"] == pytest.approx(c["oracle_fixed"], rel=1e-12)
                         for c in at_k)
     assert "adaptive below fixed in" in out and "| tiny-mixtral | truncation |" in out
+    # matched error: router's own fixed curve needs exactly router's experts (no saving)
+    savings = model["savings"]
+    assert {s["target_budget"] for s in savings} == {2, 4, 6, 8}
+    assert all(s["fixed"] == pytest.approx(0, abs=1e-12) for s in savings)
+    assert all(s["fixed_worth"]["checkpoint"] == "mistralai/Mixtral-8x7B-Instruct-v0.1"
+               for s in savings)
 
 
 @smoke("adaptive_budget.py")
@@ -686,7 +692,10 @@ def test_adaptive_budget_bench_renders_its_block_and_refuses_other_files(adaptiv
     found, out = adaptive_budget
     text = rendered_block("adaptive_budget.py", "adaptive budgets", found, tmp_path / "r.md")
     rows = [line for line in text.splitlines() if line.startswith("| tiny-mixtral |")]
+    saved = [line for line in rows if "| B = " in line]  # matched error: B = k and the top
+    rows = [line for line in rows if line not in saved]
     assert len(rows) == len(found["models"]["tiny-mixtral"]["cells"]) and rows[0] in out
+    assert len(saved) == 4 and "| truncation | B = 2 (" in saved[0]
     (tmp_path / "b.json").write_text(json.dumps({"tiny-mixtral": {}}))
     done = subprocess.run([sys.executable, "bench/adaptive_budget.py", "--render",
                            str(tmp_path / "b.json")], cwd=ROOT, env=ENV, capture_output=True,
@@ -709,13 +718,14 @@ def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes():
         mass = torch.rand(6, 4, width, generator=g, dtype=torch.float64).sort(
             -1, descending=True).values * scale
         mass[..., -1] = 0
-        return mass * 0.5, mass, torch.arange(4)  # (rse, mass excluded, layers)
+        loaded = torch.arange(b_min, b_min + width, dtype=torch.float64).expand_as(mass)
+        return dict(rse=mass * 0.5, mass_excluded=mass, experts_loaded=loaded), torch.arange(4)
 
     cal = {"router": run_curves(1.0)}
     ev = {"router": run_curves(3.0)}
     cal["oracle"], ev["oracle"] = cal["router"], ev["router"]
     cell = adaptive_budget.evaluate(cal, ev, "router", [4], b_min, "mass", None)[0]
-    gains = adaptive.gains_of(ev["router"][1])
+    gains = adaptive.gains_of(ev["router"][0]["mass_excluded"])
     loaded = adaptive.price_budgets(gains, cell["price"], b_min).double()
     assert cell["achieved"] == pytest.approx(float(loaded.mean()))
     assert abs(cell["calibration_mean"] - 4) < abs(cell["achieved"] - 4)
@@ -726,16 +736,21 @@ def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole():
     """Replay rows become ``[passes, layers, budgets]`` in (prompt, step, layer, budget) order;
     a missing row (a layer or budget not replayed) is refused, never misaligned."""
     import polars as pl
+    import torch
 
     from moe_spec.bench import adaptive_budget
     rows = [dict(run="r", ranking="router", coverage="truncation", prompt_index=p, step=s,
                  layer=layer, budget=b, rse=1.0 / b + layer + 10 * s + 100 * p,
-                 mass_excluded=0.5 / b)
+                 mass_excluded=0.5 / b, predicted_rse=None if layer else 0.25 / b)
             for p in (1, 0) for s in (0, 1) for layer in (1, 0) for b in (3, 1, 2)]
     df = pl.DataFrame(rows)
-    rse, mass, layers = adaptive_budget.curves(df, "r", "router", "truncation", 1, 3)
+    found, layers = adaptive_budget.curves(df, "r", "router", "truncation", 1, 3)
+    rse, mass = found["rse"], found["mass_excluded"]
     assert rse.shape == (4, 2, 3) and layers.tolist() == [0, 1]
     assert rse[3, 1].tolist() == pytest.approx([1 / b + 1 + 10 + 100 for b in (1, 2, 3)])
     assert mass[0, 0].tolist() == pytest.approx([0.5, 0.25, 0.5 / 3])
+    # a null (no surrogate ran) reads as NaN, for the predictor's fallback to see
+    assert found["predicted_rse"][0, 0].tolist() == pytest.approx([0.25, 0.125, 0.25 / 3])
+    assert torch.isnan(found["predicted_rse"][:, 1]).all()
     with pytest.raises(SystemExit, match="replay them again"):
         adaptive_budget.curves(df.slice(1), "r", "router", "truncation", 1, 3)

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import linear_experts
 
 from moe_spec.policy import coverage, rankings
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch
@@ -34,12 +35,7 @@ H, N, K, LAYER = 6, 8, 2, 3
 
 def linear_model(seed: int = 98, n: int = N, h: int = H):
     """Experts ``E_i(h) = W_i h + c_i`` of different sizes (what router mass cannot see)."""
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.linspace(0.2, 3.0, n)[torch.randperm(n, generator=g)]
-    w = torch.randn(n, h, h, generator=g) * scale[:, None, None]
-    c = torch.randn(n, h, generator=g) * 0.3
-    return SimpleNamespace(moe_layers=[LAYER], num_experts=n, expert_outputs=lambda layer, x:
-                           torch.einsum("mh,nhd->mnd", x, w) + c)
+    return linear_experts(seed, n, h, LAYER)
 
 
 def tree_layers(seed: int, count: int, m: int = 12, n: int = N, h: int = H):
@@ -279,6 +275,13 @@ def test_replay_open_and_closed_loop_run_sketch_token_aware(tmp_path):
              for line in q.stdout.strip().splitlines()[1:]}
     assert share["sketch"] == share["sketch-post"] == 1 and share["router"] == 0, q.stdout
     assert share["oracle"] == 0 and "sketch-gated" in share, q.stdout
+    # the surrogate's own error curve: stored exactly where it ranked, null elsewhere
+    q = call("moe_spec.analysis.query_cli", "--traces", tmp_path, "--format", "csv",
+             "SELECT ranking, bool_and((predicted_rse IS NULL) = NOT surrogate_ranked) AS ok, "
+             "count(predicted_rse) AS n FROM replay_open GROUP BY ALL ORDER BY ALL")
+    found = {line.split(",")[0]: line.split(",")[1:] for line in q.stdout.strip().splitlines()[1:]}
+    assert all(ok == "true" for ok, _ in found.values()), q.stdout + q.stderr
+    assert int(found["sketch"][1]) > 0 and found["router"][1] == "0", q.stdout
     # the oracle replayed without a token-aware ranking starts without them: another variant
     # (computed, not answered by the stronger one), named so; the default view and an
     # uncalibrated request take the token-aware one

@@ -113,6 +113,12 @@ class Ranking(ABC):
         sketch family says where it ran its surrogate, and where it fell back."""
         return torch.zeros(batch.size, dtype=torch.bool, device=batch.device)
 
+    def predicted(self, batch: RoutingBatch, rows: torch.Tensor) -> RoutingBatch:
+        """Tree-layers ``rows`` (where :meth:`surrogate_ranked`) with the surrogate's predicted
+        expert terms in place of true ones (replay's ``predicted_rse``); only the sketch family
+        predicts outputs."""
+        raise RankingError(f"ranking {self.name} predicts no expert outputs")
+
     def memo_key(self) -> tuple | None:
         """What makes two instances answer alike on the same batch, or None where they may not
         (a stateful ranking, an offline one, one that reads more than routing and calibration):

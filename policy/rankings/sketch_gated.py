@@ -84,6 +84,10 @@ class SketchGated(CoactPrior):
         """The gated-in tree-layers (:meth:`near`) where sketch holds a surrogate."""
         return self.near(batch) & self.sketch.surrogate_ranked(batch)
 
+    def predicted(self, batch, rows):
+        """Sketch's predicted terms of the gated-in rows (:meth:`Sketch.predicted`)."""
+        return self.sketch.predicted(batch, rows)
+
     def overlay(self, batch, coverage, budgets, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` (coact-prior's shortlists) with the rows of the tree-layers sketch ranks
         (:meth:`surrogate_ranked`) replaced by sketch's."""
