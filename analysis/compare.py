@@ -19,6 +19,7 @@ import polars as pl
 from moe_spec.analysis import figures, replay_views, routing
 from moe_spec.analysis.sql import views
 from moe_spec.catalog import CatalogError, Run
+from moe_spec.catalog.replay_metrics import OPEN_TABLE
 
 BY = "model, bench, run"
 
@@ -85,13 +86,13 @@ def errors(con) -> pl.DataFrame:
     """Open-loop mean RSE per run × ranking × coverage × fixed budget, with each curve's
     variant's calibration (the default views: one variant per curve); adaptive budgets, whose
     B̄ is no B, are left out (never averaged with a fixed B)."""
-    if "replay_open" not in views(con):
+    if OPEN_TABLE not in views(con):
         return pl.DataFrame()
-    fixed = f"{replay_views.budget_mode(con, 'replay_open')} = '{replay_views.FIXED}'"
+    fixed = f"{replay_views.budget_mode(con, OPEN_TABLE)} = '{replay_views.FIXED}'"
     return con.sql(f"""
         SELECT run, ranking, coverage, budget, avg(rse) AS rse, count(*) AS tree_layers,
                string_agg(DISTINCT coalesce(calibration, 'none'), ', ') AS calibration
-        FROM replay_open WHERE {fixed} GROUP BY ALL ORDER BY ALL""").pl()
+        FROM {OPEN_TABLE} WHERE {fixed} GROUP BY ALL ORDER BY ALL""").pl()
 
 
 def run_colors(runs: list[str]) -> dict[str, str]:

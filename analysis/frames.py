@@ -17,6 +17,7 @@ import polars as pl
 from moe_spec.analysis import cost, replay_views, routing
 from moe_spec.analysis.sql import matching, views
 from moe_spec.catalog import partition_value, replay_metrics
+from moe_spec.catalog.replay_metrics import CLOSED_TABLE, OPEN_TABLE
 from moe_spec.catalog.runs import profile_parts
 from moe_spec.policy import index
 
@@ -108,7 +109,7 @@ def replayed_rankings(con, model: str, bench: str) -> pl.DataFrame:
     part = partition_value(model)
     present = views(con)
     found: dict[tuple[str, str], dict] = {}
-    for table, loop in (("replay_open", "open"), ("replay_closed", "closed")):
+    for table, loop in ((OPEN_TABLE, "open"), (CLOSED_TABLE, "closed")):
         if table not in present:
             continue
         for ranking, cover in con.execute(
@@ -171,9 +172,9 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None,
                  tau_ci=t_interval(row[0], row[5], row[4]), taus_ci={}, ratio_ci={},
                  missing=missing_replay(con, model, bench, ranking, coverage))
     present = views(con)
-    if "replay_open" in present:
-        fixed = f"{replay_views.budget_mode(con, 'replay_open')} = '{replay_views.FIXED}'"
-        rows = con.execute(f"""SELECT coverage, budget, avg(rse) FROM replay_open WHERE {where}
+    if OPEN_TABLE in present:
+        fixed = f"{replay_views.budget_mode(con, OPEN_TABLE)} = '{replay_views.FIXED}'"
+        rows = con.execute(f"""SELECT coverage, budget, avg(rse) FROM {OPEN_TABLE} WHERE {where}
                                AND ranking = ? AND {fixed} GROUP BY ALL""",
                            [*params, ranking]).fetchall()
         by = {c: {int(b): r for cc, b, r in rows if cc == c} for c in {r[0] for r in rows}}
@@ -184,15 +185,15 @@ def routing_statistics(con, model: str, bench: str, run: str | None = None,
             stats["quality_source"] = "open-loop replay"
             stats["coverage"] = coverage or ("substitution" if by.get("substitution")
                                              else "truncation")
-    if "replay_closed" in present:
+    if CLOSED_TABLE in present:
         cover = stats["coverage"] or "substitution"
         rows = con.execute(f"""SELECT budget, avg(accepted_length), avg(captured_accepted_length),
                                avg(path_unchanged::DOUBLE), avg(mean_kl),
                                stddev_samp(accepted_length), count(*),
                                avg(accepted_length - captured_accepted_length),
                                stddev_samp(accepted_length - captured_accepted_length)
-                               FROM replay_closed WHERE {where} AND ranking = ?
-                               AND coverage = ? AND {replay_views.budget_mode(con, 'replay_closed')}
+                               FROM {CLOSED_TABLE} WHERE {where} AND ranking = ?
+                               AND coverage = ? AND {replay_views.budget_mode(con, CLOSED_TABLE)}
                                = '{replay_views.FIXED}' GROUP BY budget""",
                            [*params, ranking, cover]).fetchall()
         if rows:
@@ -297,8 +298,8 @@ def mode_loads(con, model: str, bench: str, ranking: str, coverage: str) -> pl.D
     entry per MoE layer of a tree)."""
     part = partition_value(model)
     present = views(con)
-    for table, loads in (("replay_open", "experts_loaded"),
-                         ("replay_closed", "unnest(experts_loaded)")):
+    for table, loads in ((OPEN_TABLE, "experts_loaded"),
+                         (CLOSED_TABLE, "unnest(experts_loaded)")):
         if table not in present:
             continue
         found = con.sql(f"""
@@ -317,7 +318,7 @@ def adaptive_curves(con, model: str, bench: str) -> list[tuple[str, str]]:
     (open or closed loop), router first: what the report draws fixed vs adaptive for."""
     part = partition_value(model)
     found = set()
-    for table in ("replay_open", "replay_closed"):
+    for table in (OPEN_TABLE, CLOSED_TABLE):
         if table in views(con):
             found |= set(con.execute(f"""
                 SELECT DISTINCT ranking, coverage FROM {table} WHERE model = ? AND bench = ?
@@ -335,17 +336,17 @@ def mode_quality(con, model: str, bench: str, ranking: str, coverage: str) -> di
     out: dict[tuple[str, int], dict] = {}
     args = [part, bench, ranking, coverage]
     where = "model = ? AND bench = ? AND ranking = ? AND coverage = ?"
-    if "replay_open" in present:
+    if OPEN_TABLE in present:
         for mode, b, rse in con.execute(f"""
-                SELECT {replay_views.budget_mode(con, 'replay_open')}, budget, avg(rse)
-                FROM replay_open WHERE {where} GROUP BY ALL""", args).fetchall():
+                SELECT {replay_views.budget_mode(con, OPEN_TABLE)}, budget, avg(rse)
+                FROM {OPEN_TABLE} WHERE {where} GROUP BY ALL""", args).fetchall():
             out.setdefault((mode, int(b)), {})["rse"] = rse
-    if "replay_closed" in present:
+    if CLOSED_TABLE in present:
         for mode, b, tau, sd, n, path, kl in con.execute(f"""
-                SELECT {replay_views.budget_mode(con, 'replay_closed')}, budget,
+                SELECT {replay_views.budget_mode(con, CLOSED_TABLE)}, budget,
                        avg(accepted_length), stddev_samp(accepted_length), count(*),
                        avg(path_unchanged::DOUBLE), avg(mean_kl)
-                FROM replay_closed WHERE {where} GROUP BY ALL""", args).fetchall():
+                FROM {CLOSED_TABLE} WHERE {where} GROUP BY ALL""", args).fetchall():
             out.setdefault((mode, int(b)), {}).update(
                 tau=tau, tau_ci=t_interval(tau, sd, n), path_unchanged=path, kl=kl)
     return out

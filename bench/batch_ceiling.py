@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from moe_spec.bench import pipeline
+from moe_spec.moe import families
 
 TREE_TOKENS = 64  # tokens per sequence of the ceiling's forward (the default EAGLE tree's size)
 
@@ -50,7 +51,7 @@ def forward_speed(model: str, batch_size: int, repeats: int) -> dict:
     import torch
     loaded, _ = pipeline.loaded_model(model)
     net = loaded.model
-    ids = torch.randint(0, net.config.vocab_size, (batch_size, TREE_TOKENS),
+    ids = torch.randint(0, families.facts(net.config).vocab, (batch_size, TREE_TOKENS),
                         generator=torch.Generator().manual_seed(0))
     best = float("inf")
     with torch.no_grad():

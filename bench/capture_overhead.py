@@ -31,7 +31,7 @@ from moe_spec.capture.storage import StoragePolicy
 from moe_spec.catalog import Catalog, Run, reader
 from moe_spec.eagle import loading
 from moe_spec.eagle.decoding import EagleDecoder
-from moe_spec.moe import models, shapes
+from moe_spec.moe import families, models, shapes
 from moe_spec.tasks import benchmarks
 from moe_spec.training.real_width import real_width_pair
 
@@ -66,8 +66,8 @@ def captured(root: Path) -> Run:
 
 def projected(shape, per_layer: dict, nodes: int = 63) -> list[tuple[str, float]]:
     """Bytes per tree at the real depth under three policies, from measured per-layer bytes."""
-    layers = list(range(shape.config["num_hidden_layers"]))
-    hidden = shape.config["hidden_size"]
+    found = families.facts(shape.config)
+    layers, hidden = list(range(found.num_layers)), found.hidden_size
     rows = []
     for label, policy, io_key in (
             ("default (auto, bf16, recompute)", StoragePolicy(), "bf16"),
@@ -135,7 +135,7 @@ def main() -> None:
                 per_prompt = trees / args.prompts
                 for label, size in projected(shape, per_layer):
                     full = size * per_prompt * MBPP_PROMPTS
-                    print(f"  {shape.checkpoint} ({shape.config['num_hidden_layers']} layers), "
+                    print(f"  {shape.checkpoint} ({families.facts(shape.config).num_layers} layers), "
                           f"{label}: {size / 2**20:.2f} MiB per tree, MBPP "
                           f"{full / 2**30:.1f} GiB at {per_prompt:.1f} trees per prompt, "
                           f"{math.ceil(size * 36_000 / 2**30)} GiB at 36k trees")

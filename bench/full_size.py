@@ -57,7 +57,7 @@ def make_folder(folder: Path, *, small: bool, seed: int = 0) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from moe_spec.eagle.draft_head import DraftConfig, Eagle3Draft, default_feature_layers
-    from moe_spec.moe import shapes
+    from moe_spec.moe import families, shapes
     from moe_spec.moe.models import EMBEDDED_DIR
 
     done = folder / "_complete.json"
@@ -113,14 +113,12 @@ def make_folder(folder: Path, *, small: bool, seed: int = 0) -> dict:
     AutoTokenizer.from_pretrained(EMBEDDED_DIR / "tiny-olmoe").save_pretrained(model_dir)
 
     # a random EAGLE-3 head in the official layout (config.json + model.safetensors)
-    dcfg = DraftConfig(hidden_size=cfg.hidden_size, intermediate_size=4 * cfg.hidden_size,
-                       num_attention_heads=cfg.num_attention_heads,
-                       num_key_value_heads=cfg.num_key_value_heads, vocab_size=cfg.vocab_size,
-                       rope_theta=cfg.rope_parameters["rope_theta"]
-                       if getattr(cfg, "rope_parameters", None) else 10000.0,
-                       feature_layers=default_feature_layers(cfg.num_hidden_layers),
-                       target_model_type=cfg.model_type,
-                       target_num_layers=cfg.num_hidden_layers)
+    f = families.facts(cfg)
+    dcfg = DraftConfig(hidden_size=f.hidden_size, intermediate_size=4 * f.hidden_size,
+                       num_attention_heads=f.heads, num_key_value_heads=f.kv_heads,
+                       vocab_size=f.vocab, rope_theta=f.rope_theta or 10000.0,
+                       feature_layers=default_feature_layers(f.num_layers),
+                       target_model_type=f.model_type, target_num_layers=f.num_layers)
     torch.manual_seed(seed + 1)
     head = Eagle3Draft(dcfg, torch.nn.Embedding(1, 1))
     for m in head.modules():
@@ -128,9 +126,10 @@ def make_folder(folder: Path, *, small: bool, seed: int = 0) -> dict:
             torch.nn.init.normal_(m.weight, std=std)
     head.to(torch.bfloat16).save_pretrained(draft_dir)
     made = dict(small=small, seconds=round(time.perf_counter() - start, 1), bytes=total,
-                shards=count, config={k: getattr(cfg, k) for k in (
-                    "num_hidden_layers", "hidden_size", "num_experts", "intermediate_size",
-                    "num_experts_per_tok", "vocab_size")})
+                shards=count, config=dict(
+                    num_hidden_layers=f.num_layers, hidden_size=f.hidden_size,
+                    num_experts=f.num_experts, intermediate_size=f.dense_inter,
+                    num_experts_per_tok=f.top_k, vocab_size=f.vocab))
     done.write_text(json.dumps(made, indent=1))
     return made
 
@@ -157,7 +156,7 @@ def one_layer_projection(folder: Path, traces: Path, common: list[str], env: dic
     import pyarrow.parquet as pq
 
     from moe_spec.bench.capture_overhead import projected  # the one projection, not a copy
-    from moe_spec.moe import shapes
+    from moe_spec.moe import families, shapes
     one = folder / "one-layer"
     head = one / "draft"
     if not (head / "config.json").is_file():
@@ -174,7 +173,7 @@ def one_layer_projection(folder: Path, traces: Path, common: list[str], env: dic
         target = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         target.save_pretrained(one)
         AutoTokenizer.from_pretrained(EMBEDDED_DIR / "tiny-olmoe").save_pretrained(one)
-        new_eagle3(target, intermediate_size=4 * cfg.hidden_size,
+        new_eagle3(target, intermediate_size=4 * families.facts(cfg).hidden_size,
                    feature_layers=[0, 0, 0]).to(torch.bfloat16).save_pretrained(head)
     out = traces / "one-layer"
     timed_run([bin_path("capture"), "--model", str(one), "--draft", str(head), *common,
@@ -276,7 +275,8 @@ def main() -> None:
                          *args.rankings, "--budget", BUDGETS, "--threads", str(args.threads),
                          "--output", str(traces / "replay.json"), "--no-progress"], env)
         found = json.loads((traces / "replay.json").read_text())
-        layers = int(made["config"]["num_hidden_layers"])
+        from moe_spec.moe import families
+        layers = families.facts(made["config"]).num_layers  # the config it made
         tree_layers = report["capture"]["trees"] * layers
         report["replay"] = dict(wall_seconds=round(rep["seconds"], 1),
                                 seconds=round(found["seconds"], 1),  # after loading

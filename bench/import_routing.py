@@ -85,9 +85,9 @@ def main(argv=None) -> int:
     shutil.rmtree(out / "traces", ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     config = write_config(args.shape, out / "model")
-    from moe_spec.moe import models
-    n = next(config[key] for key in models.EXPERT_COUNT_KEYS if config.get(key))
-    k, layers = config["num_experts_per_tok"], config["num_hidden_layers"]
+    from moe_spec.moe import families
+    found = families.facts(config)
+    n, k, layers = found.num_experts, found.top_k, found.num_layers
     t0 = time.perf_counter()
     source = write_source(out / "sglang.jsonl", size, n, k, layers)
     made = time.perf_counter() - t0

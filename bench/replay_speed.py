@@ -215,7 +215,7 @@ def width(args) -> dict:
             runs = cat.runs(names=["synthetic"])
             items = list(reader.tree_layers(runs))
             base, n = recompute_seconds(items, adapter), len(items)
-            head = (f"  {name} (hidden {model.config.hidden_size}, {adapter.num_experts} "
+            head = (f"  {name} (hidden {adapter.facts.hidden_size}, {adapter.num_experts} "
                     f"experts, top-{adapter.top_k}): {n} tree-layers,")
             sec, tl = timed_replay(cat, runs, adapter, ["router", "oracle"], [24], None, [],
                                    torch.device("cpu"))

@@ -75,14 +75,12 @@ from moe_spec.replay.virtual_batch import PromptSource
 def real_shape(model: str) -> tuple[str, int, int, int] | None:
     """(checkpoint, N, H, I) of the real checkpoint the tiny model ``model`` stands for, from
     its family's record (``moe.families``: N, hidden size, the experts' intermediate size)."""
-    from moe_spec.moe import families, models
+    from moe_spec.moe import families
     family = families.lookup(name=model)
     if family is None:
         return None
-    cfg = family.real_config
-    n = next(cfg[key] for key in models.EXPERT_COUNT_KEYS if key in cfg)
-    inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    return family.hub_id.split("/")[-1], n, cfg["hidden_size"], inter
+    found = family.facts(family.real_config)
+    return family.hub_id.split("/")[-1], found.num_experts, found.hidden_size, found.expert_inter
 
 
 def capture_runs(root: Path, model: str, args) -> None:
@@ -370,9 +368,7 @@ def main() -> None:
     capture_runs(root, args.model, args)
     loaded, adapter = loaded_model(args.model)
     n, k = adapter.num_experts, adapter.top_k
-    h = int(loaded.model.config.hidden_size)
-    config = loaded.model.config
-    inter = int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+    h, inter = int(adapter.facts.hidden_size), int(adapter.facts.expert_inter)
     budgets = sorted({int(b) for b in args.budgets.split(",")} if args.budgets else
                      {b for b in (k, k + 2, k + 4, 16, 24, 32) if b <= n})
     sources = args.sources if args.sources is not None else args.benches

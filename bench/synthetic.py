@@ -28,7 +28,7 @@ def write_run(root: Path, model_name: str, model, *, prompts: int, trees_per_pro
     already there with the same settings is resumed: its complete prompts are kept)."""
     adapter = MoEAdapter(model)
     g = torch.Generator().manual_seed(seed)
-    h_size = model.config.hidden_size
+    h_size = adapter.facts.hidden_size
     writer = RunWriter(root, model_name, bench, run)
     try:
         manifest, done = writer.start(dict(

@@ -58,8 +58,7 @@ class Target:
         loaded, head = load_once(settings)
         adapter = MoEAdapter(loaded.model)
         try:
-            storage = settings.storage().resolve(adapter.moe_layers,
-                                                 loaded.model.config.hidden_size,
+            storage = settings.storage().resolve(adapter.moe_layers, adapter.facts.hidden_size,
                                                  settings.total_tokens)
         except StorageError as exc:
             raise CaptureError(str(exc)) from None
@@ -230,7 +229,6 @@ def run_manifest(settings: CaptureSettings, loaded, head, adapter: MoEAdapter, s
     """Every field of a capture's manifest (``runs/…/_manifest.json``): what was captured, with
     what, and how it is stored; :class:`catalog.writer.RunWriter` adds ``run_id``, ``status``
     and ``prompts_done``. The one place a capture's manifest is built."""
-    cfg = loaded.model.config
     return dict(model=loaded.name, model_location=loaded.source.location,
                 draft=settings.draft or loading.default_draft(loaded.source),
                 bench=settings.bench, run=run, role=role, settings=settings.identity(),
@@ -238,7 +236,7 @@ def run_manifest(settings: CaptureSettings, loaded, head, adapter: MoEAdapter, s
                 num_experts=adapter.num_experts, top_k=adapter.top_k,
                 renormalize=adapter.renormalize, routing_rule=adapter.rule.to_dict(),
                 num_layers=adapter.num_decoder_layers,
-                moe_layers=[layer.index for layer in adapter], hidden_size=cfg.hidden_size,
+                moe_layers=[layer.index for layer in adapter], hidden_size=adapter.facts.hidden_size,
                 feature_layers=head.config.feature_layers, dtype=str(loaded.dtype),
                 device=str(loaded.device), versions=_versions(),
                 schema_version=schema.SCHEMA_VERSION, prompts_total=len(prompts),

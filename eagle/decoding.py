@@ -26,6 +26,7 @@ from moe_spec.eagle import acceptance, verify
 from moe_spec.eagle.acceptance import SamplingSettings
 from moe_spec.eagle.draft_head import DraftHead
 from moe_spec.eagle.tree import DraftCache, DraftTree, TreeSettings, build_tree
+from moe_spec.moe import families
 
 
 def _sync(device: torch.device) -> None:
@@ -75,7 +76,7 @@ class EagleDecoder:
         self.head = head
         self.tree_settings = tree
         self.sampling = sampling
-        self.max_length = max_length or getattr(target.config, "max_position_embeddings", 4096)
+        self.max_length = max_length or families.facts(target.config).max_positions or 4096
         self.verify_context = verify_context
         if head is None:
             layers = [0]  # the AR baseline needs no features; tap something cheap

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moe_spec.errors import UserError
+from moe_spec.moe import families
 
 
 class DraftHeadError(UserError, ValueError):
@@ -289,16 +290,13 @@ def new_eagle3(target: nn.Module, *, intermediate_size: int, draft_vocab_size: i
                feature_layers: list[int] | None = None) -> Eagle3Draft:
     """A fresh EAGLE-3 head for ``target`` (linear weights N(0, 0.02)); with a smaller
     ``draft_vocab_size`` the caller fills the ``d2t``/``t2d`` mapping."""
-    tcfg = target.config
-    cfg = DraftConfig(hidden_size=tcfg.hidden_size, intermediate_size=intermediate_size,
-                      num_attention_heads=tcfg.num_attention_heads,
-                      num_key_value_heads=tcfg.num_attention_heads, vocab_size=tcfg.vocab_size,
-                      draft_vocab_size=draft_vocab_size, rms_norm_eps=1e-6,
-                      rope_theta=getattr(tcfg, "rope_theta", None) or
-                      (getattr(tcfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0),
-                      feature_layers=feature_layers or
-                      default_feature_layers(tcfg.num_hidden_layers),
-                      target_model_type=tcfg.model_type, target_num_layers=tcfg.num_hidden_layers,
+    t = families.facts(target.config)  # the target's (the draft head's own config is cfg)
+    cfg = DraftConfig(hidden_size=t.hidden_size, intermediate_size=intermediate_size,
+                      num_attention_heads=t.heads, num_key_value_heads=t.heads,
+                      vocab_size=t.vocab, draft_vocab_size=draft_vocab_size, rms_norm_eps=1e-6,
+                      rope_theta=t.rope_theta or 10000.0,
+                      feature_layers=feature_layers or default_feature_layers(t.num_layers),
+                      target_model_type=t.model_type, target_num_layers=t.num_layers,
                       architectures=["Eagle3DraftHead"])
     head = Eagle3Draft(cfg, target.get_input_embeddings())
     for m in head.modules():
@@ -319,32 +317,32 @@ def load_draft(folder: str | Path, target: nn.Module, eagle_version: int | None 
     version = eagle_version or raw.get("eagle_version") or (3 if "midlayer.self_attn.q_proj.weight"
                                                             in state else 1)
     cfg.eagle_version = version
-    tcfg = target.config
+    t = families.facts(target.config)  # the target's facts (cfg: the draft head's own)
     embed = target.get_input_embeddings()
     trained_for = (cfg.target_model_type, cfg.target_num_layers)
-    if cfg.target_model_type and trained_for != (tcfg.model_type, tcfg.num_hidden_layers):
+    if cfg.target_model_type and trained_for != (t.model_type, t.num_layers):
         raise DraftHeadError(f"draft head {folder} was trained for a {cfg.target_model_type} "
                              f"target with {cfg.target_num_layers} layers, not this "
-                             f"{tcfg.model_type} with {tcfg.num_hidden_layers}; pass its own --draft")
-    if cfg.vocab_size != tcfg.vocab_size:
+                             f"{t.model_type} with {t.num_layers}; pass its own --draft")
+    if cfg.vocab_size != t.vocab:
         raise DraftHeadError(f"draft head {folder} has vocab {cfg.vocab_size} but the target has "
-                             f"{tcfg.vocab_size}: it was trained for another model")
+                             f"{t.vocab}: it was trained for another model")
     if version == 3:
-        if (cfg.target_hidden_size or cfg.hidden_size) != tcfg.hidden_size:
+        if (cfg.target_hidden_size or cfg.hidden_size) != t.hidden_size:
             raise DraftHeadError(f"draft head {folder} expects target hidden size "
                                  f"{cfg.target_hidden_size or cfg.hidden_size}, target has "
-                                 f"{tcfg.hidden_size}")
+                                 f"{t.hidden_size}")
         head = Eagle3Draft(cfg, embed)
         if "embed_tokens.weight" in state:  # shipped when the draft's hidden differs
             embed = nn.Embedding.from_pretrained(state.pop("embed_tokens.weight"), freeze=True)
             head.embed_tokens = embed
         if cfg.feature_layers is None:
-            cfg.feature_layers = default_feature_layers(tcfg.num_hidden_layers)
-        outside = [i for i in cfg.feature_layers if not 0 <= i < tcfg.num_hidden_layers]
+            cfg.feature_layers = default_feature_layers(t.num_layers)
+        outside = [i for i in cfg.feature_layers if not 0 <= i < t.num_layers]
         if outside:
             raise DraftHeadError(f"draft head {folder} fuses the inputs of decoder layers "
                                  f"{cfg.feature_layers}, but the target has layers 0.."
-                                 f"{tcfg.num_hidden_layers - 1}; fix feature_layers in its "
+                                 f"{t.num_layers - 1}; fix feature_layers in its "
                                  "config.json")
     else:
         head = Eagle1Draft(cfg, embed, target.get_output_embeddings())

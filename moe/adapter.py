@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from moe_spec.errors import UserError
-from moe_spec.moe.families import FamilySpec, UnsupportedModelError, spec_for
+from moe_spec.moe.families import FamilySpec, UnsupportedModelError, facts, spec_for
 from moe_spec.policy.routing import RoutingRule
 
 
@@ -131,6 +131,7 @@ class MoEAdapter:
     def __init__(self, model: nn.Module, *, check: bool = True):
         config = model.config
         self.spec = spec_for(config)
+        self.facts = facts(config)  # what its config says (the one reader of a model config)
         base = getattr(model, "model", model)
         decoder_layers = getattr(base, "layers", None)
         if decoder_layers is None:
@@ -138,13 +139,13 @@ class MoEAdapter:
                                         ".model.layers")
         self.model = model
         self.num_decoder_layers = len(decoder_layers)
-        dense = self.spec.dense_layers(config)
+        dense = self.facts.dense_layers
         self.layers: list[MoELayer] = []
         for i, layer in enumerate(decoder_layers):
             block = _sparse_block(layer, self.spec)
             if (block is None) != (i in dense):
                 raise UnsupportedModelError(
-                    f"layer {i} of this {config.model_type} model is "
+                    f"layer {i} of this {self.facts.model_type} model is "
                     f"{'dense' if block is None else 'sparse'} but its config says otherwise")
             if block is None:
                 continue
@@ -167,7 +168,7 @@ class MoEAdapter:
         param = next(self.model.parameters())
         g = torch.Generator(device="cpu").manual_seed(seed)
         for layer in self.layers:
-            h = torch.randn(tokens, self.model.config.hidden_size, generator=g)
+            h = torch.randn(tokens, self.facts.hidden_size, generator=g)
             h = h.to(param.device, param.dtype)
             logits, weights, index = layer.router(h)
             layer.rule = replace(layer.rule, weight_dtype=weights.dtype)  # as the router returns

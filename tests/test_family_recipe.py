@@ -4,6 +4,7 @@ derived from those records."""
 
 import ast
 import importlib
+import json
 import shutil
 import subprocess
 import sys
@@ -199,7 +200,7 @@ def test_no_code_outside_the_family_records_reads_a_moe_config_key():
     top-k, dense layers, shared experts and expert widths: no project module outside
     moe/families/ names one of those keys, as a string or an attribute."""
     found = []
-    for package in PACKAGES:
+    for package in (*PACKAGES, "bench"):
         for path in (ROOT / package).rglob("*.py"):
             if path.parent == ROOT / "moe" / "families":
                 continue
@@ -233,43 +234,114 @@ def test_facts_read_each_family_by_its_own_rule():
         == (4, 2) and models.expert_shape({}) is None
 
 
-# a model's widths, depth, vocabulary and positions: ConfigFacts' other fields, read through
-# ``families.facts`` as well wherever these folders read a model's config (loaded or stored)
+def test_facts_of_an_absurd_depth_cost_nothing_until_asked_and_model_facts_refuses_it(tmp_path):
+    """The dense layers are worked out on first use: the facts of a Qwen3-MoE config stating
+    10**7 layers (its rule walks every layer) keep the depth as stated for a size check, and
+    model-facts refuses such a config, or a depth that is no number, in one line before
+    transformers builds per-layer lists from it."""
+    from moe_spec.capture.engines.model import ModelFactsError, model_facts
+    deep = dict(REGISTRY["qwen3_moe"].real_config, model_type="qwen3_moe",
+                num_hidden_layers=10**7, decoder_sparse_step=2)
+    found = families.facts(deep)
+    assert found.stated_layers == 10**7 and "dense_layers" not in vars(found)
+    assert families.facts(dict(deep, num_hidden_layers="eight")).stated_layers == "eight"
+    assert families.facts({"rope_parameters": {"rope_theta": 1e6}}).rope_theta == 1e6
+    for depth, shown in ((10**12, "a 13-digit number"), ("eight", "'eight'")):
+        folder = tmp_path / str(depth)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(dict(deep, num_hidden_layers=depth)))
+        with pytest.raises(ModelFactsError, match=f"says num_hidden_layers = {shown}: not "):
+            model_facts(str(folder))
+
+
+# a model's widths, depth, vocabulary, positions and rotary base: ConfigFacts' other fields, read
+# through ``families.facts`` wherever the workbench reads a model's config (loaded or stored)
 WIDTH_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"}
-# folders that read model configs only through facts. Training *creates* configs (the tiny
-# models' keyword arguments, train-draft's head): a keyword argument is not a read. Not yet
-# here: moe/adapter.py, eagle/ (the draft head checked against its target's config), capture/
-# (target.py, engines/model.py's size check before facts) and analysis/catalog, whose manifests
-# and columns name hidden_size too.
-WIDTH_SCANNED = ("errors", "policy", "tasks", "console", "cluster", "replay", "app", "training",
-                 "profiling")
+              "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+              "rope_theta", "rope_parameters"}
+# every folder of the project is scanned (bench/ included; moe/families/ is the reader itself).
+# Training *creates* configs (the tiny models' keyword arguments, train-draft's head): a keyword
+# argument or a dict literal's key is not a read. What the scan finds that reads no model config, and why:
+NOT_MODEL_CONFIGS = {
+    # the draft head's own config (DraftConfig, its config.json), not its target's: the
+    # target's widths, depth and vocabulary come through families.facts
+    "eagle/draft_head.py": {"cfg", "self.cfg", "self.config", "raw", "raw['rope_scaling']",
+                            "'rope_theta'"},
+    # the manifest field and runs-table column hidden_size (capture writes it from facts), not
+    # a config key: the runs table's schema and writers, and a run's facts as its manifest says
+    "catalog/runs.py": {"'hidden_size'"},
+    "catalog/schema.py": {"'hidden_size'"},
+    "catalog/writer.py": {"'hidden_size'"},
+    "analysis/sql.py": {"'hidden_size'"},
+    "capture/engines/model.py": {"'hidden_size'"},
+}
+CONFIG_SCANNED = (*PACKAGES, "bench")
 
 
-def config_reads(path: Path, keys: set[str]) -> list[str]:
+def config_reads(path: Path, keys: set[str], allowed: set[str] = frozenset()) -> list[str]:
     """Where ``path`` reads one of ``keys`` off a config: an attribute of a name or attribute
     ending in ``config``/``cfg`` (``model.config.vocab_size``, ``cfg.hidden_size``) or the key
-    as a string (``config.get("vocab_size")``, ``getattr(cfg, "head_dim")``)."""
+    as a string (``config.get("vocab_size")``, ``getattr(cfg, "head_dim")``); ``allowed``: the
+    owners (``self.cfg``) and strings (``'hidden_size'``) that are no model config there."""
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    made = {id(key) for node in ast.walk(tree) if isinstance(node, ast.Dict) for key in node.keys}
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in keys:
             owner = node.value
             name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
-            read = name.lower().endswith(("config", "cfg"))
-        else:
-            read = isinstance(node, ast.Constant) and node.value in keys
+            read = name.lower().endswith(("config", "cfg")) and ast.unparse(owner) not in allowed
+        else:  # (a dict literal's key, like a keyword argument, creates a config: no read)
+            read = isinstance(node, ast.Constant) and node.value in keys and \
+                repr(node.value) not in allowed and id(node) not in made
         if read:
             found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     return found
 
 
-def test_no_scanned_folder_reads_a_model_width_but_through_facts():
-    """profile-target's vocabulary, inspect-model's hidden size, the real-width head's width and
-    train-draft's vocabulary come from ``families.facts`` (they read ``config.vocab_size`` and
-    ``config.hidden_size`` directly before)."""
-    found = [hit for package in WIDTH_SCANNED for path in sorted((ROOT / package).rglob("*.py"))
-             for hit in config_reads(path, WIDTH_KEYS)]
-    assert not found, found
+def places_reading_model_configs(root: Path = ROOT) -> dict[str, list[str]]:
+    """The folders of the project that read a model config directly, with their reads:
+    ``moe/families`` (the records and :func:`moe.families.facts`) and nothing else."""
+    places: dict[str, list[str]] = {}
+    for package in CONFIG_SCANNED:
+        for path in sorted((root / package).rglob("*.py")):
+            relative = path.relative_to(root).as_posix()
+            hits = config_reads(path, WIDTH_KEYS | MOE_CONFIG_KEYS,
+                                NOT_MODEL_CONFIGS.get(relative, frozenset()))
+            if hits:
+                places.setdefault(path.parent.relative_to(root).as_posix(), []).extend(hits)
+    return places
+
+
+def test_one_place_reads_model_configs():
+    """``families.facts`` is the one reader of a model config: profile-target's vocabulary,
+    inspect-model's hidden size, the adapter's probe width, capture's manifest and storage
+    width, the draft head's target checks, the decoder's context length, model-facts' size
+    check and the benches read it (they read ``config.hidden_size`` & co. directly before)."""
+    places = places_reading_model_configs()
+    assert list(places) == ["moe/families"], {p: r for p, r in places.items()
+                                              if p != "moe/families"}
+
+
+def test_the_scan_finds_a_direct_read_planted_anywhere(tmp_path):
+    """A copy of the project's Python files with direct reads planted in folders the scan
+    covers (a module of capture/, one of bench/, one of eagle/ reading a model config off
+    ``self.cfg``, a name allowed in the draft head's file only): each is a second place."""
+    for package in CONFIG_SCANNED:
+        shutil.copytree(ROOT / package, tmp_path / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.json",
+                                                      "*.parquet", "*.safetensors"))
+    (tmp_path / "capture" / "planted.py").write_text(
+        "def width(model):\n    return model.config.hidden_size\n")
+    (tmp_path / "bench" / "planted.py").write_text(
+        "def top_k(config):\n    return config['num_experts_per_tok']\n")
+    (tmp_path / "eagle" / "planted.py").write_text("h = self.cfg.hidden_size\n")
+    places = places_reading_model_configs(tmp_path)
+    assert {p: r for p, r in places.items() if p != "moe/families"} == {
+        "capture": ["planted.py:2 model.config.hidden_size"],
+        "bench": ["planted.py:2 'num_experts_per_tok'"],
+        "eagle": ["planted.py:1 self.cfg.hidden_size"]}
+    assert places["moe/families"]  # the one reader, found by the same scan
 
 
 def test_the_width_scan_finds_a_direct_read_and_passes_facts_and_created_configs(tmp_path):
@@ -278,6 +350,9 @@ def test_the_width_scan_finds_a_direct_read_and_passes_facts_and_created_configs
                       "v = config.get('vocab_size') if config else None\n"
                       "facts = families.facts(model.config)\nok = facts.hidden_size\n"
                       "made = dict(hidden_size=128, num_hidden_layers=8)\n"
+                      "also = {**made, 'num_hidden_layers': 1}\n"
                       "shape = surrogate.hidden_size\n")
     found = sorted(hit.split()[0] for hit in config_reads(module, WIDTH_KEYS))
     assert found == ["m.py:1", "m.py:2", "m.py:3"]
+    assert config_reads(module, WIDTH_KEYS, {"cfg", "'vocab_size'"}) == \
+        ["m.py:1 model.config.vocab_size"]

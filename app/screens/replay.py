@@ -8,6 +8,7 @@ import streamlit as st
 from moe_spec.analysis import figures, frames, replay_views
 from moe_spec.analysis.sql import results_per_run
 from moe_spec.app import data, views
+from moe_spec.catalog.replay_metrics import CLOSED_TABLE, OPEN_TABLE
 
 TITLE = "Replay results"
 ORDER = 70
@@ -21,7 +22,7 @@ def draw() -> None:
                "loop) or the share of unchanged tree paths (closed loop) says what each ranking's "
                "choice of B experts costs. Lower error at a smaller B is better.")
     roles = views.role_choice("replay")
-    if "replay_open" not in ds.views and "replay_closed" not in ds.views:
+    if OPEN_TABLE not in ds.views and CLOSED_TABLE not in ds.views:
         st.info("No replay results yet. Run for example\n\n"
                 f"`replay --traces {ds.root} --ranking router oracle --budget sweep`")
         return

@@ -7,6 +7,7 @@ import streamlit as st
 
 from moe_spec.analysis.sql import run_query
 from moe_spec.app import data, views
+from moe_spec.catalog.replay_metrics import OPEN_TABLE
 
 TITLE = "SQL console"
 ORDER = 110
@@ -25,7 +26,7 @@ EXAMPLES = {  # each gives one row per run (and variant): nothing pooled across 
                                  "prompt_index, step) FROM nodes ORDER BY run, prompt_index, "
                                  "step LIMIT 1) ORDER BY depth",
     "Error vs budget (replay)": "SELECT run, ranking, coverage, budget, avg(rse) AS rse FROM "
-                                "replay_open GROUP BY ALL ORDER BY ALL",
+                                f"{OPEN_TABLE} GROUP BY ALL ORDER BY ALL",
     "Replay variants": "SELECT * FROM variants",
     "Runs and their settings": "SELECT run, role, max_new_tokens, temperature, tree_total_tokens, "
                                "tree_depth, batch_size, storage FROM runs ORDER BY run",

@@ -37,10 +37,11 @@ def model_facts(model: str) -> ModelFacts:
         source = models.resolve(model)
     except models.ModelError as exc:
         raise ModelFactsError(str(exc)) from None
-    early = models.read_config(model) or {}  # sizes checked before transformers builds
-    early = early.get("text_config", early) if isinstance(early.get("text_config"), dict) \
-        else early  # per-layer lists from them
-    _check_size(model, "num_hidden_layers", early.get("num_hidden_layers", 1), MAX_LAYERS)
+    # config.json (its text config), its depth checked before transformers builds per-layer
+    # lists from it
+    stated = families.config_view(models.read_config(model))
+    depth = families.facts(stated).stated_layers
+    _check_size(model, families.LAYERS_KEY, 1 if depth is None else depth, MAX_LAYERS)
     models.quiet_transformers()
     from transformers import AutoConfig
     try:  # a hub id: its config.json from the local cache (or the hub where it is reachable)
@@ -53,10 +54,10 @@ def model_facts(model: str) -> ModelFacts:
                               f"{first[:160]}{hint}") from None
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     # what config.json says (read once, its size checked above) wins over class defaults
-    merged = {**cfg.to_dict(), **{k: v for k, v in early.items() if v is not None}}
-    if merged.get("num_hidden_layers") is None:
-        raise ModelFactsError(f"the config of {model!r} names no num_hidden_layers")
+    merged = {**cfg.to_dict(), **{k: v for k, v in vars(stated).items() if v is not None}}
     found = families.facts(merged)
+    if found.stated_layers is None:
+        raise ModelFactsError(f"the config of {model!r} names no {families.LAYERS_KEY}")
     if not (found.num_experts and found.top_k):
         raise ModelFactsError(f"the config of {model!r} names no routed experts and top-k "
                               f"(one of {', '.join(models.EXPERT_COUNT_KEYS)} and "

@@ -48,6 +48,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable
 
 from moe_spec.errors import UserError
@@ -152,18 +153,25 @@ def any_family_dense_layers(config) -> set[int]:
     return dense | {i for i in range(layers) if (i + 1) % step != 0}
 
 
+LAYERS_KEY = "num_hidden_layers"  # the config key of the decoder-layer count
+
+
 @dataclass(frozen=True)
 class ConfigFacts:
     """What the workbench reads of a model's config, read in one place (:meth:`Family.facts`,
     :func:`facts`): N routed experts and top-k, the decoder layers and which are dense, the
     always-on shared experts, and the widths the cost model needs. None where the config does
-    not say (``dense_layers`` empty when the depth is unknown)."""
+    not say (``dense_layers`` empty when the depth is unknown).
+
+    ``stated_layers`` is the depth as the config states it, unchecked (``LAYERS_KEY``'s value,
+    a string or 10**12 included): a size check reads it before anything builds per-layer lists.
+    The dense layers are worked out on first use only, so reading the facts of a config stating
+    an absurd depth costs nothing until they are asked for."""
 
     model_type: str
     num_experts: int | None  # N routed experts (the family's key: Family.experts_key)
     top_k: int | None
     num_layers: int | None
-    dense_layers: frozenset[int]  # decoder layers with a dense MLP, not experts
     shared_experts: int  # always-on shared experts beside the routed ones (never in a budget)
     hidden_size: int | None
     expert_inter: int | None  # one routed expert's intermediate width
@@ -174,11 +182,33 @@ class ConfigFacts:
     head_dim: int | None
     vocab: int | None
     max_positions: int | None
+    rope_theta: float | None  # the rotary base (``rope_theta``, or in ``rope_parameters``)
+    stated_layers: object  # LAYERS_KEY's value as stated, unchecked (None: not stated)
+    view: object = field(default=None, repr=False, compare=False)  # the config (config_view)
+    dense_rule: Callable[[object], set[int]] = field(default=no_dense_layers, repr=False,
+                                                     compare=False)
+
+    @cached_property
+    def dense_layers(self) -> frozenset[int]:
+        """The decoder layers with a dense MLP, not experts (the family's rule)."""
+        if not self.num_layers:
+            return frozenset()
+        try:  # (a family's rule may read a key a partial config.json leaves to the class default)
+            return frozenset(self.dense_rule(self.view))
+        except (AttributeError, TypeError):
+            return frozenset(any_family_dense_layers(self.view))
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
         """The decoder layers with a sparse MoE block."""
         return tuple(i for i in range(self.num_layers or 0) if i not in self.dense_layers)
+
+
+def _rope_theta(cfg) -> float | None:
+    params = getattr(cfg, "rope_parameters", None)
+    theta = getattr(cfg, "rope_theta", None) or \
+        (params.get("rope_theta") if isinstance(params, dict) else None)
+    return theta if isinstance(theta, (int, float)) and not isinstance(theta, bool) else None
 
 
 def read_facts(config, experts_keys: tuple[str, ...],
@@ -187,7 +217,7 @@ def read_facts(config, experts_keys: tuple[str, ...],
     ``experts_keys`` it states, the dense layers by ``dense_layers(config)``."""
     cfg = config_view(config)
     get = lambda key: getattr(cfg, key, None)  # noqa: E731
-    layers = _int(get("num_hidden_layers"))
+    layers = _int(get(LAYERS_KEY))
     n = next((v for v in map(_int, map(get, experts_keys)) if v), None)
     hidden, heads = _int(get("hidden_size")), _int(get("num_attention_heads"))
     inter = get("moe_intermediate_size") or get("intermediate_size")
@@ -197,18 +227,16 @@ def read_facts(config, experts_keys: tuple[str, ...],
     else:  # one shared expert of its own width (Qwen2-MoE's layout)
         shared_inter = int(get("shared_expert_intermediate_size") or 0)
         shared = 1 if shared_inter > 0 else 0
-    try:  # (a family's rule may read a key a partial config.json leaves to the class default)
-        dense = frozenset(dense_layers(cfg)) if layers else frozenset()
-    except (AttributeError, TypeError):
-        dense = frozenset(any_family_dense_layers(cfg))
     return ConfigFacts(
         model_type=str(get("model_type") or ""), num_experts=n,
-        top_k=_int(get("num_experts_per_tok")), num_layers=layers, dense_layers=dense,
+        top_k=_int(get("num_experts_per_tok")), num_layers=layers,
         shared_experts=int(shared), hidden_size=hidden, expert_inter=inter,
         shared_inter=shared_inter, dense_inter=get("intermediate_size"), heads=heads,
         kv_heads=get("num_key_value_heads"),
         head_dim=get("head_dim") or (hidden // heads if hidden and heads else None),
-        vocab=get("vocab_size"), max_positions=_int(get("max_position_embeddings")))
+        vocab=get("vocab_size"), max_positions=_int(get("max_position_embeddings")),
+        rope_theta=_rope_theta(cfg), stated_layers=get(LAYERS_KEY), view=cfg,
+        dense_rule=dense_layers)
 
 
 @dataclass(frozen=True)
