@@ -113,8 +113,7 @@ def _frontier(page: views.Page, con, target_name: str, target, hardware: list,
                    "`replay --ranking router oracle coact-prior --calibration RUN --budget "
                    "sweep`, and `replay --mode closed …` for τ under each budget.")
         return
-    st.dataframe(pl.DataFrame(frontier_markdown_rows(table, with_model=False)),
-                 hide_index=True, width="stretch")
+    views.words_table(frontier_markdown_rows(table, with_model=False))
     st.caption(f"On {target_name}. {MATCHED_QUALITY}. Interval: 95%, from τ(B)/τ(N) on the same "
                "trees (closed loop); where only open loop exists τ is not measured under a "
                "budget and the gain is the cost model's alone. `python bench/frontier.py` "
@@ -268,12 +267,13 @@ def _fixed_vs_adaptive(page: views.Page, con, stats: dict, target_name: str, tar
     st.plotly_chart(figures.speedup_vs_experts(
         frame, f"Projected speedup on {target_name}, {stats['ranking']} ({stats['coverage']}): "
                "fixed vs adaptive", MODE_SPEEDUP_NOTE), width="stretch")
-    st.dataframe(pl.DataFrame(mode_headline_rows(frame, hardware[0].name)), hide_index=True,
-                 width="stretch")
+    views.words_table(mode_headline_rows(frame, hardware[0].name))
     st.caption(f"Per budget mode, on {hardware[0].name}: its fastest budget within the quality "
                "bound it is judged by (closed-loop path where that mode was replayed closed "
                "loop, else open-loop RSE), the rule of the headline above; B = N when none is "
-               "faster.")
+               "faster. Beside an adaptive mode's B̄ (the mean budget asked), the mean experts it "
+               "loaded per layer and its price λ (load the next expert while its predicted gain "
+               "exceeds λ; calibrated on the calibration run to meet B̄ there).")
 
 
 def _efficiency(root, model: str) -> None:
