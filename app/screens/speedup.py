@@ -234,16 +234,16 @@ def _at_budget(frame: pl.DataFrame, top: dict, target_name: str) -> None:
     verdict = {True: "within", False: "outside", None: "not measured against"}[at["within_bound"]]
     st.caption(f"Quality at B = {b} of {n_t} (the capture's B = {at['captured_budget']} of "
                f"{at['num_experts']}): {at['quality']}; {verdict} the bound ({top['bound']}).")
-    # one row per (budget, hardware): never wider than the page, whatever the profiles chosen
-    st.dataframe(pl.DataFrame([{
+    # one row per (budget, hardware), words that wrap: never wider than the page, whatever the
+    # profiles chosen and the window's width
+    views.words_table([{
         f"B (of {n_t})": r["budget"], f"captured B (of {best['num_experts']})":
         r["captured_budget"], "hardware": r["hardware"],
         "speedup (95% CI)": f"{r['speedup']:.2f}× ({speedup_interval(r)})",
         "τ": round(r["tau"], 2),
         "quality at this budget": r["quality"],
         "within the bound": {True: "yes", False: "no", None: "not measured"}[r["within_bound"]]}
-        for r in frame.sort("budget", "hardware").iter_rows(named=True)]),
-        hide_index=True, width="stretch")
+        for r in frame.sort("budget", "hardware").iter_rows(named=True)])
     st.caption("Intervals: 95% Student-t of τ over the replayed trees (closed loop's τ(B) where "
                "replayed, else the unbudgeted τ), carried through the cost model, which is "
                "taken as exact.")
