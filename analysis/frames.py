@@ -447,9 +447,9 @@ def mode_headlines(frame: pl.DataFrame, hardware: str | None = None) -> pl.DataF
 
 MODE_SPEEDUP_NOTE = (
     "x: the mean of the experts each replayed tree-layer loaded (open loop), mapped by share of "
-    "N onto the target; each MoE layer is charged its own load (Σ_ℓ max(memory, compute)).<br>"
-    "τ from closed loop of the same mode and budget where replayed, else the unbudgeted τ; bars: "
-    "95% CI from τ. Filled: within the bound the mode is judged by<br>(closed-loop path "
+    "N onto the target;<br>each MoE layer is charged its own load (Σ_ℓ max(memory, compute)). "
+    "τ from closed loop of the same mode and budget where replayed,<br>else the unbudgeted τ; "
+    "bars: 95% CI from τ. Filled: within the bound the mode is judged by (closed-loop path<br>"
     f"unchanged ≥ {PATH_BOUND:.0%} where the mode was replayed closed loop, at those budgets; "
     f"else open-loop RSE ≤ {RSE_BOUND:g}); open: outside it or not measured.")
 
