@@ -211,17 +211,19 @@ def batch_speedup(speed: pl.DataFrame, fit: dict | None = None,
                         name=f"MoESD fit (verify only), rel. RMSE {fit['coef']['relative_rmse']:.0%}")
     fig.add_hline(y=1, line=dict(color="#999", width=1))
     _batch_axis(fig, speed["batch_size"])
-    fig.update_yaxes(title="speedup over autoregressive decoding (s/token ratio)")
+    fig.update_yaxes(title="speedup over AR decoding (×, s/token)")
     equal = "equal_work" in speed.columns and bool(speed["equal_work"].all())
     from moe_spec.analysis import timing
     paired = "paired" in speed.columns and bool(speed["paired"].all())
+    # a short title, what the work was and the interval's rule on a line under it, clear of
+    # the chart's toolbar at a normal window's width
     fig = _style(fig, "Speculative decoding's speedup vs batch size (measured on " + (
-        "equal work: every way decodes the same tokens, EOS ignored)" if equal else
-        "UNEQUAL work: the decodings produced different numbers of tokens)") + "<br><sup>" + (
+        "equal work)<br><sup>every way decodes the same tokens, EOS ignored" if equal else
+        "UNEQUAL work)<br><sup>the decodings produced different numbers of tokens") + "; " + (
         timing.INTERVAL_SHORT if paired else "unpaired repeats (stored before interleaving): "
-        "ratio of medians, Bonferroni order-statistic 95% CI") + "</sup>", HEIGHT + 80)
+        "ratio of medians, Bonferroni order-statistic 95% CI") + "</sup>", HEIGHT + 100)
     fig.update_layout(legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="left", x=0),
-                      margin=dict(t=60, b=170))  # many entries: below the plot, not on the title
+                      margin=dict(t=100, b=170))  # many entries: below the plot, not on the title
     return fig
 
 
@@ -360,6 +362,19 @@ MODE_DASHES = ["dash", "dot", "dashdot", "longdash", "longdashdot"]  # adaptive 
 EXPERTS_AXIS = "mean experts loaded per layer"
 
 
+def _letter(mode: str) -> str:
+    """B for a fixed budget, B̄ for an adaptive mode's mean budget asked."""
+    return "B" if mode == FIXED_MODE else "B̄"
+
+
+def _prices(g: pl.DataFrame) -> list[str]:
+    """Each point's price λ as hover text (", λ 0.0321"), empty for a fixed budget or a frame
+    without prices (an adaptive point's λ: ``replay_views.price``)."""
+    if "price" not in g.columns:
+        return [""] * g.height
+    return ["" if p is None or p != p else f", λ {p:.4g}" for p in g["price"]]
+
+
 def _mode_curves(frame: pl.DataFrame, coverage: str):
     """(key (ranking, mode), rows, name, color, dash) of each curve of a frame with
     ``budget_mode`` under ``coverage``: a colour per curve (the same in every panel), a solid
@@ -400,8 +415,10 @@ def error_vs_experts(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
                             name="fixed-B oracle (bound)" if bound else name,
                             line=dict(color="black" if bound else color, dash=dash,
                                       width=3 if bound else 2),
-                            customdata=g["budget"], legendgroup=name, showlegend=col == 1,
-                            hovertemplate=f"{name}: B = %{{customdata}} → %{{x:.2f}} experts, "
+                            customdata=np.c_[g["budget"], _prices(g)], legendgroup=name,
+                            showlegend=col == 1,
+                            hovertemplate=f"{name}: {_letter(mode)} = %{{customdata[0]}}"
+                                          "%{customdata[1]} → %{x:.2f} experts loaded, "
                                           "RSE %{y:.3g}<extra></extra>", row=1, col=col)
     fig.update_yaxes(type="log", exponentformat="power", title_text="RSE (log; floor 1e-9)",
                      col=1)
@@ -441,10 +458,11 @@ def speedup_vs_experts(frame: pl.DataFrame, title: str, note: str | None = None)
                          array=(g["speedup_high"] - g["speedup"]).fill_nan(None).to_list(),
                          arrayminus=(g["speedup"] - g["speedup_low"]).fill_nan(None).to_list()),
             customdata=np.c_[g["budget"], g["tau"], g["quality"], g["experts_p10"],
-                             g["experts_p90"]],
-            hovertemplate="B̄ = %{customdata[0]}: %{x:.2f} experts per layer (p10–p90 "
-                          "%{customdata[3]:.1f}–%{customdata[4]:.1f}) → %{y:.2f}×<br>τ "
-                          "%{customdata[1]:.2f}<br>%{customdata[2]}<extra>" + mode + "</extra>")
+                             g["experts_p90"], _prices(g)],
+            hovertemplate=f"{_letter(mode)} = %{{customdata[0]}}%{{customdata[5]}}: %{{x:.2f}} "
+                          "experts per layer (p10–p90 %{customdata[3]:.1f}–%{customdata[4]:.1f})"
+                          " → %{y:.2f}×<br>τ %{customdata[1]:.2f}<br>%{customdata[2]}<extra>"
+                          + mode + "</extra>")
     if plain.height:
         fig.add_scatter(x=plain["experts_loaded"], y=plain["speedup"], mode="markers",
                         name="no budget (B = N)", marker=dict(symbol="star", size=13,
@@ -472,9 +490,10 @@ def oracle_gap(gap: pl.DataFrame) -> go.Figure:
         text = []
         for v, w in zip(share, where):
             if w == "beyond" or not np.isfinite(v):
-                text.append("beyond<br>the sweep")
+                text.append("beyond<br>the<br>sweep")  # narrow: two bars' labels side by side
             elif w == "below":
-                text.append(f"≥ {v:.0%},<br>below<br>the sweep" if v > 0 else "below<br>the sweep")
+                text.append(f"≥ {v:.0%},<br>below<br>the<br>sweep" if v > 0
+                            else "below<br>the<br>sweep")
             else:
                 text.append(f"{v:.0%}")
         fig.add_bar(x=g["reference_budget"], y=np.nan_to_num(share, nan=0.0), name=cov[0],
@@ -505,10 +524,13 @@ def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
     for col, cov in enumerate(covs, start=1):
         sub = frame.filter(pl.col("coverage") == cov)
         if modes != {FIXED_MODE}:
-            for _, g, name, color, dash in _mode_curves(frame, cov):
+            for (_, mode), g, name, color, dash in _mode_curves(frame, cov):
                 _band(fig, g["experts_loaded"], g["tau"], g["tau_lo"], g["tau_hi"], name,
                       color, row=1, col=col, legendgroup=name, showlegend=col == 1)
-                fig.data[-1].line.dash = dash
+                fig.data[-1].update(
+                    line_dash=dash, customdata=np.c_[g["budget"], _prices(g)],
+                    hovertemplate=f"{name}: {_letter(mode)} = %{{customdata[0]}}%{{customdata[1]}}"
+                                  " → %{x:.2f} experts loaded, τ %{y:.2f}<extra></extra>")
         else:
             for i, (ranking, g) in enumerate(sub.sort("budget").group_by(
                     ["ranking"], maintain_order=True)):
@@ -518,7 +540,8 @@ def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
                       row=1, col=col, legendgroup=ranking[0], showlegend=col == 1)
         captured = float(sub["tau_captured"].mean())
         fig.add_hline(y=captured, line_dash="dash", line_color="black", row=1, col=col,
-                      annotation_text=f"captured τ {captured:.2f}")
+                      annotation_text=f"captured τ {captured:.2f}",  # clear of the curves' ends
+                      annotation_position="top left")
     if modes != {FIXED_MODE}:
         fig.update_xaxes(title_text=f"{EXPERTS_AXIS} (of {n})" if n else EXPERTS_AXIS)
     else:
@@ -527,7 +550,8 @@ def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
     fig.update_yaxes(title_text="accepted length τ under the budget (tokens per pass)", col=1)
     return _style(fig, "Closed-loop acceptance vs budget, mean and 95% interval over trees"
                   if modes == {FIXED_MODE} else "Closed-loop acceptance vs mean experts loaded "
-                  "per layer, fixed and adaptive budgets, mean and 95% interval over trees")
+                  "per layer, fixed and adaptive budgets<br><sup>mean and 95% interval over "
+                  "trees</sup>")  # two lines: clear of the legend in a 1280 px window
 
 
 def load_balance(frame: pl.DataFrame) -> go.Figure:

@@ -330,25 +330,29 @@ def adaptive_curves(con, model: str, bench: str) -> list[tuple[str, str]]:
 def mode_quality(con, model: str, bench: str, ranking: str, coverage: str) -> dict:
     """(budget_mode, budget) -> what the budget costs and τ under it: open loop's mean ``rse``,
     closed loop's ``tau`` (its 95% interval ``tau_ci``, Student t over trees),
-    ``path_unchanged`` and ``kl``, each where replayed."""
+    ``path_unchanged`` and ``kl``, each where replayed; ``price``, an adaptive mode's λ at that
+    B̄ (:func:`replay_views.price`: one per cell of the default view; null for fixed)."""
     part = partition_value(model)
     present = views(con)
     out: dict[tuple[str, int], dict] = {}
     args = [part, bench, ranking, coverage]
     where = "model = ? AND bench = ? AND ranking = ? AND coverage = ?"
     if OPEN_TABLE in present:
-        for mode, b, rse in con.execute(f"""
-                SELECT {replay_views.budget_mode(con, OPEN_TABLE)}, budget, avg(rse)
+        for mode, b, rse, lam in con.execute(f"""
+                SELECT {replay_views.budget_mode(con, OPEN_TABLE)}, budget, avg(rse),
+                       max({replay_views.price(con, OPEN_TABLE)})
                 FROM {OPEN_TABLE} WHERE {where} GROUP BY ALL""", args).fetchall():
-            out.setdefault((mode, int(b)), {})["rse"] = rse
+            out.setdefault((mode, int(b)), {}).update(rse=rse, price=lam)
     if CLOSED_TABLE in present:
-        for mode, b, tau, sd, n, path, kl in con.execute(f"""
+        for mode, b, tau, sd, n, path, kl, lam in con.execute(f"""
                 SELECT {replay_views.budget_mode(con, CLOSED_TABLE)}, budget,
                        avg(accepted_length), stddev_samp(accepted_length), count(*),
-                       avg(path_unchanged::DOUBLE), avg(mean_kl)
+                       avg(path_unchanged::DOUBLE), avg(mean_kl),
+                       max({replay_views.price(con, CLOSED_TABLE)})
                 FROM {CLOSED_TABLE} WHERE {where} GROUP BY ALL""", args).fetchall():
-            out.setdefault((mode, int(b)), {}).update(
-                tau=tau, tau_ci=t_interval(tau, sd, n), path_unchanged=path, kl=kl)
+            q = out.setdefault((mode, int(b)), {})
+            q.update(tau=tau, tau_ci=t_interval(tau, sd, n), path_unchanged=path, kl=kl)
+            q["price"] = q.get("price") if q.get("price") is not None else lam
     return out
 
 
@@ -365,9 +369,10 @@ def mode_speedup_frame(con, model: str, bench: str, stats: dict, target: cost.Mo
         speedup      = τ · T_AR / (T_draft + T_verify)          (cost.projected_speedup)
 
     ``experts_loaded``: the mean of n_t (the x axis), ``experts_p10``/``experts_p90`` its
-    spread; τ from closed-loop replay of the same mode and budget where replayed (interval from
-    its trees), else the unbudgeted τ (the rows say so in ``tau_source``). Quality and the bound
-    as :func:`speedup_frame` (``within_bound``, ``quality``), per mode: a mode replayed closed
+    spread; ``price``, an adaptive mode's λ at that B̄ (null for fixed); τ from closed-loop
+    replay of the same mode and budget where replayed (interval from its trees), else the
+    unbudgeted τ (the rows say so in ``tau_source``). Quality and the bound as
+    :func:`speedup_frame` (``within_bound``, ``quality``), per mode: a mode replayed closed
     loop is judged by the share of unchanged paths (a budget closed loop did not replay: not
     measured), one replayed open loop only by its mean RSE (``judged_by``: "closed", "open")."""
     ranking, coverage = stats.get("ranking", "router"), stats.get("coverage")
@@ -398,7 +403,8 @@ def mode_speedup_frame(con, model: str, bench: str, stats: dict, target: cost.Mo
             unbudgeted = mode == "none (B = N)"
             rows.append(dict(
                 ranking=ranking, coverage=coverage, hardware=hw.name, budget_mode=mode,
-                budget=budget, captured_budget=n_c if unbudgeted else budget, num_experts=n_c,
+                budget=budget, price=q.get("price"),
+                captured_budget=n_c if unbudgeted else budget, num_experts=n_c,
                 target_experts=n_t, target_top_k=k_t, experts_loaded=float(sample.mean()),
                 experts_p10=float(np.percentile(sample, 10)),
                 experts_p90=float(np.percentile(sample, 90)), tau=tau, tau_source=source,
@@ -417,7 +423,7 @@ def mode_speedup_frame(con, model: str, bench: str, stats: dict, target: cost.Mo
             r["within_bound"] = None
     return pl.DataFrame(rows, schema_overrides=dict(path_unchanged=pl.Float64, kl=pl.Float64,
                                                     rse=pl.Float64, within_bound=pl.Boolean,
-                                                    coverage=pl.String))
+                                                    coverage=pl.String, price=pl.Float64))
 
 
 def mode_headlines(frame: pl.DataFrame, hardware: str | None = None) -> pl.DataFrame:
@@ -442,9 +448,9 @@ def mode_headlines(frame: pl.DataFrame, hardware: str | None = None) -> pl.DataF
 
 MODE_SPEEDUP_NOTE = (
     "x: the mean of the experts each replayed tree-layer loaded (open loop), mapped by share of "
-    "N onto the target; each MoE layer is charged its own load (Σ_ℓ max(memory, compute)).<br>"
-    "τ from closed loop of the same mode and budget where replayed, else the unbudgeted τ; bars: "
-    "95% CI from τ. Filled: within the bound the mode is judged by<br>(closed-loop path "
+    "N onto the target;<br>each MoE layer is charged its own load (Σ_ℓ max(memory, compute)). "
+    "τ from closed loop of the same mode and budget where replayed,<br>else the unbudgeted τ; "
+    "bars: 95% CI from τ. Filled: within the bound the mode is judged by (closed-loop path<br>"
     f"unchanged ≥ {PATH_BOUND:.0%} where the mode was replayed closed loop, at those budgets; "
     f"else open-loop RSE ≤ {RSE_BOUND:g}); open: outside it or not measured.")
 
@@ -452,22 +458,38 @@ MODE_SPEEDUP_NOTE = (
 def mode_headline_rows(frame: pl.DataFrame, hardware: str | None = None) -> list[dict]:
     """:func:`mode_headlines` as shown (the Speedup page's table and the report's): per budget
     mode, its fastest budget within the bound it is judged by, the mean and p10–p90 of experts
-    loaded per layer there, τ, the quality and the speedup beside its interval."""
+    loaded per layer there beside it (what B̄ achieved), an adaptive mode's price λ there
+    (:func:`price_text`), τ, the quality and the speedup beside its interval."""
     judged = {"closed": f"closed-loop path unchanged ≥ {PATH_BOUND:.0%}",
               "open": f"open-loop RSE ≤ {RSE_BOUND:g}"}
     out = []
     for r in mode_headlines(frame, hardware).iter_rows(named=True):
-        letter = "B" if r["budget_mode"] == replay_views.FIXED else "B̄"
+        plain = r["at"] == "none (B = N)"
         out.append({
             "budget mode": r["budget_mode"], "judged by": judged[r["judged_by"]],
-            "fastest within the bound": "no budget (B = N)" if r["at"] == "none (B = N)"
-            else f"{letter} = {r['budget']}",
+            "fastest within the bound": "no budget (B = N)" if plain
+            else f"{budget_letter(r['budget_mode'])} = {r['budget']}",
             "mean experts per layer (p10–p90)":
                 f"{r['experts_loaded']:.1f} ({r['experts_p10']:.1f}–{r['experts_p90']:.1f})",
+            "price λ": "—" if plain else price_text(r["budget_mode"], r.get("price")),
             "τ": f"{r['tau']:.2f} ({r['tau_source']})", "quality there": r["quality"],
             f"speedup on {r['hardware']} (95% CI from τ)":
                 f"{r['speedup']:.2f}× ({speedup_interval(r)})"})
     return out
+
+
+def budget_letter(mode: str) -> str:
+    """How a budget of ``mode`` is named: B (one at every layer) or B̄ (an adaptive mode's mean
+    asked)."""
+    return "B" if mode in (replay_views.FIXED, "none (B = N)") else "B̄"
+
+
+def price_text(mode: str, price: float | None) -> str:
+    """An adaptive budget's price λ as shown (4 significant digits): "—" for a fixed budget
+    (no price), "not stored" for adaptive rows without one."""
+    if budget_letter(mode) == "B":
+        return "—"
+    return "not stored" if price is None or price != price else f"{price:.4g}"
 
 
 MATCHED_QUALITY = (f"matched quality: the ranking's mean open-loop RSE at the budget ≤ "

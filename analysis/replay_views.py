@@ -42,6 +42,14 @@ def budget_mode(con: duckdb.DuckDBPyConnection, table: str) -> str:
     return f"coalesce(budget_mode, '{FIXED}')" if "budget_mode" in columns else f"'{FIXED}'"
 
 
+def price(con: duckdb.DuckDBPyConnection, table: str) -> str:
+    """SQL of a replay view's price λ: the adaptive budget mode's calibrated price of a mean
+    budget B̄ (a key of its cell, one per curve and B̄), null for a fixed budget and for rows
+    stored before adaptive budgets (no column)."""
+    columns = {r[0] for r in con.execute(f"DESCRIBE {table}").fetchall()}
+    return "price" if "price" in columns else "NULL::DOUBLE"
+
+
 def fixed_only(curves: pl.DataFrame) -> pl.DataFrame:
     """The fixed-budget rows of a frame (all of them where it has no ``budget_mode``)."""
     return curves.filter(pl.col("budget_mode") == FIXED) if "budget_mode" in curves.columns \
@@ -54,10 +62,12 @@ def curves(con: duckdb.DuckDBPyConnection, table: str, by: str = "model, bench"
     mode) of a replay table's default view: its metrics' means as its record declares them
     (:mod:`catalog.replay_metrics`: intervals where a metric asks; ``experts_loaded``, the mean
     experts loaded), and the rows counted (the record's ``counted``: tree-layers, trees, …).
-    Each budget mode is a curve of its own (:func:`budget_mode`)."""
+    Each budget mode is a curve of its own (:func:`budget_mode`); ``price``, an adaptive
+    point's λ (:func:`price`; null for fixed budgets)."""
     record = TABLES[table]
     return con.sql(f"""
         SELECT {by}, ranking, coverage, {budget_mode(con, record.name)} AS budget_mode, budget,
+               {price(con, record.name)} AS price,
                {replay_metrics.view_select(table)}, count(*) AS {record.counted}
         FROM {record.name} GROUP BY ALL ORDER BY ALL
     """).pl()

@@ -298,6 +298,26 @@ def start_page(title: str, key: str, caption: str | None = None, prefer=None,
     return Page(ds, roles, model, bench, setting_picker(runs, f"{key}_setting", across))
 
 
+def words_table(rows: pl.DataFrame | list[dict], percent: tuple[str, ...] = ()) -> None:
+    """A table whose cells are words (a number beside its interval, a quality, a budget in
+    words), drawn with ``st.table``: a long cell wraps onto more lines, so no column is ever cut
+    on the right whatever the window's width (``st.dataframe`` keeps each cell on one line and
+    scrolls sideways, hiding its last columns: issue 59). Numbers as read: floats to 4
+    significant digits, ``percent`` columns as percentages; a missing value reads "—", never
+    "None"."""
+    frame = rows if isinstance(rows, pl.DataFrame) else pl.DataFrame(rows)
+
+    def text(column: pl.Series) -> pl.Series:
+        if column.dtype.is_float():
+            shown = [None if v is None or v != v else f"{v:.1%}" if column.name in percent
+                     else f"{v:.4g}" for v in column]
+        else:
+            shown = [None if v is None else str(v) for v in column]
+        return pl.Series(column.name, shown, dtype=pl.String).fill_null("—")
+    st.table(pl.DataFrame([text(c) for c in frame.iter_columns()]) if frame.width else frame,
+             hide_index=True)
+
+
 def pick(frame: pl.DataFrame, model: str, bench: str) -> pl.DataFrame:
     """The rows of ``frame`` (an analysis frame, partition-valued) of one model and benchmark."""
     return frame.filter((pl.col("model") == partition_value(model)) & (pl.col("bench") == bench))

@@ -249,3 +249,27 @@ def capture_model_folder(tmp_path: Path, name: str) -> None:
     assert capture_cli.main(["--model", name, "--draft", str(models.DRAFTS_DIR / "tiny-olmoe"),
                              "--limit", "1", "--max-new-tokens", "8", "--out", "traces",
                              "--no-progress", "--threads", "1"]) == 0
+
+
+# The main column of the dashboard at its default layout (wide, sidebar open) in a 1280 px
+# window, a laptop's: 808 px (headless Chromium: 928 px at 1400, 628 px at 1100)
+PAGE_WIDTH = 808
+
+
+def dataframe_width(frame) -> int:
+    """About how wide ``st.dataframe`` draws ``frame`` (pandas, as AppTest gives it): each
+    column sized to its longest text, header or cell (floats as Streamlit shows them, up to 4
+    decimals), at about 6 px a character plus 20 px of padding. Checked against headless
+    Chromium on the pages' tables: 7 columns of words 1208 estimated, 1204 drawn; 10 columns
+    1490, 1453; 15 columns of numbers 1068, 1084; 8 columns 730, 736."""
+    def shown(v) -> str:
+        return f"{v:.4f}".rstrip("0").rstrip(".") if isinstance(v, float) else str(v)
+    return sum(6 * max([len(str(c))] + [len(shown(v)) for v in frame[c]]) + 20
+               for c in frame.columns)
+
+
+def dataframes_cut(at) -> list[tuple[list, int]]:
+    """The ``st.dataframe`` tables of an AppTest page wider than the page (their columns and
+    estimated width, :func:`dataframe_width`): a column past the right edge is hidden."""
+    return [(list(d.value.columns), w) for d in at.dataframe
+            if (w := dataframe_width(d.value)) > PAGE_WIDTH]

@@ -198,6 +198,55 @@ def test_the_new_figures_say_what_they_draw():
     assert lines == {"fixed", "adaptive:mass", "no budget (B = N)"}
 
 
+def priced(rows: pl.DataFrame) -> pl.DataFrame:
+    """``rows`` with the price column replay writes: λ = 0.01 · B̄ for an adaptive mode's rows
+    (one per cell), null for fixed budgets."""
+    return rows.with_columns(price=pl.when(pl.col("budget_mode") != "fixed")
+                             .then(pl.col("budget") * 0.01).otherwise(None))
+
+
+def test_the_price_of_every_adaptive_point_is_shown():
+    con = connection(replay_open=priced(open_rows()), replay_closed=priced(closed_rows()))
+    curves = replay_views.error_vs_budget(con)
+    at = {(r["ranking"], r["budget_mode"], r["budget"]): r["price"]
+          for r in curves.iter_rows(named=True)}
+    assert at[("router", "adaptive:mass", 4)] == pytest.approx(0.04)
+    assert at[("router", "adaptive:mass", 8)] == pytest.approx(0.08)
+    assert at[("router", "fixed", 4)] is None and at[("oracle", "fixed", 8)] is None
+    assert curves.height == 6  # the price splits no curve: one per cell
+    # rows stored before prices (no column) read as no price
+    assert replay_views.error_vs_budget(connection(replay_open=open_rows()))["price"] \
+        .is_null().all()
+    # hover: an adaptive point says its B̄ and λ; a fixed one its B and no λ
+    fig = figures.error_vs_experts(curves, 16)
+    hover = {t.name: t for t in fig.data if t.mode == "lines+markers"}
+    adaptive = hover["router · adaptive:mass"]
+    assert "B̄ = %{customdata[0]}" in adaptive.hovertemplate
+    assert [list(c) for c in adaptive.customdata] == [["4", ", λ 0.04"], ["8", ", λ 0.08"]]
+    assert "B = %{customdata[0]}" in hover["router · fixed"].hovertemplate
+    assert all(c[1] == "" for c in hover["router · fixed"].customdata)
+    closed = figures.closed_loop(replay_views.closed_loop(con), 16)
+    line = next(t for t in closed.data if t.name == "router · adaptive:mass" and t.mode)
+    assert [c[1] for c in line.customdata] == [", λ 0.04"] and "τ" in line.hovertemplate
+    # the speedup frame and its per-mode table carry λ where an adaptive budget is the best
+    speed = frames.mode_speedup_frame(con, "m", "b", STATS, REAL, [cost.PROFILES["H100-SXM"]])
+    prices = {(r["budget_mode"], r["budget"]): r["price"] for r in speed.iter_rows(named=True)}
+    assert prices[("adaptive:mass", 4)] == pytest.approx(0.04)
+    assert prices[("fixed", 4)] is None and prices[("none (B = N)", 16)] is None
+    trace = next(t for t in figures.speedup_vs_experts(speed, "t").data
+                 if t.name == "adaptive:mass")
+    assert trace.hovertemplate.startswith("B̄ = ") and "λ 0.04" in trace.customdata[0][5]
+    loose = speed.with_columns(within_bound=pl.lit(True))  # every budget within the bound
+    rows = {r["budget mode"]: r for r in frames.mode_headline_rows(loose)}
+    assert rows["adaptive:mass"]["price λ"] == "0.04"
+    assert rows["adaptive:mass"]["fastest within the bound"] == "B̄ = 4"
+    assert rows["fixed"]["price λ"] == "—"
+    assert rows["fixed"]["fastest within the bound"].startswith("B = ")  # a fixed B has no bar
+    keys = list(rows["fixed"])  # what B̄ achieved stands beside it, then λ
+    assert keys.index("mean experts per layer (p10–p90)") == keys.index(
+        "fastest within the bound") + 1 == keys.index("price λ") - 1
+
+
 # --- end to end: a folder with fixed and adaptive replays -----------------------------------------
 @pytest.fixture(scope="module")
 def adaptive_traces(tmp_path_factory):
@@ -246,6 +295,45 @@ def test_pages_and_report_draw_fixed_vs_adaptive(adaptive_traces, monkeypatch, t
     page = next(tmp_path.glob("*.html")).read_text()
     assert "Fixed vs adaptive budgets at matched quality" in page
     assert "adaptive:mass" in page and "vs mean experts loaded per layer" in page
+
+
+@pytest.mark.slow
+def test_pages_show_each_adaptive_price_in_tables_that_fit(adaptive_traces, monkeypatch):
+    """Issue 59.4 and 63.3: the price λ beside B̄ and what it achieved, on the Replay and Speedup
+    pages, and no table wider than the page (a column past its right edge is lost)."""
+    import sys
+
+    from helpers import dataframes_cut
+    from streamlit.testing.v1 import AppTest
+
+    from moe_spec.analysis import sql
+    stored = dict(sql.connect(adaptive_traces).execute(
+        "SELECT DISTINCT budget, price FROM replay_open WHERE budget_mode != 'fixed'").fetchall())
+    assert len(stored) == 3 and all(p > 0 for p in stored.values())
+    monkeypatch.setattr(sys, "argv", ["main.py", "--traces", str(adaptive_traces)])
+    at = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app" / "main.py"),
+                           default_timeout=180)
+    at.run()
+    at.switch_page("screens/replay.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert not dataframes_cut(at)
+    adaptive = next(d.value for d in at.dataframe if "price λ" in d.value.columns)
+    columns = list(adaptive.columns)
+    assert columns.index("mean experts loaded") == columns.index("mean budget asked B̄") + 1
+    assert {int(b): p for b, p in zip(adaptive["mean budget asked B̄"], adaptive["price λ"])} \
+        == pytest.approx(stored)
+    closed = next(t.value for t in at.table if "τ (95% CI)" in t.value.columns)
+    by_mode = dict(zip(closed["budget mode"], closed["price λ"]))
+    assert by_mode["fixed"] == "—" and float(by_mode["adaptive:mass"]) == pytest.approx(
+        stored[16], rel=1e-3)
+    assert "None" not in closed.to_string()
+    at.switch_page("screens/speedup.py").run()
+    assert not at.exception, [e.message for e in at.exception]
+    assert not dataframes_cut(at)
+    modes = next(t.value for t in at.table if "budget mode" in t.value.columns)
+    assert "price λ" in modes.columns and set(modes["budget mode"]) == {"fixed", "adaptive:mass"}
+    hover = [json.loads(c.proto.spec) for c in at.get("plotly_chart")]
+    assert any("λ" in str(trace.get("customdata")) for fig in hover for trace in fig["data"])
 
 
 def test_the_quality_frontier_charges_a_budgeted_run_its_loads_per_layer():

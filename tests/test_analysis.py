@@ -363,11 +363,11 @@ def test_oracle_gap_below_the_sweep_is_unknown_not_zero():
     gap = replay_views.oracle_gap(curves).sort("reference_budget")
     assert gap["sweep"].to_list() == ["below", "below", "inside"]
     text = list(figures.oracle_gap(gap).data[0].text)
-    assert text == ["below<br>the sweep", "≥ 50%,<br>below<br>the sweep", "33%"]
+    assert text == ["below<br>the<br>sweep", "≥ 50%,<br>below<br>the<br>sweep", "33%"]
     curves = curves.with_columns(rse=pl.Series([0.4, 0.2, 0.01, 0.15, 0.1, 0.05]))
     gap = replay_views.oracle_gap(curves).sort("reference_budget")
     assert gap["sweep"][-1] == "beyond"
-    assert list(figures.oracle_gap(gap).data[0].text)[-1] == "beyond<br>the sweep"
+    assert list(figures.oracle_gap(gap).data[0].text)[-1] == "beyond<br>the<br>sweep"
 
 
 def test_degenerate_calibration_is_flagged_unusable():

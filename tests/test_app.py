@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import overlay_env
+from helpers import dataframes_cut, overlay_env
 from streamlit.testing.v1 import AppTest
 
 from moe_spec.app.screens import PAGES
@@ -168,8 +168,8 @@ def test_speedup_page_budgets_are_the_targets_and_start_at_the_headline(traces, 
     assert "closed-loop path unchanged ≥ 90%" in head
     assert f"at B = {slider.value} of 64" in head  # the slider starts at the headline budget
     assert any("Quality at B = " in c.value and "the bound" in c.value for c in at.caption)
-    table = next(d.value for d in at.dataframe  # every budget's speedups, the quality it costs
-                 if "quality at this budget" in d.value.columns)
+    table = next(t.value for t in at.table  # every budget's speedups, the quality it costs
+                 if "quality at this budget" in t.value.columns)
     assert "quality at this budget" in table.columns and "within the bound" in table.columns
     mixtral = next(t for t in at.selectbox(key="speed_target").options if "Mixtral" in t)
     at.selectbox(key="speed_target").set_value(mixtral).run()
@@ -229,11 +229,12 @@ def test_speedup_page_projects_every_replayed_ranking_with_intervals(traces, mon
     pick.set_value("oracle").run()
     assert not at.exception and chart_json(at)[0] != router  # the oracle's own quality
     assert not any("no replay" in m.value for m in at.markdown)
-    table = next(d.value for d in at.dataframe  # every (budget, hardware): a row each, none cut
-                 if "quality at this budget" in d.value.columns)
+    table = next(t.value for t in at.table  # every (budget, hardware): a row each, none cut
+                 if "quality at this budget" in t.value.columns)
     assert {"H200", "H100-SXM", "A100-80G"} <= set(table["hardware"])
     assert table["speedup (95% CI)"].str.contains("95% CI|no interval").all()
-    frontier = next(d.value for d in at.dataframe if "throughput gain over EAGLE" in d.value.columns)
+    frontier = next(t.value for t in at.table if "throughput gain over EAGLE" in t.value.columns)
+    assert not dataframes_cut(at)
     assert {"router", "oracle", "sqmass"} <= set(frontier["ranking"])
     assert frontier["throughput gain over EAGLE"].str.contains(r"\(").all()
     assert any("matched quality" in c.value for c in at.caption)
@@ -285,8 +286,9 @@ def test_batch_regime_page_shows_the_union_growing_with_batch_size(tmp_path, mon
     at = goto(app_on(tmp_path, monkeypatch), "Batch regime")
     assert any("speedup vs batch size (measured on equal work" in spec
                for spec in chart_json(at))
-    speed = at.dataframe[1].value
-    assert sorted(set(speed["b"])) == [1, 2, 3] and (speed["budget B"] == "none").sum() == 3
+    assert not dataframes_cut(at)  # the speedups' words wrap: no column cut on the right
+    speed = at.table[0].value
+    assert sorted(set(speed["b"])) == ["1", "2", "3"] and (speed["budget B"] == "none").sum() == 3
     assert speed["speedup (95% CI)"].str.contains("95% CI|no interval").all()
     assert (speed["equal work"] == "yes").all()
     assert any("replay --batch-size 4" in c.value for c in at.caption)  # not replayed yet

@@ -255,6 +255,6 @@ def test_report_and_replay_page_show_experts_saved(replayed, tmp_path, monkeypat
     at.switch_page("screens/replay.py").run()
     assert not at.exception, [e.message for e in at.exception]
     assert any(h.value == "Experts saved at matched quality vs router" for h in at.subheader)
-    shown = next(d.value for d in at.dataframe if "matched on" in d.value.columns)
+    shown = next(t.value for t in at.table if "matched on" in t.value.columns)
     assert {"mean RSE", "mean τ", "mean KL"} <= set(shown["matched on"])
     assert {"oracle", "sqmass"} == set(shown["ranking"])

@@ -154,8 +154,8 @@ def test_summary_and_views_aggregate_every_declared_metric(name):
     declared = [c for m in mode.metrics for c in
                 ([m.view_name] + ([f"{m.view_name}_lo", f"{m.view_name}_hi"] if m.interval
                                   else [])) if m.view_name]
-    assert view.columns == ["r", "ranking", "coverage", "budget_mode", "budget", *declared,
-                            mode.counted]
+    assert view.columns == ["r", "ranking", "coverage", "budget_mode", "budget", "price",
+                            *declared, mode.counted]
     assert all(view[c].null_count() == 0 for c in declared)
     lines = summary_lines(frame, mode, [SimpleNamespace(model="m", bench="b", name="e")],
                           ["router"], ["truncation"])

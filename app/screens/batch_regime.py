@@ -126,7 +126,7 @@ def _batch_speed(page: views.Page) -> None:
         st.warning("Unequal work: in this measurement the decodings at one b produced different "
                    "numbers of tokens (stored before profile-batch ignored end-of-sequence), so "
                    "its speedups compare different work. Measure again with profile-batch.")
-    st.dataframe(batch_speed_table(speed), hide_index=True)
+    views.words_table(batch_speed_table(speed))
     if fit:
         from moe_spec.analysis import warmup
         c = fit["coef"]

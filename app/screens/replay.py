@@ -70,7 +70,7 @@ def draw() -> None:
                     for c in steps.columns[2:]})
     if cl.height:
         st.plotly_chart(figures.closed_loop(cl, n), width="stretch")
-        st.dataframe(cl, hide_index=True)
+        _closed_table(cl)
     saved = [data.frame(name, str(ds.root), ds.version, roles, names, chosen)
              for name in ("saved_open", "saved_closed")]
     saved = [f for f in (views.pick(f, *picked) for f in saved if f.height) if f.height]
@@ -81,20 +81,52 @@ def draw() -> None:
         table = replay_views.experts_saved_display(pl.concat(saved), charges)
         nets = [c for c in table.columns if c.startswith("net, ")]
         st.caption(replay_views.SAVED_NOTE + (" " + replay_views.NET_NOTE if nets else ""))
-        st.dataframe(table, hide_index=True,
-                     column_config={c: st.column_config.NumberColumn(c, format="percent")
-                                    for c in ("saved", "saved_lo", "saved_hi", *nets)})
+        views.words_table(table, percent=("saved", "saved_lo", "saved_hi", *nets))
 
 
 def _fixed_vs_adaptive(curves: pl.DataFrame, n: int) -> None:
     """Error against the mean experts loaded per layer, a curve per budget mode (never two modes
-    averaged), and per adaptive mode the mean budget asked beside the mean loaded."""
+    averaged), and per adaptive mode the mean budget asked beside the mean loaded and the price
+    λ calibrated for it."""
     st.subheader("Fixed vs adaptive budgets at the same mean experts per layer")
     st.plotly_chart(figures.error_vs_experts(curves, n), width="stretch")
     st.dataframe(curves.filter(pl.col("budget_mode") != replay_views.FIXED).select(
-        "ranking", "coverage", "budget_mode", pl.col("budget").alias("mean budget asked B̄"),
-        pl.col("experts_loaded").alias("mean experts loaded"), "rse", "tree_layers"
-    ).sort("ranking", "coverage", "budget_mode", "mean budget asked B̄"), hide_index=True)
+        "ranking", "coverage", pl.col("budget_mode").alias("budget mode"),
+        pl.col("budget").alias("mean budget asked B̄"),
+        pl.col("experts_loaded").alias("mean experts loaded"), pl.col("price").alias("price λ"),
+        "rse", "tree_layers"
+    ).sort("ranking", "coverage", "budget mode", "mean budget asked B̄"), hide_index=True,
+        column_config={"mean experts loaded": st.column_config.NumberColumn(format="%.2f"),
+                       "price λ": st.column_config.NumberColumn(format="%.4g"),
+                       "rse": st.column_config.NumberColumn(format="%.4g")})
+    st.caption("An adaptive mode's B̄ is the mean budget asked; each tree-layer's B is chosen by "
+               "the price rule (load the next expert while its predicted gain exceeds λ, "
+               "calibrated on the calibration run so that the mean there is B̄): the mean "
+               "experts loaded here is what B̄ achieved on these prompts.")
+
+
+def _closed_table(cl: pl.DataFrame) -> None:
+    """The closed-loop results as read beside the figure: per ranking × coverage × mode × budget,
+    τ with its 95% interval, the captured τ of the same trees, paths unchanged, top-1, KL, mean
+    experts loaded and an adaptive budget's price λ (model and benchmark are the page's)."""
+    from moe_spec.analysis.frames import budget_letter, price_text
+    views.words_table([{
+        "ranking": r["ranking"], "coverage": r["coverage"], "budget mode": r["budget_mode"],
+        "budget": f"{budget_letter(r['budget_mode'])} = {r['budget']}",
+        "mean experts loaded": f"{r['experts_loaded']:.2f}",
+        "price λ": price_text(r["budget_mode"], r.get("price")),
+        "τ (95% CI)": f"{r['tau']:.2f} " + (
+            f"({r['tau_lo']:.2f}–{r['tau_hi']:.2f})" if _finite(r["tau_lo"], r["tau_hi"])
+            else "(no interval: fewer than 2 trees)"),
+        "captured τ": r["tau_captured"], "path unchanged": r["path_unchanged"],
+        "top-1 agreement": r["top1"], "KL": r["kl"], "trees": r["trees"]}
+        for r in cl.sort("ranking", "coverage", pl.col("budget_mode") != replay_views.FIXED,
+                         "budget_mode", "budget").iter_rows(named=True)],
+        percent=("path unchanged", "top-1 agreement"))
+
+
+def _finite(*values) -> bool:
+    return all(v is not None and v == v for v in values)
 
 
 if __name__ == "__main__":  # Streamlit runs this file as the page (app/main.py)

@@ -113,8 +113,7 @@ def _frontier(page: views.Page, con, target_name: str, target, hardware: list,
                    "`replay --ranking router oracle coact-prior --calibration RUN --budget "
                    "sweep`, and `replay --mode closed …` for τ under each budget.")
         return
-    st.dataframe(pl.DataFrame(frontier_markdown_rows(table, with_model=False)),
-                 hide_index=True, width="stretch")
+    views.words_table(frontier_markdown_rows(table, with_model=False))
     st.caption(f"On {target_name}. {MATCHED_QUALITY}. Interval: 95%, from τ(B)/τ(N) on the same "
                "trees (closed loop); where only open loop exists τ is not measured under a "
                "budget and the gain is the cost model's alone. `python bench/frontier.py` "
@@ -235,16 +234,16 @@ def _at_budget(frame: pl.DataFrame, top: dict, target_name: str) -> None:
     verdict = {True: "within", False: "outside", None: "not measured against"}[at["within_bound"]]
     st.caption(f"Quality at B = {b} of {n_t} (the capture's B = {at['captured_budget']} of "
                f"{at['num_experts']}): {at['quality']}; {verdict} the bound ({top['bound']}).")
-    # one row per (budget, hardware): never wider than the page, whatever the profiles chosen
-    st.dataframe(pl.DataFrame([{
+    # one row per (budget, hardware), words that wrap: never wider than the page, whatever the
+    # profiles chosen and the window's width
+    views.words_table([{
         f"B (of {n_t})": r["budget"], f"captured B (of {best['num_experts']})":
         r["captured_budget"], "hardware": r["hardware"],
         "speedup (95% CI)": f"{r['speedup']:.2f}× ({speedup_interval(r)})",
         "τ": round(r["tau"], 2),
         "quality at this budget": r["quality"],
         "within the bound": {True: "yes", False: "no", None: "not measured"}[r["within_bound"]]}
-        for r in frame.sort("budget", "hardware").iter_rows(named=True)]),
-        hide_index=True, width="stretch")
+        for r in frame.sort("budget", "hardware").iter_rows(named=True)])
     st.caption("Intervals: 95% Student-t of τ over the replayed trees (closed loop's τ(B) where "
                "replayed, else the unbudgeted τ), carried through the cost model, which is "
                "taken as exact.")
@@ -268,12 +267,13 @@ def _fixed_vs_adaptive(page: views.Page, con, stats: dict, target_name: str, tar
     st.plotly_chart(figures.speedup_vs_experts(
         frame, f"Projected speedup on {target_name}, {stats['ranking']} ({stats['coverage']}): "
                "fixed vs adaptive", MODE_SPEEDUP_NOTE), width="stretch")
-    st.dataframe(pl.DataFrame(mode_headline_rows(frame, hardware[0].name)), hide_index=True,
-                 width="stretch")
+    views.words_table(mode_headline_rows(frame, hardware[0].name))
     st.caption(f"Per budget mode, on {hardware[0].name}: its fastest budget within the quality "
                "bound it is judged by (closed-loop path where that mode was replayed closed "
                "loop, else open-loop RSE), the rule of the headline above; B = N when none is "
-               "faster.")
+               "faster. Beside an adaptive mode's B̄ (the mean budget asked), the mean experts it "
+               "loaded per layer and its price λ (load the next expert while its predicted gain "
+               "exceeds λ; calibrated on the calibration run to meet B̄ there).")
 
 
 def _efficiency(root, model: str) -> None:
