@@ -43,10 +43,12 @@ import polars as pl
 from moe_spec.analysis import power
 from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
 from moe_spec.console import threads
+from moe_spec.errors import fail
 from moe_spec.policy import index
 
 VERSION = 1  # of the --output layout
-TOOL = "bench/adaptive_closed.py"  # the --output's "tool": another bench's file is refused
+SCRIPT = "adaptive_closed.py"
+TOOL = f"bench/{SCRIPT}"  # the --output's "tool": another bench's file is refused
 MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
 COVERAGES = ("truncation", "substitution")
 BLOCK = "adaptive closed loop"
@@ -58,8 +60,8 @@ def means_for(spec: list[str], k: int, n: int) -> list[int]:
     """``--means`` (``k`` or whole numbers) for a model with top-k ``k`` of ``n`` experts."""
     out = sorted({k if m == "k" else int(m) for m in spec})
     if out[0] < 1 or out[-1] > n:
-        raise SystemExit(f"adaptive_closed.py: error: --means {' '.join(spec)} must lie within "
-                         f"1..N = {n}")
+        raise SystemExit(fail(SCRIPT, f"--means {' '.join(spec)} must lie within "
+                                      f"1..N = {n}"))
     return out
 
 
@@ -69,8 +71,9 @@ def one_setting(df: pl.DataFrame, budget_mode: str, coverage: str, mean: int) ->
     rows = df.filter((pl.col("budget_mode") == budget_mode) & (pl.col("coverage") == coverage)
                      & (pl.col("budget") == mean))
     if rows.height != rows.select(*TREE).unique().height:
-        raise SystemExit(f"adaptive_closed.py: error: {budget_mode} · {coverage} · B̄ {mean}: a "
-                         "tree has two stored results (two variants); use a fresh --traces")
+        raise SystemExit(fail(SCRIPT, f"{budget_mode} · {coverage} · B̄ {mean}: a tree "
+                                      "has two stored results (two variants); use a fresh "
+                                      "--traces"))
     return rows
 
 
@@ -80,8 +83,9 @@ def compare(fixed: pl.DataFrame, adaptive: pl.DataFrame, mean: int) -> dict:
     replay the same trees."""
     both = fixed.join(adaptive, on=list(TREE), how="inner", suffix="_adaptive")
     if not (both.height == fixed.height == adaptive.height):
-        raise SystemExit(f"adaptive_closed.py: error: fixed ({fixed.height} trees) and adaptive "
-                         f"({adaptive.height}) did not replay the same trees; replay them again")
+        raise SystemExit(fail(SCRIPT, f"fixed ({fixed.height} trees) and adaptive "
+                                      f"({adaptive.height}) did not replay the same trees; "
+                                      "replay them again"))
     tau = both["accepted_length"].cast(pl.Float64).to_numpy()
     tau_a = both["accepted_length_adaptive"].cast(pl.Float64).to_numpy()
     kl, kl_a = both["mean_kl"].to_numpy(), both["mean_kl_adaptive"].to_numpy()
@@ -145,7 +149,7 @@ def study(root: Path, model: str, args) -> dict:
     mode = index.budget_mode(args.predictor, args.pass_cap is not None)
     for budget_mode in (index.FIXED, mode):
         replay_runs(root, model, [ev_run], bench=args.bench, mode="closed",
-                    rankings=(args.ranking,), coverages=COVERAGES,
+                    rankings=(args.ranking,), coverages=tuple(args.coverages),
                     budgets=",".join(map(str, means)), out=out, calibration=(cal_run,),
                     budget_mode=budget_mode,
                     pass_cap=None if budget_mode == index.FIXED else args.pass_cap)
@@ -153,12 +157,12 @@ def study(root: Path, model: str, args) -> dict:
         (pl.col("run") == ev_run) & (pl.col("ranking") == args.ranking)).with_columns(
         pl.col("budget_mode").fill_null(index.FIXED))
     cells = []
-    for cov in COVERAGES:
+    for cov in args.coverages:
         for mean in means:
             cell = compare(one_setting(df, index.FIXED, cov, mean),
                            one_setting(df, mode, cov, mean), mean)
             cells.append(dict(coverage=cov, b_min=index.min_budget(cov, k), **cell))
-    return dict(k=k, n=n, means=means, bench=args.bench, ranking=args.ranking,
+    return dict(model=model, k=k, n=n, means=means, bench=args.bench, ranking=args.ranking,
                 budget_mode=mode, pass_cap=args.pass_cap, eval_prompts=args.eval_prompts,
                 cal_prompts=args.cal_prompts, max_new_tokens=args.max_new_tokens,
                 seed=args.seed, cells=cells)
@@ -174,7 +178,8 @@ def markdown(report: dict) -> str:
              "| KL fixed | KL adaptive | experts loaded/layer: fixed · adaptive (p10–p90) | "
              "adaptive within 2% of B̄ | trees needed: 0.1, observed Δ | goal |", "|---" * 14 + "|"]
     head, tally = [], {}
-    for model, found in report.items():
+    for found in report.values():
+        model = found["model"]
         head.append(f"- {model}: {found['ranking']} · {found['budget_mode']}, "
                     f"{found['eval_prompts']} evaluation prompts of {found['bench']} (λ "
                     f"calibrated on the {found['cal_prompts']} after them), "
@@ -215,6 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--means", nargs="+", default=["k"],
                    help="mean budgets B̄: k (the model's top-k) and/or whole numbers, e.g. "
                         "--means k 16 (default k)")
+    p.add_argument("--coverages", nargs="+", default=list(COVERAGES), choices=COVERAGES,
+                   help="coverage policies (default both; at B̄ = k substitution has nothing to "
+                        "adapt: B_min = k)")
     p.add_argument("--pass-cap", type=float, default=None,
                    help="hard cap on a pass's experts, as a multiple of B̄·L, above 1 "
                         "(default: none)")
@@ -227,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     add_table_options(p, BLOCK)
     args = p.parse_args(argv)
     if args.render:
-        report = read_model_outputs(args.render, "adaptive_closed.py", VERSION, TOOL)
+        report = read_model_outputs(args.render, SCRIPT, VERSION, TOOL)
     else:
         entry = index.RANKINGS.get(args.ranking)
         if entry is None or not entry.runtime or entry.stateful or not index.adapts(args.ranking):
@@ -241,14 +249,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.eval_prompts < 2 or args.cal_prompts < 1:
             p.error("--eval-prompts needs at least 2 (an interval) and --cal-prompts 1")
         threads.apply(args.threads)
-        report = {m: study(args.traces / m, m, args) for m in args.models}
+        # keyed by model and sample size: several files of one model render side by side
+        report = {f"{m}@{args.eval_prompts}": study(args.traces / m, m, args)
+                  for m in args.models}
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(dict(
                 version=VERSION, tool=TOOL, models=report), indent=1))
     table = markdown(report)
     print(table)
-    for readme in write_block_or_exit(args.readme, table, args.block, "adaptive_closed.py"):
+    for readme in write_block_or_exit(args.readme, table, args.block, SCRIPT):
         print(f"wrote the table into {readme}")
 
 

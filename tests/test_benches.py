@@ -693,7 +693,7 @@ def test_adaptive_benches_render_their_block_and_refuse_other_files(script, bloc
     found, out = request.getfixturevalue(study)
     text = rendered_block(script, block, found, tmp_path / "r.md")
     rows = [line for line in text.splitlines() if line.startswith("| tiny-mixtral |")]
-    assert len(rows) == len(found["models"]["tiny-mixtral"]["cells"]) and rows[0] in out
+    assert len(rows) == sum(len(m["cells"]) for m in found["models"].values()) and rows[0] in out
     (tmp_path / "b.json").write_text(json.dumps(other))
     done = subprocess.run([sys.executable, f"bench/{script}", "--render",
                            str(tmp_path / "b.json")], cwd=ROOT, env=ENV, capture_output=True,
@@ -763,7 +763,7 @@ def adaptive_closed(tmp_path_factory):
 @smoke("adaptive_closed.py")
 def test_adaptive_closed_bench_pairs_every_cell_and_sizes_it(adaptive_closed):
     found, out = adaptive_closed
-    model = found["models"]["tiny-mixtral"]
+    model = found["models"]["tiny-mixtral@2"]
     cells = model["cells"]
     assert model["k"] == 2 and model["means"] == [2, 8] and model["budget_mode"] == "adaptive:mass"
     assert {(c["coverage"], c["mean_budget"]) for c in cells} == {
@@ -796,7 +796,7 @@ def closed_rows(trees, tau, loaded, mode="fixed", price=None):
                          for (p, s), t, e in zip(trees, tau, loaded)])
 
 
-def test_adaptive_closed_pairs_by_tree_not_by_row_order():
+def test_adaptive_closed_pairs_by_tree_not_by_row_order(capsys):
     """Δτ is adaptive − fixed of the same tree: the adaptive rows listed in another order give
     the same cell, and the achieved mean counts every tree-layer the adaptive rule loaded."""
     bench = adaptive_closed_bench()
@@ -811,10 +811,13 @@ def test_adaptive_closed_pairs_by_tree_not_by_row_order():
     assert cell["trees_unchanged"] == 2 and cell["achieved"] == 4 and cell["p10"] < 4
     assert cell["trees_needed"] == power.trees_needed(deltas) and cell["price"] == 0.5
     assert cell["trees_needed_observed"] == power.trees_needed(deltas, 0.5)
-    with pytest.raises(SystemExit, match="did not replay the same trees"):
+    with pytest.raises(SystemExit) as exit_status:
         bench.compare(fixed, adaptive.slice(1), 4)
-    with pytest.raises(SystemExit, match="two stored results"):
+    assert exit_status.value.code == 2 and "did not replay the same trees" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
         bench.one_setting(pl_concat(fixed, fixed), "fixed", "truncation", 4)
+    assert "a tree has two stored results" in capsys.readouterr().err
 
 
 def pl_concat(*frames):
