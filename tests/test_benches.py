@@ -836,3 +836,30 @@ def test_adaptive_closed_verdict_needs_no_loss_at_the_power_size(interval, trees
                                                                   verdict):
     cell = dict(delta_tau=interval, trees=trees, trees_needed=needed)
     assert adaptive_closed_bench().verdict(cell) == verdict
+
+
+def test_adaptive_closed_table_keeps_both_sizes_of_a_model_and_counts_the_goal():
+    """Two studies of one model (8 and 440 prompts) are two sets of rows, and the goal line
+    counts each cell's verdict once."""
+    bench = adaptive_closed_bench()
+
+    def cell(coverage, interval, trees, needed):
+        return dict(coverage=coverage, mean_budget=4, trees=trees, tau_fixed=4.0,
+                    tau_adaptive=4.0 + interval[0], delta_tau=interval, trees_unchanged=1,
+                    kl_fixed=0.3, kl_adaptive=0.2, achieved=4.0, achieved_fixed=4.0, p10=3,
+                    p90=5, trees_needed=needed, trees_needed_observed=None)
+
+    def study(prompts, cells):
+        return dict(model="tiny-gpt-oss", ranking="router", budget_mode="adaptive:mass",
+                    eval_prompts=prompts, bench="mbpp", cal_prompts=8, max_new_tokens=32, k=4,
+                    n=32, cells=cells)
+
+    text = bench.markdown({
+        "tiny-gpt-oss@8": study(8, [cell("truncation", (0.3, -0.2, 0.8), 46, 2000),
+                                    cell("substitution", (0.0, 0.0, 0.0), 46, 1)]),
+        "tiny-gpt-oss@440": study(440, [cell("truncation", (0.1, 0.02, 0.18), 2400, 2000)])})
+    rows = [line for line in text.splitlines() if line.startswith("| tiny-gpt-oss |")]
+    assert [r.split(" | ")[3] for r in rows] == ["46", "46", "2400"]
+    assert [r.rstrip(" |").rsplit("| ", 1)[1] for r in rows] == ["undecided", "met", "met"]
+    assert "met in 2 of 3 cells" in text and "undecided 1" in text
+    assert "- tiny-gpt-oss: router · adaptive:mass, 440 evaluation prompts" in text
