@@ -27,7 +27,8 @@ and the observed one, and whether the sample reached the former.
 The goal, per cell: accepted length ≥ fixed-B's, i.e. the interval excludes a loss (low ≥ 0),
 at the power size (trees ≥ trees needed for 0.1 tokens). Trees of one prompt are treated as
 independent (steps of one prompt are correlated, so the interval is optimistic, as the
-bootstrap over trees of bench/closed_loop.py is). Captures are seeded (``--seed``); replay is
+bootstrap over trees of bench/closed_loop.py is; the JSON's ``delta_tau_by_prompt`` is the
+same interval over the prompts' mean Δ, which does not assume it). Captures are seeded (``--seed``); replay is
 deterministic; captures and replays already on disk are reused.
 """
 
@@ -95,12 +96,16 @@ def compare(fixed: pl.DataFrame, adaptive: pl.DataFrame, mean: int) -> dict:
     loaded_fixed = np.concatenate([np.asarray(x, dtype=float)
                                    for x in both["experts_loaded"].to_list()])
     interval = power.paired_interval(delta)
+    by_prompt = pl.DataFrame(dict(prompt=both["prompt_index"], delta=delta)).group_by(
+        "prompt").agg(pl.col("delta").mean())["delta"].to_numpy()
     observed = abs(float(delta.mean())) if len(delta) else 0.0
     needed = power.trees_needed(delta)
     return dict(
         mean_budget=mean, trees=both.height,
         tau_fixed=float(tau.mean()), tau_adaptive=float(tau_a.mean()),
         delta_tau=interval, delta_kl=power.paired_interval(kl_a - kl),
+        # a check of the tree-independence the interval assumes: prompts' mean Δ as the units
+        delta_tau_by_prompt=power.paired_interval(by_prompt), prompts=len(by_prompt),
         kl_fixed=float(kl.mean()), kl_adaptive=float(kl_a.mean()),
         trees_unchanged=int((delta == 0).sum()),
         achieved=float(loaded.mean()), achieved_fixed=float(loaded_fixed.mean()),

@@ -809,6 +809,8 @@ def test_adaptive_closed_pairs_by_tree_not_by_row_order(capsys):
     from moe_spec.analysis import power
     assert cell["delta_tau"] == pytest.approx(power.paired_interval(deltas))
     assert cell["trees_unchanged"] == 2 and cell["achieved"] == 4 and cell["p10"] < 4
+    assert cell["prompts"] == 2 and cell["delta_tau_by_prompt"] == pytest.approx(
+        power.paired_interval([0, 1]))  # prompt 0's trees gain 0, prompt 1's 1 on average
     assert cell["trees_needed"] == power.trees_needed(deltas) and cell["price"] == 0.5
     assert cell["trees_needed_observed"] == power.trees_needed(deltas, 0.5)
     with pytest.raises(SystemExit) as exit_status:
