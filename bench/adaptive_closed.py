@@ -43,7 +43,7 @@ import polars as pl
 
 from moe_spec.analysis import power
 from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
-from moe_spec.console import threads
+from moe_spec.console import pipes, threads
 from moe_spec.errors import fail
 from moe_spec.policy import index
 
@@ -209,6 +209,7 @@ def markdown(report: dict) -> str:
     return "\n".join(head + [""] + lines)
 
 
+@pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -606,6 +606,8 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated", "docs/results.md"),
     ("frontier.py", "docs/results/frontier/*.json", None, "docs/results.md"),
     ("adaptive_budget.py", "docs/results/adaptive/*.json", "adaptive budgets", "docs/results.md"),
+    ("adaptive_closed.py", "docs/results/adaptive-closed/*.json", "adaptive closed loop",
+     "docs/results.md"),
 ])
 def test_committed_results_render_to_what_the_docs_show(script, files, block, page, tmp_path):
     """docs/results.md's generated blocks, and the README's table, are what their bench
