@@ -17,6 +17,7 @@ owner of this rule: every bench imports it from here.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -85,3 +86,23 @@ def add_table_options(p: argparse.ArgumentParser, block: str) -> None:
     p.add_argument("--block", default=block,
                    help=f"the name in the marker lines of the block --readme rewrites (default "
                         f"{block!r}; another name writes a second block, e.g. one study's subset)")
+
+
+def read_model_outputs(paths: Iterable[Path], script: str, version: int,
+                       tool: str | None = None) -> dict:
+    """The ``models`` of a bench's ``--output`` files (``{"version": V, ["tool": T,] "models":
+    {model: ...}}``), merged in order, for ``--render``; a file of another bench or version (or
+    not JSON) is one line on stderr, ``<script>: error: …``, and exit status 2."""
+    report = {}
+    for path in paths:
+        try:
+            rep = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            rep = None
+        if not isinstance(rep, dict) or rep.get("version") != version \
+                or (tool is not None and rep.get("tool") != tool) \
+                or not isinstance(rep.get("models"), dict):
+            raise SystemExit(fail(script, f"{path} is not an --output of this version of "
+                                          f"bench/{script}"))
+        report.update(rep["models"])
+    return report

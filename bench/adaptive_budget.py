@@ -45,13 +45,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import polars as pl
 import torch
 
-from moe_spec.analysis.results_doc import add_table_options, write_block_or_exit
+from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
 from moe_spec.bench.pipeline import capture, loaded_model, replay_runs, results_frame
 from moe_spec.console import threads
 from moe_spec.policy import adaptive, index
@@ -437,17 +436,6 @@ def markdown(report: dict) -> str:
     return "\n".join(head + saved + [""] + lines)
 
 
-def read_reports(paths: list[Path]) -> dict:
-    report = {}
-    for path in paths:
-        rep = json.loads(path.read_text())
-        if not isinstance(rep, dict) or rep.get("version") != VERSION:
-            sys.exit(f"adaptive_budget.py: {path} is not an --output of this version of "
-                     "bench/adaptive_budget.py")
-        report.update(rep["models"])
-    return report
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -478,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     add_table_options(p, BLOCK)
     args = p.parse_args(argv)
     if args.render:
-        report = read_reports(args.render)
+        report = read_model_outputs(args.render, "adaptive_budget.py", VERSION)
     else:
         offline = [r for r in args.rankings if r not in index.RANKINGS
                    or not index.RANKINGS[r].runtime]

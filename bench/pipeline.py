@@ -10,7 +10,15 @@ from pathlib import Path
 
 from moe_spec.capture.run import CaptureSettings, CaptureSummary, capture_run  # noqa: F401
 from moe_spec.catalog import Catalog
-from moe_spec.replay.run import ReplayOutcome, ReplayRequest, calibration_stats, parse_budgets, replay
+from moe_spec.policy import index
+from moe_spec.replay.run import (
+    ReplayOutcome,
+    ReplayRequest,
+    calibration_stats,
+    parse_budgets,
+    price_request,
+    replay,
+)
 
 
 def results_frame(out: Path, table: str = "replay_open", *, model: str | None = None,
@@ -68,21 +76,27 @@ def run_names(traces: Path, model: str, *, prefix: str = "", bench: str | None =
 def replay_runs(traces: Path, model: str, runs: list[str], *, rankings: tuple[str, ...],
                 coverages: tuple[str, ...], budgets: str, out: Path, bench: str | None = None,
                 calibration: tuple[str, ...] = (), mode: str = "open",
-                device: str = "cpu", batch_size: int = 1, batch_seed: int = 0) -> ReplayOutcome:
+                device: str = "cpu", batch_size: int = 1, batch_seed: int = 0,
+                budget_mode: str = index.FIXED, pass_cap: float | None = None) -> ReplayOutcome:
     """``replay --traces TRACES --model MODEL [--bench BENCH] --run RUNS --ranking RANKINGS
     --coverage COVERAGES --budget BUDGETS --calibration CALIBRATION --mode MODE --out OUT
-    --batch-size B --batch-seed S`` (results already stored are reused)."""
+    --batch-size B --batch-seed S`` (results already stored are reused); an adaptive
+    ``budget_mode`` (``index.budget_mode``: ``--budget-mode adaptive --gain-predictor P``, with
+    ``--pass-cap``) makes BUDGETS mean budgets B̄, their price λ calibrated on CALIBRATION."""
+    if budget_mode != index.FIXED and not calibration:
+        raise ValueError(f"budget mode {budget_mode} needs calibration runs: its price λ")
     catalog = Catalog(traces)
     evaluated = catalog.runs(model=model, bench=bench, names=list(runs))
     if not evaluated:
         raise ValueError(f"no complete run {', '.join(runs)} of {model} under {traces}")
     loaded, adapter = loaded_model(model, device)
+    request = ReplayRequest(tuple(rankings), tuple(coverages),
+                            tuple(parse_budgets(budgets, adapter.num_experts)), None, mode,
+                            batch_size, batch_seed, budget_mode, pass_cap)
     stats, cal = None, []
     if calibration:
         stats, cal = calibration_stats(catalog, list(calibration), model, evaluated, adapter,
-                                       progress=False, rankings_used=tuple(rankings))
-    request = ReplayRequest(tuple(rankings), tuple(coverages),
-                            tuple(parse_budgets(budgets, adapter.num_experts)), None, mode,
-                            batch_size, batch_seed)
+                                       progress=False, rankings_used=tuple(rankings),
+                                       prices=price_request(request))
     return replay(catalog, evaluated, adapter, request, stats, cal, out, device=loaded.device,
                   progress=False)

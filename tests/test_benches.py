@@ -606,6 +606,8 @@ def test_import_routing_bench_imports_a_synthetic_sglang_source(tmp_path):
     ("sketch_gap.py", "docs/results/sketch-gated/*.json", "sketch gated", "docs/results.md"),
     ("frontier.py", "docs/results/frontier/*.json", None, "docs/results.md"),
     ("adaptive_budget.py", "docs/results/adaptive/*.json", "adaptive budgets", "docs/results.md"),
+    ("adaptive_closed.py", "docs/results/adaptive-closed/*.json", "adaptive closed loop",
+     "docs/results.md"),
 ])
 def test_committed_results_render_to_what_the_docs_show(script, files, block, page, tmp_path):
     """docs/results.md's generated blocks, and the README's table, are what their bench
@@ -687,20 +689,29 @@ def test_adaptive_budget_bench_bounds_every_cell_and_measures_the_achieved_mean(
 
 
 @smoke("adaptive_budget.py")
-def test_adaptive_budget_bench_renders_its_block_and_refuses_other_files(adaptive_budget,
-                                                                          tmp_path):
-    found, out = adaptive_budget
-    text = rendered_block("adaptive_budget.py", "adaptive budgets", found, tmp_path / "r.md")
+@smoke("adaptive_closed.py")
+@pytest.mark.parametrize("script, block, study, other", [
+    ("adaptive_budget.py", "adaptive budgets", "adaptive_budget", {"tiny-mixtral": {}}),
+    # another bench's file of the same version
+    ("adaptive_closed.py", "adaptive closed loop", "adaptive_closed", {"version": 1,
+                                                                       "models": {}}),
+])
+def test_adaptive_benches_render_their_block_and_refuse_other_files(script, block, study, other,
+                                                                    request, tmp_path):
+    found, out = request.getfixturevalue(study)
+    text = rendered_block(script, block, found, tmp_path / "r.md")
     rows = [line for line in text.splitlines() if line.startswith("| tiny-mixtral |")]
     saved = [line for line in rows if "| B = " in line]  # matched error: B = k and the top
     rows = [line for line in rows if line not in saved]
-    assert len(rows) == len(found["models"]["tiny-mixtral"]["cells"]) and rows[0] in out
-    assert len(saved) == 4 and "| truncation | B = 2 (" in saved[0]
-    (tmp_path / "b.json").write_text(json.dumps({"tiny-mixtral": {}}))
-    done = subprocess.run([sys.executable, "bench/adaptive_budget.py", "--render",
+    assert len(rows) == sum(len(m["cells"]) for m in found["models"].values()) and rows[0] in out
+    if script == "adaptive_budget.py":
+        assert len(saved) == 4 and "| truncation | B = 2 (" in saved[0]
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    done = subprocess.run([sys.executable, f"bench/{script}", "--render",
                            str(tmp_path / "b.json")], cwd=ROOT, env=ENV, capture_output=True,
                           text=True, timeout=120)
-    assert done.returncode != 0 and "not an --output of this version" in done.stderr
+    assert done.returncode == 2 and "not an --output of this version" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes():
@@ -754,3 +765,121 @@ def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole():
     assert torch.isnan(found["predicted_rse"][:, 1]).all()
     with pytest.raises(SystemExit, match="replay them again"):
         adaptive_budget.curves(df.slice(1), "r", "router", "truncation", 1, 3)
+
+
+@pytest.fixture(scope="module")
+def adaptive_closed(tmp_path_factory):
+    """One tiny closed-loop comparison of adaptive and fixed budgets (tiny-mixtral: k = 2 of
+    N = 8), at B̄ = k and B̄ = N: its result file and printout."""
+    root = tmp_path_factory.mktemp("adaptive-closed")
+    out = run("bench/adaptive_closed.py", "--traces", str(root / "traces"), "--models",
+              "tiny-mixtral", "--eval-prompts", "2", "--cal-prompts", "1", "--max-new-tokens",
+              "6", "--means", "k", "8", "--threads", "1", "--output", str(root / "c.json"))
+    return json.loads((root / "c.json").read_text()), out
+
+
+@smoke("adaptive_closed.py")
+def test_adaptive_closed_bench_pairs_every_cell_and_sizes_it(adaptive_closed):
+    found, out = adaptive_closed
+    model = found["models"]["tiny-mixtral@2"]
+    cells = model["cells"]
+    assert model["k"] == 2 and model["means"] == [2, 8] and model["budget_mode"] == "adaptive:mass"
+    assert {(c["coverage"], c["mean_budget"]) for c in cells} == {
+        (cov, b) for cov in ("truncation", "substitution") for b in (2, 8)}
+    for c in cells:
+        assert c["trees"] >= 2 and c["achieved_fixed"] <= c["mean_budget"]
+        mean, lo, hi = c["delta_tau"]
+        assert lo <= mean <= hi and mean == pytest.approx(c["tau_adaptive"] - c["tau_fixed"])
+        assert c["b_min"] <= c["p10"] <= c["p90"] <= 8 and c["b_min"] <= c["achieved"] <= 8
+        assert c["trees_needed"] >= 1 and c["price"] is not None
+    # B̄ = N: every expert offered in both settings (loaded: those a token routes to), no error
+    full = [c for c in cells if c["mean_budget"] == 8]
+    assert full and all(c["achieved"] == c["achieved_fixed"] and c["delta_tau"] == [0, 0, 0]
+                        and abs(c["kl_fixed"]) < 1e-6 and c["trees_unchanged"] == c["trees"]
+                        and adaptive_closed_bench().verdict(c) == "met" for c in full)
+    assert "goal (Δτ interval excludes a loss" in out and "| tiny-mixtral | truncation | 2 |" in out
+
+
+def adaptive_closed_bench():
+    from moe_spec.bench import adaptive_closed
+    return adaptive_closed
+
+
+def closed_rows(trees, tau, loaded, mode="fixed", price=None):
+    """Closed-loop rows of one setting: one per (prompt, step) tree."""
+    import polars as pl
+    return pl.DataFrame([dict(prompt_index=p, step=s, accepted_length=t, mean_kl=0.1 * t,
+                              experts_loaded=list(e), price=price, budget_mode=mode,
+                              coverage="truncation", budget=4)
+                         for (p, s), t, e in zip(trees, tau, loaded)])
+
+
+def test_adaptive_closed_pairs_by_tree_not_by_row_order(capsys):
+    """Δτ is adaptive − fixed of the same tree: the adaptive rows listed in another order give
+    the same cell, and the achieved mean counts every tree-layer the adaptive rule loaded."""
+    bench = adaptive_closed_bench()
+    trees = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    fixed = closed_rows(trees, [3, 2, 5, 1], [(4, 4)] * 4)
+    adaptive = closed_rows(trees[::-1], [2, 6, 2, 3], [(2, 6), (3, 5), (4, 4), (6, 2)],
+                           "adaptive:mass", 0.5)
+    cell = bench.compare(fixed, adaptive, 4)
+    deltas = [3 - 3, 2 - 2, 6 - 5, 2 - 1]  # trees (0, 0), (0, 1), (1, 0), (1, 1)
+    from moe_spec.analysis import power
+    assert cell["delta_tau"] == pytest.approx(power.paired_interval(deltas))
+    assert cell["trees_unchanged"] == 2 and cell["achieved"] == 4 and cell["p10"] < 4
+    assert cell["prompts"] == 2 and cell["delta_tau_by_prompt"] == pytest.approx(
+        power.paired_interval([0, 1]))  # prompt 0's trees gain 0, prompt 1's 1 on average
+    assert cell["trees_needed"] == power.trees_needed(deltas) and cell["price"] == 0.5
+    assert cell["trees_needed_observed"] == power.trees_needed(deltas, 0.5)
+    with pytest.raises(SystemExit) as exit_status:
+        bench.compare(fixed, adaptive.slice(1), 4)
+    assert exit_status.value.code == 2 and "did not replay the same trees" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.one_setting(pl_concat(fixed, fixed), "fixed", "truncation", 4)
+    assert "a tree has two stored results" in capsys.readouterr().err
+
+
+def pl_concat(*frames):
+    import polars as pl
+    return pl.concat(frames)
+
+
+@pytest.mark.parametrize("interval, trees, needed, verdict", [
+    ((0.0, 0.0, 0.0), 40, 1, "met"),  # every tree the same: no loss, one tree tells
+    ((0.2, 0.05, 0.35), 300, 250, "met"),
+    ((0.2, 0.05, 0.35), 200, 250, "underpowered"),  # no loss, but short of the power size
+    ((0.1, -0.05, 0.25), 900, 250, "undecided"),  # a loss inside the interval
+    ((-0.3, -0.5, -0.1), 900, 250, "loss"),
+])
+def test_adaptive_closed_verdict_needs_no_loss_at_the_power_size(interval, trees, needed,
+                                                                  verdict):
+    cell = dict(delta_tau=interval, trees=trees, trees_needed=needed)
+    assert adaptive_closed_bench().verdict(cell) == verdict
+
+
+def test_adaptive_closed_table_keeps_both_sizes_of_a_model_and_counts_the_goal():
+    """Two studies of one model (8 and 440 prompts) are two sets of rows, and the goal line
+    counts each cell's verdict once."""
+    bench = adaptive_closed_bench()
+
+    def cell(coverage, interval, trees, needed):
+        return dict(coverage=coverage, mean_budget=4, trees=trees, tau_fixed=4.0,
+                    tau_adaptive=4.0 + interval[0], delta_tau=interval, trees_unchanged=1,
+                    kl_fixed=0.3, kl_adaptive=0.2, achieved=4.0, achieved_fixed=4.0, p10=3,
+                    p90=5, trees_needed=needed, trees_needed_observed=None)
+
+    def study(prompts, cells):
+        return dict(model="tiny-gpt-oss", ranking="router", budget_mode="adaptive:mass",
+                    eval_prompts=prompts, bench="mbpp", cal_prompts=8, max_new_tokens=32, k=4,
+                    n=32, cells=cells)
+
+    text = bench.markdown({
+        "tiny-gpt-oss@8": study(8, [cell("truncation", (0.3, -0.2, 0.8), 46, 2000),
+                                    cell("substitution", (0.0, 0.0, 0.0), 46, 1)]),
+        "tiny-gpt-oss@440": study(440, [cell("truncation", (0.1, 0.02, 0.18), 2400, 2000)])})
+    rows = [line for line in text.splitlines() if line.startswith("| tiny-gpt-oss |")]
+    assert [r.split(" | ")[3] for r in rows] == ["46", "46", "2400"]
+    assert [r.rstrip(" |").rsplit("| ", 1)[1] for r in rows] == ["undecided", "met", "met"]
+    assert "met in 2 of 3 cells" in text and "undecided 1" in text
+    assert "- tiny-gpt-oss: router · adaptive:mass, 440 evaluation prompts" in text
