@@ -18,8 +18,7 @@ import pyarrow as pa
 
 from moe_spec.catalog import columns, location
 from moe_spec.catalog.columns import VECTOR_TYPES, expected_types, reason  # noqa: F401 - (re-exported)
-from moe_spec.catalog.parts import (  # noqa: F401 - (re-exported: readers and writers use them)
-    ABSURD, ROW_KEYS, bfloat16_bits, check_values, matrix)
+from moe_spec.catalog.parts import ABSURD, ROW_KEYS, bfloat16_bits, check_values, matrix  # noqa: F401 - (re-exported: readers and writers use them)
 from moe_spec.catalog.parts import manifest_mismatch as _mismatch
 from moe_spec.catalog.runs import CatalogError, Run
 

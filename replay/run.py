@@ -28,8 +28,7 @@ from moe_spec.catalog import Catalog, CatalogError, Run, atomic, location, reade
 from moe_spec.catalog.results import UnitResults
 from moe_spec.cluster import ClusterError, actor_failure, cap_workers, count_workers, init_ray, worker_options
 from moe_spec.moe.adapter import MoEAdapter
-from moe_spec.policy import coverage, rankings
-from moe_spec.policy import index
+from moe_spec.policy import coverage, index, rankings
 from moe_spec.policy.calibration import CalibrationStats, calibrate
 from moe_spec.policy.prices import PriceRequest, prices_for
 from moe_spec.replay import distributed  # (closed_loop, which imports transformers: when replaying)
@@ -44,11 +43,11 @@ from moe_spec.replay.plan import (  # noqa: F401 - (re-exported: what a replay a
     ReplayPlan,
     ReplayRequest,
     RunPlan,
+    manifest_plan,
     parse_budgets,
     plan,
     run_layers_noted,
     storage_note,
-    manifest_plan,
     stored_layers,
     stored_variants,
     summary_frame,

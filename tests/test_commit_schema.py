@@ -13,9 +13,9 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import recommit
 from helpers import QUERY, one_line
+
 from moe_spec.analysis import query_cli, report
 from moe_spec.catalog import dataset_version
 

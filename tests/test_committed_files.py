@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import call, one_line_error, run
 
-
 COUNTS = ("SELECT (SELECT count(*) FROM trees) AS trees, (SELECT count(*) FROM routing) AS "
           "routing, (SELECT round(sum(list_sum(router_probs)), 3) FROM routing) AS mass, "
           "(SELECT count(*) FROM replay_open) AS results")

@@ -25,8 +25,8 @@ from moe_spec.policy import coverage
 from moe_spec.policy.batch import ExpertTerms, RoutingBatch
 from moe_spec.policy.coverage import prefix_masks
 from moe_spec.policy.routing import RoutingRule
-from moe_spec.replay import closed_loop, engine, modes, open_loop, plan
 from moe_spec.replay import cli as replay_cli
+from moe_spec.replay import closed_loop, engine, modes, open_loop, plan
 from moe_spec.replay.cli import parser, summary_lines
 
 # layouts results were stored under: their fingerprints never change (a layout change is a new

@@ -9,8 +9,8 @@ second."""
 from __future__ import annotations
 
 import pytest
-
 from helpers import one_line
+
 from moe_spec.analysis import query_cli
 
 LIMITS = ["--memory-limit", "256MB", "--timeout", "20"]

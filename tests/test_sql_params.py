@@ -3,6 +3,7 @@ a quote is read like any other (it aborted ``report`` with a parser error and th
 recapture)."""
 
 from helpers import capture_model_folder
+
 from moe_spec.analysis import coactivation, frames, report
 from moe_spec.analysis.sql import connect
 from moe_spec.catalog import partition_value

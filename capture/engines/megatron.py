@@ -45,11 +45,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from moe_spec.capture.engines.base import (
+    MAX_COUNT,
     ModelFacts,
     Piece,
     ReadOptions,
     SourceError,
-    MAX_COUNT,
     checked_ids,
     id_array,
     jsonl,

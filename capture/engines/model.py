@@ -14,7 +14,6 @@ from moe_spec.capture.engines.base import ModelFacts
 from moe_spec.errors import UserError
 from moe_spec.moe import families, models
 
-
 MAX_LAYERS = 4096  # decoder layers (the layer column is int16; real models have < 200)
 MAX_EXPERTS = 32767  # routed experts (ids are stored as int16)
 
