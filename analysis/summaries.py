@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -292,8 +293,12 @@ def _keep_freed_memory() -> None:
 
 
 def pool(workers: int) -> ProcessPoolExecutor:
-    """The processes routing parts are reduced in, each keeping its freed memory."""
-    return ProcessPoolExecutor(max_workers=workers, initializer=_keep_freed_memory)
+    """The processes routing parts are reduced in, each keeping its freed memory. Started by a
+    fork server, not forked from the caller: a caller holding threads (s3fs's event loop, torch's
+    pools) can leave a forked child with their locks held (a child crashed in garbage collection
+    after ``report`` on ``s3://`` traces)."""
+    return ProcessPoolExecutor(max_workers=workers, initializer=_keep_freed_memory,
+                               mp_context=multiprocessing.get_context("forkserver"))
 
 
 # --- one run -----------------------------------------------------------------------------------
