@@ -106,10 +106,16 @@ def price_budgets(gains: torch.Tensor, price: float, b_min: int,
     out = torch.empty_like(budgets)
     used = torch.zeros_like(budgets[..., 0])
     for layer in range(layers):  # in order: no layer knows what later ones will ask
-        room = cap - used - b_min * (layers - 1 - layer)
+        room = cap_room(cap, used, b_min, layers - 1 - layer)
         out[..., layer] = torch.minimum(budgets[..., layer], room)
         used = used + out[..., layer]
     return out
+
+
+def cap_room(cap, used, b_min: int, later: int):
+    """What a layer may still load under a pass cap C: ``C − Σ_{m<l} B_m − B_min·later``, the
+    ``later`` layers still to come keeping B_min (tensors or numbers)."""
+    return cap - used - b_min * later
 
 
 def calibrate_price(gains: torch.Tensor, target: float, b_min: int,

@@ -78,12 +78,6 @@ def relative_errors(batch: RoutingBatch, keep: torch.Tensor, coverage: Coverage)
     return sq.sum(-1) / batch.terms.gold_sq[:, None, :].sum(-1).clamp_min(1e-30)
 
 
-def cap_room(cap: torch.Tensor, used: torch.Tensor, b_min: int, later: int) -> torch.Tensor:
-    """What layer l may still load under a pass cap C: ``C − Σ_{m<l} B_m − B_min·(later)``, the
-    ``later`` layers still to come keeping B_min (:func:`policy.adaptive.price_budgets`)."""
-    return cap - used - b_min * later
-
-
 @dataclass
 class Prices:
     """The price rule of one ranking × coverage, calibrated on a calibration run
@@ -152,7 +146,7 @@ class Prices:
         cap = torch.tensor([self.cap(m) for m in means], device=chosen.device)
         for j in position.unique().tolist():  # layers in pass order, each position at once
             rows = (position == j).nonzero()[:, 0]
-            room = cap_room(cap, spent[inverse[rows]], self.b_min, len(self.layers) - 1 - j)
+            room = adaptive.cap_room(cap, spent[inverse[rows]], self.b_min, len(self.layers) - 1 - j)
             chosen[rows] = torch.minimum(chosen[rows], room)
             spent.index_add_(0, inverse[rows], chosen[rows])
         used.update({p: spent[i] for i, p in enumerate(ids.tolist())})
