@@ -43,7 +43,6 @@ the ``adaptive budgets`` block of docs/results.md from ``--output`` files (``--r
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -51,6 +50,7 @@ import polars as pl
 import torch
 
 from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
+from moe_spec.bench.options import study_parser
 from moe_spec.bench.pipeline import capture, loaded_model, replay_runs, results_frame
 from moe_spec.console import threads
 from moe_spec.policy import adaptive, index
@@ -437,14 +437,9 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1].split("\n\nPer model")[0])
-    p.add_argument("--traces", type=Path, default=Path("traces-adaptive"),
-                   help="captures and replays, one folder per model (default traces-adaptive)")
+    p = study_parser(__doc__)
     p.add_argument("--models", nargs="+", default=["tiny-olmoe"],
                    help=f"default tiny-olmoe; issue 63's families: {', '.join(MODELS)}")
-    p.add_argument("--bench", default="mbpp", help="benchmark of both runs (default mbpp)")
     p.add_argument("--rankings", nargs="+", default=["router"],
                    help="stateless runtime rankings (default router); one that needs "
                         "calibration gets its own run, stats-BENCH (--cal-prompts prompts after "

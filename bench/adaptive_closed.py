@@ -34,7 +34,6 @@ deterministic; captures and replays already on disk are reused.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -43,6 +42,7 @@ import polars as pl
 
 from moe_spec.analysis import power
 from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
+from moe_spec.bench.options import study_parser
 from moe_spec.console import pipes, threads
 from moe_spec.errors import fail
 from moe_spec.policy import index
@@ -211,14 +211,9 @@ def markdown(report: dict) -> str:
 
 @pipes.quiet_broken_pipe
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=__doc__.split("\n\n", 1)[1].split("\n\nPer model")[0])
-    p.add_argument("--traces", type=Path, default=Path("traces-adaptive"),
-                   help="captures and replays, one folder per model (default traces-adaptive)")
+    p = study_parser(__doc__)
     p.add_argument("--models", nargs="+", default=list(MODELS),
                    help=f"default: {' '.join(MODELS)}")
-    p.add_argument("--bench", default="mbpp", help="benchmark of both runs (default mbpp)")
     p.add_argument("--ranking", default="router",
                    help="the ranking of both settings (default router; a stateless runtime one)")
     p.add_argument("--predictor", default="mass", choices=list(index.GAIN_PREDICTORS),

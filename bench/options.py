@@ -1,0 +1,20 @@
+"""Options the benches share, importing nothing heavy (a bench refuses bad options before it
+loads torch or a model)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def study_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of an adaptive-budget study (bench/adaptive_budget.py, adaptive_closed.py):
+    its docstring's first paragraph as description, its usage examples as epilog (up to "Per
+    model"), and the options every study has: ``--traces`` and ``--bench``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=doc.split("\n\n", 1)[1].split("\n\nPer model")[0])
+    p.add_argument("--traces", type=Path, default=Path("traces-adaptive"),
+                   help="captures and replays, one folder per model (default traces-adaptive)")
+    p.add_argument("--bench", default="mbpp", help="benchmark of both runs (default mbpp)")
+    return p
