@@ -29,12 +29,15 @@ processes; a run's two files are swapped in atomically under a file lock.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
 import multiprocessing
 import os
+import sys
 import time
+import types
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,6 +304,27 @@ def pool(workers: int) -> ProcessPoolExecutor:
                                mp_context=multiprocessing.get_context("forkserver"))
 
 
+@contextlib.contextmanager
+def callers_main_not_rerun():
+    """While worker processes start, the caller's ``__main__`` is a bare stand-in: a process
+    started by a fork server (or spawned) first re-runs the parent's main script, unless it was
+    run as a module named ``*.__main__``. A Streamlit page *is* ``__main__`` (Streamlit swaps it
+    in), and it builds summaries on load: each worker ran the page again, which started a pool
+    of its own, and the page never finished (the app's tests hung until CI's limit). The reduce
+    workers need nothing from ``__main__``: their task is :func:`_reduce_part_args`, found by its
+    module. Wrap the call that starts them (``map`` submits every task, so starts every
+    worker, before it returns)."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is None:
+            sys.modules.pop("__main__", None)
+        else:
+            sys.modules["__main__"] = main
+
+
 # --- one run -----------------------------------------------------------------------------------
 def stamp_of(run: Run) -> dict:
     """What a run's summaries were built from: rebuilt when any of it changes (a routing-only
@@ -456,7 +480,9 @@ def build_run(root: Path, run: Run, workers: int | None = None) -> int:
     if workers > 1 and len(jobs) > 1:
         workers = min(workers, len(jobs))
         with pool(workers) as workers_pool:  # one part (~40 ms) a task:
-            results = list(workers_pool.map(_reduce_part_args, jobs))  # no worker idles at the end
+            with callers_main_not_rerun():  # no worker idles at the end
+                started = workers_pool.map(_reduce_part_args, jobs)
+            results = list(started)
     else:
         results = [reduce_part(*j) for j in jobs]
     rows = {c: np.concatenate([r.rows[c] for r in results]) if results else
