@@ -381,7 +381,9 @@ def _mode_curves(frame: pl.DataFrame, coverage: str):
     line for the fixed budget and a dash per adaptive mode; a mode is never averaged with
     another."""
     modes = sorted(set(frame["budget_mode"]), key=lambda m: (m != FIXED_MODE, m))
-    pairs = [(ranking, mode) for ranking in sorted(set(frame["ranking"])) for mode in modes]
+    drawn = set(frame.select("ranking", "budget_mode").unique().iter_rows())  # in any panel
+    pairs = [(ranking, mode) for ranking in sorted(set(frame["ranking"])) for mode in modes
+             if (ranking, mode) in drawn]  # colours count drawn curves only: none repeats early
     for i, (ranking, mode) in enumerate(pairs):
         g = frame.filter((pl.col("ranking") == ranking) & (pl.col("budget_mode") == mode)
                          & (pl.col("coverage") == coverage))
@@ -426,6 +428,9 @@ def error_vs_experts(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
     fig.update_xaxes(title_text=f"{EXPERTS_AXIS} (of {n})" if n else EXPERTS_AXIS)
     fig = _style(fig, "Reconstruction error vs mean experts loaded per layer, fixed and "
                       "adaptive budgets")
+    # one entry per ranking × mode: a column right of the panels, never wrapping over the title
+    fig.update_layout(legend=dict(orientation="v", yanchor="top", y=1, xanchor="left", x=1.02),
+                      margin=dict(r=200))
     return _note(fig, "x: mean of experts_loaded over tree-layers (bytes actually loaded), the "
                       "same for fixed and adaptive; a point is a budget B (fixed) or a mean B̄ "
                       "asked (adaptive).<br>Solid: fixed B; dashed: an adaptive mode; black: "
