@@ -7,11 +7,11 @@
 #   scripts/test.sh --fast tests/test_policy.py -x   # other arguments go to pytest
 #   TEST_JOBS=1 scripts/test.sh                      # one process (default: 2 workers)
 #
-# Two phases: everything but the `ray` tests on TEST_JOBS pytest-xdist workers (whole files
-# to a worker, so module fixtures are built once), then the `ray` tests in one process (two
-# local Ray clusters on one machine can find each other: `ray.init()` joins the newest). The
-# end of each phase lists its slowest tests (pytest's --durations), so a test that grows slow
-# is seen where it is added.
+# One run on TEST_JOBS pytest-xdist workers, whole files to a worker (so module fixtures are
+# built once). The files holding `ray` tests go to one worker together, one after another (two
+# local Ray clusters on one machine can find each other: `ray.init()` joins the newest), beside
+# the other worker's files (tests/conftest.py's RAY_FILES). The end lists the slowest tests
+# (pytest's --durations), so a test that grows slow is seen where it is added.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh dev || exit $?
@@ -22,15 +22,7 @@ for arg in "$@"; do
   if [ "$arg" = --fast ]; then fast=1; else args+=("$arg"); fi
 done
 jobs=${TEST_JOBS:-2}
-parallel=(--durations=25)
-[ "$jobs" -gt 1 ] && parallel+=(-n "$jobs" --dist loadfile)
-if [ "$fast" = 1 ]; then  # the ray tests are all slow: one phase
-  exec .venv/bin/python -m pytest "${parallel[@]}" -m "not slow" ${args[@]+"${args[@]}"}
-fi
-.venv/bin/python -m pytest "${parallel[@]}" -m "not ray" ${args[@]+"${args[@]}"}
-first=$?
-.venv/bin/python -m pytest --durations=10 -m ray ${args[@]+"${args[@]}"}
-second=$?
-[ "$second" = 5 ] && second=0  # (the arguments named no ray test)
-[ "$first" != 0 ] && exit "$first"
-exit "$second"
+opts=(--durations=25)
+[ "$jobs" -gt 1 ] && opts+=(-n "$jobs" --dist loadfile)
+[ "$fast" = 1 ] && opts+=(-m "not slow")  # the ray tests are all slow
+exec .venv/bin/python -m pytest "${opts[@]}" ${args[@]+"${args[@]}"}

@@ -24,10 +24,35 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 END_TO_END_FIXTURES = frozenset({"one_prompt", "replayed", "s3"})
 
 
+# The files holding ``ray`` tests: pytest-xdist hands them to one worker as one unit, so they run
+# in turn beside the other worker's files (two local Ray clusters on one machine can find each
+# other: ``ray.init()`` joins the newest). Checked against the markers at every collection.
+RAY_FILES = frozenset({"tests/test_benches.py", "tests/test_cluster.py", "tests/test_ray.py",
+                       "tests/test_wrong_endpoints.py"})
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if END_TO_END_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    marked = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("ray")}
+    if marked - RAY_FILES:
+        raise pytest.UsageError(f"tests/conftest.py: add {sorted(marked - RAY_FILES)} to RAY_FILES "
+                                "(they hold ray tests)")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (scripts/test.sh), with every file of :data:`RAY_FILES` one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "ray" if file in RAY_FILES else file
+
+    return RayFilesTogether(config, log)
 
 
 @pytest.fixture(autouse=True)
