@@ -3,8 +3,9 @@ dataset version.
 
 The *version* of a traces folder is a digest of its manifests and Parquet files (names and file
 versions: size, modification and change times, inode; the key the readers' verification
-remembers a content hash under, :func:`catalog.dataset_version`). Connections and frames are keyed by it, so a new capture or replay shows up
-on the next interaction without restarting the app. Each session has its own read-only
+remembers a content hash under, :func:`catalog.dataset_version`). Connections and frames are
+keyed by it, so a new capture or replay shows up on the next interaction without restarting the
+app. Each session has its own read-only
 connection (:func:`analysis.sql.connect`), and SQL typed in the console runs through
 :func:`analysis.sql.run_query` (queries only): nothing one visitor types changes what another
 sees. Frames cached for every visitor (:func:`overview`, :func:`frame`) are computed on a fresh

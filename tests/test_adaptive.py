@@ -100,7 +100,7 @@ def exhaustive(curves, total, b_min):
     best = float("inf")
     for choice in itertools.product(range(points), repeat=layers):
         if sum(choice) + b_min * layers == total:
-            best = min(best, sum(float(curves[l, c]) for l, c in enumerate(choice)))
+            best = min(best, sum(float(curves[layer, c]) for layer, c in enumerate(choice)))
     return best
 
 

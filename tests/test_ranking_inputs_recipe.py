@@ -37,7 +37,7 @@ class InputsNorm(Ranking):
         return by_mass((batch.probs.float() * norm[..., None]).sum(1))
 '''
 LINE = '''    "inputs-norm": Entry("moe_spec.policy.rankings.inputs_norm", True, "router mass x MoE-input norm (a recipe test's ranking)", needs_calibration=True, inputs=("moe_inputs",)),
-'''
+'''  # noqa: E501 - the index line as a user would add it, one line
 
 
 def test_a_ranking_reading_the_moe_inputs_is_its_file_plus_its_index_line(one_prompt, tmp_path):
