@@ -92,8 +92,9 @@ def read_model_outputs(paths: Iterable[Path], script: str, version: int,
                        tool: str | None = None) -> dict:
     """The ``models`` of a bench's ``--output`` files (``{"version": V, ["tool": T,] "models":
     {model: ...}}``), merged in order, for ``--render``; a file of another bench or version (or
-    not JSON) is one line on stderr, ``<script>: error: …``, and exit status 2."""
-    report = {}
+    not JSON), or a model key two files hold (one result would silently hide the other), is one
+    line on stderr, ``<script>: error: …``, and exit status 2."""
+    report, source = {}, {}
     for path in paths:
         try:
             rep = json.loads(Path(path).read_text())
@@ -104,5 +105,10 @@ def read_model_outputs(paths: Iterable[Path], script: str, version: int,
                 or not isinstance(rep.get("models"), dict):
             raise SystemExit(fail(script, f"{path} is not an --output of this version of "
                                           f"bench/{script}"))
+        for key in rep["models"]:
+            if key in source:
+                raise SystemExit(fail(script, f"{source[key]} and {path} both hold {key}: render "
+                                              "one of them, or rerun one under another key"))
+            source[key] = path
         report.update(rep["models"])
     return report

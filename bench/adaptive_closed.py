@@ -179,9 +179,10 @@ def _interval(d, digits: int = 2) -> str:
 
 def markdown(report: dict) -> str:
     """The docs' table and the goal count, from the --output files alone."""
-    lines = ["| model | policy | B̄ | trees | τ fixed | τ adaptive | Δτ [95% CI] | trees same τ "
-             "| KL fixed | KL adaptive | experts loaded/layer: fixed · adaptive (p10–p90) | "
-             "adaptive within 2% of B̄ | trees needed: 0.1, observed Δ | goal |", "|---" * 14 + "|"]
+    lines = ["| model | policy | B̄ | prompts: evaluation · λ | trees | τ fixed | τ adaptive | "
+             "Δτ [95% CI] | trees same τ | KL fixed | KL adaptive | experts loaded/layer: fixed · "
+             "adaptive (p10–p90) | adaptive within 2% of B̄ | trees needed: 0.1, observed Δ | "
+             "goal |", "|---" * 15 + "|"]
     head, tally = [], {}
     for found in report.values():
         model = found["model"]
@@ -194,7 +195,8 @@ def markdown(report: dict) -> str:
             tally[v] = tally.get(v, 0) + 1
             obs = c["trees_needed_observed"]
             lines.append(
-                f"| {model} | {c['coverage']} | {c['mean_budget']} | {c['trees']} | "
+                f"| {model} | {c['coverage']} | {c['mean_budget']} | "
+                f"{found['eval_prompts']} · {found['cal_prompts']} | {c['trees']} | "
                 f"{c['tau_fixed']:.2f} | {c['tau_adaptive']:.2f} | {_interval(c['delta_tau'])} | "
                 f"{c['trees_unchanged']} | {c['kl_fixed']:.4f} | {c['kl_adaptive']:.4f} | "
                 f"{c['achieved_fixed']:.2f} · {c['achieved']:.2f} ({c['p10']:.0f}–{c['p90']:.0f}) | "
@@ -250,8 +252,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.eval_prompts < 2 or args.cal_prompts < 1:
             p.error("--eval-prompts needs at least 2 (an interval) and --cal-prompts 1")
         threads.apply(args.threads)
-        # keyed by model and sample size: several files of one model render side by side
-        report = {f"{m}@{args.eval_prompts}": study(args.traces / m, m, args)
+        # keyed by model and sample sizes (evaluation + λ calibration prompts): several files
+        # of one model render side by side (files written before the λ size was in the key
+        # hold "model@eval", λ on 8)
+        report = {f"{m}@{args.eval_prompts}+{args.cal_prompts}": study(args.traces / m, m, args)
                   for m in args.models}
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)

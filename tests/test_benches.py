@@ -781,7 +781,7 @@ def adaptive_closed(tmp_path_factory):
 @smoke("adaptive_closed.py")
 def test_adaptive_closed_bench_pairs_every_cell_and_sizes_it(adaptive_closed):
     found, out = adaptive_closed
-    model = found["models"]["tiny-mixtral@2"]
+    model = found["models"]["tiny-mixtral@2+1"]
     cells = model["cells"]
     assert model["k"] == 2 and model["means"] == [2, 8] and model["budget_mode"] == "adaptive:mass"
     assert {(c["coverage"], c["mean_budget"]) for c in cells} == {
@@ -879,7 +879,8 @@ def test_adaptive_closed_table_keeps_both_sizes_of_a_model_and_counts_the_goal()
                                     cell("substitution", (0.0, 0.0, 0.0), 46, 1)]),
         "tiny-gpt-oss@440": study(440, [cell("truncation", (0.1, 0.02, 0.18), 2400, 2000)])})
     rows = [line for line in text.splitlines() if line.startswith("| tiny-gpt-oss |")]
-    assert [r.split(" | ")[3] for r in rows] == ["46", "46", "2400"]
+    assert [r.split(" | ")[3] for r in rows] == ["8 · 8", "8 · 8", "440 · 8"]  # prompts: eval · λ
+    assert [r.split(" | ")[4] for r in rows] == ["46", "46", "2400"]
     assert [r.rstrip(" |").rsplit("| ", 1)[1] for r in rows] == ["undecided", "met", "met"]
     assert "met in 2 of 3 cells" in text and "undecided 1" in text
     assert "- tiny-gpt-oss: router · adaptive:mass, 440 evaluation prompts" in text

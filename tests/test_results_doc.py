@@ -76,3 +76,17 @@ def test_the_table_options_default_to_the_bench_s_block():
     assert (args.block, [str(r) for r in args.readme], [str(r) for r in args.render]) == (
         "frontier", ["README.md"], ["a.json"])
     assert p.parse_args([]).render is None and p.parse_args([]).readme == []
+
+
+def test_two_files_holding_one_result_are_refused_not_one_hidden(tmp_path, capsys):
+    import json
+    files = []
+    for name, tau in (("a.json", 4.0), ("b.json", 5.0)):
+        files.append(tmp_path / name)
+        files[-1].write_text(json.dumps({"version": 1, "models": {"m@8": {"tau": tau}}}))
+    assert results_doc.read_model_outputs(files[:1], "x.py", 1) == {"m@8": {"tau": 4.0}}
+    with pytest.raises(SystemExit) as exit_:
+        results_doc.read_model_outputs(files, "x.py", 1)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "a.json" in err and "b.json" in err and "m@8" in err
