@@ -3,6 +3,7 @@ price rule vs a fixed B = B̄ on the same trees, with paired 95% intervals and t
 
     python bench/adaptive_closed.py --traces /tmp/adaptive/traces --output ac.json
     python bench/adaptive_closed.py --models tiny-gpt-oss --eval-prompts 120 --means k 16
+    python bench/adaptive_closed.py --models tiny-olmoe --cal-prompts 64 --same-spend
     python bench/adaptive_closed.py --render docs/results/adaptive-closed/*.json --readme docs/results.md
 
 Per model it captures (or reuses) an evaluation run (``eval-BENCH``: prompts 0..E−1) and a
@@ -23,6 +24,11 @@ token routes to, so at most the layer's B; mean, and p10–p90 over tree-layers 
 within 2% of B̄ or not), and the power analysis (:mod:`analysis.power`,
 α = 0.05, power 0.8, from the spread of Δ): the trees needed to detect a 0.1-token difference,
 and the observed one, and whether the sample reached the former.
+
+``--same-spend`` separates allocation from spend: the held-out mean load a of the adaptive rule
+misses B̄ by a few percent, and more experts alone raise τ. It also replays fixed B_lo = ⌊a⌋ and
+the first B_hi whose load reaches a, and compares adaptive per tree with the mix of the two
+that loads a on average (:func:`same_spend`).
 
 The goal, per cell: accepted length ≥ fixed-B's, i.e. the interval excludes a loss (low ≥ 0),
 at the power size (trees ≥ trees needed for 0.1 tokens). Trees of one prompt are treated as
@@ -117,6 +123,58 @@ def compare(fixed: pl.DataFrame, adaptive: pl.DataFrame, mean: int) -> dict:
         resolvable=power.resolvable(delta))
 
 
+def _loaded(rows: pl.DataFrame) -> float:
+    """Mean experts loaded per tree-layer of a setting's rows."""
+    return float(np.concatenate([np.asarray(x, dtype=float)
+                                 for x in rows["experts_loaded"].to_list()]).mean())
+
+
+def same_spend(adaptive: pl.DataFrame, low: pl.DataFrame, high: pl.DataFrame) -> dict:
+    """Adaptive against fixed budgets at adaptive's own spend: ``low`` and ``high`` are the
+    per-tree rows of fixed B_lo and B_hi whose mean experts loaded L_lo ≤ a ≤ L_hi bracket the
+    adaptive rows' a. The reference is the mix that loads a on average, each pass at B_hi with
+    probability w = (a − L_lo) / (L_hi − L_lo) and at B_lo otherwise; its expected τ on a tree
+    is (1 − w)·τ_lo + w·τ_hi, so per tree Δ = τ_adaptive − ((1 − w)·τ_lo + w·τ_hi) (KL alike),
+    paired over the same trees (95% paired t; over prompts' mean Δ as well). A fixed budget
+    that spends what adaptive spends, achievable at run time, so a gain here is allocation,
+    not spend."""
+    a, lo, hi = _loaded(adaptive), _loaded(low), _loaded(high)
+    if not lo <= a <= hi or hi <= lo and a != lo:
+        raise SystemExit(fail(SCRIPT, f"fixed loads {lo:.3f} and {hi:.3f} do not bracket "
+                                      f"adaptive's {a:.3f}"))
+    w = 0.0 if hi == lo else (a - lo) / (hi - lo)
+    cols = ["accepted_length", "mean_kl"]
+    both = adaptive.select(*TREE, *cols).join(
+        low.select(*TREE, *cols), on=list(TREE), suffix="_lo").join(
+        high.select(*TREE, *cols), on=list(TREE), suffix="_hi")
+    if not both.height == adaptive.height == low.height == high.height:
+        raise SystemExit(fail(SCRIPT, "the fixed and adaptive settings did not replay the same "
+                                      "trees; replay them again"))
+
+    def delta(col: str) -> np.ndarray:
+        mix = (1 - w) * both[f"{col}_lo"].cast(pl.Float64) + w * both[f"{col}_hi"].cast(pl.Float64)
+        return (both[col].cast(pl.Float64) - mix).to_numpy()
+
+    d_tau = delta("accepted_length")
+    by_prompt = pl.DataFrame(dict(prompt=both["prompt_index"], delta=d_tau)).group_by(
+        "prompt").agg(pl.col("delta").mean())["delta"].to_numpy()
+    return dict(budgets=[int(low["budget"][0]), int(high["budget"][0])], weight=w,
+                loaded=[lo, hi], tau_fixed=float(
+                    ((1 - w) * both["accepted_length_lo"] + w * both["accepted_length_hi"]).mean()),
+                delta_tau=power.paired_interval(d_tau), delta_kl=power.paired_interval(
+                    delta("mean_kl")), delta_tau_by_prompt=power.paired_interval(by_prompt))
+
+
+def spend_budgets(achieved: float, loaded_at) -> tuple[int, int]:
+    """The consecutive fixed budgets B_lo = ⌊a⌋ (loads ≤ B ≤ a) and the first B_hi above it
+    whose mean load ``loaded_at(B)`` reaches a (under truncation a fixed B loads ≤ B)."""
+    low = max(1, int(np.floor(achieved)))
+    high = low + 1
+    while loaded_at(high) < achieved:
+        high += 1
+    return low, high
+
+
 def within(cell: dict, tolerance: float = WITHIN) -> bool:
     """The achieved mean experts per layer within ``tolerance`` of B̄ (relative)."""
     return abs(cell["achieved"] - cell["mean_budget"]) <= tolerance * cell["mean_budget"]
@@ -164,8 +222,11 @@ def study(root: Path, model: str, args) -> dict:
     cells = []
     for cov in args.coverages:
         for mean in means:
-            cell = compare(one_setting(df, index.FIXED, cov, mean),
-                           one_setting(df, mode, cov, mean), mean)
+            adaptive = one_setting(df, mode, cov, mean)
+            cell = compare(one_setting(df, index.FIXED, cov, mean), adaptive, mean)
+            if args.same_spend:
+                cell["same_spend"] = at_adaptive_spend(root, model, ev_run, cal_run, cov,
+                                                       adaptive, out, args)
             cells.append(dict(coverage=cov, b_min=index.min_budget(cov, k), **cell))
     return dict(model=model, k=k, n=n, means=means, bench=args.bench, ranking=args.ranking,
                 budget_mode=mode, pass_cap=args.pass_cap, eval_prompts=args.eval_prompts,
@@ -173,16 +234,44 @@ def study(root: Path, model: str, args) -> dict:
                 seed=args.seed, cells=cells)
 
 
+def at_adaptive_spend(root: Path, model: str, ev_run: str, cal_run: str, coverage: str,
+                      adaptive: pl.DataFrame, out: Path, args) -> dict:
+    """:func:`same_spend` for one cell: fixed B_lo and B_hi replayed in closed loop on the
+    evaluation trees (reused when stored) and compared at adaptive's mean load."""
+    from moe_spec.bench.pipeline import replay_runs, results_frame
+
+    def fixed_at(budget: int) -> pl.DataFrame:
+        replay_runs(root, model, [ev_run], bench=args.bench, mode="closed",
+                    rankings=(args.ranking,), coverages=(coverage,), budgets=str(budget),
+                    out=out, calibration=(cal_run,))
+        df = results_frame(out, "replay_closed", model=model, bench=args.bench).filter(
+            (pl.col("run") == ev_run) & (pl.col("ranking") == args.ranking)).with_columns(
+            pl.col("budget_mode").fill_null(index.FIXED))
+        return one_setting(df, index.FIXED, coverage, budget)
+
+    low, high = spend_budgets(_loaded(adaptive), lambda b: _loaded(fixed_at(b)))
+    return same_spend(adaptive, fixed_at(low), fixed_at(high))
+
+
 def _interval(d, digits: int = 2) -> str:
     return "–" if d is None else f"{d[0]:+.{digits}f} [{d[1]:+.{digits}f}, {d[2]:+.{digits}f}]"
+
+
+def _spend(found: dict | None) -> str:
+    """The same-spend comparison's cell: the fixed budgets mixed (B_hi's share) and Δτ."""
+    if found is None:
+        return "–"
+    low, high = found["budgets"]
+    return f"{low}/{high} ({found['weight']:.2f}): {_interval(found['delta_tau'])}"
 
 
 def markdown(report: dict) -> str:
     """The docs' table and the goal count, from the --output files alone."""
     lines = ["| model | policy | B̄ | prompts: evaluation · λ | trees | τ fixed | τ adaptive | "
-             "Δτ [95% CI] | trees same τ | KL fixed | KL adaptive | experts loaded/layer: fixed · "
-             "adaptive (p10–p90) | adaptive within 2% of B̄ | trees needed: 0.1, observed Δ | "
-             "goal |", "|---" * 15 + "|"]
+             "Δτ [95% CI] | Δτ vs fixed at adaptive's spend: B mix [95% CI] | trees same τ | "
+             "KL fixed | KL adaptive | experts loaded/layer: fixed · adaptive (p10–p90) | "
+             "adaptive within 2% of B̄ | trees needed: 0.1, observed Δ | goal |",
+             "|---" * 16 + "|"]
     head, tally = [], {}
     for found in report.values():
         model = found["model"]
@@ -198,6 +287,7 @@ def markdown(report: dict) -> str:
                 f"| {model} | {c['coverage']} | {c['mean_budget']} | "
                 f"{found['eval_prompts']} · {found['cal_prompts']} | {c['trees']} | "
                 f"{c['tau_fixed']:.2f} | {c['tau_adaptive']:.2f} | {_interval(c['delta_tau'])} | "
+                f"{_spend(c.get('same_spend'))} | "
                 f"{c['trees_unchanged']} | {c['kl_fixed']:.4f} | {c['kl_adaptive']:.4f} | "
                 f"{c['achieved_fixed']:.2f} · {c['achieved']:.2f} ({c['p10']:.0f}–{c['p90']:.0f}) | "
                 f"{'yes' if within(c) else 'no'} | {c['trees_needed'] or '–'}, "
@@ -229,6 +319,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pass-cap", type=float, default=None,
                    help="hard cap on a pass's experts, as a multiple of B̄·L, above 1 "
                         "(default: none)")
+    p.add_argument("--same-spend", action="store_true",
+                   help="also replay the fixed budgets around adaptive's mean load and compare "
+                        "at its spend (a mix of the two; see same_spend)")
     p.add_argument("--eval-prompts", type=int, default=8, help="default 8")
     p.add_argument("--cal-prompts", type=int, default=8, help="default 8")
     p.add_argument("--max-new-tokens", type=int, default=32, help="default 32")

@@ -774,7 +774,8 @@ def adaptive_closed(tmp_path_factory):
     root = tmp_path_factory.mktemp("adaptive-closed")
     out = run("bench/adaptive_closed.py", "--traces", str(root / "traces"), "--models",
               "tiny-mixtral", "--eval-prompts", "2", "--cal-prompts", "1", "--max-new-tokens",
-              "6", "--means", "k", "8", "--threads", "1", "--output", str(root / "c.json"))
+              "6", "--means", "k", "8", "--same-spend", "--threads", "1", "--output",
+              str(root / "c.json"))
     return json.loads((root / "c.json").read_text()), out
 
 
@@ -792,6 +793,10 @@ def test_adaptive_closed_bench_pairs_every_cell_and_sizes_it(adaptive_closed):
         assert lo <= mean <= hi and mean == pytest.approx(c["tau_adaptive"] - c["tau_fixed"])
         assert c["b_min"] <= c["p10"] <= c["p90"] <= 8 and c["b_min"] <= c["achieved"] <= 8
         assert c["trees_needed"] >= 1 and c["price"] is not None
+        spend = c["same_spend"]  # fixed budgets around adaptive's own load, on the same trees
+        low, high = spend["budgets"]
+        assert low <= c["achieved"] and spend["loaded"][0] <= c["achieved"] <= spend["loaded"][1]
+        assert 0 <= spend["weight"] <= 1 and high > low
     # B̄ = N: every expert offered in both settings (loaded: those a token routes to), no error
     full = [c for c in cells if c["mean_budget"] == 8]
     assert full and all(c["achieved"] == c["achieved_fixed"] and c["delta_tau"] == [0, 0, 0]
@@ -812,6 +817,38 @@ def closed_rows(trees, tau, loaded, mode="fixed", price=None):
                               experts_loaded=list(e), price=price, budget_mode=mode,
                               coverage="truncation", budget=4)
                          for (p, s), t, e in zip(trees, tau, loaded)])
+
+
+def test_adaptive_closed_at_its_own_spend_against_the_fixed_mix_that_loads_as_much():
+    """Adaptive loading a = 4.25 experts against fixed B = 4 and 5 (loading 4 and 5): the
+    reference is the mix at B = 5 with w = 0.25, per tree (1 − w)·τ₄ + w·τ₅; counted by hand."""
+    bench = adaptive_closed_bench()
+    from moe_spec.analysis import power
+    trees = [(0, 0), (0, 1), (1, 0), (1, 1)]
+    low = closed_rows(trees, [3, 2, 5, 1], [(4, 4)] * 4)
+    high = closed_rows(trees, [4, 2, 5, 5], [(5, 5)] * 4).with_columns(budget=pl_lit(5))
+    adaptive = closed_rows(trees[::-1], [2, 6, 2, 3], [(4, 5), (4, 4), (4, 4), (5, 4)],
+                           "adaptive:mass", 0.5)
+    found = bench.same_spend(adaptive, low, high)
+    assert found["budgets"] == [4, 5] and found["weight"] == pytest.approx(0.25)
+    mix = [0.75 * a + 0.25 * b for a, b in zip([3, 2, 5, 1], [4, 2, 5, 5])]
+    deltas = [t - m for t, m in zip([3, 2, 6, 2], mix)]  # adaptive's τ, trees in order
+    assert found["delta_tau"] == pytest.approx(power.paired_interval(deltas))
+    assert found["tau_fixed"] == pytest.approx(sum(mix) / 4)
+    assert found["delta_tau_by_prompt"] == pytest.approx(
+        power.paired_interval([(deltas[0] + deltas[1]) / 2, (deltas[2] + deltas[3]) / 2]))
+    # a load outside the two fixed ones is refused, not extrapolated
+    with pytest.raises(SystemExit):
+        bench.same_spend(adaptive, high, high)
+    # the budgets: ⌊a⌋ and the first above whose load reaches a (truncation loads ≤ B)
+    loads = {6: 5.9, 7: 6.0, 8: 6.5}
+    assert bench.spend_budgets(6.2, loads.__getitem__) == (6, 8)
+    assert bench.spend_budgets(4.0, {5: 5.0}.__getitem__) == (4, 5)
+
+
+def pl_lit(value):
+    import polars as pl
+    return pl.lit(value)
 
 
 def test_adaptive_closed_pairs_by_tree_not_by_row_order(capsys):
