@@ -576,8 +576,12 @@ def print_outcome(args, planned: Planned, done: Computed, coverages):
     print(f"results: {', '.join(result_folders(outcome))}")
     if frame is not None:
         table = request.mode.table
-        print(f"every metric per cell: --output FILE.csv, or {console.command('query')} --traces "
-              f"{args.out or args.traces} \"SELECT * FROM {table}\"")
+        if args.out is None or str(args.out) == str(args.traces):
+            print(f"every metric per cell: --output FILE.csv, or {console.command('query')} "
+                  f"--traces {args.traces} \"SELECT * FROM {table}\"")
+        else:  # query's views read results beside the committed runs they replay
+            print("every metric per cell: --output FILE.csv (query reads results stored beside "
+                  "their traces: replay without --out)")
     return frame
 
 

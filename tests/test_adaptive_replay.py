@@ -283,6 +283,8 @@ def test_open_loop_adaptive_rows_are_keyed_realized_and_deterministic(with_cal, 
     assert replay(with_cal, *args, "--out", tmp_path / "a", "--output", tmp_path / "a.json") == 0
     said = capsys.readouterr()
     assert "B̄ 2: λ" in said.err and "router, truncation, B̄ 4: mean experts loaded" in said.out
+    # query reads results beside their runs only: no query command is offered for --out elsewhere
+    assert "replay without --out" in said.out and "SELECT * FROM" not in said.out
     assert replay(with_cal, *args, "--out", tmp_path / "b") == 0
     a, b = _rows(tmp_path / "a", "replay_open"), _rows(tmp_path / "b", "replay_open")
     assert a.equals(b)  # the same rows from two runs
