@@ -295,12 +295,26 @@ def _keep_freed_memory() -> None:
         pass
 
 
+def _worker_setup(environ: dict, storage: dict) -> None:
+    """A reduce worker as its caller is now: the caller's environment (the fork server that
+    starts workers was itself started earlier, by whichever caller came first, and its
+    children inherit *its* environment, e.g. without the AWS_* variables set since) and the
+    caller's ``--storage-options`` (module state, which a process started afresh lacks), so
+    ``s3://`` parts open in the worker as in the caller; then :func:`_keep_freed_memory`."""
+    os.environ.clear()
+    os.environ.update(environ)
+    location.use_storage_options(storage)
+    _keep_freed_memory()
+
+
 def pool(workers: int) -> ProcessPoolExecutor:
-    """The processes routing parts are reduced in, each keeping its freed memory. Started by a
-    fork server, not forked from the caller: a caller holding threads (s3fs's event loop, torch's
-    pools) can leave a forked child with their locks held (a child crashed in garbage collection
-    after ``report`` on ``s3://`` traces)."""
-    return ProcessPoolExecutor(max_workers=workers, initializer=_keep_freed_memory,
+    """The processes routing parts are reduced in, each set up as the caller is now
+    (:func:`_worker_setup`) and keeping its freed memory. Started by a fork server, not forked
+    from the caller: a caller holding threads (s3fs's event loop, torch's pools) can leave a
+    forked child with their locks held (a child crashed in garbage collection after ``report``
+    on ``s3://`` traces)."""
+    return ProcessPoolExecutor(max_workers=workers, initializer=_worker_setup,
+                               initargs=(dict(os.environ), location.storage_options()),
                                mp_context=multiprocessing.get_context("forkserver"))
 
 

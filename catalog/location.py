@@ -62,6 +62,12 @@ def use_storage_options(options: dict | None) -> None:
     _options.update(options or {})
 
 
+def storage_options() -> dict:
+    """The options :func:`use_storage_options` installed in this process (a copy; {} for none):
+    what a worker process started afresh must be given to open the same roots."""
+    return dict(_options)
+
+
 def load_storage_options(path: str | Path | None) -> dict:
     """The table of a ``--storage-options`` TOML file (``endpoint_url = "http://…"``,
     ``key``/``secret``, ``[client_kwargs] region_name = "…"``); {} for None."""

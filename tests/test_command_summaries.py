@@ -74,7 +74,9 @@ def test_replay_prints_the_pivot_and_writes_every_row(one_prompt, tmp_path, caps
     out = capsys.readouterr().out
     assert "tiny-olmoe / mbpp / run eval: open-loop replay, mean RSE" in out
     assert "coverage truncation:" in out and "coverage substitution:" in out
-    assert "SELECT * FROM replay_open" in out
+    # results stored apart from their traces: query (which reads results beside their runs)
+    # is not offered
+    assert "replay without --out" in out and "SELECT * FROM replay_open" not in out
     csv = pl.read_csv(tmp_path / "s.csv")
     assert csv.height == 8 and {"rse", "token_error", "mass_excluded"} <= set(csv.columns)
     parquet = pl.read_parquet(tmp_path / "s.parquet")
