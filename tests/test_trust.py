@@ -195,7 +195,7 @@ def test_local_search_improves_a_bad_start_to_the_exhaustive_optimum_on_a_small_
     assert torch.allclose(_cell_errors(batch, cov, found), _cell_errors(batch, cov, best))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)  # the same 40 cases every run
 @given(seed=st.integers(0, 10_000), extra=st.integers(0, 3), renormalize=st.booleans(),
        biased=st.booleans(), name=st.sampled_from(["truncation", "substitution"]),
        grouped=st.booleans())
