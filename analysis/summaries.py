@@ -307,27 +307,13 @@ def _worker_setup(environ: dict, storage: dict) -> None:
     _keep_freed_memory()
 
 
-def pool(workers: int) -> ProcessPoolExecutor:
-    """The processes routing parts are reduced in, each set up as the caller is now
-    (:func:`_worker_setup`) and keeping its freed memory. Started by a fork server, not forked
-    from the caller: a caller holding threads (s3fs's event loop, torch's pools) can leave a
-    forked child with their locks held (a child crashed in garbage collection after ``report``
-    on ``s3://`` traces)."""
-    return ProcessPoolExecutor(max_workers=workers, initializer=_worker_setup,
-                               initargs=(dict(os.environ), location.storage_options()),
-                               mp_context=multiprocessing.get_context("forkserver"))
-
-
 @contextlib.contextmanager
-def callers_main_not_rerun():
-    """While worker processes start, the caller's ``__main__`` is a bare stand-in: a process
-    started by a fork server (or spawned) first re-runs the parent's main script, unless it was
-    run as a module named ``*.__main__``. A Streamlit page *is* ``__main__`` (Streamlit swaps it
-    in), and it builds summaries on load: each worker ran the page again, which started a pool
-    of its own, and the page never finished (the app's tests hung until CI's limit). The reduce
-    workers need nothing from ``__main__``: their task is :func:`_reduce_part_args`, found by its
-    module. Wrap the call that starts them (``map`` submits every task, so starts every
-    worker, before it returns)."""
+def _callers_main_set_aside():
+    """The caller's ``__main__`` replaced by a bare stand-in for the duration: a process started
+    by a fork server (or spawned) first re-runs the parent's main script, unless it was run as
+    a module named ``*.__main__``. A Streamlit page *is* ``__main__`` (Streamlit swaps it in),
+    and it builds summaries on load: each worker ran the page again, which started a pool of its
+    own, and the page never finished (the app's tests hung until CI's limit)."""
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
@@ -337,6 +323,28 @@ def callers_main_not_rerun():
             sys.modules.pop("__main__", None)
         else:
             sys.modules["__main__"] = main
+
+
+class Workers(ProcessPoolExecutor):
+    """A process pool whose workers never re-run the caller's main script: ``submit`` (which
+    ``map`` calls, and which starts a worker when none is idle) runs with the caller's
+    ``__main__`` set aside (:func:`_callers_main_set_aside`). A task must therefore be found by
+    its module, never as ``__main__.f``."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        with _callers_main_set_aside():
+            return super().submit(fn, *args, **kwargs)
+
+
+def pool(workers: int) -> Workers:
+    """The processes routing parts are reduced in, each set up as the caller is now
+    (:func:`_worker_setup`) and keeping its freed memory. Started by a fork server, not forked
+    from the caller: a caller holding threads (s3fs's event loop, torch's pools) can leave a
+    forked child with their locks held (a child crashed in garbage collection after ``report``
+    on ``s3://`` traces); and without re-running the caller's main script (:class:`Workers`)."""
+    return Workers(max_workers=workers, initializer=_worker_setup,
+                   initargs=(dict(os.environ), location.storage_options()),
+                   mp_context=multiprocessing.get_context("forkserver"))
 
 
 # --- one run -----------------------------------------------------------------------------------
@@ -494,9 +502,7 @@ def build_run(root: Path, run: Run, workers: int | None = None) -> int:
     if workers > 1 and len(jobs) > 1:
         workers = min(workers, len(jobs))
         with pool(workers) as workers_pool:  # one part (~40 ms) a task:
-            with callers_main_not_rerun():  # no worker idles at the end
-                started = workers_pool.map(_reduce_part_args, jobs)
-            results = list(started)
+            results = list(workers_pool.map(_reduce_part_args, jobs))  # no worker idles at the end
     else:
         results = [reduce_part(*j) for j in jobs]
     rows = {c: np.concatenate([r.rows[c] for r in results]) if results else

@@ -230,8 +230,9 @@ def part_seconds(root: Path, repeats: int = 5) -> dict:
     path = str(sorted(run.dir("routing").glob("part-*.parquet"))[0])
     shape = (int(run.manifest["num_experts"]), int(run.manifest["top_k"]),
              int(run.settings.get("total_tokens", M)))
+    from moe_spec.bench import analysis_scale  # the task by its module: workers skip __main__
     with summaries.pool(1) as worker:
-        tree_layers, best = worker.submit(_part_cpu, path, shape, repeats).result()
+        tree_layers, best = worker.submit(analysis_scale._part_cpu, path, shape, repeats).result()
     return dict(tree_layers=tree_layers, cpu_seconds=best,
                 tree_layers_per_cpu_s=tree_layers / max(best, 1e-9))
 

@@ -23,17 +23,18 @@ def _page_as_main(tmp_path, monkeypatch):
 def test_the_workers_do_not_rerun_a_page_that_is_main(tmp_path, monkeypatch):
     marker = _page_as_main(tmp_path, monkeypatch)
     with summaries.pool(2) as workers:
-        with summaries.callers_main_not_rerun():
-            started = workers.map(abs, [-1, -2, -3])
+        started = workers.map(abs, [-1, -2, -3])
         assert sys.modules["__main__"].__file__.endswith("page.py")  # given back at once
         assert list(started) == [1, 2, 3]
     assert not marker.exists()
 
 
 def test_without_the_guard_a_worker_does_rerun_it(tmp_path, monkeypatch):
-    """The mechanism the guard is for (so the test above can fail)."""
+    """The mechanism the guard is for (so the test above can fail): a plain fork-server pool."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
     marker = _page_as_main(tmp_path, monkeypatch)
-    with summaries.pool(1) as workers:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as workers:
         assert list(workers.map(abs, [-1])) == [1]
     assert marker.exists()
 
@@ -44,16 +45,13 @@ def test_the_workers_have_the_callers_environment_and_storage_options_as_they_ar
     see what the caller set since (s3:// parts failed to open as 'corrupt' in the workers when
     the AWS_* variables came after the server)."""
     with summaries.pool(1) as first:  # the fork server runs from here on
-        with summaries.callers_main_not_rerun():  # (an earlier app test's page may be __main__)
-            started = first.map(abs, [-1])
-        assert list(started) == [1]
+        assert list(first.map(abs, [-1])) == [1]
     monkeypatch.setenv("MOESPEC_WORKER_PROBE", "set after the server started")
     location.use_storage_options({"endpoint_url": "http://127.0.0.1:9"})
     try:
         with summaries.pool(1) as workers:
-            with summaries.callers_main_not_rerun():
-                probed = workers.map(os.getenv, ["MOESPEC_WORKER_PROBE"])
-            assert list(probed) == ["set after the server started"]
+            assert list(workers.map(os.getenv, ["MOESPEC_WORKER_PROBE"])) == [
+                "set after the server started"]
             assert workers.submit(location.storage_options).result() == {
                 "endpoint_url": "http://127.0.0.1:9"}
     finally:
