@@ -40,6 +40,7 @@ deterministic; captures and replays already on disk are reused.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -84,6 +85,13 @@ def one_setting(df: pl.DataFrame, budget_mode: str, coverage: str, mean: int) ->
     return rows
 
 
+def _by_prompt(prompts: pl.Series, delta: np.ndarray) -> np.ndarray:
+    """Each prompt's mean Δ over its trees, prompts in order of first appearance (a fixed
+    order, so the interval over them is the same to the last bit on every run)."""
+    return pl.DataFrame(dict(prompt=prompts, delta=delta)).group_by(
+        "prompt", maintain_order=True).agg(pl.col("delta").mean())["delta"].to_numpy()
+
+
 def compare(fixed: pl.DataFrame, adaptive: pl.DataFrame, mean: int) -> dict:
     """One cell from the two settings' per-tree rows (closed-loop columns ``accepted_length``,
     ``mean_kl``, ``experts_loaded`` per MoE layer), paired by tree; refuses settings that did not
@@ -97,13 +105,10 @@ def compare(fixed: pl.DataFrame, adaptive: pl.DataFrame, mean: int) -> dict:
     tau_a = both["accepted_length_adaptive"].cast(pl.Float64).to_numpy()
     kl, kl_a = both["mean_kl"].to_numpy(), both["mean_kl_adaptive"].to_numpy()
     delta = tau_a - tau
-    loaded = np.concatenate([np.asarray(x, dtype=float)
-                             for x in both["experts_loaded_adaptive"].to_list()])
-    loaded_fixed = np.concatenate([np.asarray(x, dtype=float)
-                                   for x in both["experts_loaded"].to_list()])
+    loaded = _loads(both["experts_loaded_adaptive"])
+    loaded_fixed = _loads(both["experts_loaded"])
     interval = power.paired_interval(delta)
-    by_prompt = pl.DataFrame(dict(prompt=both["prompt_index"], delta=delta)).group_by(
-        "prompt").agg(pl.col("delta").mean())["delta"].to_numpy()
+    by_prompt = _by_prompt(both["prompt_index"], delta)
     observed = abs(float(delta.mean())) if len(delta) else 0.0
     needed = power.trees_needed(delta)
     return dict(
@@ -123,10 +128,15 @@ def compare(fixed: pl.DataFrame, adaptive: pl.DataFrame, mean: int) -> dict:
         resolvable=power.resolvable(delta))
 
 
+def _loads(column: pl.Series) -> np.ndarray:
+    """Experts loaded per tree-layer, flat, from a per-tree ``experts_loaded`` column (a list
+    per MoE layer)."""
+    return np.concatenate([np.asarray(x, dtype=float) for x in column.to_list()])
+
+
 def _loaded(rows: pl.DataFrame) -> float:
     """Mean experts loaded per tree-layer of a setting's rows."""
-    return float(np.concatenate([np.asarray(x, dtype=float)
-                                 for x in rows["experts_loaded"].to_list()]).mean())
+    return float(_loads(rows["experts_loaded"]).mean())
 
 
 def same_spend(adaptive: pl.DataFrame, low: pl.DataFrame, high: pl.DataFrame) -> dict:
@@ -151,16 +161,17 @@ def same_spend(adaptive: pl.DataFrame, low: pl.DataFrame, high: pl.DataFrame) ->
         raise SystemExit(fail(SCRIPT, "the fixed and adaptive settings did not replay the same "
                                       "trees; replay them again"))
 
+    def mix(col: str) -> np.ndarray:
+        return ((1 - w) * both[f"{col}_lo"].cast(pl.Float64)
+                + w * both[f"{col}_hi"].cast(pl.Float64)).to_numpy()
+
     def delta(col: str) -> np.ndarray:
-        mix = (1 - w) * both[f"{col}_lo"].cast(pl.Float64) + w * both[f"{col}_hi"].cast(pl.Float64)
-        return (both[col].cast(pl.Float64) - mix).to_numpy()
+        return both[col].cast(pl.Float64).to_numpy() - mix(col)
 
     d_tau = delta("accepted_length")
-    by_prompt = pl.DataFrame(dict(prompt=both["prompt_index"], delta=d_tau)).group_by(
-        "prompt").agg(pl.col("delta").mean())["delta"].to_numpy()
+    by_prompt = _by_prompt(both["prompt_index"], d_tau)
     return dict(budgets=[int(low["budget"][0]), int(high["budget"][0])], weight=w,
-                loaded=[lo, hi], tau_fixed=float(
-                    ((1 - w) * both["accepted_length_lo"] + w * both["accepted_length_hi"]).mean()),
+                loaded=[lo, hi], tau_fixed=float(mix("accepted_length").mean()),
                 delta_tau=power.paired_interval(d_tau), delta_kl=power.paired_interval(
                     delta("mean_kl")), delta_tau_by_prompt=power.paired_interval(by_prompt))
 
@@ -198,7 +209,7 @@ def verdict(cell: dict) -> str:
 def study(root: Path, model: str, args) -> dict:
     """Capture (or reuse), replay closed loop fixed and adaptive, and compare one model: its
     block of the --output file."""
-    from moe_spec.bench.pipeline import capture, loaded_model, replay_runs, results_frame
+    from moe_spec.bench.pipeline import capture, loaded_model, replay_runs
     _, adapter = loaded_model(model)
     k, n = adapter.top_k, adapter.num_experts
     means = means_for(args.means, k, n)
@@ -216,9 +227,7 @@ def study(root: Path, model: str, args) -> dict:
                     budgets=",".join(map(str, means)), out=out, calibration=(cal_run,),
                     budget_mode=budget_mode,
                     pass_cap=None if budget_mode == index.FIXED else args.pass_cap)
-    df = results_frame(out, "replay_closed", model=model, bench=args.bench).filter(
-        (pl.col("run") == ev_run) & (pl.col("ranking") == args.ranking)).with_columns(
-        pl.col("budget_mode").fill_null(index.FIXED))
+    df = closed_results(out, model, ev_run, args)
     cells = []
     for cov in args.coverages:
         for mean in means:
@@ -234,20 +243,28 @@ def study(root: Path, model: str, args) -> dict:
                 seed=args.seed, cells=cells)
 
 
+def closed_results(out: Path, model: str, ev_run: str, args) -> pl.DataFrame:
+    """The evaluation run's closed-loop rows under ``--ranking`` (stored rows without a budget
+    mode read as fixed)."""
+    from moe_spec.bench.pipeline import results_frame
+    return results_frame(out, "replay_closed", model=model, bench=args.bench).filter(
+        (pl.col("run") == ev_run) & (pl.col("ranking") == args.ranking)).with_columns(
+        pl.col("budget_mode").fill_null(index.FIXED))
+
+
 def at_adaptive_spend(root: Path, model: str, ev_run: str, cal_run: str, coverage: str,
                       adaptive: pl.DataFrame, out: Path, args) -> dict:
     """:func:`same_spend` for one cell: fixed B_lo and B_hi replayed in closed loop on the
     evaluation trees (reused when stored) and compared at adaptive's mean load."""
-    from moe_spec.bench.pipeline import replay_runs, results_frame
+    from moe_spec.bench.pipeline import replay_runs
 
+    @functools.cache
     def fixed_at(budget: int) -> pl.DataFrame:
         replay_runs(root, model, [ev_run], bench=args.bench, mode="closed",
                     rankings=(args.ranking,), coverages=(coverage,), budgets=str(budget),
                     out=out, calibration=(cal_run,))
-        df = results_frame(out, "replay_closed", model=model, bench=args.bench).filter(
-            (pl.col("run") == ev_run) & (pl.col("ranking") == args.ranking)).with_columns(
-            pl.col("budget_mode").fill_null(index.FIXED))
-        return one_setting(df, index.FIXED, coverage, budget)
+        return one_setting(closed_results(out, model, ev_run, args), index.FIXED, coverage,
+                           budget)
 
     low, high = spend_budgets(_loaded(adaptive), lambda b: _loaded(fixed_at(b)))
     return same_spend(adaptive, fixed_at(low), fixed_at(high))
