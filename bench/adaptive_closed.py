@@ -186,6 +186,15 @@ def spend_budgets(achieved: float, loaded_at) -> tuple[int, int]:
     return low, high
 
 
+def report_key(model: str, args) -> str:
+    """One model's key in the --output file: ``model@E+C`` (evaluation and λ calibration
+    prompts), with ``:ranking·predictor`` unless router · mass (so files of one model and
+    sizes under other rules render side by side)."""
+    key = f"{model}@{args.eval_prompts}+{args.cal_prompts}"
+    rule = (args.ranking, args.predictor)
+    return key if rule == ("router", "mass") else f"{key}:{args.ranking}·{args.predictor}"
+
+
 def within(cell: dict, tolerance: float = WITHIN) -> bool:
     """The achieved mean experts per layer within ``tolerance`` of B̄ (relative)."""
     return abs(cell["achieved"] - cell["mean_budget"]) <= tolerance * cell["mean_budget"]
@@ -284,11 +293,12 @@ def _spend(found: dict | None) -> str:
 
 def markdown(report: dict) -> str:
     """The docs' table and the goal count, from the --output files alone."""
-    lines = ["| model | policy | B̄ | prompts: evaluation · λ | trees | τ fixed | τ adaptive | "
+    lines = ["| model | ranking · rule | policy | B̄ | prompts: evaluation · λ | trees | τ fixed | "
+             "τ adaptive | "
              "Δτ [95% CI] | Δτ vs fixed at adaptive's spend: B mix [95% CI] | trees same τ | "
              "KL fixed | KL adaptive | experts loaded/layer: fixed · adaptive (p10–p90) | "
              "adaptive within 2% of B̄ | trees needed: 0.1, observed Δ | goal |",
-             "|---" * 16 + "|"]
+             "|---" * 17 + "|"]
     head, tally = [], {}
     for found in report.values():
         model = found["model"]
@@ -301,7 +311,8 @@ def markdown(report: dict) -> str:
             tally[v] = tally.get(v, 0) + 1
             obs = c["trees_needed_observed"]
             lines.append(
-                f"| {model} | {c['coverage']} | {c['mean_budget']} | "
+                f"| {model} | {found['ranking']} · {found['budget_mode']} | {c['coverage']} | "
+                f"{c['mean_budget']} | "
                 f"{found['eval_prompts']} · {found['cal_prompts']} | {c['trees']} | "
                 f"{c['tau_fixed']:.2f} | {c['tau_adaptive']:.2f} | {_interval(c['delta_tau'])} | "
                 f"{_spend(c.get('same_spend'))} | "
@@ -324,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS),
                    help=f"default: {' '.join(MODELS)}")
     p.add_argument("--ranking", default="router",
-                   help="the ranking of both settings (default router; a stateless runtime one)")
+                   help="the ranking of both settings (default router; a runtime one; a stateful one "
+                        "keeps one state per setting and B̄, reset at each prompt)")
     p.add_argument("--predictor", default="mass", choices=list(index.GAIN_PREDICTORS),
                    help="the adaptive rule's predicted gain (default mass)")
     p.add_argument("--means", nargs="+", default=["k"],
@@ -351,9 +363,9 @@ def main(argv: list[str] | None = None) -> None:
         report = read_model_outputs(args.render, SCRIPT, VERSION, TOOL)
     else:
         entry = index.RANKINGS.get(args.ranking)
-        if entry is None or not entry.runtime or entry.stateful or not index.adapts(args.ranking):
-            p.error(f"--ranking {args.ranking}: pick a stateless runtime ranking that ranks "
-                    "every budget at once (router, sqmass, coact, ...)")
+        if entry is None or not entry.runtime or not index.adapts(args.ranking, executes=True):
+            p.error(f"--ranking {args.ranking}: pick a runtime ranking that ranks every budget "
+                    "at once (router, sqmass, coact-prior, sketch-gated, ...)")
         bad = [m for m in args.means if m != "k" and not m.isdigit()]
         if bad:
             p.error(f"--means {' '.join(bad)}: give k or whole numbers")
@@ -365,8 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         # keyed by model and sample sizes (evaluation + λ calibration prompts): several files
         # of one model render side by side (files written before the λ size was in the key
         # hold "model@eval", λ on 8)
-        report = {f"{m}@{args.eval_prompts}+{args.cal_prompts}": study(args.traces / m, m, args)
-                  for m in args.models}
+        report = {report_key(m, args): study(args.traces / m, m, args) for m in args.models}
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(dict(

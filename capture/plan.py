@@ -141,7 +141,7 @@ def check_budget_mode(settings: CaptureSettings) -> None:
     if not settings.calibration:
         raise CaptureError("--budget-mode adaptive needs --calibration RUN: the price λ of the "
                            "mean budget is calibrated there (a capture of other prompts)")
-    if not index.adapts(settings.ranking):
+    if not index.adapts(settings.ranking, executes=True):
         raise CaptureError(f"--budget-mode adaptive ranks every budget of a layer at once; "
                            f"--ranking {settings.ranking} cannot; pick another ranking")
 

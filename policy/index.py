@@ -309,12 +309,16 @@ GAIN_PREDICTORS: dict[str, str] = {
 }
 
 
-def adapts(ranking: str) -> bool:
+def adapts(ranking: str, executes: bool = False) -> bool:
     """Whether ``ranking`` can run adaptive budgets: it ranks every budget B_min..N of a layer
-    at once (no budget-limited search, no state kept per budget)."""
+    at once (no budget-limited search). A ranking that learns from what earlier passes executed
+    (coact-online, coact-prior, sketch-gated, sketch-post) adapts only where the adaptive
+    budget's own passes execute (``executes``: closed-loop replay, capture's online budget):
+    there its one state per mean budget B̄ observes exactly what its layers ran at their own
+    B_l. Open-loop replay executes nothing, so it would have no such state to keep."""
     entry = RANKINGS[ranking]
-    return entry.subset_limit is None and \
-        not {"executed_outputs", "executed_output_vectors"} & entry.needs()
+    learns = bool({"executed_outputs", "executed_output_vectors"} & entry.needs())
+    return entry.subset_limit is None and (executes or not learns)
 
 
 def budget_mode(predictor: str | None = None, cap: bool = False) -> str:

@@ -181,11 +181,15 @@ def check_budget_mode(args) -> None:
     if args.workers or args.ray_address:
         raise ReplayError("--budget-mode adaptive runs in one process; drop --workers/"
                           "--ray-address")
-    bad = [r for r in args.ranking if not index.adapts(r)]
+    executes = modes.get(args.mode).executes
+    bad = [r for r in args.ranking if not index.adapts(r, executes=executes)]
     if bad:
+        learns = [r for r in bad if index.adapts(r, executes=True)]
+        why = (f"{', '.join(learns)} learn from the experts their own passes executed, which "
+               "open loop does not run; use --mode closed" if learns else
+               f"{', '.join(bad)} search a budget at a time; pick other rankings")
         raise ReplayError(f"--budget-mode adaptive ranks every budget B_min..N of a layer at "
-                          f"once; {', '.join(bad)} cannot (a budget-limited search or one state "
-                          "per budget); pick other rankings")
+                          f"once: {why}")
     args.gain_predictor = args.gain_predictor or "mass"
     args.budget_mode_name = index.budget_mode(args.gain_predictor, args.pass_cap is not None)
 

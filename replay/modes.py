@@ -54,6 +54,8 @@ class ReplayMode(ABC):
     headline_text: str
     digits: int  # of the headline in the summary
     runtime_rankings_only: bool  # offline rankings (needing the whole tree's routing) refused
+    executes: bool  # runs the target's passes under the budget (a learning ranking's adaptive
+    # state then observes what its own passes ran: policy.index.adapts)
 
     @property
     def table(self) -> str:
@@ -123,6 +125,7 @@ class OpenLoop(ReplayMode):
     counted, counted_unit = "tree_layers", "tree-layers"
     headline, headline_text, digits = "rse", "mean RSE (lower is better)", 4
     runtime_rankings_only = False
+    executes = False
 
     def scored_layers(self, run, layers: list[int], notes: list[str]) -> list[int]:
         note = storage_note(run)
@@ -146,6 +149,7 @@ class ClosedLoop(ReplayMode):
     headline, headline_text, digits = \
         "accepted_length", "mean accepted length τ under the budget (higher is better)", 3
     runtime_rankings_only = True
+    executes = True
 
     def summary_note(self, frame) -> str:
         if "captured_accepted_length" not in frame.columns:

@@ -263,6 +263,9 @@ def replay(traces, *args):
     (["--gain-predictor", "mass"], ["--gain-predictor", "--budget-mode adaptive"]),
     (["--budget-mode", "adaptive", "--calibration", "cal", "--pass-cap", "1"], ["above 1"]),
     (["--budget-mode", "adaptive", "--calibration", "cal", "--ranking", "exact"], ["exact"]),
+    # a ranking that learns from executed experts has no adaptive state where nothing executes
+    (["--budget-mode", "adaptive", "--calibration", "cal", "--ranking", "coact-prior"],
+     ["coact-prior", "--mode closed"]),
 ])
 def test_replay_refuses_what_adaptive_budgets_cannot_do_before_loading(with_cal, tmp_path, args,
                                                                        words, capsys, no_model):
@@ -362,3 +365,62 @@ def test_batches_take_the_same_rule_over_the_pass_union(with_cal, tmp_path):
     rows = _rows(tmp_path, "replay_batch")
     assert set(rows["budget_mode"]) == {"adaptive:mass"} and set(rows["batch_size"]) == {2}
     assert rows["experts_loaded"].n_unique() > 1 and rows["price"].null_count() == 0
+
+
+def test_which_rankings_adapt_where_passes_execute_and_where_they_do_not():
+    learns = {n for n, e in index.RANKINGS.items()
+              if {"executed_outputs", "executed_output_vectors"} & e.needs()}
+    assert {"coact-prior", "sketch-gated"} <= learns
+    for name, entry in index.RANKINGS.items():
+        searches = entry.subset_limit is not None
+        assert index.adapts(name, executes=True) == (not searches)
+        assert index.adapts(name) == (not searches and name not in learns)
+
+
+def test_closed_loop_adaptive_with_a_learning_ranking_keeps_one_state_fed_its_own_passes(
+        with_cal, tmp_path, monkeypatch):
+    """coact-prior learns from what earlier passes executed: under an adaptive budget its state
+    observes, after each pass, exactly the experts that pass's layers loaded at their own B_l,
+    and restarts with each prompt."""
+    seen = []  # (chosen B per layer, experts loaded per layer) of every observed pass
+    observe, reset = AdaptiveBudget.observe, AdaptiveBudget.reset
+
+    def spy_observe(self, loaded, executed=None):
+        seen.append((dict(self.chosen), {i: int(v.sum()) for i, v in loaded.items()},
+                     executed is not None))
+        return observe(self, loaded, executed)
+
+    def spy_reset(self):
+        seen.append("reset")
+        return reset(self)
+
+    monkeypatch.setattr(AdaptiveBudget, "observe", spy_observe)
+    monkeypatch.setattr(AdaptiveBudget, "reset", spy_reset)
+    args = ["--mode", "closed", "--ranking", "coact-prior", "--coverage", "truncation",
+            "--budget", "3", "--budget-mode", "adaptive", "--calibration", "cal"]
+    assert replay(with_cal, *args, "--out", tmp_path / "a") == 0
+    passes = [s for s in seen if s != "reset"]
+    rows = _rows(tmp_path / "a", "replay_closed")
+    assert set(rows["budget_mode"]) == {"adaptive:mass"} and len(passes) == len(rows)
+    assert "reset" in seen[:seen.index(passes[0])]  # the state starts fresh for the prompt
+    for chosen, loaded, executed in passes:
+        assert executed and set(loaded) == set(chosen)  # its outputs, every layer
+        assert all(loaded[i] <= chosen[i] for i in chosen)  # what its own B_l let run
+    assert len({tuple(c.values()) for c, _, _ in passes}) > 1 or \
+        len(set(passes[0][0].values())) > 1  # budgets differ between layers or passes
+    monkeypatch.undo()
+    assert replay(with_cal, *args, "--out", tmp_path / "b") == 0
+    assert rows.equals(_rows(tmp_path / "b", "replay_closed"))  # deterministic
+
+
+def test_capture_online_adaptive_budget_takes_a_learning_ranking(with_cal, tmp_path):
+    from moe_spec.capture import cli as capture_cli
+    traces = copy_of(with_cal, tmp_path)
+    assert capture_cli.main(["--limit", "1", "--offset", "60", "--max-new-tokens", "6", "--out",
+                             str(traces), "--no-progress", "--threads", "1", "--budget", "3",
+                             "--ranking", "coact-prior", "--coverage", "truncation", "--run",
+                             "online", "--budget-mode", "adaptive", "--calibration", "cal"]) == 0
+    run = Catalog(traces).runs(names=["online"])[0]
+    assert run.settings["ranking"] == "coact-prior" and run.settings["budget_mode"] == "adaptive"
+    loaded = pl.concat([pl.read_parquet(f) for f in run.files("trees")])["experts_loaded"]
+    assert loaded.explode().n_unique() > 1

@@ -802,7 +802,8 @@ def test_adaptive_closed_bench_pairs_every_cell_and_sizes_it(adaptive_closed):
     assert full and all(c["achieved"] == c["achieved_fixed"] and c["delta_tau"] == [0, 0, 0]
                         and abs(c["kl_fixed"]) < 1e-6 and c["trees_unchanged"] == c["trees"]
                         and adaptive_closed_bench().verdict(c) == "met" for c in full)
-    assert "goal (Δτ interval excludes a loss" in out and "| tiny-mixtral | truncation | 2 |" in out
+    assert "goal (Δτ interval excludes a loss" in out
+    assert "| tiny-mixtral | router · adaptive:mass | truncation | 2 |" in out
 
 
 def adaptive_closed_bench():
@@ -916,8 +917,19 @@ def test_adaptive_closed_table_keeps_both_sizes_of_a_model_and_counts_the_goal()
                                     cell("substitution", (0.0, 0.0, 0.0), 46, 1)]),
         "tiny-gpt-oss@440": study(440, [cell("truncation", (0.1, 0.02, 0.18), 2400, 2000)])})
     rows = [line for line in text.splitlines() if line.startswith("| tiny-gpt-oss |")]
-    assert [r.split(" | ")[3] for r in rows] == ["8 · 8", "8 · 8", "440 · 8"]  # prompts: eval · λ
-    assert [r.split(" | ")[4] for r in rows] == ["46", "46", "2400"]
+    assert [r.split(" | ")[4] for r in rows] == ["8 · 8", "8 · 8", "440 · 8"]  # prompts: eval · λ
+    assert [r.split(" | ")[5] for r in rows] == ["46", "46", "2400"]
     assert [r.rstrip(" |").rsplit("| ", 1)[1] for r in rows] == ["undecided", "met", "met"]
     assert "met in 2 of 3 cells" in text and "undecided 1" in text
     assert "- tiny-gpt-oss: router · adaptive:mass, 440 evaluation prompts" in text
+
+
+def test_adaptive_closed_keys_each_rule_so_two_rules_of_a_model_render_side_by_side():
+    from types import SimpleNamespace
+
+    from moe_spec.bench import adaptive_closed
+    args = lambda ranking, predictor: SimpleNamespace(  # noqa: E731
+        eval_prompts=440, cal_prompts=64, ranking=ranking, predictor=predictor)
+    assert adaptive_closed.report_key("m", args("router", "mass")) == "m@440+64"
+    assert adaptive_closed.report_key("m", args("sketch-gated", "surrogate")) == \
+        "m@440+64:sketch-gated·surrogate"
