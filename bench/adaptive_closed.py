@@ -188,11 +188,14 @@ def spend_budgets(achieved: float, loaded_at) -> tuple[int, int]:
 
 def report_key(model: str, args) -> str:
     """One model's key in the --output file: ``model@E+C`` (evaluation and λ calibration
-    prompts), with ``:ranking·predictor`` unless router · mass (so files of one model and
-    sizes under other rules render side by side)."""
+    prompts), with ``:ranking·predictor`` (and ``+pace η``, ``+cap F``) unless router · mass
+    unpaced and uncapped (so files of one model and sizes under other rules render side by
+    side)."""
     key = f"{model}@{args.eval_prompts}+{args.cal_prompts}"
-    rule = (args.ranking, args.predictor)
-    return key if rule == ("router", "mass") else f"{key}:{args.ranking}·{args.predictor}"
+    rule = f"{args.ranking}·{args.predictor}" + (
+        "" if args.pass_cap is None else f"+cap{args.pass_cap:g}") + (
+        "" if args.pace is None else f"+pace{args.pace:g}")
+    return key if rule == "router·mass" else f"{key}:{rule}"
 
 
 def within(cell: dict, tolerance: float = WITHIN) -> bool:
@@ -229,13 +232,14 @@ def study(root: Path, model: str, args) -> dict:
     capture(root, cal_run, role="calibration", **common, offset=args.eval_prompts,
             limit=args.cal_prompts)
     out = root / "results" / "adaptive-closed"
-    mode = index.budget_mode(args.predictor, args.pass_cap is not None)
+    mode = index.budget_mode(args.predictor, args.pass_cap is not None, args.pace is not None)
     for budget_mode in (index.FIXED, mode):
         replay_runs(root, model, [ev_run], bench=args.bench, mode="closed",
                     rankings=(args.ranking,), coverages=tuple(args.coverages),
                     budgets=",".join(map(str, means)), out=out, calibration=(cal_run,),
                     budget_mode=budget_mode,
-                    pass_cap=None if budget_mode == index.FIXED else args.pass_cap)
+                    pass_cap=None if budget_mode == index.FIXED else args.pass_cap,
+                    pace=None if budget_mode == index.FIXED else args.pace)
     df = closed_results(out, model, ev_run, args)
     cells = []
     for cov in args.coverages:
@@ -247,7 +251,8 @@ def study(root: Path, model: str, args) -> dict:
                                                        adaptive, out, args)
             cells.append(dict(coverage=cov, b_min=index.min_budget(cov, k), **cell))
     return dict(model=model, k=k, n=n, means=means, bench=args.bench, ranking=args.ranking,
-                budget_mode=mode, pass_cap=args.pass_cap, eval_prompts=args.eval_prompts,
+                budget_mode=mode, pass_cap=args.pass_cap, pace=args.pace,
+                eval_prompts=args.eval_prompts,
                 cal_prompts=args.cal_prompts, max_new_tokens=args.max_new_tokens,
                 seed=args.seed, cells=cells)
 
@@ -291,6 +296,14 @@ def _spend(found: dict | None) -> str:
     return f"{low}/{high} ({found['weight']:.2f}): {_interval(found['delta_tau'])}"
 
 
+def rule_of(found: dict) -> str:
+    """A model block's rule in words: ranking · budget mode, with its cap and pace."""
+    cap, pace = found.get("pass_cap"), found.get("pace")
+    extra = ([] if cap is None else [f"cap {cap:g}"]) + ([] if pace is None else [f"η {pace:g}"])
+    return f"{found['ranking']} · {found['budget_mode']}" + (f" ({', '.join(extra)})"
+                                                             if extra else "")
+
+
 def markdown(report: dict) -> str:
     """The docs' table and the goal count, from the --output files alone."""
     lines = ["| model | ranking · rule | policy | B̄ | prompts: evaluation · λ | trees | τ fixed | "
@@ -302,7 +315,7 @@ def markdown(report: dict) -> str:
     head, tally = [], {}
     for found in report.values():
         model = found["model"]
-        head.append(f"- {model}: {found['ranking']} · {found['budget_mode']}, "
+        head.append(f"- {model}: {rule_of(found)}, "
                     f"{found['eval_prompts']} evaluation prompts of {found['bench']} (λ "
                     f"calibrated on the {found['cal_prompts']} after them), "
                     f"{found['max_new_tokens']} new tokens, k = {found['k']} of N = {found['n']}")
@@ -311,7 +324,7 @@ def markdown(report: dict) -> str:
             tally[v] = tally.get(v, 0) + 1
             obs = c["trees_needed_observed"]
             lines.append(
-                f"| {model} | {found['ranking']} · {found['budget_mode']} | {c['coverage']} | "
+                f"| {model} | {rule_of(found)} | {c['coverage']} | "
                 f"{c['mean_budget']} | "
                 f"{found['eval_prompts']} · {found['cal_prompts']} | {c['trees']} | "
                 f"{c['tau_fixed']:.2f} | {c['tau_adaptive']:.2f} | {_interval(c['delta_tau'])} | "
@@ -348,6 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pass-cap", type=float, default=None,
                    help="hard cap on a pass's experts, as a multiple of B̄·L, above 1 "
                         "(default: none)")
+    p.add_argument("--pace", type=float, default=None,
+                   help="pace the adaptive rule's price by each prompt's running deficit "
+                        "(replay --pace; η > 0; default: unpaced)")
     p.add_argument("--same-spend", action="store_true",
                    help="also replay the fixed budgets around adaptive's mean load and compare "
                         "at its spend (a mix of the two; see same_spend)")
@@ -371,6 +387,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--means {' '.join(bad)}: give k or whole numbers")
         if args.pass_cap is not None and not args.pass_cap > 1:
             p.error(f"--pass-cap {args.pass_cap:g} must be above 1")
+        if args.pace is not None and not 0 < args.pace < float("inf"):
+            p.error(f"--pace {args.pace:g} must be a positive number")
         if args.eval_prompts < 2 or args.cal_prompts < 1:
             p.error("--eval-prompts needs at least 2 (an interval) and --cal-prompts 1")
         threads.apply(args.threads)

@@ -77,12 +77,14 @@ def replay_runs(traces: Path, model: str, runs: list[str], *, rankings: tuple[st
                 coverages: tuple[str, ...], budgets: str, out: Path, bench: str | None = None,
                 calibration: tuple[str, ...] = (), mode: str = "open",
                 device: str = "cpu", batch_size: int = 1, batch_seed: int = 0,
-                budget_mode: str = index.FIXED, pass_cap: float | None = None) -> ReplayOutcome:
+                budget_mode: str = index.FIXED, pass_cap: float | None = None,
+                pace: float | None = None) -> ReplayOutcome:
     """``replay --traces TRACES --model MODEL [--bench BENCH] --run RUNS --ranking RANKINGS
     --coverage COVERAGES --budget BUDGETS --calibration CALIBRATION --mode MODE --out OUT
     --batch-size B --batch-seed S`` (results already stored are reused); an adaptive
     ``budget_mode`` (``index.budget_mode``: ``--budget-mode adaptive --gain-predictor P``, with
-    ``--pass-cap``) makes BUDGETS mean budgets B̄, their price λ calibrated on CALIBRATION."""
+    ``--pass-cap``, ``--pace``) makes BUDGETS mean budgets B̄, their price λ calibrated on
+    CALIBRATION."""
     if budget_mode != index.FIXED and not calibration:
         raise ValueError(f"budget mode {budget_mode} needs calibration runs: its price λ")
     catalog = Catalog(traces)
@@ -92,7 +94,7 @@ def replay_runs(traces: Path, model: str, runs: list[str], *, rankings: tuple[st
     loaded, adapter = loaded_model(model, device)
     request = ReplayRequest(tuple(rankings), tuple(coverages),
                             tuple(parse_budgets(budgets, adapter.num_experts)), None, mode,
-                            batch_size, batch_seed, budget_mode, pass_cap)
+                            batch_size, batch_seed, budget_mode, pass_cap, pace)
     stats, cal = None, []
     if calibration:
         stats, cal = calibration_stats(catalog, list(calibration), model, evaluated, adapter,

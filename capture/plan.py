@@ -129,10 +129,11 @@ def check_budget(settings: CaptureSettings, model: str) -> None:
 
 def check_budget_mode(settings: CaptureSettings) -> None:
     """``--budget-mode adaptive`` needs ``--budget`` (its mean B̄) and ``--calibration`` (its
-    price λ is calibrated there); ``--gain-predictor`` and ``--pass-cap`` are adaptive's."""
+    price λ is calibrated there); ``--gain-predictor``, ``--pass-cap`` and ``--pace`` are
+    adaptive's."""
     if settings.budget_mode != index.ADAPTIVE:
         for flag, value in (("--gain-predictor", settings.gain_predictor),
-                            ("--pass-cap", settings.pass_cap)):
+                            ("--pass-cap", settings.pass_cap), ("--pace", settings.pace)):
             if value is not None:
                 raise CaptureError(f"{flag} is for adaptive budgets; add --budget-mode adaptive")
         return

@@ -191,6 +191,10 @@ class CaptureSettings:
     pass_cap: float | None = field(default=None, metadata=option(
         ONLINE, "adaptive: a hard cap on each pass's total, F·B̄·L experts (F > 1)",
         bounds=Bounds(1, 1000, "above 1 (and at most 1000)", low_open=True)))
+    pace: float | None = field(default=None, metadata=option(
+        ONLINE, "adaptive: pace the price by the prompt's running deficit, λ·exp(η·D/B̄) with "
+                "D = Σ (B_l − B̄) over its tree-layers so far (η > 0, e.g. 0.5)",
+        bounds=Bounds(0, 1000, "above 0 (and at most 1000)", low_open=True)))
     # runs under the same --out for static / coact
     calibration: tuple[str, ...] = field(default=(), metadata=option(
         ONLINE, "captured runs under --out that static counts / coact statistics are learned "
@@ -266,7 +270,7 @@ class CaptureSettings:
         found = dataclasses.asdict(self)
         if found["batch_size"] == 1:
             del found["batch_size"]
-        for name in ("budget_mode", "gain_predictor", "pass_cap"):  # fixed budgets: as before
+        for name in ("budget_mode", "gain_predictor", "pass_cap", "pace"):  # as before if unused
             if found[name] in (None, "fixed"):
                 del found[name]
         if found["revision"] is None:  # likewise: runs before --revision existed

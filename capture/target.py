@@ -188,7 +188,7 @@ def price_request(settings: CaptureSettings) -> PriceRequest | None:
     if settings.budget_mode != ADAPTIVE:
         return None
     return PriceRequest(settings.gain_predictor or "mass", (settings.budget,),
-                        (settings.coverage,), settings.pass_cap)
+                        (settings.coverage,), settings.pass_cap, pace=settings.pace)
 
 
 def calibration_stats(settings: CaptureSettings, adapter: MoEAdapter, out: Path, model: str,

@@ -22,6 +22,21 @@ with an optional hard cap C on a pass's total: ``B_l ← min(B_l, C − Σ_{m<l}
 calibration passes so that the mean B over their tree-layers is B̄; on other prompts the mean is
 B̄ only in expectation, so the achieved mean is measured, never assumed.
 
+**Pacing** (optional, runtime): λ meets B̄ only in expectation over prompts like the
+calibration's; a prompt that asks for more experts than they did overspends for all its passes.
+A paced rule keeps a running deficit per stream (a prompt; a batch's passes at b > 1), over its
+tree-layers in pass order, layers in order within a pass,
+
+    D_t = Σ_{s ≤ t} (B_s − B̄)        λ_t = λ · exp(η · D_{t−1} / B̄)       (D_0 = 0)
+
+and prices tree-layer t at λ_t (:func:`paced_price`): every B̄ overspent multiplies the price
+by e^η, every B̄ underspent divides it. Runtime-legal (only budgets already chosen), restarted
+with the stream, as a stateful ranking is. An integral controller: where the rule can move the
+mean, D_t stays bounded, so the stream's mean B is B̄ + O(1/t) whatever its prompts ask; the
+layers and passes of a stream still compete for its experts by their predicted gains. A price
+λ ≤ 0 (B̄ near N: every gain loads) is left unpaced. :class:`policy.prices.Prices` applies it
+(``pace``), batched over streams.
+
 Predicted gains Δ̂ (:data:`PREDICTORS`) use runtime-legal quantities only: the router's mass
 excluded by the ranking's shortlist at each B, ``m(B) = Σ_{i∉S_B} s_i / Σ_i s_i`` (known once
 the router has run, before any expert loads), and, for ``calibrated``, per-layer ratios learned
@@ -96,8 +111,7 @@ def price_budgets(gains: torch.Tensor, price: float, b_min: int,
     """``B_l [..., L]`` (long) of the price rule for predicted gains ``[..., L, S]``: each layer
     loads its next expert while the predicted gain exceeds ``price``, layers in order, under a
     hard cap ``cap`` on each pass's total where given (later layers keep ``b_min``)."""
-    above = (gains > price).long()
-    budgets = b_min + above.cumprod(-1).sum(-1)  # the leading run of gains above the price
+    budgets = b_min + leading_run(gains, price)
     if cap is None:
         return budgets
     layers = budgets.shape[-1]
@@ -110,6 +124,23 @@ def price_budgets(gains: torch.Tensor, price: float, b_min: int,
         out[..., layer] = torch.minimum(budgets[..., layer], room)
         used = used + out[..., layer]
     return out
+
+
+def leading_run(gains: torch.Tensor, price) -> torch.Tensor:
+    """``#{leading j : Δ̂(B_min + j) > λ}`` of gains ``[..., S]`` at a price broadcast to
+    ``[...]`` (long): how many experts above B_min the price rule loads."""
+    price = torch.as_tensor(price, dtype=gains.dtype, device=gains.device)
+    return (gains > price[..., None]).long().cumprod(-1).sum(-1)
+
+
+def paced_price(price, pace: float, deficit: torch.Tensor, mean) -> torch.Tensor:
+    """``λ_t = λ · exp(η · D / B̄)`` (module docstring, pacing) for running deficits ``D`` of
+    experts over B̄ (tensors broadcasting with ``price`` and ``mean``); λ ≤ 0 stays as it is.
+    The exponent is clipped to ±50 (a price already 10^21 times its base loads nothing more)."""
+    price = torch.as_tensor(price, dtype=torch.float64, device=deficit.device)
+    mean = torch.as_tensor(mean, dtype=torch.float64, device=deficit.device)
+    step = torch.exp((pace * deficit.double() / mean).clamp(-50.0, 50.0))
+    return torch.where(price > 0, price * step, price)
 
 
 def cap_room(cap, used, b_min: int, later: int):

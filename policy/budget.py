@@ -98,7 +98,8 @@ class AdaptiveBudget(Budget):
     each pass: every layer's shortlists at ``B_min .. B_max`` ranked, the mass each excludes
     predicting the next expert's gain, the layer keeping its next expert while that gain exceeds
     λ; a pass cap is tracked across the pass's layers (a layer at or before the last one routed
-    starts a new pass). ``chosen`` holds the pass's B per layer so far."""
+    starts a new pass), and a paced rule's deficit across the passes until :meth:`reset` (the
+    next prompt, or batch). ``chosen`` holds the pass's B per layer so far."""
 
     prices: Prices | None = None
     chosen: dict[int, int] = field(default_factory=dict)
@@ -108,6 +109,7 @@ class AdaptiveBudget(Budget):
         if self.prices is None or self.size not in self.prices.prices:
             raise ValueError(f"no calibrated price for a mean budget of {self.size}")
         self._used: dict = {}
+        self._deficit: dict = {}  # paced: the stream's running deficit (one stream: a prompt)
         self._last = None
 
     def route(self, layer, probs, idx, weights, rule, hidden=None):
@@ -119,7 +121,8 @@ class AdaptiveBudget(Budget):
         keep = self.ranking.shortlists(batch, self.coverage, self.prices.budgets)[0]  # [1, S+1, N]
         chosen = self.prices.choose(self.prices.curves(batch, keep, self.coverage, self.ranking),
                                     batch.layers, [self.size],
-                                    torch.zeros(1, dtype=torch.long), self._used)
+                                    torch.zeros(1, dtype=torch.long), self._used,
+                                    deficit=self._deficit)
         self.chosen[layer] = int(chosen[0, 0])
         keep = self.prices.pick(keep, chosen)[:, 0]  # [1, N]
         new_idx, new_w = self.coverage.apply(batch, keep)
@@ -127,7 +130,7 @@ class AdaptiveBudget(Budget):
 
     def reset(self) -> None:
         super().reset()
-        self._used, self.chosen, self._last = {}, {}, None
+        self._used, self._deficit, self.chosen, self._last = {}, {}, {}, None
 
 
 @dataclass

@@ -298,6 +298,7 @@ def coverage_help() -> str:
 FIXED = "fixed"  # the same B at every layer of every pass (and how rows stored before read)
 ADAPTIVE = "adaptive"  # the price rule of policy.adaptive, at a mean budget B̄
 CAP_SUFFIX = "+cap"  # with a hard cap on a pass's total
+PACE_SUFFIX = "+pace"  # paced: the price follows a running deficit (policy.adaptive, pacing)
 # gain predictors of the adaptive mode by name, for the command lines without torch
 # (policy.adaptive.PREDICTORS owns them; tests/test_adaptive_replay.py checks the two agree)
 GAIN_PREDICTORS: dict[str, str] = {
@@ -321,20 +322,24 @@ def adapts(ranking: str, executes: bool = False) -> bool:
     return entry.subset_limit is None and (executes or not learns)
 
 
-def budget_mode(predictor: str | None = None, cap: bool = False) -> str:
-    """``fixed``, or ``adaptive:<predictor>`` (``+cap`` with a pass cap)."""
+def budget_mode(predictor: str | None = None, cap: bool = False, paced: bool = False) -> str:
+    """``fixed``, or ``adaptive:<predictor>`` (``+cap`` with a pass cap, then ``+pace`` when
+    paced)."""
     if predictor is None:
         return FIXED
-    return f"{ADAPTIVE}:{predictor}" + (CAP_SUFFIX if cap else "")
+    return f"{ADAPTIVE}:{predictor}" + (CAP_SUFFIX if cap else "") + (PACE_SUFFIX if paced else "")
 
 
-def budget_mode_parts(mode: str | None) -> tuple[str | None, bool]:
-    """``(predictor, capped)`` of a budget mode name (None: fixed, as a missing one reads)."""
+def budget_mode_parts(mode: str | None) -> tuple[str | None, bool, bool]:
+    """``(predictor, capped, paced)`` of a budget mode name (None: fixed, as a missing one
+    reads)."""
     if mode in (None, FIXED):
-        return None, False
+        return None, False, False
     kind, _, rest = mode.partition(":")
+    paced = rest.endswith(PACE_SUFFIX)
+    rest = rest.removesuffix(PACE_SUFFIX)
     capped = rest.endswith(CAP_SUFFIX)
     predictor = rest.removesuffix(CAP_SUFFIX)
     if kind != ADAPTIVE or predictor not in GAIN_PREDICTORS:
         raise ValueError(f"unknown budget mode {mode!r}")
-    return predictor, capped
+    return predictor, capped, paced

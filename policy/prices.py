@@ -83,8 +83,9 @@ class Prices:
     """The price rule of one ranking × coverage, calibrated on a calibration run
     (:func:`calibrate_prices`): the fitted gain ``predictor``, the budgets
     ``b_min .. b_max`` a layer may get, the price λ of each mean budget B̄, the MoE ``layers``
-    of a pass in order and the optional cap on a pass's total, ``round(pass_cap · B̄ · L)``;
-    ``achieved`` is the mean B per tree-layer the rule gave on the calibration run itself."""
+    of a pass in order, the optional cap on a pass's total, ``round(pass_cap · B̄ · L)``, and
+    the optional pacing η (λ calibrated unpaced); ``achieved`` is the mean B per tree-layer the
+    unpaced rule gave on the calibration run itself."""
 
     predictor: adaptive.Predictor
     b_min: int
@@ -93,6 +94,7 @@ class Prices:
     layers: list[int]
     pass_cap: float | None = None
     achieved: dict[int, float] = field(default_factory=dict)
+    pace: float | None = None  # η of the paced rule (policy.adaptive, pacing); None: unpaced
 
     @property
     def budgets(self) -> list[int]:
@@ -123,22 +125,26 @@ class Prices:
         return runtime_curves(self.predictor, batch, keep, coverage, ranking)
 
     def choose(self, curves, layers: torch.Tensor, means: list[int],
-               passes: torch.Tensor | None = None, used: dict | None = None) -> torch.Tensor:
+               passes: torch.Tensor | None = None, used: dict | None = None,
+               streams: torch.Tensor | None = None, deficit: dict | None = None) -> torch.Tensor:
         """``B_l [T, len(means)]`` (long) for tree-layers of MoE ``layers [T]`` whose shortlists
         at :attr:`budgets` give ``curves`` (:meth:`curves`; ``[T, S + 1]``, e.g. the mass each
-        excludes): the price rule at each mean's λ. With a
-        cap, ``passes [T]`` (ints) says which pass each tree-layer is in and ``used`` (pass ->
-        ``[len(means)]`` experts its earlier layers loaded, updated here) carries a pass across
-        calls; the batch's tree-layers are capped layer position by position, in pass order."""
+        excludes): the price rule at each mean's λ. With a cap, ``passes [T]`` (ints) says which
+        pass each tree-layer is in and ``used`` (pass -> ``[len(means)]`` experts its earlier
+        layers loaded, updated here) carries a pass across calls; the batch's tree-layers are
+        capped layer position by position, in pass order. Paced (:attr:`pace`), ``streams [T]``
+        (ints; all one stream if not given) says whose deficit prices each tree-layer and
+        ``deficit`` (stream -> ``[len(means)]``, updated here) carries it across calls; each
+        stream's tree-layers go in (pass, layer) order, the streams side by side."""
         gains = self.predictor.gains(_map(curves, lambda c: c[None].double()), layers)[0]
+        used = {} if used is None else used
+        if self.pace is not None:
+            return self._paced(gains, layers, means, passes, used, streams, deficit)
         chosen = torch.stack([adaptive.price_budgets(gains, self.prices[m], self.b_min)
                               for m in means], 1)
         if self.pass_cap is None:
             return chosen
-        used = {} if used is None else used
-        lookup = torch.full((max(self.layers) + 1,), -1, dtype=torch.long)
-        lookup[torch.tensor(self.layers)] = torch.arange(len(self.layers))
-        position = lookup.to(chosen.device)[layers.to(chosen.device)]  # each one's place in a pass
+        position = self.positions(layers).to(chosen.device)  # each one's place in a pass
         ids, inverse = torch.unique(passes.to(chosen.device), return_inverse=True)
         spent = torch.stack([used.get(p, torch.zeros(len(means), dtype=torch.long,
                                                      device=chosen.device))
@@ -152,6 +158,48 @@ class Prices:
         used.update({p: spent[i] for i, p in enumerate(ids.tolist())})
         return chosen
 
+    def positions(self, layers: torch.Tensor) -> torch.Tensor:
+        """Each MoE layer's place in a pass, ``[T]`` (long)."""
+        lookup = torch.full((max(self.layers) + 1,), -1, dtype=torch.long)
+        lookup[torch.tensor(self.layers)] = torch.arange(len(self.layers))
+        return lookup[layers.cpu()]
+
+    def _paced(self, gains, layers, means, passes, used, streams, deficit) -> torch.Tensor:
+        """:meth:`choose` with pacing: step r prices the r-th tree-layer of every stream at
+        once, at its stream's ``λ_t = λ·exp(η·D/B̄)`` (:func:`policy.adaptive.paced_price`),
+        then adds ``B − B̄`` to the deficit (and, with a cap, B to its pass's spend first
+        clipped to the room the cap leaves)."""
+        t, device = gains.shape[0], gains.device
+        zeros = lambda dtype: torch.zeros(len(means), dtype=dtype)  # noqa: E731
+        deficit = {} if deficit is None else deficit
+        streams = torch.zeros(t, dtype=torch.long) if streams is None else streams.long().cpu()
+        passes = torch.zeros(t, dtype=torch.long) if passes is None else passes.long().cpu()
+        position = self.positions(layers)
+        order = torch.from_numpy(np.lexsort((position.numpy(), passes.numpy(), streams.numpy())))
+        ordered = streams[order]
+        starts = torch.searchsorted(ordered, ordered, right=False)  # each row's stream's first
+        rank = torch.empty(t, dtype=torch.long)
+        rank[order] = torch.arange(t) - starts
+        price = torch.tensor([self.prices[m] for m in means], dtype=torch.float64)
+        target = torch.tensor(means, dtype=torch.float64)
+        cap = None if self.pass_cap is None else torch.tensor([self.cap(m) for m in means])
+        chosen = torch.empty(t, len(means), dtype=torch.long)
+        for r in range(int(rank.max()) + 1 if t else 0):
+            rows = (rank == r).nonzero()[:, 0]  # one per stream still going
+            ids = streams[rows].tolist()
+            owed = torch.stack([deficit.get(i, zeros(torch.float64)) for i in ids])  # [R, M]
+            lam = adaptive.paced_price(price, self.pace, owed, target)
+            b = self.b_min + adaptive.leading_run(gains[rows.to(device)][:, None, :].cpu(), lam)
+            if cap is not None:
+                spent = torch.stack([used.get(p, zeros(torch.long))
+                                     for p in passes[rows].tolist()])
+                later = (len(self.layers) - 1 - position[rows])[:, None]
+                b = torch.minimum(b, adaptive.cap_room(cap, spent, self.b_min, later))
+                used.update({p: spent[i] + b[i] for i, p in enumerate(passes[rows].tolist())})
+            deficit.update({s: owed[i] + b[i] - target for i, s in enumerate(ids)})
+            chosen[rows] = b
+        return chosen.to(device)
+
     def pick(self, keep: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """``[T, len(means), N]``: of the shortlists ``keep [T, S + 1, N]`` at :attr:`budgets`,
         each tree-layer's at its chosen ``B_l [T, len(means)]``."""
@@ -163,14 +211,15 @@ class Prices:
 class PriceRequest:
     """What adaptive budgets ask of the calibration step (issue 63): the gain ``predictor``
     (:data:`policy.adaptive.PREDICTORS`), the mean budgets B̄ (``means``), the ``coverages``
-    they run under, the optional pass cap (a pass's total ≤ ``pass_cap · B̄ · L``) and the
-    largest budget a layer may get (None: N)."""
+    they run under, the optional pass cap (a pass's total ≤ ``pass_cap · B̄ · L``), the
+    largest budget a layer may get (None: N) and the optional pacing η."""
 
     predictor: str
     means: tuple[int, ...]
     coverages: tuple[str, ...]
     pass_cap: float | None = None
     b_max: int | None = None
+    pace: float | None = None  # η of the paced rule (λ is calibrated unpaced either way)
 
 
 def prices_key(ranking: str, coverage: str, request: PriceRequest) -> tuple:
@@ -254,7 +303,8 @@ def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object
         prices[mean] = adaptive.calibrate_price(gains, mean, b_min, cap)
         achieved[mean] = float(adaptive.price_budgets(gains, prices[mean], b_min, cap)
                                .double().mean())
-    return Prices(predictor, b_min, b_max, prices, layers, request.pass_cap, achieved)
+    return Prices(predictor, b_min, b_max, prices, layers, request.pass_cap, achieved,
+                  request.pace)
 
 
 def _pass_grid(keys: list[tuple], layers: list[int]) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ answered from the stored results without loading the model.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ replay --mode closed --ranking router sqmass --budget 16,32 --batch-size 8   # o
 replay --config sweep.toml --output summary.csv     # every summary row (.json, .csv, .parquet)
 replay --ranking router --budget 4,8,16 --budget-mode adaptive --calibration cal   # mean budgets B̄
 replay --mode closed --ranking router --budget 8 --budget-mode adaptive --pass-cap 1.25 --calibration cal
+replay --mode closed --ranking sketch-gated --budget 4 --budget-mode adaptive --pace 0.5 --calibration cal
 """
 
 
@@ -76,6 +78,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pass-cap", type=float, default=None, metavar="F",
                    help="adaptive: a hard cap on each verification pass's total, F·B̄·L experts "
                         "(F > 1; layers in order, later ones keep B_min; default: no cap)")
+    p.add_argument("--pace", type=float, default=None, metavar="ETA",
+                   help="adaptive: pace the price by each prompt's running deficit, "
+                        "λ·exp(η·D/B̄) with D = Σ (B_l − B̄) over its tree-layers so far, so "
+                        "prompts unlike the calibration's still average B̄ (η > 0; e.g. 0.5; "
+                        "default: unpaced)")
     p.add_argument("--layers", default=None, help="comma-separated decoder layers (default all)")
     p.add_argument("--calibration", nargs="+", default=[],
                    help="runs (under --traces) that static counts and coact statistics are "
@@ -166,7 +173,7 @@ def check_budget_mode(args) -> None:
     adaptive = args.budget_mode == index.ADAPTIVE
     if not adaptive:
         for flag, value in (("--gain-predictor", args.gain_predictor),
-                            ("--pass-cap", args.pass_cap)):
+                            ("--pass-cap", args.pass_cap), ("--pace", args.pace)):
             if value is not None:
                 raise ReplayError(f"{flag} is for adaptive budgets; add --budget-mode adaptive")
         args.budget_mode_name = index.FIXED
@@ -178,6 +185,9 @@ def check_budget_mode(args) -> None:
         raise ReplayError(f"--pass-cap {args.pass_cap:g} must be above 1 (a pass's total "
                           "≤ F·B̄·L; at 1 every pass spends exactly B̄·L, the first layers "
                           "taking all they want and the last ones B_min)")
+    if args.pace is not None and not (args.pace > 0 and math.isfinite(args.pace)):
+        raise ReplayError(f"--pace {args.pace:g} must be a positive number (e.g. 0.5: each B̄ "
+                          "a prompt has overspent multiplies its price by e^0.5)")
     if args.workers or args.ray_address:
         raise ReplayError("--budget-mode adaptive runs in one process; drop --workers/"
                           "--ray-address")
@@ -191,7 +201,8 @@ def check_budget_mode(args) -> None:
         raise ReplayError(f"--budget-mode adaptive ranks every budget B_min..N of a layer at "
                           f"once: {why}")
     args.gain_predictor = args.gain_predictor or "mass"
-    args.budget_mode_name = index.budget_mode(args.gain_predictor, args.pass_cap is not None)
+    args.budget_mode_name = index.budget_mode(args.gain_predictor, args.pass_cap is not None,
+                                              args.pace is not None)
 
 
 def check_outputs(args) -> None:
@@ -450,7 +461,7 @@ def compute(args, planned: Planned, coverages) -> Computed:
             check_request(args, budgets, coverages, adapter.top_k)
             request = ReplayRequest(tuple(args.ranking), coverages, tuple(budgets), layers,
                                     args.mode, args.batch_size, args.batch_seed,
-                                    args.budget_mode_name, args.pass_cap)
+                                    args.budget_mode_name, args.pass_cap, args.pace)
         for layer in layers or ():
             adapter.layer(layer)
         stats, cal = None, []
@@ -509,7 +520,7 @@ def plan_request(args, coverages: tuple[str, ...]) -> Planned:
         found.n, found.k = n, k
         found.request = plan.ReplayRequest(tuple(args.ranking), coverages, tuple(budgets),
                                            layers, args.mode, args.batch_size, args.batch_seed,
-                                           args.budget_mode_name, args.pass_cap)
+                                           args.budget_mode_name, args.pass_cap, args.pace)
         dtype = key_dtype(args, runs)
         if dtype is not None:
             found.plan = plan.manifest_plan(catalog, runs, found.request, calibration,
@@ -597,7 +608,7 @@ def result_payload(args, planned: Planned, done: Computed, coverages, frame, thr
     """The machine-readable result (``--output``)."""
     outcome, loaded = done.outcome, done.loaded
     return {"tool": "replay", "mode": args.mode, "batch_size": args.batch_size,
-            "budget_mode": args.budget_mode_name, "pass_cap": args.pass_cap,
+            "budget_mode": args.budget_mode_name, "pass_cap": args.pass_cap, "pace": args.pace,
             "batch_seed": args.batch_seed, "traces": str(args.traces),
             "model": planned.runs[0].model, "runs": [r.name for r in planned.runs],
             "calibration": list(args.calibration), "rankings": list(args.ranking),

@@ -74,8 +74,9 @@ class ReplayRequest:
     mode: ReplayMode | str = "open"  # a mode object, or its --mode name
     batch_size: int = 1  # > 1: one shortlist per (virtual) batch pass (replay.virtual_batch)
     batch_seed: int = 0  # how b = 1 runs' prompts are grouped into virtual batches
-    budget_mode: str = index.FIXED  # or adaptive:<predictor>[+cap]: budgets are means B̄
+    budget_mode: str = index.FIXED  # or adaptive:<predictor>[+cap][+pace]: budgets are means B̄
     pass_cap: float | None = None  # adaptive with a cap: a pass's total ≤ cap · B̄ · L
+    pace: float | None = None  # adaptive, paced: η of the running deficit (policy.adaptive)
 
     def __post_init__(self):
         object.__setattr__(self, "mode", modes.batched(self.mode, self.batch_size,
@@ -95,8 +96,8 @@ class ReplayOutcome:
 
 
 UNIT_IDENTITY = ("mode", "ranking", "coverage", "calibration", "batch_size", "budget_mode")
-SIDE_BY_SIDE = ("batch_seed", "token_aware_starts", "dtype", "pass_cap")  # variants of one definition,
-# kept together (the views choose one a cell: analysis.sql); the rest of a key is versions: a
+SIDE_BY_SIDE = ("batch_seed", "token_aware_starts", "dtype", "pass_cap", "pace")  # variants of
+# one definition, kept together (the views choose one a cell: analysis.sql); the rest of a key is versions: a
 # unit of a newer one supersedes every older unit of the same identity, whatever its variant
 
 
@@ -112,7 +113,8 @@ def run_layers_noted(run, layers: list[int], mode: ReplayMode | str,
 
 def unit_key(mode: ReplayMode | str, ranking: str, coverage: str, calibration: list[Run],
              dtype: str = "float32", surrogate_sums: bool = False,
-             budget_mode: str = index.FIXED, pass_cap: float | None = None) -> dict:
+             budget_mode: str = index.FIXED, pass_cap: float | None = None,
+             pace: float | None = None) -> dict:
     """What makes results comparable; calibration only where the ranking uses it, with the
     version of how statistics become means (results of an older definition are not reused),
     and the dtype the model was loaded in where it is not float32 (weights rounded to bf16 give
@@ -121,7 +123,7 @@ def unit_key(mode: ReplayMode | str, ranking: str, coverage: str, calibration: l
     :func:`policy.index.surrogate_sums` of the rankings replayed together), so that it started
     from the token-aware rankings too. An adaptive ``budget_mode`` (its price λ calibrated on
     the calibration runs, whatever the ranking) adds the mode, the calibration and any
-    ``pass_cap``; fixed budgets leave the key as it was (results stored before the budget mode
+    ``pass_cap`` and ``pace``; fixed budgets leave the key as it was (results stored before the budget mode
     existed are fixed). The ranking's facts come from its line in :mod:`policy.index`."""
     entry = index.RANKINGS[ranking]
     mode = modes.get(mode)
@@ -139,6 +141,8 @@ def unit_key(mode: ReplayMode | str, ranking: str, coverage: str, calibration: l
                    calibration=sorted([r.name, r.run_id] for r in calibration))
         if pass_cap is not None:
             key["pass_cap"] = pass_cap
+        if pace is not None:
+            key["pace"] = pace
     dtype = str(dtype).removeprefix("torch.")
     if dtype != "float32":
         key["dtype"] = dtype
@@ -230,8 +234,9 @@ def variant_text(unit: dict) -> str:
     if unit.get("batch_size", 1) > 1:
         words.append(f"batches of {unit['batch_size']} (seed {unit.get('batch_seed', 0)})")
     if unit.get("budget_mode", index.FIXED) != index.FIXED:
-        words.append(f"budgets {unit['budget_mode']}" + (
-            f" (pass cap {unit['pass_cap']:g}·B̄·L)" if unit.get("pass_cap") else ""))
+        extra = ([f"pass cap {unit['pass_cap']:g}·B̄·L"] if unit.get("pass_cap") else []) + (
+            [f"pace η {unit['pace']:g}"] if unit.get("pace") is not None else [])
+        words.append(f"budgets {unit['budget_mode']}" + (f" ({', '.join(extra)})" if extra else ""))
     return ", ".join(words)
 
 
@@ -356,7 +361,8 @@ def plan_unit(catalog: Catalog, out: Path, run: Run, mode: ReplayMode, cell_laye
     budgets = [b for b in budgets if b not in skip]
     if not budgets:
         return None
-    adaptive = dict(budget_mode=request.budget_mode, pass_cap=request.pass_cap) if request else {}
+    adaptive = dict(budget_mode=request.budget_mode, pass_cap=request.pass_cap,
+                    pace=request.pace) if request else {}
     unit = UnitResults(out, mode.table, run, unit_key(mode, name, cov_name, calibration, dtype,
                                                       surrogate_sums, **adaptive))
     wanted = {(layer, b) for layer in (cell_layers or [None]) for b in budgets}

@@ -3,6 +3,8 @@ calibrated in the one calibration step, open- and closed-loop replay and capture
 through :class:`policy.budget.Budget`."""
 
 import json
+import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import polars as pl
@@ -34,9 +36,14 @@ Router = ranking_class("router")
 
 # --- 1. the key column ---------------------------------------------------------------------------
 def test_budget_mode_names_round_trip_and_unknown_ones_are_refused():
-    assert index.budget_mode() == "fixed" and index.budget_mode_parts(None) == (None, False)
+    assert index.budget_mode() == "fixed" and index.budget_mode_parts(None) == (None, False, False)
     assert index.budget_mode("mass") == "adaptive:mass"
-    assert index.budget_mode_parts("adaptive:mass+cap") == ("mass", True)
+    assert index.budget_mode_parts("adaptive:mass+cap") == ("mass", True, False)
+    for cap in (False, True):
+        for paced in (False, True):
+            name = index.budget_mode("surrogate", cap, paced)
+            assert index.budget_mode_parts(name) == ("surrogate", cap, paced)
+    assert index.budget_mode("mass", True, True) == "adaptive:mass+cap+pace"
     with pytest.raises(ValueError, match="unknown budget mode"):
         index.budget_mode_parts("adaptive:nothing")
 
@@ -50,6 +57,9 @@ def test_fixed_keys_stay_as_they_were_and_adaptive_ones_are_other_units():
     capped = plan.unit_key("open", "router", "truncation", cal, budget_mode="adaptive:mass+cap",
                            pass_cap=1.25)
     assert capped["pass_cap"] == 1.25
+    paced = plan.unit_key("open", "router", "truncation", cal, budget_mode="adaptive:mass+pace",
+                          pace=0.5)
+    assert paced["pace"] == 0.5 and "pace" not in adaptive and "pace" in plan.SIDE_BY_SIDE
     assert "budget_mode" in plan.UNIT_IDENTITY  # an adaptive unit never supersedes a fixed one
 
 
@@ -120,14 +130,15 @@ class Model:
         return torch.einsum("nij,mj->mni", self.w[LAYERS.index(layer)], hidden.float())
 
 
-def tree_layers(passes, seed=1, tokens=5):
+def tree_layers(passes, seed=1, tokens=5, sharpness=6.0):
     """``passes`` verification passes of one prompt, every MoE layer each, in pass order:
-    router scores of very different concentration per tree-layer (some need many experts)."""
+    router scores of very different concentration per tree-layer (some need many experts; the
+    lower ``sharpness``, the flatter the scores and the more experts they ask for)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for step in range(passes):
         for layer in LAYERS:
-            sharp = float(torch.rand(1, generator=g)) * 6
+            sharp = float(torch.rand(1, generator=g)) * sharpness
             probs = torch.softmax(torch.randn(tokens, N, generator=g) * sharp, -1)
             idx, w = RoutingRule(K).route(probs)
             out.append(SimpleNamespace(prompt_index=0, prompt_id="p", step=step, layer=layer,
@@ -213,6 +224,90 @@ def test_a_constant_predicted_gain_curve_is_fixed_budgets_at_the_mean():
     assert torch.equal(p.pick(keep, chosen), fixed)
 
 
+def paced_by_hand(gains, price, b_min, mean, pace):
+    """The paced rule on one stream's gains ``[T, S]`` (in order), a tree-layer at a time."""
+    out, owed = [], 0.0
+    for row in gains.tolist():
+        lam = price * math.exp(pace * owed / mean) if price > 0 else price
+        b = b_min
+        for g in row:
+            if not g > lam:
+                break
+            b += 1
+        out.append(b)
+        owed += b - mean
+    return out
+
+
+def mass_of(tls):
+    batch = batch_of(tls)
+    keep = Router().fit(None).shortlists(batch, coverage.get("truncation"), list(range(1, N + 1)))[0]
+    return batch, excluded_mass(batch, keep)
+
+
+def test_pacing_is_the_rule_by_hand_per_stream_across_batches_and_zero_pace_is_unpaced():
+    base = prices(means=(2, 3))
+    paced = replace(base, pace=0.7)
+    a, b = tree_layers(3, seed=5), tree_layers(3, seed=6, sharpness=2.0)
+    batch, mass = mass_of(a + b)
+    streams = torch.tensor([0] * len(a) + [1] * len(b))
+    passes = torch.tensor([tl.step for tl in a] + [10 + tl.step for tl in b])
+    # two calls, each holding the next tree-layers of each stream (as batches arrive in prompt,
+    # step order), in a shuffled order within the call
+    early = torch.tensor([i < 5 for i in range(len(a))] + [i < 7 for i in range(len(b))])
+    deficit, chosen = {}, torch.empty(len(streams), 2, dtype=torch.long)
+    g = torch.Generator().manual_seed(0)
+    for rows in (early.nonzero()[:, 0], (~early).nonzero()[:, 0]):
+        part = rows[torch.randperm(len(rows), generator=g)]
+        chosen[part] = paced.choose(mass[part], batch.layers[part], [2, 3], passes[part], {},
+                                    streams[part], deficit)
+    gains = paced.predictor.gains(mass[None], batch.layers)[0]
+    for j, mean in enumerate((2, 3)):
+        for s in (0, 1):
+            rows = (streams == s).nonzero()[:, 0]  # already in (pass, layer) order
+            assert chosen[rows, j].tolist() == paced_by_hand(gains[rows], base.prices[mean], 1,
+                                                             mean, 0.7)
+    assert set(deficit) == {0, 1}
+    zero = replace(base, pace=0.0).choose(mass, batch.layers, [2, 3], passes, {}, streams, {})
+    assert torch.equal(zero, base.choose(mass, batch.layers, [2, 3]))
+
+
+def test_pacing_holds_the_mean_where_prompts_ask_for_other_budgets_than_the_calibration():
+    """λ is calibrated on sharper routing; on flatter routing the same price loads another
+    number of experts. Unpaced, the held-out mean misses B̄ by over 5%; paced, it is within 2%."""
+    base = prices(means=(3,))
+    _, mass = mass_of(tree_layers(50, seed=9, sharpness=1.5))
+    layers = torch.tensor(LAYERS * 50)
+    unpaced = base.choose(mass, layers, [3]).double().mean()
+    paced = replace(base, pace=0.5).choose(mass, layers, [3], torch.arange(200) // 4).double()
+    assert abs(unpaced - 3) > 0.05 * 3, unpaced  # the drift is real
+    assert abs(paced.mean() - 3) <= 0.02 * 3, paced.mean()
+    assert paced.std() > 0  # it still adapts
+
+
+def test_an_adaptive_budget_carries_its_pace_across_passes_until_reset():
+    base = prices(means=(3,))
+    tls = tree_layers(4, seed=3, sharpness=1.5)
+    budget = AdaptiveBudget(3, Router().fit(None), coverage.get("truncation"),
+                            prices=replace(base, pace=0.5))
+    t = lambda a, d: torch.as_tensor(a, dtype=d)  # noqa: E731
+
+    def run():
+        out = []
+        for tl in tls:
+            budget.route(tl.layer, t(tl.probs, torch.float32), t(tl.idx, torch.long),
+                         t(tl.weights, torch.float32), RoutingRule(K))
+            out.append(budget.chosen[tl.layer])
+        return out
+
+    first = run()
+    batch, mass = mass_of(tls)
+    gains = base.predictor.gains(mass[None], batch.layers)[0]
+    assert first == paced_by_hand(gains, base.prices[3], 1, 3, 0.5)
+    budget.reset()
+    assert run() == first  # a new prompt starts with no deficit
+
+
 def capped(mean=2, cap=1.0):
     """Prices where every layer wants all N (λ = −∞) under a cap of ``cap``·B̄·L."""
     return Prices(adaptive.MassGain(), 1, N, {mean: float("-inf")}, LAYERS, cap)
@@ -261,6 +356,9 @@ def replay(traces, *args):
     (["--budget-mode", "adaptive"], ["--calibration"]),
     (["--pass-cap", "1.5"], ["--pass-cap", "--budget-mode adaptive"]),
     (["--gain-predictor", "mass"], ["--gain-predictor", "--budget-mode adaptive"]),
+    (["--pace", "0.5"], ["--pace", "--budget-mode adaptive"]),
+    (["--budget-mode", "adaptive", "--calibration", "cal", "--pace", "0"], ["--pace", "positive"]),
+    (["--budget-mode", "adaptive", "--calibration", "cal", "--pace", "nan"], ["--pace", "positive"]),
     (["--budget-mode", "adaptive", "--calibration", "cal", "--pass-cap", "1"], ["above 1"]),
     (["--budget-mode", "adaptive", "--calibration", "cal", "--ranking", "exact"], ["exact"]),
     # a ranking that learns from executed experts has no adaptive state where nothing executes
@@ -413,14 +511,35 @@ def test_closed_loop_adaptive_with_a_learning_ranking_keeps_one_state_fed_its_ow
     assert rows.equals(_rows(tmp_path / "b", "replay_closed"))  # deterministic
 
 
-def test_capture_online_adaptive_budget_takes_a_learning_ranking(with_cal, tmp_path):
+def test_capture_online_adaptive_budget_takes_a_learning_ranking_and_a_pace(with_cal, tmp_path):
     from moe_spec.capture import cli as capture_cli
     traces = copy_of(with_cal, tmp_path)
     assert capture_cli.main(["--limit", "1", "--offset", "60", "--max-new-tokens", "6", "--out",
                              str(traces), "--no-progress", "--threads", "1", "--budget", "3",
                              "--ranking", "coact-prior", "--coverage", "truncation", "--run",
-                             "online", "--budget-mode", "adaptive", "--calibration", "cal"]) == 0
+                             "online", "--budget-mode", "adaptive", "--calibration", "cal",
+                             "--pace", "0.5"]) == 0
     run = Catalog(traces).runs(names=["online"])[0]
     assert run.settings["ranking"] == "coact-prior" and run.settings["budget_mode"] == "adaptive"
+    assert run.settings["pace"] == 0.5
     loaded = pl.concat([pl.read_parquet(f) for f in run.files("trees")])["experts_loaded"]
     assert loaded.explode().n_unique() > 1
+
+
+@pytest.mark.parametrize("mode, table", [("open", "replay_open"), ("closed", "replay_closed")])
+def test_a_paced_rule_is_its_own_budget_mode_with_its_pace_in_the_key(with_cal, tmp_path, mode,
+                                                                      table):
+    args = ["--mode", mode, "--ranking", "router", "--coverage", "truncation", "--budget", "3",
+            "--budget-mode", "adaptive", "--calibration", "cal"]
+    out = tmp_path / "out"
+    assert replay(with_cal, *args, "--out", out) == 0
+    assert replay(with_cal, *args, "--pace", "0.5", "--out", out,
+                  "--output", tmp_path / "p.json") == 0
+    rows = _rows(out, table)
+    assert set(rows["budget_mode"]) == {"adaptive:mass", "adaptive:mass+pace"}
+    keys = [json.loads(p.read_text())["unit"]
+            for p in (out / table).rglob("_config.json")]
+    assert sorted(k.get("pace") or 0 for k in keys) == [0, 0.5]
+    assert json.loads((tmp_path / "p.json").read_text())["pace"] == 0.5
+    paced = rows.filter(pl.col("budget_mode") == "adaptive:mass+pace")
+    assert paced["price"].null_count() == 0  # the base λ, the row's B̄'s
