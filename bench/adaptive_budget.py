@@ -54,6 +54,7 @@ from moe_spec.bench.options import study_parser
 from moe_spec.bench.pipeline import capture, loaded_model, replay_runs, results_frame
 from moe_spec.console import threads
 from moe_spec.policy import adaptive, index
+from moe_spec.policy.prices import Prices
 
 VERSION = 2  # of the --output layout (2: x_* experts loaded, frontier, savings)
 MODELS = ("tiny-olmoe", "tiny-qwen3-moe", "tiny-gpt-oss", "tiny-deepseek-v3")
@@ -73,11 +74,12 @@ CURVE_METRICS = ("rse", "experts_loaded", *dict.fromkeys(
 
 
 def curves(df: pl.DataFrame, run: str, ranking: str, coverage: str, b_min: int, b_max: int
-           ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+           ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """``{metric: [P, L, S+1]}`` of one run's passes (prompt, step) × MoE layers × budgets
     ``b_min .. b_max`` for :data:`CURVE_METRICS` (rse, experts loaded and what the predictors
-    read; a null, e.g. ``predicted_rse`` where no surrogate ran, is NaN), and the layers ``[L]``,
-    from stored replay rows; refuses a grid with a hole (a pass without some layer or budget)."""
+    read; a null, e.g. ``predicted_rse`` where no surrogate ran, is NaN), the layers ``[L]`` and
+    each pass's prompt ``[P]``, from stored replay rows; refuses a grid with a hole (a pass
+    without some layer or budget)."""
     rows = df.filter((pl.col("run") == run) & (pl.col("ranking") == ranking)
                      & (pl.col("coverage") == coverage)
                      & pl.col("budget").is_between(b_min, b_max)).sort(
@@ -93,7 +95,8 @@ def curves(df: pl.DataFrame, run: str, ranking: str, coverage: str, b_min: int, 
     found = {m: torch.from_numpy(rows[m].cast(pl.Float64).fill_null(float("nan")).to_numpy()
                                  .copy()).view(shape)
              for m in CURVE_METRICS if m in rows.columns}
-    return found, torch.tensor(layers)
+    prompts = torch.from_numpy(rows["prompt_index"].to_numpy()[:: len(layers) * width].copy())
+    return found, torch.tensor(layers), prompts.long()
 
 
 def spread(budgets: torch.Tensor) -> dict:
@@ -112,14 +115,32 @@ def nonconvex_share(rse: torch.Tensor) -> float:
     return float(((g[..., 1:] - g[..., :-1]) > 1e-12).any(-1).double().mean())
 
 
+def paced_budgets(predictor: adaptive.Predictor, found: dict, layers: torch.Tensor,
+                  prompts: torch.Tensor, price: float, mean: int, b_min: int,
+                  pass_cap: float | None, pace: float) -> torch.Tensor:
+    """``B [P, L]`` of the paced rule on one run's curves (:func:`curves`), each prompt a
+    stream: the product's own :meth:`policy.prices.Prices.choose` on the passes' tree-layers in
+    (prompt, step, layer) order."""
+    passes, count, width = found["rse"].shape
+    rule = Prices(predictor, b_min, b_min + width - 1, {mean: price}, layers.tolist(), pass_cap,
+                  pace=pace)
+    flat = {r: found[r].reshape(passes * count, width) for r in predictor.reads}
+    curves_in = flat[adaptive.MASS] if tuple(predictor.reads) == (adaptive.MASS,) else flat
+    chosen = rule.choose(curves_in, layers.repeat(passes), [mean],
+                         torch.arange(passes).repeat_interleave(count), {},
+                         prompts.repeat_interleave(count), {})
+    return chosen[:, 0].view(passes, count)
+
+
 def evaluate(cal: dict, ev: dict, ranking: str, means: list[int], b_min: int, predictor: str,
-             pass_cap: float | None) -> list[dict]:
+             pass_cap: float | None, pace: float | None = None) -> list[dict]:
     """The cells of one ranking and policy: ``cal`` and ``ev`` map ``ranking`` and ``oracle``
     to :func:`curves` of the calibration and the evaluation run (the oracle's calibration curves
     are not read). Every cell also carries the mean experts loaded per tree-layer (``x_*``: the
-    frontier's x axis, bytes actually loaded) of each allocation."""
-    found_c, layers = cal[ranking]
-    found_e, layers_e = ev[ranking]
+    frontier's x axis, bytes actually loaded) of each allocation. ``pace``: the adaptive rule
+    paced by each prompt's running deficit (:func:`paced_budgets`; λ calibrated unpaced)."""
+    found_c, layers, _ = cal[ranking]
+    found_e, layers_e, prompts_e = ev[ranking]
     if not torch.equal(layers, layers_e):
         raise SystemExit("adaptive_budget.py: the calibration and evaluation runs' layers differ")
     rse_c, rse_e = found_c["rse"], found_e["rse"]
@@ -142,7 +163,8 @@ def evaluate(cal: dict, ev: dict, ranking: str, means: list[int], b_min: int, pr
     for mean in means:
         cap = None if pass_cap is None else round(pass_cap * mean * count)
         price = adaptive.calibrate_price(gains_c, mean, b_min, cap)
-        chosen = adaptive.price_budgets(gains_e, price, b_min, cap)
+        chosen = adaptive.price_budgets(gains_e, price, b_min, cap) if pace is None else \
+            paced_budgets(pred, found_e, layers, prompts_e, price, mean, b_min, pass_cap, pace)
         on_cal = adaptive.price_budgets(gains_c, price, b_min, cap)
         own = adaptive.best_budgets(rse_e, mean * count, b_min)
         best = adaptive.best_budgets(oracle, mean * count, b_min)
@@ -150,7 +172,8 @@ def evaluate(cal: dict, ev: dict, ranking: str, means: list[int], b_min: int, pr
         at = lambda c, b: float(adaptive.errors_at(c, b, b_min).mean())  # noqa: E731
         fixed = torch.full_like(chosen, mean)
         out.append(dict(
-            ranking=ranking, predictor=predictor, mean_budget=mean, pass_cap=cap, price=price,
+            ranking=ranking, predictor=predictor, mean_budget=mean, pass_cap=cap, pace=pace,
+            price=price,
             fixed=at(rse_e, fixed), adaptive=at(rse_e, chosen), hindsight=at(rse_e, own),
             oracle_fixed=at(oracle, fixed), oracle_adaptive=at(oracle, best),
             oracle_adaptive_greedy=at(oracle, greedy),
@@ -279,15 +302,17 @@ def study(root: Path, model: str, args) -> dict:
         router = None
         for ranking in args.rankings:
             for predictor in args.predictors:
-                found = [dict(coverage=cov, b_min=b_min, statistics=(
-                    stats_run if ranking in calibrated else None), **c) for c in evaluate(
-                    cal, ev, ranking, grid, b_min, predictor, args.pass_cap)]
-                if not found:
-                    continue
-                if ranking == "router" and router is None:
-                    router = found
-                cells += [c for c in found if c["mean_budget"] in means]
-                frontier += found
+                for pace in [None] + ([args.pace] if args.pace is not None else []):
+                    found = [dict(coverage=cov, b_min=b_min, statistics=(
+                        stats_run if ranking in calibrated else None), **c) for c in evaluate(
+                        cal, ev, ranking, grid if pace is None else means, b_min, predictor,
+                        args.pass_cap, pace)]
+                    cells += [c for c in found if c["mean_budget"] in means]
+                    if pace is not None or not found:
+                        continue  # the frontier and savings: the unpaced rule's
+                    if ranking == "router" and router is None:
+                        router = found
+                    frontier += found
         for ranking in args.rankings:
             for predictor in args.predictors:
                 mine = [c for c in frontier if (c["coverage"], c["ranking"], c["predictor"])
@@ -303,6 +328,7 @@ def study(root: Path, model: str, args) -> dict:
                         savings.append(dict(coverage=cov, ranking=ranking, predictor=predictor,
                                             **saved, **worth))
     return dict(k=k, n=n, b_max=b_max, means=means, layers=len(ev[rankings[0]][1]),
+                pace=args.pace,
                 eval_prompts=args.eval_prompts, cal_prompts=args.cal_prompts, bench=args.bench,
                 nonconvex_oracle_curves=nonconvex, cells=cells, frontier=frontier,
                 savings=savings)
@@ -393,7 +419,8 @@ def markdown(report: dict) -> str:
     goals: dict[tuple, list[int]] = {}
     for model, found in report.items():
         for c in found["cells"]:
-            key = (c["ranking"], c["predictor"])
+            paced = "" if c.get("pace") is None else f", paced η {c['pace']:g}"
+            key = (c["ranking"], c["predictor"] + paced)
             g = goals.setdefault(key, [0, 0, 0, 0, 0, 0, 0, 0])
             g[0] += 1
             g[1] += below(c["adaptive"], c["fixed"])
@@ -405,7 +432,7 @@ def markdown(report: dict) -> str:
             g[7] += c["fixed_at_x"] is not None
             cap = f", cap {c['pass_cap']}" if c["pass_cap"] is not None else ""
             lines.append(
-                f"| {model} | {c['coverage']} | {c['ranking']} · {c['predictor']}{cap} | "
+                f"| {model} | {c['coverage']} | {c['ranking']} · {c['predictor']}{cap}{paced} | "
                 f"{c['mean_budget']} | {c['fixed']:.4f} | {c['adaptive']:.4f} | "
                 f"{c['hindsight']:.4f} | {c['oracle_fixed']:.4f} | {c['oracle_adaptive']:.4f} | "
                 f"{c['achieved']:.2f} ({c['p10']:.0f}–{c['p90']:.0f}) | "
@@ -452,6 +479,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="B_max: the largest budget a tree-layer may get, capped at N (default 32)")
     p.add_argument("--pass-cap", type=float, default=None,
                    help="hard cap on a pass's experts, as a multiple of B̄·L (default: none)")
+    p.add_argument("--pace", type=float, default=None,
+                   help="also the adaptive rule paced by each prompt's running deficit "
+                        "(replay --pace; η > 0), as cells of their own (default: unpaced only)")
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--cal-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -470,6 +500,8 @@ def main(argv: list[str] | None = None) -> None:
                     "only (router, sqmass, coact, sketch-gated, ...)")
         if args.pass_cap is not None and args.pass_cap < 1:
             p.error("--pass-cap must be at least 1 (a pass may always load B̄ per layer)")
+        if args.pace is not None and not 0 < args.pace < float("inf"):
+            p.error(f"--pace {args.pace:g} must be a positive number")
         threads.apply(args.threads)
         report = {m: study(args.traces / m, m, args) for m in args.models}
         if args.output:

@@ -730,7 +730,8 @@ def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes():
             -1, descending=True).values * scale
         mass[..., -1] = 0
         loaded = torch.arange(b_min, b_min + width, dtype=torch.float64).expand_as(mass)
-        return dict(rse=mass * 0.5, mass_excluded=mass, experts_loaded=loaded), torch.arange(4)
+        return (dict(rse=mass * 0.5, mass_excluded=mass, experts_loaded=loaded), torch.arange(4),
+                torch.tensor([0, 0, 0, 1, 1, 1]))
 
     cal = {"router": run_curves(1.0)}
     ev = {"router": run_curves(3.0)}
@@ -741,6 +742,13 @@ def test_adaptive_budget_measures_the_achieved_mean_on_held_out_passes():
     assert cell["achieved"] == pytest.approx(float(loaded.mean()))
     assert abs(cell["calibration_mean"] - 4) < abs(cell["achieved"] - 4)
     assert not adaptive_budget.within(cell)
+    # paced by each prompt's deficit, the same price holds the held-out mean near B̄; at a
+    # vanishing pace it is the unpaced rule
+    paced = adaptive_budget.evaluate(cal, ev, "router", [4], b_min, "mass", None, 0.5)[0]
+    assert paced["pace"] == 0.5 and paced["price"] == cell["price"]
+    assert abs(paced["achieved"] - 4) < abs(cell["achieved"] - 4)
+    tiny = adaptive_budget.evaluate(cal, ev, "router", [4], b_min, "mass", None, 1e-12)[0]
+    assert tiny["achieved"] == cell["achieved"] and tiny["adaptive"] == cell["adaptive"]
 
 
 def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole():
@@ -755,7 +763,8 @@ def test_adaptive_budget_reads_complete_curves_and_refuses_a_hole():
                  mass_excluded=0.5 / b, predicted_rse=None if layer else 0.25 / b)
             for p in (1, 0) for s in (0, 1) for layer in (1, 0) for b in (3, 1, 2)]
     df = pl.DataFrame(rows)
-    found, layers = adaptive_budget.curves(df, "r", "router", "truncation", 1, 3)
+    found, layers, prompts = adaptive_budget.curves(df, "r", "router", "truncation", 1, 3)
+    assert prompts.tolist() == [0, 0, 1, 1]
     rse, mass = found["rse"], found["mass_excluded"]
     assert rse.shape == (4, 2, 3) and layers.tolist() == [0, 1]
     assert rse[3, 1].tolist() == pytest.approx([1 / b + 1 + 10 + 100 for b in (1, 2, 3)])
