@@ -4,6 +4,7 @@ price rule vs a fixed B = B̄ on the same trees, with paired 95% intervals and t
     python bench/adaptive_closed.py --traces /tmp/adaptive/traces --output ac.json
     python bench/adaptive_closed.py --models tiny-gpt-oss --eval-prompts 120 --means k 16
     python bench/adaptive_closed.py --models tiny-olmoe --cal-prompts 64 --same-spend
+    python bench/adaptive_closed.py --ranking sketch-gated --predictor surrogate --pace 0.5
     python bench/adaptive_closed.py --render docs/results/adaptive-closed/*.json --readme docs/results.md
 
 Per model it captures (or reuses) an evaluation run (``eval-BENCH``: prompts 0..E−1) and a
@@ -14,7 +15,13 @@ policies at each mean budget B̄ (``--means``, default k):
 
 * fixed: B = B̄ at every layer of every pass;
 * adaptive: ``--budget-mode adaptive --gain-predictor P`` at B̄, its price λ calibrated on the
-  calibration run (:mod:`policy.prices`), so the evaluation trees are held out from it.
+  calibration run (:mod:`policy.prices`), so the evaluation trees are held out from it; with
+  ``--pace η`` paced by each prompt's running deficit (``replay --pace``).
+
+``--ranking`` may be any runtime ranking that ranks every budget at once, stateful ones too
+(sketch-gated, coact-prior: one state per setting and B̄, fed what its own passes executed,
+restarted at each prompt); ``--predictor surrogate`` prices sketch-gated by its surrogate's
+predicted error. The calibration run fits both the ranking's statistics and λ.
 
 Per cell (model × policy × B̄) it reports the mean accepted length τ (drafts + bonus) and mean
 KL(p ‖ p^B) of both, the paired difference Δ = adaptive − fixed per tree with its 95% paired t
