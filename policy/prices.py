@@ -142,7 +142,7 @@ class Prices:
             return self._paced(gains, layers, means, passes, used, streams, deficit)
         chosen = torch.stack([adaptive.price_budgets(gains, self.prices[m], self.b_min)
                               for m in means], 1)
-        if self.pass_cap is None:
+        if self.pass_cap is None or chosen.shape[0] == 0:
             return chosen
         position = self.positions(layers).to(chosen.device)  # each one's place in a pass
         ids, inverse = torch.unique(passes.to(chosen.device), return_inverse=True)

@@ -331,6 +331,9 @@ def test_a_pass_cap_goes_layer_by_layer_and_leaves_later_layers_b_min():
     first = p.choose(mass[:3], batch.layers[:3], [2], passes[:3], used)
     rest = p.choose(mass[3:], batch.layers[3:], [2], passes[3:], used)
     assert torch.cat([first, rest])[:, 0].tolist() == [5, 1, 1, 1] * 2
+    none = torch.zeros(0, dtype=torch.long)  # an empty call, capped, paced or not
+    for rule in (p, replace(p, pace=0.5)):
+        assert rule.choose(mass[:0], none, [2], none, used, none, {}).shape == (0, 1)
 
 
 # --- the CLI end to end (in process) on the session's one-prompt capture ------------------------
