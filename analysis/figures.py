@@ -328,6 +328,15 @@ def integer_axis(fig: go.Figure, values, **kw) -> None:
         fig.update_xaxes(tickformat="d", **kw)
 
 
+def first(listed: set[str], name: str) -> bool:
+    """Whether ``name``'s legend entry is still to be drawn (then noted in ``listed``): a curve
+    is listed in the first panel that draws it, not only if the first panel does (adaptive
+    budgets are often replayed under one coverage only)."""
+    new = name not in listed
+    listed.add(name)
+    return new
+
+
 def error_vs_budget(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
     """RSE vs budget per ranking, one panel per coverage, 95% interval bands over
     tree-layers; values under the noise floor are drawn at it."""
@@ -336,6 +345,7 @@ def error_vs_budget(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
     fig = make_subplots(rows=1, cols=len(covs), shared_yaxes=True,
                         subplot_titles=[NAMES.get(c, c) for c in covs])
     rankings = sorted(set(curves["ranking"]))
+    listed: set[str] = set()  # a curve's legend entry where it is first drawn
     for col, cov in enumerate(covs, start=1):
         for i, ranking in enumerate(rankings):
             g = curves.filter((pl.col("coverage") == cov) & (pl.col("ranking") == ranking)) \
@@ -346,7 +356,7 @@ def error_vs_budget(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
             lo = clip("rse_lo") if "rse_lo" in g.columns else clip("rse")
             hi = clip("rse_hi") if "rse_hi" in g.columns else clip("rse")
             _band(fig, g["budget"], clip("rse"), lo, hi, ranking, COLORS[i % len(COLORS)],
-                  row=1, col=col, legendgroup=ranking, showlegend=col == 1)
+                  row=1, col=col, legendgroup=ranking, showlegend=first(listed, ranking))
     fig.update_yaxes(type="log", exponentformat="power", title_text="RSE (log; floor 1e-9)",
                      col=1)
     fig.update_yaxes(type="log", exponentformat="power")
@@ -403,6 +413,7 @@ def error_vs_experts(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
     covs = sorted(set(curves["coverage"]))
     fig = make_subplots(rows=1, cols=len(covs), shared_yaxes=True,
                         subplot_titles=[NAMES.get(c, c) for c in covs])
+    listed: set[str] = set()
     for col, cov in enumerate(covs, start=1):
         for (ranking, mode), g, name, color, dash in _mode_curves(curves, cov):
             bound = ranking == "oracle" and mode == FIXED_MODE
@@ -418,7 +429,7 @@ def error_vs_experts(curves: pl.DataFrame, n: int | None = None) -> go.Figure:
                             line=dict(color="black" if bound else color, dash=dash,
                                       width=3 if bound else 2),
                             customdata=np.c_[g["budget"], _prices(g)], legendgroup=name,
-                            showlegend=col == 1,
+                            showlegend=first(listed, name),
                             hovertemplate=f"{name}: {_letter(mode)} = %{{customdata[0]}}"
                                           "%{customdata[1]} → %{x:.2f} experts loaded, "
                                           "RSE %{y:.3g}<extra></extra>", row=1, col=col)
@@ -526,12 +537,13 @@ def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
     fig = make_subplots(rows=1, cols=len(covs), shared_yaxes=True,
                         subplot_titles=[NAMES.get(c, c) for c in covs])
     modes = set(frame["budget_mode"]) if "budget_mode" in frame.columns else {FIXED_MODE}
+    listed: set[str] = set()
     for col, cov in enumerate(covs, start=1):
         sub = frame.filter(pl.col("coverage") == cov)
         if modes != {FIXED_MODE}:
             for (_, mode), g, name, color, dash in _mode_curves(frame, cov):
                 _band(fig, g["experts_loaded"], g["tau"], g["tau_lo"], g["tau_hi"], name,
-                      color, row=1, col=col, legendgroup=name, showlegend=col == 1)
+                      color, row=1, col=col, legendgroup=name, showlegend=first(listed, name))
                 fig.data[-1].update(
                     line_dash=dash, customdata=np.c_[g["budget"], _prices(g)],
                     hovertemplate=f"{name}: {_letter(mode)} = %{{customdata[0]}}%{{customdata[1]}}"
@@ -542,7 +554,8 @@ def closed_loop(frame: pl.DataFrame, n: int | None = None) -> go.Figure:
                 lo = g["tau_lo"] if "tau_lo" in g.columns else g["tau"]
                 hi = g["tau_hi"] if "tau_hi" in g.columns else g["tau"]
                 _band(fig, g["budget"], g["tau"], lo, hi, ranking[0], COLORS[i % len(COLORS)],
-                      row=1, col=col, legendgroup=ranking[0], showlegend=col == 1)
+                      row=1, col=col, legendgroup=ranking[0],
+                      showlegend=first(listed, ranking[0]))
         captured = float(sub["tau_captured"].mean())
         fig.add_hline(y=captured, line_dash="dash", line_color="black", row=1, col=col,
                       annotation_text=f"captured τ {captured:.2f}",  # clear of the curves' ends

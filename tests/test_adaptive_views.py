@@ -363,3 +363,21 @@ def test_the_comparison_of_runs_reads_fixed_budgets_only():
     found = compare.errors(connection(replay_open=rows))
     router = found.filter(pl.col("ranking") == "router").sort("budget")
     assert router["rse"].to_list() == pytest.approx([0.3, 0.15])  # never the adaptive rows
+
+
+def test_a_curve_drawn_in_the_second_panel_only_is_in_the_legend():
+    """Fixed budgets replayed under both policies, adaptive under truncation only (the second
+    panel): every curve has one legend entry, wherever it is first drawn."""
+    rows = open_rows()
+    fixed = rows.filter(pl.col("budget_mode") == "fixed")
+    both = pl.concat([fixed.with_columns(coverage=pl.lit("substitution")), rows])
+    for fig in (figures.error_vs_experts(replay_views.error_vs_budget(
+            connection(replay_open=both)), 16),
+                figures.error_vs_budget(replay_views.error_vs_budget(connection(
+                    replay_open=both.filter(pl.col("budget_mode") == "fixed"))), 16)):
+        listed = [t.name for t in fig.data if t.showlegend is not False and t.name]
+        drawn = {t.name for t in fig.data if t.name}
+        assert sorted(listed) == sorted(drawn), (listed, drawn)
+    assert "router · adaptive:mass" in {t.name for t in figures.error_vs_experts(
+        replay_views.error_vs_budget(connection(replay_open=both)), 16).data
+        if t.showlegend is not False}
