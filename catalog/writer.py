@@ -161,10 +161,15 @@ class RunWriter:
         return {prompt_of_part(p) for p in self.table_dir(schema.COMPLETION_TABLE).glob(PART_GLOB)}
 
     def _clean_incomplete(self, done: set[int]) -> None:
-        for table in self.tables:
+        """Under the run's lock: the parts of prompts not complete, and every temporary file a
+        killed writer left (``catalog.atomic``'s ``.<name>.<random>.tmp``), in the tables'
+        folders and beside the manifest (a kill between a manifest's temporary file and its
+        rename leaves one there)."""
+        for table in (*self.tables, "runs"):
             for p in location.iterdir(self.table_dir(table)):
                 stale = p.name.endswith(".tmp") or (
-                    fnmatch(p.name, PART_GLOB) and prompt_of_part(p) not in done)
+                    table != "runs" and fnmatch(p.name, PART_GLOB)
+                    and prompt_of_part(p) not in done)
                 if stale:
                     p.unlink()
 

@@ -217,3 +217,21 @@ def test_a_complete_run_captured_again_is_answered_from_disk_untouched(captured,
     monkeypatch.setattr(capture_run.Target, "load", no_model)
     assert cli.main([*BASE, "--out", str(captured), "--run", "r1"]) == 0
     assert manifest.stat().st_mtime_ns == before
+
+
+def test_a_resumed_run_removes_the_temporary_files_a_killed_writer_left(tmp_path):
+    """A kill between an atomic write's temporary file and its rename leaves the temporary file;
+    the next writer of the run (holding its lock) removes it, beside the manifest too."""
+    from moe_spec.capture.run import CaptureSettings, capture_run
+    from moe_spec.catalog.runs import read_manifest, write_manifest
+    settings = CaptureSettings(limit=1, max_new_tokens=4)
+    capture_run(settings, tmp_path, "r1", progress=False)
+    manifest_path = next(tmp_path.glob("runs/**/_manifest.json"))
+    write_manifest(tmp_path, {**read_manifest(manifest_path), "status": "running"})
+    left = [manifest_path.parent / "._manifest.json.k1ll3d.tmp",
+            next(tmp_path.glob("sequences/**/part-*.parquet")).parent / ".part-x.parquet.k1.tmp"]
+    for p in left:
+        p.write_bytes(b"half")
+    capture_run(settings, tmp_path, "r1", progress=False)
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert read_manifest(manifest_path)["status"] == "complete"
