@@ -137,26 +137,13 @@ class Prices:
         ``deficit`` (stream -> ``[len(means)]``, updated here) carries it across calls; each
         stream's tree-layers go in (pass, layer) order, the streams side by side."""
         gains = self.predictor.gains(_map(curves, lambda c: c[None].double()), layers)[0]
-        used = {} if used is None else used
-        if self.pace is not None:
-            return self._paced(gains, layers, means, passes, used, streams, deficit)
-        chosen = torch.stack([adaptive.price_budgets(gains, self.prices[m], self.b_min)
-                              for m in means], 1)
-        if self.pass_cap is None or chosen.shape[0] == 0:
-            return chosen
-        position = self.positions(layers).to(chosen.device)  # each one's place in a pass
-        ids, inverse = torch.unique(passes.to(chosen.device), return_inverse=True)
-        spent = torch.stack([used.get(p, torch.zeros(len(means), dtype=torch.long,
-                                                     device=chosen.device))
-                             for p in ids.tolist()])  # [P, len(means)]
-        cap = torch.tensor([self.cap(m) for m in means], device=chosen.device)
-        for j in position.unique().tolist():  # layers in pass order, each position at once
-            rows = (position == j).nonzero()[:, 0]
-            room = adaptive.cap_room(cap, spent[inverse[rows]], self.b_min, len(self.layers) - 1 - j)
-            chosen[rows] = torch.minimum(chosen[rows], room)
-            spent.index_add_(0, inverse[rows], chosen[rows])
-        used.update({p: spent[i] for i, p in enumerate(ids.tolist())})
-        return chosen
+        if self.pace is None and self.pass_cap is None:  # every tree-layer on its own
+            return torch.stack([adaptive.price_budgets(gains, self.prices[m], self.b_min)
+                                for m in means], 1)
+        # in order: a paced stream's tree-layers, or (unpaced, capped) each pass's layers
+        paced = self.pace is not None
+        return self._in_order(gains, layers, means, passes, {} if used is None else used,
+                              streams if paced else passes, deficit if paced else {})
 
     def positions(self, layers: torch.Tensor) -> torch.Tensor:
         """Each MoE layer's place in a pass, ``[T]`` (long)."""
@@ -164,11 +151,12 @@ class Prices:
         lookup[torch.tensor(self.layers)] = torch.arange(len(self.layers))
         return lookup[layers.cpu()]
 
-    def _paced(self, gains, layers, means, passes, used, streams, deficit) -> torch.Tensor:
-        """:meth:`choose` with pacing: step r prices the r-th tree-layer of every stream at
-        once, at its stream's ``λ_t = λ·exp(η·D/B̄)`` (:func:`policy.adaptive.paced_price`),
-        then adds ``B − B̄`` to the deficit (and, with a cap, B to its pass's spend first
-        clipped to the room the cap leaves)."""
+    def _in_order(self, gains, layers, means, passes, used, streams, deficit) -> torch.Tensor:
+        """:meth:`choose` where order matters: step r takes the r-th tree-layer of every stream
+        at once (its (pass, layer) order), prices it at its stream's ``λ_t = λ·exp(η·D/B̄)``
+        when paced (:func:`policy.adaptive.paced_price`; λ otherwise), clips it to the room a
+        pass cap leaves its pass and adds B to the pass's spend, and ``B − B̄`` to the stream's
+        deficit. Unpaced and capped, each pass is its own stream."""
         t, device = gains.shape[0], gains.device
         zeros = lambda dtype: torch.zeros(len(means), dtype=dtype)  # noqa: E731
         deficit = {} if deficit is None else deficit
@@ -188,7 +176,8 @@ class Prices:
             rows = (rank == r).nonzero()[:, 0]  # one per stream still going
             ids = streams[rows].tolist()
             owed = torch.stack([deficit.get(i, zeros(torch.float64)) for i in ids])  # [R, M]
-            lam = adaptive.paced_price(price, self.pace, owed, target)
+            lam = price if self.pace is None else adaptive.paced_price(price, self.pace, owed,
+                                                                       target)
             b = self.b_min + adaptive.leading_run(gains[rows.to(device)][:, None, :].cpu(), lam)
             if cap is not None:
                 spent = torch.stack([used.get(p, zeros(torch.long))
@@ -219,23 +208,24 @@ class PriceRequest:
     coverages: tuple[str, ...]
     pass_cap: float | None = None
     b_max: int | None = None
-    pace: float | None = None  # η of the paced rule (λ is calibrated unpaced either way)
+    pace: float | None = None  # η of the paced rule (not the calibration's: λ is unpaced)
 
 
 def prices_key(ranking: str, coverage: str, request: PriceRequest) -> tuple:
-    """Where :func:`policy.calibration.calibrate` keeps a ranking's :class:`Prices` in ``fitted``."""
-    return ("prices", ranking, coverage, request)
+    """Where :func:`policy.calibration.calibrate` keeps a ranking's :class:`Prices` in ``fitted``
+    (the pace left out: λ is calibrated unpaced, so paced and unpaced share one calibration)."""
+    return ("prices", ranking, coverage, replace(request, pace=None))
 
 
 def prices_for(stats: CalibrationStats | None, ranking: str, coverage: str,
                request: PriceRequest):
     """The calibrated :class:`Prices` of ``ranking`` × ``coverage`` (refused in one
-    line when the calibration step was not asked for them)."""
+    line when the calibration step was not asked for them), paced as ``request`` asks."""
     found = None if stats is None else stats.fitted.get(prices_key(ranking, coverage, request))
     if found is None:
         raise CalibrationError(f"no price λ calibrated for {ranking} under {coverage}; adaptive "
                                "budgets need --calibration RUN")
-    return found
+    return replace(found, pace=request.pace)
 
 
 def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object], Iterable],
@@ -303,8 +293,7 @@ def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object
         prices[mean] = adaptive.calibrate_price(gains, mean, b_min, cap)
         achieved[mean] = float(adaptive.price_budgets(gains, prices[mean], b_min, cap)
                                .double().mean())
-    return Prices(predictor, b_min, b_max, prices, layers, request.pass_cap, achieved,
-                  request.pace)
+    return Prices(predictor, b_min, b_max, prices, layers, request.pass_cap, achieved)
 
 
 def _pass_grid(keys: list[tuple], layers: list[int]) -> torch.Tensor | None:
