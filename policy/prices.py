@@ -143,7 +143,8 @@ class Prices:
         # in order: a paced stream's tree-layers, or (unpaced, capped) each pass's layers
         paced = self.pace is not None
         return self._in_order(gains, layers, means, passes, {} if used is None else used,
-                              streams if paced else passes, deficit if paced else {})
+                              streams if paced else passes,
+                              {} if deficit is None or not paced else deficit)
 
     def positions(self, layers: torch.Tensor) -> torch.Tensor:
         """Each MoE layer's place in a pass, ``[T]`` (long)."""
@@ -158,35 +159,41 @@ class Prices:
         pass cap leaves its pass and adds B to the pass's spend, and ``B − B̄`` to the stream's
         deficit. Unpaced and capped, each pass is its own stream."""
         t, device = gains.shape[0], gains.device
-        zeros = lambda dtype: torch.zeros(len(means), dtype=dtype)  # noqa: E731
-        deficit = {} if deficit is None else deficit
         streams = torch.zeros(t, dtype=torch.long) if streams is None else streams.long().cpu()
         passes = torch.zeros(t, dtype=torch.long) if passes is None else passes.long().cpu()
         position = self.positions(layers)
         order = torch.from_numpy(np.lexsort((position.numpy(), passes.numpy(), streams.numpy())))
         ordered = streams[order]
-        starts = torch.searchsorted(ordered, ordered, right=False)  # each row's stream's first
-        rank = torch.empty(t, dtype=torch.long)
-        rank[order] = torch.arange(t) - starts
+        rank = torch.empty(t, dtype=torch.long)  # each row's place in its stream
+        rank[order] = torch.arange(t) - torch.searchsorted(ordered, ordered)
+        # the state as tensors over this call's streams and passes, read from and written back
+        # to the dicts that carry it across calls
+        zeros = lambda dtype: torch.zeros(len(means), dtype=dtype)  # noqa: E731
+        stream_ids, at_stream = torch.unique(streams, return_inverse=True)
+        pass_ids, at_pass = torch.unique(passes, return_inverse=True)
+        owed = torch.stack([deficit.get(i, zeros(torch.float64)) for i in stream_ids.tolist()]) \
+            if t else zeros(torch.float64)[None]
+        spent = torch.stack([used.get(p, zeros(torch.long)) for p in pass_ids.tolist()]) \
+            if t else zeros(torch.long)[None]
         price = torch.tensor([self.prices[m] for m in means], dtype=torch.float64)
         target = torch.tensor(means, dtype=torch.float64)
         cap = None if self.pass_cap is None else torch.tensor([self.cap(m) for m in means])
+        later = (len(self.layers) - 1 - position)[:, None]
+        g = gains.cpu()[:, None, :]
         chosen = torch.empty(t, len(means), dtype=torch.long)
-        for r in range(int(rank.max()) + 1 if t else 0):
-            rows = (rank == r).nonzero()[:, 0]  # one per stream still going
-            ids = streams[rows].tolist()
-            owed = torch.stack([deficit.get(i, zeros(torch.float64)) for i in ids])  # [R, M]
-            lam = price if self.pace is None else adaptive.paced_price(price, self.pace, owed,
-                                                                       target)
-            b = self.b_min + adaptive.leading_run(gains[rows.to(device)][:, None, :].cpu(), lam)
+        by_rank = torch.argsort(rank, stable=True)
+        for rows in by_rank.split(torch.bincount(rank).tolist() if t else []):  # one a stream
+            s_, p_ = at_stream[rows], at_pass[rows]
+            lam = price if self.pace is None else adaptive.paced_price(price, self.pace,
+                                                                       owed[s_], target)
+            b = self.b_min + adaptive.leading_run(g[rows], lam)
             if cap is not None:
-                spent = torch.stack([used.get(p, zeros(torch.long))
-                                     for p in passes[rows].tolist()])
-                later = (len(self.layers) - 1 - position[rows])[:, None]
-                b = torch.minimum(b, adaptive.cap_room(cap, spent, self.b_min, later))
-                used.update({p: spent[i] + b[i] for i, p in enumerate(passes[rows].tolist())})
-            deficit.update({s: owed[i] + b[i] - target for i, s in enumerate(ids)})
+                b = torch.minimum(b, adaptive.cap_room(cap, spent[p_], self.b_min, later[rows]))
+                spent.index_add_(0, p_, b)
+            owed.index_add_(0, s_, b - target)
             chosen[rows] = b
+        deficit.update({i: owed[k] for k, i in enumerate(stream_ids.tolist())})
+        used.update({p: spent[k] for k, p in enumerate(pass_ids.tolist())})
         return chosen.to(device)
 
     def pick(self, keep: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
