@@ -125,8 +125,7 @@ def paced_budgets(predictor: adaptive.Predictor, found: dict, layers: torch.Tens
     rule = Prices(predictor, b_min, b_min + width - 1, {mean: price}, layers.tolist(), pass_cap,
                   pace=pace)
     flat = {r: found[r].reshape(passes * count, width) for r in predictor.reads}
-    curves_in = flat[adaptive.MASS] if tuple(predictor.reads) == (adaptive.MASS,) else flat
-    chosen = rule.choose(curves_in, layers.repeat(passes), [mean],
+    chosen = rule.choose(flat, layers.repeat(passes), [mean],
                          torch.arange(passes).repeat_interleave(count), {},
                          prompts.repeat_interleave(count), {})
     return chosen[:, 0].view(passes, count)
