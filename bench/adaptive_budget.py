@@ -50,7 +50,7 @@ import polars as pl
 import torch
 
 from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
-from moe_spec.bench.options import study_parser
+from moe_spec.bench.options import check_benchmarks, study_parser
 from moe_spec.bench.pipeline import capture, loaded_model, replay_runs, results_frame
 from moe_spec.console import threads
 from moe_spec.policy import adaptive, index
@@ -264,7 +264,7 @@ def pass_time_worth(model: str, k: int, saving: float, router_experts: float,
 def study(root: Path, model: str, args) -> dict:
     """Capture, replay and evaluate one model: its block of the --output file."""
     common = dict(model=model, bench=args.bench, max_new_tokens=args.max_new_tokens,
-                  seed=args.seed)
+                  seed=args.seed, benchmarks_root=args.benchmarks)
     _, adapter = loaded_model(model)
     k, n = adapter.top_k, adapter.num_experts
     b_max = min(n, args.max_budget)
@@ -501,6 +501,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error("--pass-cap must be at least 1 (a pass may always load B̄ per layer)")
         if args.pace is not None and not 0 < args.pace < float("inf"):
             p.error(f"--pace {args.pace:g} must be a positive number")
+        check_benchmarks(p, args)
         threads.apply(args.threads)
         report = {m: study(args.traces / m, m, args) for m in args.models}
         if args.output:

@@ -56,7 +56,7 @@ import polars as pl
 
 from moe_spec.analysis import power
 from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
-from moe_spec.bench.options import study_parser
+from moe_spec.bench.options import check_benchmarks, study_parser
 from moe_spec.console import pipes, threads
 from moe_spec.errors import fail
 from moe_spec.policy import index
@@ -233,7 +233,7 @@ def study(root: Path, model: str, args) -> dict:
     k, n = adapter.top_k, adapter.num_experts
     means = means_for(args.means, k, n)
     common = dict(model=model, bench=args.bench, max_new_tokens=args.max_new_tokens,
-                  seed=args.seed)
+                  seed=args.seed, benchmarks_root=args.benchmarks)
     ev_run, cal_run = f"eval-{args.bench}", f"cal-{args.bench}"
     capture(root, ev_run, **common, limit=args.eval_prompts)
     capture(root, cal_run, role="calibration", **common, offset=args.eval_prompts,
@@ -398,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--pace {args.pace:g} must be a positive number")
         if args.eval_prompts < 2 or args.cal_prompts < 1:
             p.error("--eval-prompts needs at least 2 (an interval) and --cal-prompts 1")
+        check_benchmarks(p, args)
         threads.apply(args.threads)
         # keyed by model and sample sizes (evaluation + λ calibration prompts): several files
         # of one model render side by side (files written before the λ size was in the key

@@ -17,4 +17,19 @@ def study_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--traces", type=Path, default=Path("traces-adaptive"),
                    help="captures and replays, one folder per model (default traces-adaptive)")
     p.add_argument("--bench", default="mbpp", help="benchmark of both runs (default mbpp)")
+    p.add_argument("--benchmarks", type=Path, default=None,
+                   help="the benchmarks folder (default: $MOESPEC_BENCHMARKS, else "
+                        "../shared/data/benchmarks beside the repository)")
     return p
+
+
+def check_benchmarks(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse an unknown ``--bench`` or a missing benchmarks folder in one line, before any
+    model loads (the capture a study starts with would find it only after)."""
+    from moe_spec.tasks import benchmarks
+    if args.bench not in benchmarks.BENCHMARKS:
+        p.error(f"--bench {args.bench}: unknown; known: {', '.join(benchmarks.BENCHMARKS)}")
+    try:
+        benchmarks.benchmarks_dir(args.benchmarks)
+    except benchmarks.BenchmarkError as exc:
+        p.error(str(exc))

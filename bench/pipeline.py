@@ -10,6 +10,7 @@ from pathlib import Path
 
 from moe_spec.capture.run import CaptureSettings, CaptureSummary, capture_run  # noqa: F401
 from moe_spec.catalog import Catalog
+from moe_spec.errors import UserError
 from moe_spec.policy import index
 from moe_spec.replay.run import (
     ReplayOutcome,
@@ -50,10 +51,17 @@ def results_frame(out: Path, table: str = "replay_open", *, model: str | None = 
     return pl.concat(frames, how="diagonal_relaxed")
 
 
-def capture(out: Path, run: str, *, role: str = "evaluation", **settings) -> CaptureSummary:
-    """``capture --out OUT --run RUN --role ROLE --no-progress`` with ``settings`` as options
-    (resumes, so a finished run is not captured again)."""
-    return capture_run(CaptureSettings(**settings), out, run, role=role, progress=False)
+def capture(out: Path, run: str, *, role: str = "evaluation", benchmarks_root=None,
+            **settings) -> CaptureSummary:
+    """``capture --out OUT --run RUN --role ROLE --benchmarks DIR --no-progress`` with
+    ``settings`` as options (resumes, so a finished run is not captured again). A problem the
+    user can fix (a missing benchmarks folder, a bad setting) ends the bench with its one line,
+    as the capture CLI does, not a traceback."""
+    try:
+        return capture_run(CaptureSettings(**settings), out, run, role=role,
+                           benchmarks_root=benchmarks_root, progress=False)
+    except UserError as exc:
+        raise SystemExit(f"capture: error: {exc}") from None
 
 
 @functools.cache

@@ -945,3 +945,26 @@ def test_adaptive_closed_keys_each_rule_so_two_rules_of_a_model_render_side_by_s
         "m@440+64:sketch-gated·surrogate"
     assert adaptive_closed.report_key("m", args("router", "mass", 0.5, 1.25)) == \
         "m@440+64:router·mass+cap1.25+pace0.5"
+
+
+@pytest.mark.parametrize("script", ["adaptive_budget.py", "adaptive_closed.py"])
+def test_adaptive_studies_refuse_a_missing_benchmarks_folder_or_bench_in_one_line(script,
+                                                                                   tmp_path):
+    """Before any model loads: the study's first step is a capture, which would otherwise stop
+    with a traceback from deep inside it."""
+    cases = [(["--benchmarks", str(tmp_path / "nope")], "benchmarks folder not found"),
+             (["--bench", "nobench"], "--bench nobench: unknown")]
+    for extra, said in cases:
+        done = subprocess.run([sys.executable, f"bench/{script}", "--traces",
+                               str(tmp_path / "t"), *extra], cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, done.stderr[-800:]
+        assert said in done.stderr and "Traceback" not in done.stderr
+        assert not (tmp_path / "t").exists()  # nothing captured
+
+
+def test_a_bench_capture_ends_a_user_error_in_one_line(tmp_path):
+    from moe_spec.bench import pipeline
+    with pytest.raises(SystemExit, match=r"^capture: error: benchmarks folder not found"):
+        pipeline.capture(tmp_path / "t", "eval-mbpp", model="tiny-olmoe", bench="mbpp",
+                         benchmarks_root=tmp_path / "nope", limit=1)
