@@ -117,27 +117,30 @@ def nonconvex_share(rse: torch.Tensor) -> float:
 
 def paced_budgets(predictor: adaptive.Predictor, found: dict, layers: torch.Tensor,
                   prompts: torch.Tensor, price: float, mean: int, b_min: int,
-                  pass_cap: float | None, pace: float) -> torch.Tensor:
+                  pass_cap: float | None, pace: float, pace_over: str = "prompt") -> torch.Tensor:
     """``B [P, L]`` of the paced rule on one run's curves (:func:`curves`), each prompt a
-    stream: the product's own :meth:`policy.prices.Prices.choose` on the passes' tree-layers in
-    (prompt, step, layer) order."""
+    stream, or the run one (``pace_over``): the product's own
+    :meth:`policy.prices.Prices.choose` on the passes' tree-layers in (prompt, step, layer)
+    order."""
     passes, count, width = found["rse"].shape
     rule = Prices(predictor, b_min, b_min + width - 1, {mean: price}, layers.tolist(), pass_cap,
-                  pace=pace)
+                  pace=pace, pace_over=pace_over)
     flat = {r: found[r].reshape(passes * count, width) for r in predictor.reads}
     chosen = rule.choose(flat, layers.repeat(passes), [mean],
                          torch.arange(passes).repeat_interleave(count), {},
-                         prompts.repeat_interleave(count), {})
+                         rule.paced_streams(prompts.repeat_interleave(count)), {})
     return chosen[:, 0].view(passes, count)
 
 
 def evaluate(cal: dict, ev: dict, ranking: str, means: list[int], b_min: int, predictor: str,
-             pass_cap: float | None, pace: float | None = None) -> list[dict]:
+             pass_cap: float | None, pace: float | None = None,
+             pace_over: str = "prompt") -> list[dict]:
     """The cells of one ranking and policy: ``cal`` and ``ev`` map ``ranking`` and ``oracle``
     to :func:`curves` of the calibration and the evaluation run (the oracle's calibration curves
     are not read). Every cell also carries the mean experts loaded per tree-layer (``x_*``: the
     frontier's x axis, bytes actually loaded) of each allocation. ``pace``: the adaptive rule
-    paced by each prompt's running deficit (:func:`paced_budgets`; λ calibrated unpaced)."""
+    paced by each prompt's running deficit, or the run's (``pace_over``; :func:`paced_budgets`;
+    λ calibrated unpaced)."""
     found_c, layers, _ = cal[ranking]
     found_e, layers_e, prompts_e = ev[ranking]
     if not torch.equal(layers, layers_e):
@@ -163,7 +166,8 @@ def evaluate(cal: dict, ev: dict, ranking: str, means: list[int], b_min: int, pr
         cap = None if pass_cap is None else round(pass_cap * mean * count)
         price = adaptive.calibrate_price(gains_c, mean, b_min, cap)
         chosen = adaptive.price_budgets(gains_e, price, b_min, cap) if pace is None else \
-            paced_budgets(pred, found_e, layers, prompts_e, price, mean, b_min, pass_cap, pace)
+            paced_budgets(pred, found_e, layers, prompts_e, price, mean, b_min, pass_cap, pace,
+                          pace_over)
         on_cal = adaptive.price_budgets(gains_c, price, b_min, cap)
         own = adaptive.best_budgets(rse_e, mean * count, b_min)
         best = adaptive.best_budgets(oracle, mean * count, b_min)
@@ -172,7 +176,7 @@ def evaluate(cal: dict, ev: dict, ranking: str, means: list[int], b_min: int, pr
         fixed = torch.full_like(chosen, mean)
         out.append(dict(
             ranking=ranking, predictor=predictor, mean_budget=mean, pass_cap=cap, pace=pace,
-            price=price,
+            pace_over=None if pace is None else pace_over, price=price,
             fixed=at(rse_e, fixed), adaptive=at(rse_e, chosen), hindsight=at(rse_e, own),
             oracle_fixed=at(oracle, fixed), oracle_adaptive=at(oracle, best),
             oracle_adaptive_greedy=at(oracle, greedy),
@@ -301,11 +305,12 @@ def study(root: Path, model: str, args) -> dict:
         router = None
         for ranking in args.rankings:
             for predictor in args.predictors:
-                for pace in [None] + ([args.pace] if args.pace is not None else []):
+                for pace, over in [(None, None)] + ([(args.pace, o) for o in args.pace_over]
+                                                    if args.pace is not None else []):
                     found = [dict(coverage=cov, b_min=b_min, statistics=(
                         stats_run if ranking in calibrated else None), **c) for c in evaluate(
                         cal, ev, ranking, grid if pace is None else means, b_min, predictor,
-                        args.pass_cap, pace)]
+                        args.pass_cap, pace, over or "prompt")]
                     cells += [c for c in found if c["mean_budget"] in means]
                     if pace is not None or not found:
                         continue  # the frontier and savings: the unpaced rule's
@@ -327,7 +332,7 @@ def study(root: Path, model: str, args) -> dict:
                         savings.append(dict(coverage=cov, ranking=ranking, predictor=predictor,
                                             **saved, **worth))
     return dict(k=k, n=n, b_max=b_max, means=means, layers=len(ev[rankings[0]][1]),
-                pace=args.pace,
+                pace=args.pace, pace_over=args.pace_over if args.pace is not None else None,
                 eval_prompts=args.eval_prompts, cal_prompts=args.cal_prompts, bench=args.bench,
                 nonconvex_oracle_curves=nonconvex, cells=cells, frontier=frontier,
                 savings=savings)
@@ -418,7 +423,8 @@ def markdown(report: dict) -> str:
     goals: dict[tuple, list[int]] = {}
     for model, found in report.items():
         for c in found["cells"]:
-            paced = "" if c.get("pace") is None else f", paced η {c['pace']:g}"
+            paced = "" if c.get("pace") is None else f", paced η {c['pace']:g}" + (
+                " over the run" if c.get("pace_over") == "run" else "")
             key = (c["ranking"], c["predictor"] + paced)
             g = goals.setdefault(key, [0, 0, 0, 0, 0, 0, 0, 0])
             g[0] += 1
@@ -481,6 +487,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pace", type=float, default=None,
                    help="also the adaptive rule paced by each prompt's running deficit "
                         "(replay --pace; η > 0), as cells of their own (default: unpaced only)")
+    p.add_argument("--pace-over", nargs="+", default=["prompt"], choices=list(index.PACE_SCOPES),
+                   help="paced: whose deficit, each scope its own cells (replay --pace-over; "
+                        "default: prompt)")
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--cal-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=32)

@@ -16,7 +16,8 @@ policies at each mean budget B̄ (``--means``, default k):
 * fixed: B = B̄ at every layer of every pass;
 * adaptive: ``--budget-mode adaptive --gain-predictor P`` at B̄, its price λ calibrated on the
   calibration run (:mod:`policy.prices`), so the evaluation trees are held out from it; with
-  ``--pace η`` paced by each prompt's running deficit (``replay --pace``).
+  ``--pace η`` paced by each prompt's running deficit (``replay --pace``), or with
+  ``--pace-over run`` by the run's, carried from prompt to prompt.
 
 ``--ranking`` may be any runtime ranking that ranks every budget at once, stateful ones too
 (sketch-gated, coact-prior: one state per setting and B̄, fed what its own passes executed,
@@ -195,13 +196,14 @@ def spend_budgets(achieved: float, loaded_at) -> tuple[int, int]:
 
 def report_key(model: str, args) -> str:
     """One model's key in the --output file: ``model@E+C`` (evaluation and λ calibration
-    prompts), with ``:ranking·predictor`` (and ``+pace η``, ``+cap F``) unless router · mass
-    unpaced and uncapped (so files of one model and sizes under other rules render side by
+    prompts), with ``:ranking·predictor`` (and ``+cap F``, ``+pace η[-run]``) unless router ·
+    mass unpaced and uncapped (so files of one model and sizes under other rules render side by
     side)."""
     key = f"{model}@{args.eval_prompts}+{args.cal_prompts}"
     rule = f"{args.ranking}·{args.predictor}" + (
         "" if args.pass_cap is None else f"+cap{args.pass_cap:g}") + (
-        "" if args.pace is None else f"+pace{args.pace:g}")
+        "" if args.pace is None else f"+pace{args.pace:g}" + (
+            "-run" if args.pace_over == "run" else ""))
     return key if rule == "router·mass" else f"{key}:{rule}"
 
 
@@ -239,7 +241,8 @@ def study(root: Path, model: str, args) -> dict:
     capture(root, cal_run, role="calibration", **common, offset=args.eval_prompts,
             limit=args.cal_prompts)
     out = root / "results" / "adaptive-closed"
-    mode = index.budget_mode(args.predictor, args.pass_cap is not None, args.pace is not None)
+    mode = index.budget_mode(args.predictor, args.pass_cap is not None,
+                             None if args.pace is None else args.pace_over)
     for budget_mode in (index.FIXED, mode):
         replay_runs(root, model, [ev_run], bench=args.bench, mode="closed",
                     rankings=(args.ranking,), coverages=tuple(args.coverages),
@@ -371,6 +374,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pace", type=float, default=None,
                    help="pace the adaptive rule's price by each prompt's running deficit "
                         "(replay --pace; η > 0; default: unpaced)")
+    p.add_argument("--pace-over", default="prompt", choices=list(index.PACE_SCOPES),
+                   help="paced: whose deficit, each prompt's or the run's (replay --pace-over; "
+                        "default: prompt)")
     p.add_argument("--same-spend", action="store_true",
                    help="also replay the fixed budgets around adaptive's mean load and compare "
                         "at its spend (a mix of the two; see same_spend)")

@@ -37,6 +37,18 @@ layers and passes of a stream still compete for its experts by their predicted g
 λ ≤ 0 (B̄ near N: every gain loads) is left unpaced. :class:`policy.prices.Prices` applies it
 (``pace``), batched over streams.
 
+How close, over T tree-layers: where the stream's prompts need a price λ* ≠ λ to spend B̄, the
+deficit settles where λ_t = λ*, at ``D* = (B̄/η)·ln(λ*/λ)``, so the stream's mean B misses B̄ by
+``D*/T``, a share ``ln(λ*/λ)/(η·T)``: an integral controller leaves its integral, not its
+rate, off target. Paced per prompt (a stream restarted with each), T is one prompt's
+tree-layers (tens: a few passes × L) and a miscalibrated λ leaves every prompt a few percent
+off in the same direction. Paced **over the run** (``pace_over="run"``, budget mode
+``+pace-run``), the deficit is carried from prompt to prompt in the order they are served, as
+a server's spend would be, so T is the run's tree-layers and the miss shrinks with the run;
+the run's prompts also keep competing for its experts. What a prompt gets then depends on the
+prompts served before it, in a stated order (replay: the run's prompt order; capture: each
+worker's prompts in order).
+
 Predicted gains Δ̂ (:data:`PREDICTORS`) use runtime-legal quantities only: the router's mass
 excluded by the ranking's shortlist at each B, ``m(B) = Σ_{i∉S_B} s_i / Σ_i s_i`` (known once
 the router has run, before any expert loads), and, for ``calibrated``, per-layer ratios learned

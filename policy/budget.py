@@ -99,7 +99,8 @@ class AdaptiveBudget(Budget):
     predicting the next expert's gain, the layer keeping its next expert while that gain exceeds
     λ; a pass cap is tracked across the pass's layers (a layer at or before the last one routed
     starts a new pass), and a paced rule's deficit across the passes until :meth:`reset` (the
-    next prompt, or batch). ``chosen`` holds the pass's B per layer so far."""
+    next prompt, or batch; paced over the run, across those too). ``chosen`` holds the pass's
+    B per layer so far."""
 
     prices: Prices | None = None
     chosen: dict[int, int] = field(default_factory=dict)
@@ -109,7 +110,7 @@ class AdaptiveBudget(Budget):
         if self.prices is None or self.size not in self.prices.prices:
             raise ValueError(f"no calibrated price for a mean budget of {self.size}")
         self._used: dict = {}
-        self._deficit: dict = {}  # paced: the stream's running deficit (one stream: a prompt)
+        self._deficit: dict = {}  # paced: the stream's running deficit (a prompt's, or the run's)
         self._last = None
 
     def route(self, layer, probs, idx, weights, rule, hidden=None):
@@ -130,7 +131,9 @@ class AdaptiveBudget(Budget):
 
     def reset(self) -> None:
         super().reset()
-        self._used, self._deficit, self.chosen, self._last = {}, {}, {}, None
+        self._used, self.chosen, self._last = {}, {}, None
+        if self.prices.pace_over == "prompt":  # paced over the run, the deficit goes on
+            self._deficit = {}
 
 
 @dataclass

@@ -299,6 +299,9 @@ FIXED = "fixed"  # the same B at every layer of every pass (and how rows stored 
 ADAPTIVE = "adaptive"  # the price rule of policy.adaptive, at a mean budget B̄
 CAP_SUFFIX = "+cap"  # with a hard cap on a pass's total
 PACE_SUFFIX = "+pace"  # paced: the price follows a running deficit (policy.adaptive, pacing)
+# whose deficit a paced rule keeps: each prompt's (restarted with it), or the run's (carried
+# from prompt to prompt in the order they are served); the run's is its own budget mode
+PACE_SCOPES: dict[str, str] = {"prompt": PACE_SUFFIX, "run": "+pace-run"}
 # gain predictors of the adaptive mode by name, for the command lines without torch
 # (policy.adaptive.PREDICTORS owns them; tests/test_adaptive_replay.py checks the two agree)
 GAIN_PREDICTORS: dict[str, str] = {
@@ -322,22 +325,24 @@ def adapts(ranking: str, executes: bool = False) -> bool:
     return entry.subset_limit is None and (executes or not learns)
 
 
-def budget_mode(predictor: str | None = None, cap: bool = False, paced: bool = False) -> str:
+def budget_mode(predictor: str | None = None, cap: bool = False,
+                paced: str | None = None) -> str:
     """``fixed``, or ``adaptive:<predictor>`` (``+cap`` with a pass cap, then ``+pace`` when
-    paced)."""
+    paced per prompt, ``+pace-run`` over the run: ``paced`` is a :data:`PACE_SCOPES` name)."""
     if predictor is None:
         return FIXED
-    return f"{ADAPTIVE}:{predictor}" + (CAP_SUFFIX if cap else "") + (PACE_SUFFIX if paced else "")
+    return f"{ADAPTIVE}:{predictor}" + (CAP_SUFFIX if cap else "") + (
+        PACE_SCOPES[paced] if paced else "")
 
 
-def budget_mode_parts(mode: str | None) -> tuple[str | None, bool, bool]:
-    """``(predictor, capped, paced)`` of a budget mode name (None: fixed, as a missing one
-    reads)."""
+def budget_mode_parts(mode: str | None) -> tuple[str | None, bool, str | None]:
+    """``(predictor, capped, paced)`` of a budget mode name, ``paced`` the :data:`PACE_SCOPES`
+    name or None (None: fixed, as a missing one reads)."""
     if mode in (None, FIXED):
-        return None, False, False
+        return None, False, None
     kind, _, rest = mode.partition(":")
-    paced = rest.endswith(PACE_SUFFIX)
-    rest = rest.removesuffix(PACE_SUFFIX)
+    paced = next((scope for scope, suffix in PACE_SCOPES.items() if rest.endswith(suffix)), None)
+    rest = rest.removesuffix(PACE_SCOPES[paced]) if paced else rest
     capped = rest.endswith(CAP_SUFFIX)
     predictor = rest.removesuffix(CAP_SUFFIX)
     if kind != ADAPTIVE or predictor not in GAIN_PREDICTORS:

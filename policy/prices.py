@@ -95,6 +95,7 @@ class Prices:
     pass_cap: float | None = None
     achieved: dict[int, float] = field(default_factory=dict)
     pace: float | None = None  # η of the paced rule (policy.adaptive, pacing); None: unpaced
+    pace_over: str = "prompt"  # whose deficit: each prompt's, or the run's (index.PACE_SCOPES)
 
     @property
     def budgets(self) -> list[int]:
@@ -145,6 +146,12 @@ class Prices:
         return self._in_order(gains, layers, means, passes, {} if used is None else used,
                               streams if paced else passes,
                               {} if deficit is None or not paced else deficit)
+
+    def paced_streams(self, prompts: torch.Tensor) -> torch.Tensor:
+        """Whose running deficit prices each tree-layer of ``prompts [T]`` (:meth:`choose`'s
+        ``streams``): its prompt's, or paced over the run (:attr:`pace_over`), the run's one
+        stream, its prompts in the order they are served."""
+        return prompts if self.pace_over == "prompt" else torch.zeros_like(prompts)
 
     def positions(self, layers: torch.Tensor) -> torch.Tensor:
         """Each MoE layer's place in a pass, ``[T]`` (long)."""
@@ -216,12 +223,13 @@ class PriceRequest:
     pass_cap: float | None = None
     b_max: int | None = None
     pace: float | None = None  # η of the paced rule (not the calibration's: λ is unpaced)
+    pace_over: str = "prompt"  # whose deficit it keeps (index.PACE_SCOPES)
 
 
 def prices_key(ranking: str, coverage: str, request: PriceRequest) -> tuple:
     """Where :func:`policy.calibration.calibrate` keeps a ranking's :class:`Prices` in ``fitted``
-    (the pace left out: λ is calibrated unpaced, so paced and unpaced share one calibration)."""
-    return ("prices", ranking, coverage, replace(request, pace=None))
+    (the pacing left out: λ is calibrated unpaced, so paced and unpaced share one calibration)."""
+    return ("prices", ranking, coverage, replace(request, pace=None, pace_over="prompt"))
 
 
 def prices_for(stats: CalibrationStats | None, ranking: str, coverage: str,
@@ -232,7 +240,7 @@ def prices_for(stats: CalibrationStats | None, ranking: str, coverage: str,
     if found is None:
         raise CalibrationError(f"no price λ calibrated for {ranking} under {coverage}; adaptive "
                                "budgets need --calibration RUN")
-    return replace(found, pace=request.pace)
+    return replace(found, pace=request.pace, pace_over=request.pace_over)
 
 
 def calibrate_prices(stats: CalibrationStats, runs: list, read: Callable[[object], Iterable],

@@ -31,6 +31,7 @@ replay --config sweep.toml --output summary.csv     # every summary row (.json, 
 replay --ranking router --budget 4,8,16 --budget-mode adaptive --calibration cal   # mean budgets B̄
 replay --mode closed --ranking router --budget 8 --budget-mode adaptive --pass-cap 1.25 --calibration cal
 replay --mode closed --ranking sketch-gated --budget 4 --budget-mode adaptive --pace 0.5 --calibration cal
+replay --ranking router --budget 8 --budget-mode adaptive --pace 0.5 --pace-over run --calibration cal
 """
 
 
@@ -83,6 +84,12 @@ def parser() -> argparse.ArgumentParser:
                         "λ·exp(η·D/B̄) with D = Σ (B_l − B̄) over its tree-layers so far, so "
                         "prompts unlike the calibration's still average B̄ (η > 0; e.g. 0.5; "
                         "default: unpaced)")
+    p.add_argument("--pace-over", choices=list(index.PACE_SCOPES), default=None,
+                   help="adaptive, paced: whose deficit: each prompt's, restarted with it, or "
+                        "the run's, carried from prompt to prompt in the run's order as a "
+                        "server's spend would be (budget mode +pace-run; the mean then misses "
+                        "B̄ by ln(λ*/λ)/(η·T) over the run's T tree-layers, not each prompt's; "
+                        "default: prompt)")
     p.add_argument("--layers", default=None, help="comma-separated decoder layers (default all)")
     p.add_argument("--calibration", nargs="+", default=[],
                    help="runs (under --traces) that static counts and coact statistics are "
@@ -173,7 +180,8 @@ def check_budget_mode(args) -> None:
     adaptive = args.budget_mode == index.ADAPTIVE
     if not adaptive:
         for flag, value in (("--gain-predictor", args.gain_predictor),
-                            ("--pass-cap", args.pass_cap), ("--pace", args.pace)):
+                            ("--pass-cap", args.pass_cap), ("--pace", args.pace),
+                            ("--pace-over", args.pace_over)):
             if value is not None:
                 raise ReplayError(f"{flag} is for adaptive budgets; add --budget-mode adaptive")
         args.budget_mode_name = index.FIXED
@@ -185,6 +193,8 @@ def check_budget_mode(args) -> None:
         raise ReplayError(f"--pass-cap {args.pass_cap:g} must be above 1 (a pass's total "
                           "≤ F·B̄·L; at 1 every pass spends exactly B̄·L, the first layers "
                           "taking all they want and the last ones B_min)")
+    if args.pace_over is not None and args.pace is None:
+        raise ReplayError("--pace-over is for a paced rule; add --pace ETA")
     if args.pace is not None and not (args.pace > 0 and math.isfinite(args.pace)):
         raise ReplayError(f"--pace {args.pace:g} must be a positive number (e.g. 0.5: each B̄ "
                           "a prompt has overspent multiplies its price by e^0.5)")
@@ -201,8 +211,9 @@ def check_budget_mode(args) -> None:
         raise ReplayError(f"--budget-mode adaptive ranks every budget B_min..N of a layer at "
                           f"once: {why}")
     args.gain_predictor = args.gain_predictor or "mass"
-    args.budget_mode_name = index.budget_mode(args.gain_predictor, args.pass_cap is not None,
-                                              args.pace is not None)
+    args.budget_mode_name = index.budget_mode(
+        args.gain_predictor, args.pass_cap is not None,
+        None if args.pace is None else args.pace_over or "prompt")
 
 
 def check_outputs(args) -> None:

@@ -223,7 +223,7 @@ class Stream:
     used: dict = field(default_factory=dict)  # adaptive budgets with a pass cap: experts each
     # pass's earlier layers loaded (a pass may span batches)
     deficit: dict = field(default_factory=dict)  # paced adaptive budgets: each prompt's running
-    # deficit (policy.adaptive, pacing; a prompt may span batches)
+    # deficit, or the run's (policy.adaptive, pacing; a prompt may span batches)
 
 
 def adaptive_shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverage,
@@ -233,16 +233,17 @@ def adaptive_shortlists(ranking: Ranking, batch: RoutingBatch, coverage: Coverag
     the ranking's shortlists at every B of ``B_min .. B_max`` (:func:`shortlists`), the router
     mass each excludes, the price rule's ``B_l`` from the predicted gains
     (:meth:`policy.prices.Prices.choose`; with a pass cap, each (prompt, step) a pass, carried
-    across batches in ``stream``; paced, each prompt a stream, its deficit carried alike) and the
-    shortlist at ``B_l``. Batched over the tree-layers."""
+    across batches in ``stream``; paced, each prompt a stream, or the run one, its deficit
+    carried alike) and the shortlist at ``B_l``. Batched over the tree-layers."""
     keep, _ = shortlists(ranking, batch, coverage, prices.budgets, prompts, steps, stream)
     passes = prompts.long() * (1 << 32) + steps.long()
     present = set(passes.unique().tolist())  # only a pass of this batch can go on in the next
     stream.used = {p: u for p, u in stream.used.items() if p in present}
-    going = set(prompts.unique().tolist())  # (batches arrive in prompt, step order)
+    streams = prices.paced_streams(prompts)
+    going = set(streams.unique().tolist())  # (batches arrive in prompt, step order)
     stream.deficit = {p: d for p, d in stream.deficit.items() if p in going}
     chosen = prices.choose(prices.curves(batch, keep, coverage, ranking), batch.layers, means,
-                           passes, stream.used, prompts, stream.deficit)
+                           passes, stream.used, streams, stream.deficit)
     return prices.pick(keep, chosen)
 
 

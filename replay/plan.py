@@ -74,7 +74,7 @@ class ReplayRequest:
     mode: ReplayMode | str = "open"  # a mode object, or its --mode name
     batch_size: int = 1  # > 1: one shortlist per (virtual) batch pass (replay.virtual_batch)
     batch_seed: int = 0  # how b = 1 runs' prompts are grouped into virtual batches
-    budget_mode: str = index.FIXED  # or adaptive:<predictor>[+cap][+pace]: budgets are means B̄
+    budget_mode: str = index.FIXED  # or adaptive:<predictor>[+cap][+pace|+pace-run]: means B̄
     pass_cap: float | None = None  # adaptive with a cap: a pass's total ≤ cap · B̄ · L
     pace: float | None = None  # adaptive, paced: η of the running deficit (policy.adaptive)
 

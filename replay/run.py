@@ -87,11 +87,11 @@ def saved_stats_path(catalog: Catalog, run: Run, weights: str):
 def price_request(request: ReplayRequest) -> PriceRequest | None:
     """What an adaptive ``request`` asks of the calibration step (None: fixed budgets): the
     price λ of each mean budget it replays, per coverage."""
-    predictor, _, _ = index.budget_mode_parts(request.budget_mode)
+    predictor, _, paced = index.budget_mode_parts(request.budget_mode)
     if predictor is None:
         return None
     return PriceRequest(predictor, tuple(request.budgets), tuple(request.coverages),
-                        request.pass_cap, pace=request.pace)
+                        request.pass_cap, pace=request.pace, pace_over=paced or "prompt")
 
 
 def calibration_stats(catalog: Catalog, names: list[str], model: str, evaluated: list[Run],
@@ -271,7 +271,8 @@ def price_note(unit_plan, prices) -> str:
     calibration run itself (the held-out mean is the rows' ``experts_loaded``)."""
     cells = ", ".join(f"B̄ {m}: λ {prices.prices[m]:.4g} (mean {prices.achieved[m]:.2f})"
                       for m in sorted(prices.prices) if m in unit_plan.budgets)
-    paced = "" if prices.pace is None else f"; paced, η {prices.pace:g}"
+    paced = "" if prices.pace is None else \
+        f"; paced, η {prices.pace:g}, over each {prices.pace_over}"
     return (f"{unit_plan.ranking}, {unit_plan.coverage}: price per mean budget, calibrated on "
             f"the calibration run: {cells}{paced}")
 

@@ -36,14 +36,15 @@ Router = ranking_class("router")
 
 # --- 1. the key column ---------------------------------------------------------------------------
 def test_budget_mode_names_round_trip_and_unknown_ones_are_refused():
-    assert index.budget_mode() == "fixed" and index.budget_mode_parts(None) == (None, False, False)
+    assert index.budget_mode() == "fixed" and index.budget_mode_parts(None) == (None, False, None)
     assert index.budget_mode("mass") == "adaptive:mass"
-    assert index.budget_mode_parts("adaptive:mass+cap") == ("mass", True, False)
+    assert index.budget_mode_parts("adaptive:mass+cap") == ("mass", True, None)
     for cap in (False, True):
-        for paced in (False, True):
+        for paced in (None, "prompt", "run"):
             name = index.budget_mode("surrogate", cap, paced)
             assert index.budget_mode_parts(name) == ("surrogate", cap, paced)
-    assert index.budget_mode("mass", True, True) == "adaptive:mass+cap+pace"
+    assert index.budget_mode("mass", True, "prompt") == "adaptive:mass+cap+pace"
+    assert index.budget_mode("mass", False, "run") == "adaptive:mass+pace-run"
     with pytest.raises(ValueError, match="unknown budget mode"):
         index.budget_mode_parts("adaptive:nothing")
 
@@ -285,14 +286,38 @@ def test_pacing_holds_the_mean_where_prompts_ask_for_other_budgets_than_the_cali
     assert paced.std() > 0  # it still adapts
 
 
-def test_an_adaptive_budget_carries_its_pace_across_passes_until_reset():
+def test_pacing_over_the_run_meets_the_mean_where_each_short_prompt_cannot():
+    """Prompts of one pass each (4 tree-layers) on routing unlike the calibration's, η = 0.1
+    (unpaced the mean is 16% under B̄): paced per
+    prompt, each restarts with no deficit and the mean keeps most of the unpaced miss
+    (ln(λ*/λ)/(η·T) with T = 4); paced over the run, the deficit goes on from prompt to prompt,
+    T is the run's 200 tree-layers and the mean is within 2%. The run's budgets are the rule by
+    hand on the whole run in order."""
     base = prices(means=(3,))
-    tls = tree_layers(4, seed=3, sharpness=1.5)
-    budget = AdaptiveBudget(3, Router().fit(None), coverage.get("truncation"),
-                            prices=replace(base, pace=0.5))
+    batch, mass = mass_of(tree_layers(50, seed=9, sharpness=1.5))
+    layers = torch.tensor(LAYERS * 50)
+    prompts = passes = torch.arange(200) // len(LAYERS)
+    per_prompt = replace(base, pace=0.1)
+    over_run = replace(base, pace=0.1, pace_over="run")
+    assert torch.equal(per_prompt.paced_streams(prompts), prompts)
+    assert over_run.paced_streams(prompts).unique().tolist() == [0]
+    each = per_prompt.choose(mass, layers, [3], passes, {}, per_prompt.paced_streams(prompts),
+                             {}).double()
+    run = over_run.choose(mass, layers, [3], passes, {}, over_run.paced_streams(prompts),
+                          {}).double()
+    assert abs(each.mean() - 3) > 0.05 * 3, each.mean()
+    assert abs(run.mean() - 3) <= 0.02 * 3, run.mean()
+    gains = base.predictor.gains(mass[None], batch.layers)[0]
+    assert run[:, 0].long().tolist() == paced_by_hand(gains, base.prices[3], 1, 3, 0.1)
+
+
+def test_an_adaptive_budget_carries_its_pace_across_passes_until_reset():
+    """Per prompt, a reset starts the next prompt with no deficit; paced over the run, the next
+    prompt goes on from the deficit the last one left: the rule by hand on both in a row."""
+    base = prices(means=(3,))
     t = lambda a, d: torch.as_tensor(a, dtype=d)  # noqa: E731
 
-    def run():
+    def run(budget, tls):
         out = []
         for tl in tls:
             budget.route(tl.layer, t(tl.probs, torch.float32), t(tl.idx, torch.long),
@@ -300,12 +325,25 @@ def test_an_adaptive_budget_carries_its_pace_across_passes_until_reset():
             out.append(budget.chosen[tl.layer])
         return out
 
-    first = run()
-    batch, mass = mass_of(tls)
-    gains = base.predictor.gains(mass[None], batch.layers)[0]
-    assert first == paced_by_hand(gains, base.prices[3], 1, 3, 0.5)
+    def by_hand(tls):
+        batch, mass = mass_of(tls)
+        return paced_by_hand(base.predictor.gains(mass[None], batch.layers)[0], base.prices[3],
+                             1, 3, 0.5)
+
+    tls = tree_layers(4, seed=4, sharpness=1.5)
+    budget = AdaptiveBudget(3, Router().fit(None), coverage.get("truncation"),
+                            prices=replace(base, pace=0.5))
+    first = run(budget, tls)
+    assert first == by_hand(tls)
+    assert sum(first) != 3 * len(first)  # it leaves a deficit
     budget.reset()
-    assert run() == first  # a new prompt starts with no deficit
+    assert run(budget, tls) == first  # a new prompt starts with no deficit
+    over_run = AdaptiveBudget(3, Router().fit(None), coverage.get("truncation"),
+                              prices=replace(base, pace=0.5, pace_over="run"))
+    assert run(over_run, tls) == first
+    over_run.reset()
+    second = run(over_run, tls)  # the next prompt goes on from the deficit
+    assert second == by_hand(tls + tls)[len(first):] and second != first
 
 
 def capped(mean=2, cap=1.0):
@@ -546,3 +584,7 @@ def test_a_paced_rule_is_its_own_budget_mode_with_its_pace_in_the_key(with_cal, 
     assert json.loads((tmp_path / "p.json").read_text())["pace"] == 0.5
     paced = rows.filter(pl.col("budget_mode") == "adaptive:mass+pace")
     assert paced["price"].null_count() == 0  # the base λ, the row's B̄'s
+    assert replay(with_cal, *args, "--pace", "0.5", "--pace-over", "run", "--out", out) == 0
+    run = _rows(out, table).filter(pl.col("budget_mode") == "adaptive:mass+pace-run")
+    assert run.height == paced.height  # its own rows beside the per-prompt ones
+    assert replay(with_cal, *args, "--pace-over", "run", "--out", out) == 2  # needs --pace

@@ -937,14 +937,16 @@ def test_adaptive_closed_keys_each_rule_so_two_rules_of_a_model_render_side_by_s
     from types import SimpleNamespace
 
     from moe_spec.bench import adaptive_closed
-    args = lambda ranking, predictor, pace=None, cap=None: SimpleNamespace(  # noqa: E731
+    args = lambda ranking, predictor, pace=None, cap=None, over="prompt": SimpleNamespace(  # noqa: E731,E501
         eval_prompts=440, cal_prompts=64, ranking=ranking, predictor=predictor, pace=pace,
-        pass_cap=cap)
+        pass_cap=cap, pace_over=over)
     assert adaptive_closed.report_key("m", args("router", "mass")) == "m@440+64"
     assert adaptive_closed.report_key("m", args("sketch-gated", "surrogate")) == \
         "m@440+64:sketch-gated·surrogate"
     assert adaptive_closed.report_key("m", args("router", "mass", 0.5, 1.25)) == \
         "m@440+64:router·mass+cap1.25+pace0.5"
+    assert adaptive_closed.report_key("m", args("router", "mass", 0.5, None, "run")) == \
+        "m@440+64:router·mass+pace0.5-run"
 
 
 @pytest.mark.parametrize("script", ["adaptive_budget.py", "adaptive_closed.py"])
