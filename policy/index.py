@@ -335,6 +335,13 @@ def budget_mode(predictor: str | None = None, cap: bool = False,
         PACE_SCOPES[paced] if paced else "")
 
 
+def carries_across_prompts(mode: str | None) -> bool:
+    """Whether a budget mode keeps state from one prompt to the next (paced over the run): a
+    prompt's results then depend on the prompts before it, so a replay interrupted part way
+    computes its block again from the first prompt rather than resuming prompt by prompt."""
+    return budget_mode_parts(mode)[2] == "run"
+
+
 def budget_mode_parts(mode: str | None) -> tuple[str | None, bool, str | None]:
     """``(predictor, capped, paced)`` of a budget mode name, ``paced`` the :data:`PACE_SCOPES`
     name or None (None: fixed, as a missing one reads)."""

@@ -588,3 +588,37 @@ def test_a_paced_rule_is_its_own_budget_mode_with_its_pace_in_the_key(with_cal, 
     run = _rows(out, table).filter(pl.col("budget_mode") == "adaptive:mass+pace-run")
     assert run.height == paced.height  # its own rows beside the per-prompt ones
     assert replay(with_cal, *args, "--pace-over", "run", "--out", out) == 2  # needs --pace
+
+
+@pytest.mark.parametrize("mode, table", [("open", "replay_open"), ("closed", "replay_closed")])
+def test_an_interrupted_replay_paced_over_the_run_computes_again_from_the_first_prompt(
+        with_cal, tmp_path, mode, table):
+    """Paced over the run, a prompt's budgets depend on the prompts before it: a block killed
+    part way is computed again from its first prompt (resuming at the missing ones would start
+    them with no deficit), so the rows equal an uninterrupted replay's. Per prompt, it resumes."""
+    from moe_spec.capture import cli as capture_cli
+    from moe_spec.replay import cli as replay_cli
+    traces = copy_of(with_cal, tmp_path)
+    assert capture_cli.main(["--limit", "3", "--offset", "20", "--max-new-tokens", "6", "--out",
+                             str(traces), "--run", "ev3", "--no-progress", "--threads", "1"]) == 0
+    args = ["--traces", str(traces), "--run", "ev3", "--no-progress", "--threads", "1", "--mode",
+            mode, "--ranking", "router", "--coverage", "truncation", "--budget", "2",
+            "--budget-mode", "adaptive", "--calibration", "cal", "--pace", "0.1"]
+    written = {}
+    for over in ("run", "prompt"):
+        out = tmp_path / over
+        assert exit_code(replay_cli.main, [*args, "--pace-over", over, "--out", str(out)]) == 0
+        whole = _rows(out, table)
+        config = next((out / table).rglob("_config.json"))
+        state = json.loads(config.read_text())
+        state["blocks"][0]["status"] = "running"  # as if killed after its first prompt
+        config.write_text(json.dumps(state))
+        parts = sorted(config.parent.rglob("part-*.parquet"))
+        assert len(parts) == 3
+        for part in parts[1:]:
+            part.unlink()
+        stamps = {p: p.stat().st_mtime_ns for p in parts[:1]}
+        assert exit_code(replay_cli.main, [*args, "--pace-over", over, "--out", str(out)]) == 0
+        assert _rows(out, table).equals(whole)
+        written[over] = any(p.stat().st_mtime_ns != t for p, t in stamps.items())
+    assert written == {"run": True, "prompt": False}  # computed again / resumed
