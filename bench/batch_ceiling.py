@@ -23,7 +23,9 @@ Prints a table and writes ``batch_ceiling.json`` (``--out``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +78,7 @@ def main() -> None:
     import torch
     torch.set_num_threads(args.threads)
     traces = Path(tempfile.mkdtemp(prefix="batch-ceiling-"))
+    atexit.register(shutil.rmtree, traces, ignore_errors=True)  # a scratch folder, however it ends
     rows = []
     for b in args.batch_sizes:
         rows.append(dict(batch_size=b, capture=capture_speed(traces, args.model, b, args.prompts,

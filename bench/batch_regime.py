@@ -22,7 +22,9 @@ machine, one run each (noisy on a shared CPU); read ratios, not absolute figures
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -110,6 +112,8 @@ def main() -> None:
     import torch
     torch.set_num_threads(args.threads)
     traces = args.traces or Path(tempfile.mkdtemp(prefix="batch-regime-"))
+    if args.traces is None:  # a scratch folder: gone when the bench ends, however it ends
+        atexit.register(shutil.rmtree, traces, ignore_errors=True)
     report = {}
     for model in args.models:
         common = dict(model=model, bench="mbpp", max_new_tokens=args.new_tokens)

@@ -27,8 +27,11 @@ def smoke(script: str):
     return pytest.mark.slow
 
 
-def run(*args, timeout=300):
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=ENV, capture_output=True,
+def run(*args, timeout=300, tmpdir=None):
+    """``python ARGS`` in the repository; ``tmpdir``: the script's TMPDIR (its scratch folders
+    go there, for a test to check they are gone)."""
+    env = ENV if tmpdir is None else {**ENV, "TMPDIR": str(tmpdir)}
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
@@ -67,9 +70,11 @@ def test_oracle_bound_bench_counts_no_cell_below_the_oracle(tmp_path):
 
 @smoke("batch_regime.py")
 def test_batch_regime_bench_measures_every_batch_size(tmp_path):
+    (scratch := tmp_path / "tmp").mkdir()
     out = run("bench/batch_regime.py", "--models", "tiny-olmoe", "--batch-sizes", "1", "2",
               "--prompts", "2", "--cal-prompts", "1", "--new-tokens", "6", "--repeats", "2",
-              "--out", str(tmp_path / "b.json"))
+              "--out", str(tmp_path / "b.json"), tmpdir=scratch)
+    assert not [p for p in scratch.iterdir() if p.name.startswith("batch-regime-")]  # removed
     rows = json.loads((tmp_path / "b.json").read_text())["tiny-olmoe"]["rows"]
     assert [r["batch_size"] for r in rows] == [1, 2]
     assert all(r["eagle_tokens_per_s"] > 0 and r["unique_experts"] > 0 for r in rows)
@@ -84,8 +89,11 @@ def test_batch_regime_bench_measures_every_batch_size(tmp_path):
 
 @smoke("batch_ceiling.py")
 def test_batch_ceiling_bench_sets_the_capture_beside_the_forward(tmp_path):
+    (scratch := tmp_path / "tmp").mkdir()
     out = run("bench/batch_ceiling.py", "--batch-sizes", "1", "2", "--prompts", "2",
-              "--new-tokens", "6", "--repeats", "1", "--out", str(tmp_path / "c.json"))
+              "--new-tokens", "6", "--repeats", "1", "--out", str(tmp_path / "c.json"),
+              tmpdir=scratch)
+    assert not [p for p in scratch.iterdir() if p.name.startswith("batch-ceiling-")]  # removed
     rows = json.loads((tmp_path / "c.json").read_text())["rows"]
     assert [r["batch_size"] for r in rows] == [1, 2]
     assert rows[0]["capture_ratio"] == rows[0]["ceiling_ratio"] == 1.0
