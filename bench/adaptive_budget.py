@@ -510,6 +510,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error("--pass-cap must be at least 1 (a pass may always load B̄ per layer)")
         if args.pace is not None and not 0 < args.pace < float("inf"):
             p.error(f"--pace {args.pace:g} must be a positive number")
+        if args.pace is None and args.pace_over != ["prompt"]:  # as replay refuses it
+            p.error(f"--pace-over {' '.join(args.pace_over)} is for a paced rule; add --pace ETA")
         check_benchmarks(p, args)
         threads.apply(args.threads)
         report = {m: study(args.traces / m, m, args) for m in args.models}

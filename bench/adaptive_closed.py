@@ -402,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--pass-cap {args.pass_cap:g} must be above 1")
         if args.pace is not None and not 0 < args.pace < float("inf"):
             p.error(f"--pace {args.pace:g} must be a positive number")
+        if args.pace is None and args.pace_over != "prompt":  # as replay refuses it
+            p.error(f"--pace-over {args.pace_over} is for a paced rule; add --pace ETA")
         if args.eval_prompts < 2 or args.cal_prompts < 1:
             p.error("--eval-prompts needs at least 2 (an interval) and --cal-prompts 1")
         check_benchmarks(p, args)

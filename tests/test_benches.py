@@ -973,6 +973,19 @@ def test_adaptive_studies_refuse_a_missing_benchmarks_folder_or_bench_in_one_lin
         assert not (tmp_path / "t").exists()  # nothing captured
 
 
+@pytest.mark.parametrize("script", ["adaptive_budget", "adaptive_closed"])
+def test_adaptive_studies_refuse_pace_over_without_a_pace_in_one_line(script, tmp_path, capsys):
+    """As replay does: --pace-over run without --pace would give unpaced cells silently."""
+    import importlib
+    main = importlib.import_module(f"moe_spec.bench.{script}").main
+    with pytest.raises(SystemExit) as exc:  # (a missing benchmarks folder: nothing heavy runs)
+        main(["--traces", str(tmp_path / "t"), "--benchmarks", str(tmp_path / "nope"),
+              "--pace-over", "run"])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and "Traceback" not in err, err
+    assert "--pace-over run" in err.splitlines()[-1] and "--pace ETA" in err.splitlines()[-1]
+
+
 def test_a_bench_capture_ends_a_user_error_in_one_line(tmp_path):
     from moe_spec.bench import pipeline
     with pytest.raises(SystemExit, match=r"^capture: error: benchmarks folder not found"):
