@@ -46,8 +46,8 @@ off in the same direction. Paced **over the run** (``pace_over="run"``, budget m
 ``+pace-run``), the deficit is carried from prompt to prompt in the order they are served, as
 a server's spend would be, so T is the run's tree-layers and the miss shrinks with the run;
 the run's prompts also keep competing for its experts. What a prompt gets then depends on the
-prompts served before it, in a stated order (replay: the run's prompt order; capture: each
-worker's prompts in order).
+prompts served before it, in a stated order (replay: the run's prompt order). Capture paces per
+prompt only (a resumed or sharded capture would restart the run's deficit part way).
 
 Predicted gains Δ̂ (:data:`PREDICTORS`) use runtime-legal quantities only: the router's mass
 excluded by the ranking's shortlist at each B, ``m(B) = Σ_{i∉S_B} s_i / Σ_i s_i`` (known once
