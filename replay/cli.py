@@ -88,8 +88,8 @@ def parser() -> argparse.ArgumentParser:
                    help="adaptive, paced: whose deficit: each prompt's, restarted with it, or "
                         "the run's, carried from prompt to prompt in the run's order as a "
                         "server's spend would be (budget mode +pace-run; the mean then misses "
-                        "B̄ by ln(λ*/λ)/(η·T) over the run's T tree-layers, not each prompt's; "
-                        "default: prompt)")
+                        "B̄ by a share ln(λ*/λ)/(η·T), T the run's tree-layers, not each "
+                        "prompt's; default: prompt)")
     p.add_argument("--layers", default=None, help="comma-separated decoder layers (default all)")
     p.add_argument("--calibration", nargs="+", default=[],
                    help="runs (under --traces) that static counts and coact statistics are "
@@ -265,6 +265,14 @@ def preflight(args):
     except ValueError:
         raise ReplayError(f"cannot read --layers {args.layers!r}; use decoder layer numbers "
                           "like 0,4,7") from None
+    if layers and not modes.get(args.mode).per_layer:
+        raise ReplayError("--layers is for open loop: closed loop re-verifies every tree with "
+                          "the budget at every MoE layer; drop --layers")
+    _, capped, paced = index.budget_mode_parts(args.budget_mode_name)
+    if layers and (capped or paced):
+        raise ReplayError("--layers with --pass-cap or --pace: a capped or paced adaptive budget "
+                          "runs over a pass's MoE layers in order, so it is defined on the whole "
+                          "pass; replay every stored layer (drop --layers)")
     offline = [r for r in args.ranking if not index.RANKINGS[r].runtime]
     if modes.get(args.mode).runtime_rankings_only and offline:
         raise ReplayError(f"closed loop takes runtime rankings only "

@@ -624,21 +624,23 @@ def test_an_interrupted_replay_paced_over_the_run_computes_again_from_the_first_
     assert written == {"run": True, "prompt": False}  # computed again / resumed
 
 
-@pytest.mark.xfail(strict=True, reason="open (review of issue 63): the plan computes only the "
-                   "missing layers of a unit whose tree-layers depend on each other (+pace, "
-                   "+pace-run, +cap: one stream over a pass's layers), so a unit replayed "
-                   "--layers 0,1 and then every layer holds two streams' rows under one key")
-@pytest.mark.parametrize("over", ["prompt", "run"])
-def test_a_paced_unit_completed_layer_by_layer_equals_one_replayed_at_once(with_cal, tmp_path,
-                                                                          over):
-    """A paced stream runs over a pass's layers in order: a unit first replayed at two layers,
-    then at all of them, must hold the rows of one replay at all layers (or refuse), never the
-    first block's layers priced by a stream of two layers."""
-    args = ["--mode", "open", "--ranking", "router", "--coverage", "truncation", "--budget", "3",
-            "--budget-mode", "adaptive", "--calibration", "cal", "--pace", "4",
-            "--pace-over", over]
-    assert replay(with_cal, *args, "--layers", "0,1", "--out", tmp_path / "steps") == 0
-    assert replay(with_cal, *args, "--out", tmp_path / "steps") == 0
-    assert replay(with_cal, *args, "--out", tmp_path / "once") == 0
-    a, b = _rows(tmp_path / "steps", "replay_open"), _rows(tmp_path / "once", "replay_open")
-    assert a.equals(b)
+@pytest.mark.parametrize("extra", [["--pace", "4"], ["--pace", "4", "--pace-over", "run"],
+                                   ["--pass-cap", "1.5"]])
+def test_a_paced_or_capped_unit_is_replayed_at_every_layer_never_a_subset(with_cal, tmp_path,
+                                                                           capsys, extra):
+    """A paced or capped rule runs over a pass's layers in order: replayed at layers 0,1 its
+    stream would be a 2-layer pass, and completed later at every layer the unit would hold two
+    streams' rows under one key (found by the review of issue 63). --layers is refused for
+    them, in one line, before anything is written; so is --layers in closed loop, which
+    budgets every MoE layer."""
+    args = ["--ranking", "router", "--coverage", "truncation", "--budget", "3",
+            "--budget-mode", "adaptive", "--calibration", "cal", *extra]
+    capsys.readouterr()
+    assert replay(with_cal, *args, "--layers", "0,1", "--out", tmp_path / "o") == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "drop --layers" in said[0] and "whole pass" in said[0], said
+    assert not (tmp_path / "o").exists()
+    assert replay(with_cal, "--mode", "closed", "--ranking", "router", "--budget", "3",
+                  "--layers", "0,1", "--out", tmp_path / "c") == 2
+    assert "closed loop" in capsys.readouterr().err and not (tmp_path / "c").exists()
+    assert replay(with_cal, *args, "--out", tmp_path / "o") == 0  # every layer: fine
