@@ -662,3 +662,23 @@ def test_tree_pages_leave_imported_runs_out(imports, monkeypatch, page):
     assert any("left out" in c.value and "imp" in c.value for c in at.caption), page
     for box in [*at.selectbox, *at.multiselect]:
         assert not any("imp" == str(o) or "runs imp" in str(o) for o in box.options), page
+
+
+def test_speedup_page_names_a_model_location_missing_here(tmp_path, monkeypatch):
+    """Traces captured elsewhere (a GPU box, another checkout) name a model folder this machine
+    lacks: the page says which and what to do, not only that a config could not be read."""
+    import shutil
+
+    from moe_spec.moe import models
+    model = tmp_path / "tiny-olmoe"
+    shutil.copytree(models.resolve("tiny-olmoe").path, model)
+    args = [*CAP, "--limit", "1", "--out", str(tmp_path / "t"), "--run", "a", "--draft",
+            str(models.DRAFTS_DIR / "tiny-olmoe")]
+    args[args.index("--model") + 1] = str(model)
+    assert capture_cli.main(args) == 0
+    model.rename(tmp_path / "gone")  # as if the traces had been copied to another machine
+    at = _speedup_page(tmp_path / "t", monkeypatch)
+    assert not at.exception
+    said = [w.value for w in at.warning if "cost model needs" in w.value]
+    assert said and str(model) in said[0] and "Put the model there" in said[0], \
+        [w.value for w in at.warning]

@@ -57,8 +57,15 @@ def draw() -> None:
     ranking, coverage = _ranking(page, con)
     stats = routing_statistics(con, model, bench, ranking=ranking, coverage=coverage)
     captured = model_shape(run["model_location"])
-    if stats is None or captured is None:
-        st.warning("The model's config could not be read for the cost model.")
+    if stats is None:
+        st.warning("This capture's unbudgeted trees or layer summaries could not be read for "
+                   "the cost model.")
+        return
+    if captured is None:
+        st.warning(f"The cost model needs the captured model's config: "
+                   f"`{run['model_location']}` (the capture's model location) is not a model "
+                   "folder or a cached hub model on this machine. Put the model there, or open "
+                   "traces captured here.")
         return
     targets = {f"captured shape ({model})": captured, **real_targets()}
     target_name, hardware = _target_and_hardware(targets)
