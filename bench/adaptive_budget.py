@@ -50,7 +50,7 @@ import polars as pl
 import torch
 
 from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
-from moe_spec.bench.options import check_benchmarks, study_parser
+from moe_spec.bench.options import check_benchmarks, check_pacing, study_parser
 from moe_spec.bench.pipeline import capture, loaded_model, replay_runs, results_frame
 from moe_spec.console import threads
 from moe_spec.policy import adaptive, index
@@ -508,10 +508,7 @@ def main(argv: list[str] | None = None) -> None:
                     "only (router, sqmass, coact, sketch-gated, ...)")
         if args.pass_cap is not None and args.pass_cap < 1:
             p.error("--pass-cap must be at least 1 (a pass may always load B̄ per layer)")
-        if args.pace is not None and not 0 < args.pace < float("inf"):
-            p.error(f"--pace {args.pace:g} must be a positive number")
-        if args.pace is None and args.pace_over != ["prompt"]:  # as replay refuses it
-            p.error(f"--pace-over {' '.join(args.pace_over)} is for a paced rule; add --pace ETA")
+        check_pacing(p, args.pace, args.pace_over)
         check_benchmarks(p, args)
         threads.apply(args.threads)
         report = {m: study(args.traces / m, m, args) for m in args.models}

@@ -57,7 +57,7 @@ import polars as pl
 
 from moe_spec.analysis import power
 from moe_spec.analysis.results_doc import add_table_options, read_model_outputs, write_block_or_exit
-from moe_spec.bench.options import check_benchmarks, study_parser
+from moe_spec.bench.options import check_benchmarks, check_pacing, study_parser
 from moe_spec.console import pipes, threads
 from moe_spec.errors import fail
 from moe_spec.policy import index
@@ -400,10 +400,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--means {' '.join(bad)}: give k or whole numbers")
         if args.pass_cap is not None and not args.pass_cap > 1:
             p.error(f"--pass-cap {args.pass_cap:g} must be above 1")
-        if args.pace is not None and not 0 < args.pace < float("inf"):
-            p.error(f"--pace {args.pace:g} must be a positive number")
-        if args.pace is None and args.pace_over != "prompt":  # as replay refuses it
-            p.error(f"--pace-over {args.pace_over} is for a paced rule; add --pace ETA")
+        check_pacing(p, args.pace, [args.pace_over])
         if args.eval_prompts < 2 or args.cal_prompts < 1:
             p.error("--eval-prompts needs at least 2 (an interval) and --cal-prompts 1")
         check_benchmarks(p, args)

@@ -33,3 +33,12 @@ def check_benchmarks(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
         benchmarks.benchmarks_dir(args.benchmarks)
     except benchmarks.BenchmarkError as exc:
         p.error(str(exc))
+
+
+def check_pacing(p: argparse.ArgumentParser, pace: float | None, scopes: list[str]) -> None:
+    """``--pace`` (η > 0, finite) and ``--pace-over`` (only with a pace), refused as replay
+    refuses them: a scope without a pace would give unpaced cells under a paced name."""
+    if pace is not None and not 0 < pace < float("inf"):
+        p.error(f"--pace {pace:g} must be a positive number")
+    if pace is None and list(scopes) != ["prompt"]:
+        p.error(f"--pace-over {' '.join(scopes)} is for a paced rule; add --pace ETA")

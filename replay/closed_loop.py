@@ -257,9 +257,7 @@ def replay_run(run: Run, adapter: MoEAdapter, tasks: list[ClosedTask], progress,
     from moe_spec.replay.virtual_batch import PromptSource
     check_replayable(run)
     source = source or PromptSource(run)
-    done = {i: set() if index.carries_across_prompts(task.unit.unit.get("budget_mode"))
-            else task.unit.done_prompts(task.block)  # (that mode resumes from the first)
-            for i, task in enumerate(tasks)}
+    done = {i: task.unit.done_prompts(task.block) for i, task in enumerate(tasks)}
     verified = 0
     for key in progress(source.keys() if prompts is None else prompts):
         todo = [i for i in range(len(tasks)) if key not in done[i]]

@@ -137,9 +137,8 @@ class OpenLoopEngine:
         source = source or PromptSource(run)
         self.constants = constants or {}
         start = time.perf_counter()
-        for task in tasks:  # (a mode carrying state across prompts resumes from the first)
-            task.done = set() if index.carries_across_prompts(task.unit.unit.get("budget_mode")) \
-                else task.unit.done_prompts(task.block)
+        for task in tasks:
+            task.done = task.unit.done_prompts(task.block)
         layers = sorted({x for t in tasks for x in t.block.layers})
         prompts = [p for p in (source.keys() if prompts is None else prompts)
                    if any(p not in t.done for t in tasks)]
