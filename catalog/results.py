@@ -178,6 +178,12 @@ class UnitResults:
         self._write(keep + todo)
         return todo
 
+    def restart(self, block: Block) -> None:
+        """Drop what an interrupted ``block`` wrote, so it is computed again from its first
+        prompt rather than resumed (call with :attr:`lock` held): for results where a prompt's
+        rows depend on the prompts before it."""
+        location.remove_tree(self.block_dir(block), ignore_errors=True)
+
     def done_prompts(self, block: Block) -> set[int]:
         return {int(p.name.split("-")[1].split(".")[0])
                 for p in self.block_dir(block).glob("part-*.parquet")}

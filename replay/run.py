@@ -251,6 +251,9 @@ def run_tasks(planned: ReplayPlan, run_plan: RunPlan, stats, locks: ExitStack) -
             location.mkdir(unit.folder)
             atomic.write_via(saved, cls().fit(stats).save)
         todo = unit.plan(mode.cell_layers(run_plan.layers), unit_plan.budgets)
+        if index.carries_across_prompts(request.budget_mode):  # paced over the run: a prompt's
+            for block in todo:  # budgets depend on the prompts before it, so no resuming
+                unit.restart(block)
         for block in todo:
             task = mode.task(unit, block, cls, cover, stats)
             if prices is not None:  # adaptive: budgets are means B̄, each with its price λ
